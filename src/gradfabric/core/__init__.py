@@ -1,0 +1,1 @@
+"""Shared foundations: errors, units, registries, trace sinks."""

@@ -1,0 +1,70 @@
+"""What an engine asks its driver to do.
+
+Timers are not actions: an engine reports ``next_deadline()`` (as aioquic's
+``get_timer``) and the driver calls ``on_timer(now_ns)`` once it passes. One
+pending timer per engine instead of one per packet keeps the simulator's
+event count at the packets themselves. Drops are counted in the engine's
+``counters`` (by reason) rather than returned, for the same reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from gradfabric.core.trace import Counters
+from gradfabric.wire.packet import Packet
+
+
+@dataclass(slots=True)
+class Send:
+    dst: str
+    pkt: Packet
+
+
+@dataclass(slots=True)
+class Multicast:
+    """Send one copy of ``pkt`` to each of ``dsts`` (the driver clones headers)."""
+
+    dsts: tuple[str, ...]
+    pkt: Packet
+
+
+@dataclass(slots=True)
+class Deliver:
+    """An aggregated result handed to the application (once per sequence)."""
+
+    seq: int
+    pkt: Packet
+
+
+@dataclass(slots=True)
+class Fail:
+    """The engine gave up on a peer; the driver raises ``PeerTimeoutError``."""
+
+    peer: str
+    reason: str
+
+
+Action = Send | Multicast | Deliver | Fail
+
+
+class Engine(Protocol):
+    name: str
+    counters: Counters
+
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]: ...
+
+    def on_timer(self, now_ns: int) -> list[Action]: ...
+
+    def next_deadline(self) -> int | None: ...
+
+
+class NoTimers:
+    """Mixin for engines that never set a deadline (switches, servers, rings)."""
+
+    def on_timer(self, now_ns: int) -> list[Action]:
+        return []
+
+    def next_deadline(self) -> int | None:
+        return None

@@ -1,0 +1,161 @@
+"""Parameter server engine: merges contributions by bitmap.
+
+Used two ways: as ATP's fallback aggregator behind the switch (results go
+back *through* the switch, which frees the aggregator as the result passes),
+and as the server of the BytePS-style sharded PS baseline (results go
+straight to the workers).
+
+Every packet carries the set of contributions it holds (``bitmap``). A packet
+disjoint from what the PS already has is merged; one wholly contained in it
+is a duplicate; one that overlaps only partly cannot be split (it is a sum)
+and is dropped: each of its new contributors is still waiting for the result
+and will retransmit its own packet, which then merges alone. So no
+contribution is ever counted twice and none is lost.
+
+Completed results are kept to answer retransmissions for ``window``
+sequences, then forgotten; anything at or below the forgotten floor is stale.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.core.trace import Counters
+from gradfabric.proto.actions import Action, Multicast, NoTimers, Send
+from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
+
+
+@dataclass(frozen=True)
+class PsJob:
+    job_id: int
+    workers: tuple[str, ...]
+    via: str | None = None
+    window: int = 256
+    scale: float = 1e6
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.workers) <= MAX_FAN_IN:
+            raise ConfigError("workers", f"need 1..{MAX_FAN_IN} workers, got {len(self.workers)}")
+        if self.window < 1:
+            raise ConfigError("window", f"must be >= 1, got {self.window}")
+
+
+class _Acc:
+    __slots__ = ("agg_index", "bitmap", "flags", "fvals", "ivals", "nvalues")
+
+    def __init__(self, pkt: Packet) -> None:
+        self.bitmap = 0
+        self.flags = 0
+        self.nvalues = pkt.count
+        self.agg_index = pkt.agg_index
+        self.ivals: np.ndarray | None = None
+        self.fvals: np.ndarray | None = None
+
+
+@dataclass
+class _JobState:
+    accs: dict[int, _Acc] = field(default_factory=dict)
+    results: dict[int, Packet] = field(default_factory=dict)
+    done_heap: list[int] = field(default_factory=list)
+    floor: int = -1
+
+
+class ParameterServer(NoTimers):
+    def __init__(self, name: str, jobs: tuple[PsJob, ...] = ()) -> None:
+        self.name = name
+        self.counters = Counters()
+        self.jobs: dict[int, PsJob] = {}
+        self.state: dict[int, _JobState] = {}
+        for job in jobs:
+            self.add_job(job)
+
+    def add_job(self, job: PsJob) -> None:
+        if job.job_id in self.jobs:
+            raise ConfigError("job_id", f"job {job.job_id} already registered at {self.name}")
+        self.jobs[job.job_id] = job
+        self.state[job.job_id] = _JobState()
+
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+        job = self.jobs.get(pkt.job_id)
+        if job is None:
+            return self._drop("unknown_job")
+        n = len(job.workers)
+        full = (1 << n) - 1
+        if pkt.flags & Flag.ACK or pkt.fan_in != n or pkt.bitmap == 0 or pkt.bitmap & ~full:
+            return self._drop("bad_packet")
+        if pkt.payload is not None and len(pkt.payload) != pkt.count:
+            return self._drop("bad_payload")
+        st = self.state[pkt.job_id]
+        if pkt.seq <= st.floor:
+            return self._drop("stale")
+        done = st.results.get(pkt.seq)
+        if done is not None:
+            if pkt.bitmap & (pkt.bitmap - 1) == 0:  # one worker asking again
+                self.counters["resend_answered"] += 1
+                return [self._unicast(job, done, pkt.bitmap.bit_length() - 1)]
+            return self._drop("late_partial")
+        acc = st.accs.get(pkt.seq)
+        if acc is None:
+            acc = st.accs[pkt.seq] = _Acc(pkt)
+        if acc.bitmap & pkt.bitmap:
+            return self._drop("duplicate" if acc.bitmap & pkt.bitmap == pkt.bitmap else "overlap")
+        if pkt.count != acc.nvalues:
+            return self._drop("count_mismatch")
+        self.counters["merged"] += 1
+        acc.bitmap |= pkt.bitmap
+        acc.flags |= pkt.flags & Flag.ECN
+        if not pkt.flags & (Flag.COLLISION | Flag.RESEND | Flag.OVERFLOW):
+            acc.agg_index = pkt.agg_index
+        if pkt.payload is not None:
+            if pkt.flags & Flag.FLOAT:
+                acc.fvals = pkt.payload.astype(np.float64) + (0 if acc.fvals is None else acc.fvals)
+            elif acc.ivals is None:
+                acc.ivals = pkt.payload.astype(np.int64)
+            else:
+                acc.ivals += pkt.payload
+        if acc.bitmap != full:
+            return []
+        del st.accs[pkt.seq]
+        result = self._result(job, pkt.seq, acc)
+        st.results[pkt.seq] = result
+        heapq.heappush(st.done_heap, pkt.seq)
+        while st.done_heap[0] <= pkt.seq - job.window:
+            old = heapq.heappop(st.done_heap)
+            st.results.pop(old, None)
+            st.floor = max(st.floor, old)
+        if job.via is not None:
+            return [Send(job.via, result)]
+        return [Multicast(job.workers, result)]
+
+    def _result(self, job: PsJob, seq: int, acc: _Acc) -> Packet:
+        n = len(job.workers)
+        flags = Flag.ACK | acc.flags
+        payload: np.ndarray | None = None
+        if acc.fvals is not None:
+            ints = 0 if acc.ivals is None else acc.ivals / job.scale
+            payload = (acc.fvals + ints).astype(np.float32)
+            flags |= Flag.FLOAT | Flag.OVERFLOW
+        elif acc.ivals is not None:
+            if np.any(np.abs(acc.ivals) > np.iinfo(np.int32).max):
+                payload = (acc.ivals / job.scale).astype(np.float32)
+                flags |= Flag.FLOAT | Flag.OVERFLOW
+            else:
+                payload = acc.ivals.astype(np.int32)
+        return Packet(job.job_id, 0, seq, acc.agg_index, (1 << n) - 1, n, flags, 0, 0,
+                      acc.nvalues, payload)
+
+    def _unicast(self, job: PsJob, result: Packet, worker: int) -> Action:
+        pkt = result.clone()
+        pkt.worker_id = worker
+        if job.via is not None:
+            pkt.flags |= Flag.RESEND
+            return Send(job.via, pkt)
+        return Send(job.workers[worker], pkt)
+
+    def _drop(self, reason: str) -> list[Action]:
+        self.counters["drop_" + reason] += 1
+        return []

@@ -1,0 +1,167 @@
+"""ATP: one aggregator pool shared best-effort by every job.
+
+Theory of operation
+-------------------
+A worker sends ``seq`` to aggregator ``atp_index(job, seq, pool)``. An
+aggregator holds an owner key ``(job, seq)``, a bitmap, a counter and the
+values. The parameter server (PS) is every job's safety net: whatever the
+switch cannot aggregate goes on to it, and it merges partial aggregates by
+bitmap (``proto/ps.py``).
+
+Aggregator lifecycle::
+
+    FREE --packet--> AGGREGATING(key) --last worker--> COMPLETE: aggregate -> PS
+    COMPLETE --PS result with the same key passes back--> FREE (then multicast)
+    AGGREGATING --resend for the key--> FREE (partial flushed to the PS)
+
+Other paths to the PS: a packet whose aggregator holds another key
+(``COLLISION``); a packet that overflowed the integer domain (``OVERFLOW``,
+float payload); a retransmission (``RESEND``), which first flushes the
+partial for its key. An aggregator still holding a key of the same job at
+least ``window`` sequences behind that job's newest result is stale (that
+sequence completed; a late duplicate re-claimed it) and is reclaimed.
+
+ECN marks are OR-ed into the aggregate; the PS echoes them in the result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradfabric.core.trace import Counters
+from gradfabric.proto.actions import Action, Multicast, Send
+from gradfabric.proto.switch.engine import POLICIES, PoolStats, SwitchJob
+from gradfabric.wire.packet import Flag, Packet
+
+FREE, AGGREGATING, COMPLETE = range(3)
+
+
+def atp_index(job_id: int, seq: int, pool_slots: int) -> int:
+    """Aggregator of ``(job, seq)``: consecutive sequences of one job take
+    consecutive aggregators from a per-job offset (Knuth's multiplicative
+    hash of the job id), so a job never collides with itself while its window
+    is at most the pool, and different jobs overlap as hashed."""
+    return (seq + job_id * 2654435761) % pool_slots
+
+
+class _Agg:
+    __slots__ = ("bitmap", "claim_ns", "count", "flags", "index", "job", "nvalues", "seq",
+                 "state", "values")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.state = FREE
+        self.job = -1
+        self.seq = -1
+        self.bitmap = 0
+        self.count = 0
+        self.nvalues = 0
+        self.flags = 0
+        self.values: np.ndarray | None = None
+        self.claim_ns = 0
+
+
+class ATPPolicy:
+    name = "atp"
+
+    def __init__(self, pool_slots: int, counters: Counters) -> None:
+        self.pool = [_Agg(i) for i in range(pool_slots)]
+        self.counters = counters
+        self.stats = PoolStats(aggregators=pool_slots)
+        self.newest_result: dict[int, int] = {}
+
+    def result_fan_in(self, job: SwitchJob) -> int:
+        return job.fan_in
+
+    def on_gradient(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
+        ps = job.parent
+        if ps is None or pkt.agg_index >= len(self.pool):
+            self.counters["drop_bad_slot"] += 1
+            return []
+        if pkt.flags & (Flag.OVERFLOW | Flag.FLOAT):
+            self.counters["ps_overflow"] += 1
+            return [Send(ps, pkt)]
+        a = self.pool[pkt.agg_index]
+        mine = a.state != FREE and a.job == job.job_id and a.seq == pkt.seq
+        if pkt.flags & Flag.RESEND:
+            self.counters["ps_resend"] += 1
+            out: list[Action] = []
+            if mine and a.state == AGGREGATING:
+                self.counters["flush_partial"] += 1
+                out.append(Send(ps, self._aggregate(job, a, Flag.PARTIAL)))
+                self._free(a, now_ns)
+            elif mine:  # COMPLETE: the aggregate may have been lost on its way
+                out.append(Send(ps, self._aggregate(job, a, Flag.NONE)))
+            out.append(Send(ps, pkt))
+            return out
+        if not mine:
+            if a.state != FREE and not self._stale(a, job):
+                self.counters["ps_collision"] += 1
+                fwd = pkt.clone()
+                fwd.flags |= Flag.COLLISION
+                return [Send(ps, fwd)]
+            if a.state != FREE:
+                self.counters["stale_reclaimed"] += 1
+                self._free(a, now_ns)
+            self._claim(a, pkt, now_ns)
+        elif a.bitmap & pkt.bitmap:
+            self.counters["drop_duplicate"] += 1
+            return []
+        elif pkt.count != a.nvalues or a.state != AGGREGATING:
+            self.counters["drop_count_mismatch" if a.state == AGGREGATING else "drop_late"] += 1
+            return []
+        a.bitmap |= pkt.bitmap
+        a.count += 1
+        a.flags |= pkt.flags & Flag.ECN
+        if pkt.payload is not None:
+            if a.values is None:
+                a.values = pkt.payload.astype(np.int32, copy=True)
+            else:
+                np.add(a.values, pkt.payload, out=a.values)
+        if a.count < job.fan_in:
+            return []
+        a.state = COMPLETE
+        self.stats.busy_ns += now_ns - a.claim_ns
+        return [Send(ps, self._aggregate(job, a, Flag.NONE))]
+
+    def on_result(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
+        if pkt.agg_index < len(self.pool):
+            a = self.pool[pkt.agg_index]
+            if a.state != FREE and a.job == job.job_id and (a.seq == pkt.seq or self._stale(a, job)):
+                self._free(a, now_ns)
+        if pkt.seq > self.newest_result.get(job.job_id, -1):
+            self.newest_result[job.job_id] = pkt.seq
+        if pkt.flags & Flag.RESEND:  # the PS answering one worker's retransmission
+            if pkt.worker_id >= job.fan_in:
+                self.counters["drop_bad_result"] += 1
+                return []
+            return [Send(job.children[pkt.worker_id], pkt)]
+        return [Multicast(job.children, pkt)]
+
+    def _stale(self, a: _Agg, job: SwitchJob) -> bool:
+        newest = self.newest_result.get(a.job, -1)
+        return a.job == job.job_id and job.window > 0 and a.seq <= newest - job.window
+
+    def _claim(self, a: _Agg, pkt: Packet, now_ns: int) -> None:
+        self.stats.claims += 1
+        a.state = AGGREGATING
+        a.job = pkt.job_id
+        a.seq = pkt.seq
+        a.bitmap = 0
+        a.count = 0
+        a.flags = 0
+        a.nvalues = pkt.count
+        a.values = None
+        a.claim_ns = now_ns
+
+    def _free(self, a: _Agg, now_ns: int) -> None:
+        self.stats.held_ns += now_ns - a.claim_ns
+        a.state = FREE
+        a.values = None
+
+    def _aggregate(self, job: SwitchJob, a: _Agg, flag: int) -> Packet:
+        return Packet(job.job_id, 0, a.seq, a.index, a.bitmap, job.fan_in, a.flags | flag, 0, 0,
+                      a.nvalues, a.values)
+
+
+POLICIES.add("atp", ATPPolicy)

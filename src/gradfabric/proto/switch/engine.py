@@ -1,0 +1,135 @@
+"""Switch engine: validates packets, then hands them to an allocation policy.
+
+Everything that arrives is checked against the job table before any state is
+touched: an unknown job, a worker index outside the job, a bitmap that is not
+the sender's own bit, an aggregator index outside the job's range, or a
+payload of the wrong shape is a counted drop (``counters['drop_<reason>']``).
+A packet therefore can only ever change aggregators its own job may use.
+
+Policies (``POLICIES``, by name) own the aggregator pool; see ``switchml.py``
+and ``atp.py`` for their slot lifecycles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.core.registry import Registry
+from gradfabric.core.trace import Counters
+from gradfabric.proto.actions import Action, NoTimers
+from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
+
+
+@dataclass(frozen=True)
+class SwitchJob:
+    """One job as this switch sees it.
+
+    ``children`` are the addresses below this switch (workers, or leaf switches
+    at a spine); child ``i`` owns bit ``i``. ``parent`` is where a complete
+    aggregate goes next: the next switch up (SwitchML hierarchy) or the
+    parameter server (ATP); None makes this switch the root.
+    """
+
+    job_id: int
+    children: tuple[str, ...]
+    parent: str | None = None
+    index_at_parent: int = 0
+    parent_fan_in: int = 1
+    slot_base: int = 0
+    slot_count: int = 0
+    window: int = 0
+    fan_in: int = field(init=False)
+    full: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fan_in", len(self.children))
+        object.__setattr__(self, "full", (1 << len(self.children)) - 1)
+        if not 1 <= len(self.children) <= MAX_FAN_IN:
+            raise ConfigError("children", f"need 1..{MAX_FAN_IN} children, got {len(self.children)}")
+        if not 0 <= self.index_at_parent < self.parent_fan_in <= MAX_FAN_IN:
+            raise ConfigError("index_at_parent", "must satisfy 0 <= index < parent_fan_in <= 64")
+
+
+@dataclass
+class PoolStats:
+    """Aggregator-time accounting (ns) for switch memory utilisation.
+
+    ``busy_ns``: from an aggregator's first packet until its aggregate is
+    complete. ``held_ns``: from claim until it is free for another key (for
+    ATP this includes the wait for the PS result).
+    """
+
+    aggregators: int
+    busy_ns: int = 0
+    held_ns: int = 0
+    claims: int = 0
+
+
+class Policy(Protocol):
+    name: str
+    stats: PoolStats
+
+    def on_gradient(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]: ...
+
+    def on_result(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]: ...
+
+    def result_fan_in(self, job: SwitchJob) -> int:
+        """The fan-in a legitimate result for ``job`` carries at this switch."""
+        ...
+
+
+class PolicyFactory(Protocol):
+    def __call__(self, pool_slots: int, counters: Counters) -> Policy: ...
+
+
+POLICIES: Registry[PolicyFactory] = Registry("allocation policy")
+
+
+@dataclass
+class SwitchEngine(NoTimers):
+    """A programmable switch running in-network aggregation for many jobs."""
+
+    name: str
+    policy: Policy
+    counters: Counters
+    jobs: dict[int, SwitchJob] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, name: str, policy: str, pool_slots: int,
+              jobs: tuple[SwitchJob, ...] = ()) -> SwitchEngine:
+        if pool_slots < 1:
+            raise ConfigError("pool_slots", f"must be >= 1, got {pool_slots}")
+        counters = Counters()
+        eng = cls(name, POLICIES.get(policy)(pool_slots, counters), counters)
+        for job in jobs:
+            eng.add_job(job)
+        return eng
+
+    def add_job(self, job: SwitchJob) -> None:
+        if job.job_id in self.jobs:
+            raise ConfigError("job_id", f"job {job.job_id} already registered at {self.name}")
+        self.jobs[job.job_id] = job
+
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+        job = self.jobs.get(pkt.job_id)
+        if job is None:
+            return self._drop("unknown_job")
+        if pkt.payload is not None and len(pkt.payload) != pkt.count:
+            return self._drop("bad_payload")
+        if pkt.flags & Flag.ACK:
+            if pkt.fan_in != self.policy.result_fan_in(job) or pkt.bitmap != (1 << pkt.fan_in) - 1:
+                return self._drop("bad_result")
+            return self.policy.on_result(job, pkt, now_ns)
+        if pkt.worker_id >= job.fan_in or pkt.bitmap != 1 << pkt.worker_id or (
+            pkt.fan_in != job.fan_in
+        ):
+            return self._drop("bad_worker")
+        self.counters["rx_gradient"] += 1
+        return self.policy.on_gradient(job, pkt, now_ns)
+
+    def _drop(self, reason: str) -> list[Action]:
+        self.counters["drop_" + reason] += 1
+        return []
+

@@ -1,0 +1,153 @@
+"""SwitchML: static per-job slot ranges with two shadow copies per slot.
+
+Theory of operation
+-------------------
+A job owns slots ``[slot_base, slot_base + slot_count)``; with window
+``W = slot_count`` a worker sends packet ``seq`` into slot
+``slot_base + seq % W``, copy ``(seq // W) % 2``. A worker sends ``seq`` only
+after it holds the result of ``seq - W``, which every worker sent only after
+holding the result of ``seq - 2W``: so when ``seq`` reaches a copy that still
+holds ``seq - 2W``, nobody can need that result any more and the copy is
+reset. The other copy keeps the previous result to answer retransmissions.
+Each copy also records its ``seq`` (4 bytes), so a stale duplicate of an old
+sequence is recognised and dropped rather than corrupting a newer one.
+
+Copy lifecycle (``state``)::
+
+    IDLE --first packet--> AGGREGATING --last child--> COMPLETE   (root: multicast)
+                                       \\--last child--> FORWARDED (to parent)
+    FORWARDED --result from parent--> COMPLETE (multicast to children)
+    any state --packet with seq >= held seq + 2W--> AGGREGATING (reset)
+
+A duplicate (its bit already set) is answered from the copy: COMPLETE gives
+the sender the result, FORWARDED re-sends the aggregate up (the parent
+dedupes), AGGREGATING drops it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradfabric.core.trace import Counters
+from gradfabric.proto.actions import Action, Multicast, Send
+from gradfabric.proto.switch.engine import POLICIES, PoolStats, SwitchJob
+from gradfabric.wire.packet import Flag, Packet
+
+IDLE, AGGREGATING, FORWARDED, COMPLETE = range(4)
+
+
+class _Copy:
+    __slots__ = ("bitmap", "claim_ns", "count", "flags", "nvalues", "result", "seq", "state",
+                 "values")
+
+    def __init__(self) -> None:
+        self.seq = -1
+        self.state = IDLE
+        self.bitmap = 0
+        self.count = 0
+        self.nvalues = 0
+        self.flags = 0
+        self.values: np.ndarray | None = None
+        self.result: Packet | None = None
+        self.claim_ns = 0
+
+
+class SwitchMLPolicy:
+    name = "switchml"
+
+    def __init__(self, pool_slots: int, counters: Counters) -> None:
+        self.copies = [(_Copy(), _Copy()) for _ in range(pool_slots)]
+        self.counters = counters
+        self.stats = PoolStats(aggregators=2 * pool_slots)
+
+    def result_fan_in(self, job: SwitchJob) -> int:
+        return job.parent_fan_in
+
+    def _copy(self, job: SwitchJob, pkt: Packet) -> _Copy | None:
+        w = job.slot_count
+        if w == 0 or pkt.agg_index != job.slot_base + pkt.seq % w or pkt.agg_index >= len(
+            self.copies
+        ):
+            self.counters["drop_bad_slot"] += 1
+            return None
+        return self.copies[pkt.agg_index][(pkt.seq // w) & 1]
+
+    def on_gradient(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
+        c = self._copy(job, pkt)
+        if c is None:
+            return []
+        if pkt.flags & Flag.FLOAT:
+            self.counters["drop_float_payload"] += 1
+            return []
+        if pkt.seq != c.seq:
+            if pkt.seq < c.seq:
+                self.counters["drop_stale"] += 1
+                return []
+            self._reset(c, pkt, now_ns)
+        elif c.bitmap & pkt.bitmap:
+            return self._duplicate(job, c, pkt)
+        elif pkt.count != c.nvalues:
+            self.counters["drop_count_mismatch"] += 1
+            return []
+        c.bitmap |= pkt.bitmap
+        c.count += 1
+        c.flags |= pkt.flags & Flag.ECN
+        if pkt.payload is not None:
+            if c.values is None:
+                c.values = pkt.payload.astype(np.int32, copy=True)
+            else:
+                np.add(c.values, pkt.payload, out=c.values)
+        if c.count < job.fan_in:
+            return []
+        self.stats.busy_ns += now_ns - c.claim_ns
+        if job.parent is None:
+            c.state = COMPLETE
+            c.result = Packet(job.job_id, 0, c.seq, pkt.agg_index, job.full, job.fan_in,
+                              Flag.ACK | c.flags, count=c.nvalues, payload=c.values)
+            return [Multicast(job.children, c.result)]
+        c.state = FORWARDED
+        return [Send(job.parent, self._upward(job, c, pkt.agg_index))]
+
+    def on_result(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
+        c = self._copy(job, pkt)
+        if c is None:
+            return []
+        if c.seq != pkt.seq or c.state != FORWARDED:
+            self.counters["drop_stale_result"] += 1
+            return []
+        c.state = COMPLETE
+        c.result = Packet(job.job_id, 0, c.seq, pkt.agg_index, job.full, job.fan_in,
+                          Flag.ACK | (pkt.flags & Flag.ECN), count=pkt.count, payload=pkt.payload)
+        return [Multicast(job.children, c.result)]
+
+    def _reset(self, c: _Copy, pkt: Packet, now_ns: int) -> None:
+        self.stats.claims += 1
+        if c.state != IDLE:
+            self.stats.held_ns += now_ns - c.claim_ns
+        c.seq = pkt.seq
+        c.state = AGGREGATING
+        c.bitmap = 0
+        c.count = 0
+        c.flags = 0
+        c.nvalues = pkt.count
+        c.values = None
+        c.result = None
+        c.claim_ns = now_ns
+
+    def _duplicate(self, job: SwitchJob, c: _Copy, pkt: Packet) -> list[Action]:
+        if c.state == COMPLETE and c.result is not None:
+            self.counters["retx_answered"] += 1
+            return [Send(job.children[pkt.worker_id], c.result.clone())]
+        if c.state == FORWARDED and job.parent is not None:
+            self.counters["retx_upward"] += 1
+            return [Send(job.parent, self._upward(job, c, pkt.agg_index))]
+        self.counters["drop_duplicate"] += 1
+        return []
+
+    def _upward(self, job: SwitchJob, c: _Copy, agg_index: int) -> Packet:
+        i = job.index_at_parent
+        return Packet(job.job_id, i, c.seq, agg_index, 1 << i, job.parent_fan_in,
+                      c.flags, 0, 0, c.nvalues, c.values)
+
+
+POLICIES.add("switchml", SwitchMLPolicy)

@@ -1,0 +1,243 @@
+"""Worker transport for aggregation: a window of outstanding packets.
+
+The application ``push``es tensors (int32 arrays, or just a value count in
+timing-only simulation); the engine cuts them into packets of
+``values_per_packet``, numbers them with consecutive sequence numbers across
+the whole job, and keeps at most ``cwnd`` of them outstanding: sequence
+``seq`` may leave only while ``seq < base + cwnd``, where ``base`` is the
+oldest sequence without a result. With SwitchML's static slots (``cwnd <=
+slot_count``) this is exactly the slot-reuse rule: ``seq`` reuses the slot of
+``seq - W`` only once that result is in.
+
+Each outstanding packet has a retransmission deadline ``sent + rto_ns``.
+With one constant RTO, deadlines are created in increasing order (a
+retransmission's new deadline is later than every pending one), so a FIFO
+holds them sorted: O(1) per packet instead of a heap. The earliest is
+reported through ``next_deadline``. After
+``max_retries`` retransmissions of one packet it gives up with ``Fail``.
+
+With ``ecn_window`` (ATP) the window reacts to ECN echoed in results: halved
+at most once per window of data, otherwise grown by one packet per window.
+A result is delivered exactly once; later copies are counted duplicates.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.core.trace import Counters
+from gradfabric.proto.actions import Action, Deliver, Fail, Send
+from gradfabric.proto.switch.atp import atp_index
+from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
+
+
+class Route(Protocol):
+    """Where sequence ``seq`` goes and which aggregator it names."""
+
+    resend_flag: bool
+
+    def dst(self, seq: int) -> str: ...
+
+    def agg_index(self, seq: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class StaticSlots:
+    """SwitchML: the job's own slot range at its first-hop switch."""
+
+    switch: str
+    slot_base: int
+    slot_count: int
+    resend_flag: bool = False
+
+    def dst(self, seq: int) -> str:
+        return self.switch
+
+    def agg_index(self, seq: int) -> int:
+        return self.slot_base + seq % self.slot_count
+
+
+@dataclass(frozen=True)
+class HashedPool:
+    """ATP: the shared pool, indexed by ``atp_index(job, seq)``."""
+
+    switch: str
+    job_id: int
+    pool_slots: int
+    resend_flag: bool = True
+
+    def dst(self, seq: int) -> str:
+        return self.switch
+
+    def agg_index(self, seq: int) -> int:
+        return atp_index(self.job_id, seq, self.pool_slots)
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """BytePS-style PS: packets round-robin over the server shards."""
+
+    servers: tuple[str, ...]
+    resend_flag: bool = False
+
+    def dst(self, seq: int) -> str:
+        return self.servers[seq % len(self.servers)]
+
+    def agg_index(self, seq: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    job_id: int
+    worker_id: int
+    fan_in: int
+    window: int = 64
+    max_window: int = 0
+    rto_ns: int = 1_000_000
+    max_retries: int = 100
+    values_per_packet: int = 256
+    ecn_window: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.fan_in <= MAX_FAN_IN:
+            raise ConfigError("fan_in", f"must be in 1..{MAX_FAN_IN}, got {self.fan_in}")
+        if not 0 <= self.worker_id < self.fan_in:
+            raise ConfigError("worker_id", f"must be in 0..{self.fan_in - 1}")
+        if self.window < 1:
+            raise ConfigError("window", f"must be >= 1, got {self.window}")
+        if self.rto_ns <= 0:
+            raise ConfigError("rto_ns", f"must be > 0, got {self.rto_ns}")
+        if self.values_per_packet < 1:
+            raise ConfigError("values_per_packet", "must be >= 1")
+
+
+# An outstanding packet: [packet, deadline_ns, retransmissions] (a list: cheaper
+# to build per packet than an object).
+_PKT, _DEADLINE, _TRIES = range(3)
+
+
+class WorkerEngine:
+    def __init__(self, name: str, cfg: WorkerConfig, route: Route) -> None:
+        if isinstance(route, StaticSlots) and cfg.window > route.slot_count:
+            raise ConfigError("window", f"{cfg.window} > slot_count {route.slot_count}: a "
+                              "SwitchML window cannot exceed the job's slots")
+        self.name = name
+        self.cfg = cfg
+        self.route = route
+        self.counters = Counters()
+        self.cwnd = float(cfg.window)
+        self.max_cwnd = float(cfg.max_window or cfg.window)
+        self.base = 0
+        self.next_seq = 0
+        self.queue: deque[tuple[int, int, np.ndarray | None, int, int]] = deque()
+        self.out: dict[int, list[Any]] = {}
+        self.done_above: set[int] = set()
+        self.timers: deque[tuple[int, int]] = deque()
+        self.recover_seq = 0
+
+    # -- application side -------------------------------------------------
+    def push(self, count: int, now_ns: int, payload: np.ndarray | None = None,
+             layer: int = 0, priority: int = 0) -> list[Action]:
+        """Queue ``count`` values (and their int32 ``payload`` in values mode)."""
+        if payload is not None and len(payload) != count:
+            raise ValueError(f"payload has {len(payload)} values, count says {count}")
+        vpp = self.cfg.values_per_packet
+        for off in range(0, count, vpp):
+            n = min(vpp, count - off)
+            part = None if payload is None else payload[off:off + n]
+            self.queue.append((self.next_seq, n, part, layer, priority))
+            self.next_seq += 1
+        return self._pump(now_ns)
+
+    @property
+    def idle(self) -> bool:
+        """True once every pushed sequence has its result."""
+        return self.base == self.next_seq
+
+    # -- engine interface -------------------------------------------------
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+        if not pkt.flags & Flag.ACK or pkt.job_id != self.cfg.job_id:
+            self.counters["drop_foreign"] += 1
+            return []
+        seq = pkt.seq
+        o = self.out.pop(seq, None)
+        if o is None:
+            self.counters["drop_duplicate_result"] += 1
+            return []
+        self.counters["results"] += 1
+        if seq == self.base:
+            self.base += 1
+            while self.base in self.done_above:
+                self.done_above.discard(self.base)
+                self.base += 1
+        else:
+            self.done_above.add(seq)
+        if self.cfg.ecn_window:
+            self._adjust_window(pkt)
+        actions = self._pump(now_ns)
+        actions.append(Deliver(seq, pkt))
+        return actions
+
+    def on_timer(self, now_ns: int) -> list[Action]:
+        actions: list[Action] = []
+        timers = self.timers
+        while timers and timers[0][0] <= now_ns:
+            deadline, seq = timers.popleft()
+            o = self.out.get(seq)
+            if o is None or o[_DEADLINE] != deadline:
+                continue
+            o[_TRIES] += 1
+            if o[_TRIES] > self.cfg.max_retries:
+                return [Fail(self.route.dst(seq),
+                             f"sequence {seq} unanswered after {self.cfg.max_retries} retries")]
+            self.counters["retransmits"] += 1
+            pkt = o[_PKT].clone()
+            if self.route.resend_flag:
+                pkt.flags |= Flag.RESEND
+            o[_DEADLINE] = now_ns + self.cfg.rto_ns
+            timers.append((o[_DEADLINE], seq))
+            actions.append(Send(self.route.dst(seq), pkt))
+        return actions
+
+    def next_deadline(self) -> int | None:
+        timers, out = self.timers, self.out
+        while timers:
+            deadline, seq = timers[0]
+            o = out.get(seq)
+            if o is not None and o[_DEADLINE] == deadline:
+                return deadline
+            timers.popleft()
+        return None
+
+    # -- internals --------------------------------------------------------
+    def _pump(self, now_ns: int) -> list[Action]:
+        actions: list[Action] = []
+        queue = self.queue
+        limit = self.base + int(self.cwnd)
+        if not queue or queue[0][0] >= limit:
+            return actions
+        cfg, route, out, timers = self.cfg, self.route, self.out, self.timers
+        job, wid, bit, fan_in = cfg.job_id, cfg.worker_id, 1 << cfg.worker_id, cfg.fan_in
+        deadline = now_ns + cfg.rto_ns
+        while queue and queue[0][0] < limit:
+            seq, n, part, layer, prio = queue.popleft()
+            pkt = Packet(job, wid, seq, route.agg_index(seq), bit, fan_in, 0, prio, layer, n, part)
+            out[seq] = [pkt, deadline, 0]
+            timers.append((deadline, seq))
+            actions.append(Send(route.dst(seq), pkt))
+        return actions
+
+    def _adjust_window(self, pkt: Packet) -> None:
+        if pkt.flags & Flag.ECN:
+            if pkt.seq >= self.recover_seq:
+                self.cwnd = max(1.0, self.cwnd / 2)
+                self.recover_seq = self.next_seq
+                self.counters["ecn_halvings"] += 1
+        else:
+            self.cwnd = min(self.max_cwnd, self.cwnd + 1.0 / self.cwnd)

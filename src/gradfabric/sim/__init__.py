@@ -1,0 +1,1 @@
+"""Discrete-event network simulator that drives the sans-I/O engines."""

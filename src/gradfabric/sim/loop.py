@@ -1,0 +1,51 @@
+"""The event heap. Ties at equal times break by insertion order (SimPy's eid),
+so one seed reproduces a run exactly."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+
+class EventLoop:
+    __slots__ = ("_heap", "_seq", "_stopped", "events", "now")
+
+    def __init__(self) -> None:
+        self.now = 0
+        self._seq = 0
+        self._heap: list[tuple[int, int, Callable[[Any], None], Any]] = []
+        self.events = 0
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Make ``run`` return after the event being processed."""
+        self._stopped = True
+
+    def at(self, time_ns: int, fn: Callable[[Any], None], arg: Any = None) -> None:
+        if time_ns < self.now:
+            raise ValueError(f"cannot schedule in the past: {time_ns} < {self.now}")
+        self._seq += 1
+        heapq.heappush(self._heap, (time_ns, self._seq, fn, arg))
+
+    def run(self, until_ns: int | None = None) -> None:
+        """Process events in time order until none remain, ``until_ns`` or ``stop()``."""
+        heap, pop = self._heap, heapq.heappop
+        horizon = until_ns if until_ns is not None else 1 << 62
+        self._stopped = False
+        n = 0
+        try:
+            while heap and not self._stopped:
+                if heap[0][0] > horizon:
+                    self.now = horizon
+                    break
+                t, _, fn, arg = pop(heap)
+                self.now = t
+                fn(arg)
+                n += 1
+        finally:
+            self.events += n
+
+    @property
+    def pending(self) -> int:
+        return len(self._heap)

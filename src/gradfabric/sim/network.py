@@ -1,0 +1,209 @@
+"""Links, nodes and topologies.
+
+A link is a FIFO output queue plus a wire. Instead of one event per enqueue
+and dequeue it keeps ``busy_until`` (when its last accepted byte leaves, in
+picoseconds so serialisation never accumulates rounding): the backlog at any
+instant is ``(busy_until - now) * rate``, which gives tail drop at
+``queue_bytes`` and ECN marking above ``ecn_bytes`` exactly as a FIFO would,
+at one event per packet per hop (its arrival at the far end).
+
+Loss, duplication and reordering (a uniform extra delay up to ``jitter_ns``)
+draw from the network's one seeded RNG.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.core.trace import Counters
+from gradfabric.proto.actions import Action, Deliver, Engine, Fail, Multicast, NoTimers, Send
+from gradfabric.sim.loop import EventLoop
+from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Flag, Packet
+
+
+@cache
+def _name_hash(name: str) -> int:
+    # Python's str hash is salted per process; ECMP must be reproducible.
+    return zlib.crc32(name.encode())
+
+PS_PER_NS = 1000
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One direction of a link. ``queue_bytes=0`` means an unbounded queue (a host NIC)."""
+
+    link_gbps: float = 100.0
+    prop_delay_ns: int = 500
+    queue_bytes: int = 1_000_000
+    ecn_bytes: int = 0
+    loss: float = 0.0
+    dup: float = 0.0
+    jitter_ns: int = 0
+
+    def __post_init__(self) -> None:
+        if self.link_gbps <= 0:
+            raise ConfigError("link_gbps", f"must be > 0, got {self.link_gbps}")
+        if self.prop_delay_ns < 0 or self.jitter_ns < 0:
+            raise ConfigError("prop_delay_ns", "delays must be >= 0")
+        for name in ("loss", "dup"):
+            v = getattr(self, name)
+            if not 0.0 <= v < 1.0:
+                raise ConfigError(name, f"must be in [0, 1), got {v}")
+        if self.queue_bytes < 0 or self.ecn_bytes < 0:
+            raise ConfigError("queue_bytes", "must be >= 0")
+
+
+class Link:
+    __slots__ = ("busy_until_ps", "bytes_sent", "counters", "dst", "dup", "ecn_bytes", "jitter",
+                 "loop", "loss", "name", "net", "prop", "ps_per_byte", "queue_bytes", "rng",
+                 "spec", "vpp")
+
+    def __init__(self, net: Network, src: str, dst: Node, spec: LinkSpec) -> None:
+        self.net = net
+        self.dst = dst
+        self.spec = spec
+        self.name = f"{src}->{dst.name}"
+        self.ps_per_byte = 8e12 / (spec.link_gbps * 1e9)
+        self.busy_until_ps = 0
+        self.bytes_sent = 0
+        self.counters = net.counters
+        # Hot-path copies of the spec (attribute chains cost on every packet).
+        self.loop, self.rng, self.vpp = net.loop, net.rng, net.values_per_packet
+        self.loss, self.dup, self.jitter = spec.loss, spec.dup, spec.jitter_ns
+        self.queue_bytes, self.ecn_bytes, self.prop = spec.queue_bytes, spec.ecn_bytes, spec.prop_delay_ns
+
+    def send(self, dst: str, pkt: Packet) -> None:
+        count = pkt.count
+        size = (-(-count // self.vpp) if count else 1) * HEADER_BYTES + count * VALUE_BYTES
+        if self.loss and self.rng.random() < self.loss:
+            self.counters["link_loss"] += 1
+            return
+        loop = self.loop
+        now_ps = loop.now * PS_PER_NS
+        start = self.busy_until_ps
+        if start > now_ps:
+            backlog = (start - now_ps) / self.ps_per_byte
+            if self.queue_bytes and backlog + size > self.queue_bytes:
+                self.counters["queue_drop"] += 1
+                return
+            if self.ecn_bytes and backlog > self.ecn_bytes:
+                pkt.flags |= Flag.ECN
+        else:
+            start = now_ps
+        finish = start + int(size * self.ps_per_byte)
+        self.busy_until_ps = finish
+        self.bytes_sent += size
+        arrive = -(-finish // PS_PER_NS) + self.prop
+        if self.jitter:
+            arrive += self.rng.randrange(self.jitter + 1)
+        node = self.dst
+        loop.at(arrive, node.arrive, (dst, pkt))
+        if self.dup and self.rng.random() < self.dup:
+            self.counters["link_dup"] += 1
+            loop.at(arrive + self.rng.randrange(self.jitter + 1), node.arrive, (dst, pkt.clone()))
+
+
+class Node:
+    """A host or switch. Packets addressed to it go to its engine (if any);
+    others are forwarded along ``routes`` (several links = ECMP, hashed per flow)."""
+
+    __slots__ = ("engine", "loop", "name", "net", "on_deliver", "routes", "timed", "timer_at")
+
+    def __init__(self, net: Network, name: str) -> None:
+        self.net = net
+        self.loop = net.loop
+        self.name = name
+        self.engine: Engine | None = None
+        self.routes: dict[str, list[Link]] = {}
+        self.on_deliver: Callable[[Deliver], None] | None = None
+        self.timer_at: int | None = None
+        self.timed = False
+
+    def arrive(self, arg: tuple[str, Packet]) -> None:
+        dst, pkt = arg
+        if dst != self.name:
+            self.link_to(dst, pkt).send(dst, pkt)
+            return
+        eng = self.engine
+        if eng is None:
+            self.net.counters["drop_no_engine"] += 1
+            return
+        self.execute(eng.on_packet(pkt, self.loop.now))
+
+    def link_to(self, dst: str, pkt: Packet) -> Link:
+        links = self.routes.get(dst)
+        if links is None:
+            links = self.routes.get("*")
+            if links is None:
+                raise ConfigError("route", f"{self.name} has no route to {dst}")
+        if len(links) == 1:
+            return links[0]
+        return links[(pkt.job_id * 40503 + pkt.worker_id * 9973 + _name_hash(dst)) % len(links)]
+
+    def execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            if type(a) is Send:
+                self.link_to(a.dst, a.pkt).send(a.dst, a.pkt)
+            elif type(a) is Multicast:
+                for d in a.dsts:
+                    p = a.pkt.clone()
+                    self.link_to(d, p).send(d, p)
+            elif type(a) is Deliver:
+                if self.on_deliver is not None:
+                    self.on_deliver(a)
+            elif type(a) is Fail:
+                raise PeerTimeoutError(a.peer, self.net.loop.now / 1e9)
+        if self.timed:
+            self.arm_timer()
+
+    def arm_timer(self) -> None:
+        eng = self.engine
+        if eng is None:
+            return
+        d = eng.next_deadline()
+        if d is not None and (self.timer_at is None or d < self.timer_at):
+            self.timer_at = d
+            self.net.loop.at(d, self.fire, d)
+
+    def fire(self, when: int) -> None:
+        if when != self.timer_at or self.engine is None:
+            return
+        self.timer_at = None
+        self.execute(self.engine.on_timer(self.net.loop.now))
+
+
+@dataclass
+class Network:
+    loop: EventLoop
+    rng: random.Random
+    values_per_packet: int = 256
+    nodes: dict[str, Node] = field(default_factory=dict)
+    links: list[Link] = field(default_factory=list)
+    counters: Counters = field(default_factory=Counters)
+
+    def node(self, name: str) -> Node:
+        n = self.nodes.get(name)
+        if n is None:
+            n = self.nodes[name] = Node(self, name)
+        return n
+
+    def connect(self, a: str, b: str, a_to_b: LinkSpec, b_to_a: LinkSpec) -> tuple[Link, Link]:
+        na, nb = self.node(a), self.node(b)
+        ab, ba = Link(self, a, nb, a_to_b), Link(self, b, na, b_to_a)
+        self.links += [ab, ba]
+        return ab, ba
+
+    def bind(self, name: str, engine: Engine) -> None:
+        node = self.node(name)
+        node.engine = engine
+        node.timed = not isinstance(engine, NoTimers)
+
+    def kick(self, name: str, actions: list[Action]) -> None:
+        """Execute actions an engine returned outside a packet event (e.g. a push)."""
+        self.nodes[name].execute(actions)

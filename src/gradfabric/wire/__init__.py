@@ -1,0 +1,1 @@
+"""Wire format: packet header, binary codec, quantisers."""

@@ -1,0 +1,143 @@
+"""The gradfabric packet and its versioned binary codec.
+
+Layout (little-endian, 32-byte header, then ``count`` 4-byte values)::
+
+    magic u16 | version u8 | priority u8 | flags u16 | job_id u16 |
+    worker_id u16 | fan_in u16 | layer u16 | count u16 |
+    seq u32 | agg_index u32 | bitmap u64 | payload: count x (int32 | float32)
+
+``bitmap`` is the set of contributions a packet carries: a worker's own packet
+has just its bit (``1 << worker_id``); a partial aggregate flushed to the
+parameter server carries every contributor's bit. This makes "merge by bitmap"
+one rule for every hop. One bitmap word bounds the fan-in of one aggregation
+point to 64; larger jobs aggregate hierarchically (leaf, then spine).
+
+``decode`` raises only ``ProtocolError``: it is fed untrusted bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from gradfabric.core.errors import ProtocolError
+
+MAGIC = 0x4647  # "GF"
+VERSION = 1
+HEADER = struct.Struct("<HBBHHHHHHIIQ")
+HEADER_BYTES = HEADER.size
+MAX_FAN_IN = 64
+MAX_WIRE_VALUES = 2048
+VALUE_BYTES = 4
+
+
+class Flag:
+    """Header flag bits (plain ints: enum arithmetic is too slow for the
+    simulator's hot path). Unknown bits are a protocol error."""
+
+    NONE = 0
+    ACK = 1 << 0  # an aggregated result travelling back to workers
+    COLLISION = 1 << 1  # the aggregator was held by another key; on to the PS
+    RESEND = 1 << 2  # a worker retransmission
+    ECN = 1 << 3  # congestion experienced on some hop
+    OVERFLOW = 1 << 4  # values did not fit the integer domain; sent as float
+    FLOAT = 1 << 5  # payload is float32 (else int32)
+    PARTIAL = 1 << 6  # a partial aggregate flushed from a switch to the PS
+
+
+    @staticmethod
+    def names(flags: int) -> list[str]:
+        return [k for k, v in vars(Flag).items() if isinstance(v, int) and v and flags & v]
+
+
+KNOWN_FLAGS = (Flag.ACK | Flag.COLLISION | Flag.RESEND | Flag.ECN | Flag.OVERFLOW | Flag.FLOAT
+               | Flag.PARTIAL)
+
+Payload = npt.NDArray[np.int32] | npt.NDArray[np.float32]
+
+
+@dataclass(slots=True)
+class Packet:
+    """One packet. ``payload`` is None in the simulator's timing-only mode.
+
+    Engines never mutate a payload they received or sent: they copy into their
+    own buffers, so one array may be shared by many in-flight packets.
+    """
+
+    job_id: int
+    worker_id: int
+    seq: int
+    agg_index: int = 0
+    bitmap: int = 0
+    fan_in: int = 1
+    flags: int = 0
+    priority: int = 0
+    layer: int = 0
+    count: int = 0
+    payload: Payload | None = None
+
+    def clone(self) -> Packet:
+        return Packet(self.job_id, self.worker_id, self.seq, self.agg_index, self.bitmap,
+                      self.fan_in, self.flags, self.priority, self.layer, self.count,
+                      self.payload)
+
+    def has(self, flag: int) -> bool:
+        return bool(self.flags & flag)
+
+
+def encode(pkt: Packet) -> bytes:
+    """Serialise ``pkt``; raises ``ValueError`` for a packet we should never build."""
+    if pkt.payload is None:
+        raise ValueError("cannot encode a timing-only packet (payload is None)")
+    if pkt.count != len(pkt.payload) or pkt.count > MAX_WIRE_VALUES:
+        raise ValueError(f"count {pkt.count} does not match payload or exceeds {MAX_WIRE_VALUES}")
+    want = np.float32 if pkt.flags & Flag.FLOAT else np.int32
+    if pkt.payload.dtype != want:
+        raise ValueError(f"payload dtype {pkt.payload.dtype} does not match flags ({want})")
+    head = HEADER.pack(MAGIC, VERSION, pkt.priority, pkt.flags, pkt.job_id, pkt.worker_id,
+                       pkt.fan_in, pkt.layer, pkt.count, pkt.seq, pkt.agg_index, pkt.bitmap)
+    return head + pkt.payload.astype("<i4" if want is np.int32 else "<f4", copy=False).tobytes()
+
+
+def decode(data: bytes) -> Packet:
+    """Parse untrusted bytes. Raises ``ProtocolError`` and nothing else."""
+    if len(data) < HEADER_BYTES:
+        raise ProtocolError(f"short packet: {len(data)} bytes < header {HEADER_BYTES}")
+    (magic, version, priority, flags, job_id, worker_id, fan_in, layer, count, seq,
+     agg_index, bitmap) = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic 0x{magic:04x}")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported version {version} (this build speaks {VERSION})")
+    if flags & ~KNOWN_FLAGS:
+        raise ProtocolError(f"unknown flag bits 0x{flags & ~KNOWN_FLAGS:04x}")
+    if not 1 <= fan_in <= MAX_FAN_IN:
+        raise ProtocolError(f"fan_in {fan_in} outside 1..{MAX_FAN_IN}")
+    if worker_id >= MAX_FAN_IN:
+        raise ProtocolError(f"worker_id {worker_id} >= {MAX_FAN_IN}")
+    if bitmap >> fan_in:
+        raise ProtocolError(f"bitmap 0x{bitmap:x} names contributors beyond fan_in {fan_in}")
+    if count > MAX_WIRE_VALUES:
+        raise ProtocolError(f"count {count} > {MAX_WIRE_VALUES}")
+    if len(data) != HEADER_BYTES + count * VALUE_BYTES:
+        raise ProtocolError(f"length {len(data)} != header + {count} values")
+    dtype = "<f4" if flags & Flag.FLOAT else "<i4"
+    payload = np.frombuffer(data, dtype=dtype, count=count, offset=HEADER_BYTES)
+    native: Payload = payload.astype(np.float32 if flags & Flag.FLOAT else np.int32)
+    if flags & Flag.FLOAT and not np.all(np.isfinite(native)):
+        raise ProtocolError("non-finite float payload")
+    return Packet(job_id, worker_id, seq, agg_index, bitmap, fan_in, flags, priority, layer,
+                  count, native)
+
+
+def wire_bytes(count: int, values_per_packet: int) -> int:
+    """Bytes on the wire for ``count`` values cut into packets of ``values_per_packet``.
+
+    A simulated packet may stand for a train of real packets (coarse
+    granularity): it pays one header per real packet.
+    """
+    packets = max(1, -(-count // values_per_packet))
+    return packets * HEADER_BYTES + count * VALUE_BYTES
