@@ -145,8 +145,9 @@ class ParameterServer(NoTimers):
                 flags |= Flag.FLOAT | Flag.OVERFLOW
             else:
                 payload = acc.ivals.astype(np.int32)
-        return Packet(job.job_id, 0, seq, acc.agg_index, (1 << n) - 1, n, flags, 0, 0,
-                      acc.nvalues, payload)
+        return Packet(
+            job.job_id, 0, seq, acc.agg_index, (1 << n) - 1, n, flags, 0, 0, acc.nvalues, payload
+        )
 
     def _unicast(self, job: PsJob, result: Packet, worker: int) -> Action:
         pkt = result.clone()

@@ -35,8 +35,9 @@ class _Bucket:
 
 
 class RingEngine(NoTimers):
-    def __init__(self, name: str, job_id: int, rank: int, n: int, successor: str,
-                 values_per_packet: int) -> None:
+    def __init__(
+        self, name: str, job_id: int, rank: int, n: int, successor: str, values_per_packet: int
+    ) -> None:
         self.name = name
         self.job_id = job_id
         self.rank = rank
@@ -55,8 +56,9 @@ class RingEngine(NoTimers):
         a = lo + j * self.vpp
         return a, min(hi, a + self.vpp)
 
-    def start(self, b: int, count: int, now_ns: int, payload: np.ndarray | None = None
-              ) -> list[Action]:
+    def start(
+        self, b: int, count: int, now_ns: int, payload: np.ndarray | None = None
+    ) -> list[Action]:
         if b in self.buckets:
             raise ValueError(f"bucket {b} already started")
         edges = np.linspace(0, count, self.n + 1).astype(np.int64)
@@ -110,13 +112,15 @@ class RingEngine(NoTimers):
         if bk.final is not None and vals is not None:
             bk.final[lo:hi] = vals
 
-    def _send(self, b: int, step: int, j: int, chunk: int, count: int,
-              vals: np.ndarray | None) -> Send:
-        return Send(self.successor, Packet(self.job_id, self.rank, step, j, chunk, self.n, 0, 0,
-                                           b, count, vals))
+    def _send(
+        self, b: int, step: int, j: int, chunk: int, count: int, vals: np.ndarray | None
+    ) -> Send:
+        return Send(
+            self.successor,
+            Packet(self.job_id, self.rank, step, j, chunk, self.n, 0, 0, b, count, vals),
+        )
 
     def _deliver(self, b: int, bk: _Bucket) -> Deliver:
         final = bk.own if self.n == 1 else bk.final
         self.buckets.pop(b)
-        return Deliver(b, Packet(self.job_id, self.rank, b, 0, 0, self.n, 0, 0, b, bk.count,
-                                 final))
+        return Deliver(b, Packet(self.job_id, self.rank, b, 0, 0, self.n, 0, 0, b, bk.count, final))

@@ -39,7 +39,8 @@ from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
 class Route(Protocol):
     """Where sequence ``seq`` goes and which aggregator it names."""
 
-    resend_flag: bool
+    @property
+    def resend_flag(self) -> bool: ...
 
     def dst(self, seq: int) -> str: ...
 
@@ -125,8 +126,11 @@ _PKT, _DEADLINE, _TRIES = range(3)
 class WorkerEngine:
     def __init__(self, name: str, cfg: WorkerConfig, route: Route) -> None:
         if isinstance(route, StaticSlots) and cfg.window > route.slot_count:
-            raise ConfigError("window", f"{cfg.window} > slot_count {route.slot_count}: a "
-                              "SwitchML window cannot exceed the job's slots")
+            raise ConfigError(
+                "window",
+                f"{cfg.window} > slot_count {route.slot_count}: a "
+                "SwitchML window cannot exceed the job's slots",
+            )
         self.name = name
         self.cfg = cfg
         self.route = route
@@ -142,15 +146,21 @@ class WorkerEngine:
         self.recover_seq = 0
 
     # -- application side -------------------------------------------------
-    def push(self, count: int, now_ns: int, payload: np.ndarray | None = None,
-             layer: int = 0, priority: int = 0) -> list[Action]:
+    def push(
+        self,
+        count: int,
+        now_ns: int,
+        payload: np.ndarray | None = None,
+        layer: int = 0,
+        priority: int = 0,
+    ) -> list[Action]:
         """Queue ``count`` values (and their int32 ``payload`` in values mode)."""
         if payload is not None and len(payload) != count:
             raise ValueError(f"payload has {len(payload)} values, count says {count}")
         vpp = self.cfg.values_per_packet
         for off in range(0, count, vpp):
             n = min(vpp, count - off)
-            part = None if payload is None else payload[off:off + n]
+            part = None if payload is None else payload[off : off + n]
             self.queue.append((self.next_seq, n, part, layer, priority))
             self.next_seq += 1
         return self._pump(now_ns)
@@ -194,8 +204,12 @@ class WorkerEngine:
                 continue
             o[_TRIES] += 1
             if o[_TRIES] > self.cfg.max_retries:
-                return [Fail(self.route.dst(seq),
-                             f"sequence {seq} unanswered after {self.cfg.max_retries} retries")]
+                return [
+                    Fail(
+                        self.route.dst(seq),
+                        f"sequence {seq} unanswered after {self.cfg.max_retries} retries",
+                    )
+                ]
             self.counters["retransmits"] += 1
             pkt = o[_PKT].clone()
             if self.route.resend_flag:

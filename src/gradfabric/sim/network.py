@@ -31,6 +31,7 @@ def _name_hash(name: str) -> int:
     # Python's str hash is salted per process; ECMP must be reproducible.
     return zlib.crc32(name.encode())
 
+
 PS_PER_NS = 1000
 
 
@@ -60,9 +61,25 @@ class LinkSpec:
 
 
 class Link:
-    __slots__ = ("busy_until_ps", "bytes_sent", "counters", "dst", "dup", "ecn_bytes", "jitter",
-                 "loop", "loss", "name", "net", "prop", "ps_per_byte", "queue_bytes", "rng",
-                 "spec", "vpp")
+    __slots__ = (
+        "busy_until_ps",
+        "bytes_sent",
+        "counters",
+        "dst",
+        "dup",
+        "ecn_bytes",
+        "jitter",
+        "loop",
+        "loss",
+        "name",
+        "net",
+        "prop",
+        "ps_per_byte",
+        "queue_bytes",
+        "rng",
+        "spec",
+        "vpp",
+    )
 
     def __init__(self, net: Network, src: str, dst: Node, spec: LinkSpec) -> None:
         self.net = net
@@ -76,7 +93,11 @@ class Link:
         # Hot-path copies of the spec (attribute chains cost on every packet).
         self.loop, self.rng, self.vpp = net.loop, net.rng, net.values_per_packet
         self.loss, self.dup, self.jitter = spec.loss, spec.dup, spec.jitter_ns
-        self.queue_bytes, self.ecn_bytes, self.prop = spec.queue_bytes, spec.ecn_bytes, spec.prop_delay_ns
+        self.queue_bytes, self.ecn_bytes, self.prop = (
+            spec.queue_bytes,
+            spec.ecn_bytes,
+            spec.prop_delay_ns,
+        )
 
     def send(self, dst: str, pkt: Packet) -> None:
         count = pkt.count

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.sim.network import LinkSpec, Network
+from gradfabric.sim.network import Link, LinkSpec, Network
 
 
 @dataclass
@@ -35,8 +35,13 @@ def star(net: Network, hosts: list[str], link: LinkSpec) -> Topology:
     return Topology(net, list(hosts), ["sw0"], {h: "sw0" for h in hosts})
 
 
-def leaf_spine(net: Network, racks: list[list[str]], spines: int, link: LinkSpec,
-               fabric: LinkSpec | None = None) -> Topology:
+def leaf_spine(
+    net: Network,
+    racks: list[list[str]],
+    spines: int,
+    link: LinkSpec,
+    fabric: LinkSpec | None = None,
+) -> Topology:
     """``racks[r]`` are the hosts under ``leaf{r}``; every leaf links to every spine."""
     if spines < 1 or not racks:
         raise ConfigError("spines", "leaf-spine needs >= 1 spine and >= 1 rack")
@@ -47,24 +52,24 @@ def leaf_spine(net: Network, racks: list[list[str]], spines: int, link: LinkSpec
     topo.spines = spine_names
     leaves = [f"leaf{r}" for r in range(len(racks))]
     topo.switches = leaves + spine_names
-    uplinks: dict[str, list] = {leaf: [] for leaf in leaves}
+    uplinks: dict[str, list[Link]] = {name: [] for name in leaves}
     for r, hosts in enumerate(racks):
-        leaf = net.node(leaves[r])
+        leaf_node = net.node(leaves[r])
         for h in hosts:
             up, down = net.connect(h, leaves[r], nic, link)
             net.node(h).routes["*"] = [up]
-            leaf.routes[h] = [down]
+            leaf_node.routes[h] = [down]
             topo.first_hop[h] = leaves[r]
         for sp in spine_names:
             lu, ld = net.connect(leaves[r], sp, fabric, fabric)
             uplinks[leaves[r]].append(lu)
-            leaf.routes[sp] = [lu]
+            leaf_node.routes[sp] = [lu]
             spn = net.node(sp)
             spn.routes[leaves[r]] = [ld]
             for h in hosts:
                 spn.routes[h] = [ld]
-    for leaf in leaves:
-        net.node(leaf).routes["*"] = uplinks[leaf]  # ECMP over spines
+    for name in leaves:
+        net.node(name).routes["*"] = uplinks[name]  # ECMP over spines
     for sp in spine_names:  # spine-to-spine traffic goes through a leaf
         net.node(sp).routes["*"] = [net.node(sp).routes[leaves[0]][0]]
     return topo

@@ -47,14 +47,14 @@ class Flag:
     FLOAT = 1 << 5  # payload is float32 (else int32)
     PARTIAL = 1 << 6  # a partial aggregate flushed from a switch to the PS
 
-
     @staticmethod
     def names(flags: int) -> list[str]:
         return [k for k, v in vars(Flag).items() if isinstance(v, int) and v and flags & v]
 
 
-KNOWN_FLAGS = (Flag.ACK | Flag.COLLISION | Flag.RESEND | Flag.ECN | Flag.OVERFLOW | Flag.FLOAT
-               | Flag.PARTIAL)
+KNOWN_FLAGS = (
+    Flag.ACK | Flag.COLLISION | Flag.RESEND | Flag.ECN | Flag.OVERFLOW | Flag.FLOAT | Flag.PARTIAL
+)
 
 Payload = npt.NDArray[np.int32] | npt.NDArray[np.float32]
 
@@ -80,9 +80,19 @@ class Packet:
     payload: Payload | None = None
 
     def clone(self) -> Packet:
-        return Packet(self.job_id, self.worker_id, self.seq, self.agg_index, self.bitmap,
-                      self.fan_in, self.flags, self.priority, self.layer, self.count,
-                      self.payload)
+        return Packet(
+            self.job_id,
+            self.worker_id,
+            self.seq,
+            self.agg_index,
+            self.bitmap,
+            self.fan_in,
+            self.flags,
+            self.priority,
+            self.layer,
+            self.count,
+            self.payload,
+        )
 
     def has(self, flag: int) -> bool:
         return bool(self.flags & flag)
@@ -97,8 +107,20 @@ def encode(pkt: Packet) -> bytes:
     want = np.float32 if pkt.flags & Flag.FLOAT else np.int32
     if pkt.payload.dtype != want:
         raise ValueError(f"payload dtype {pkt.payload.dtype} does not match flags ({want})")
-    head = HEADER.pack(MAGIC, VERSION, pkt.priority, pkt.flags, pkt.job_id, pkt.worker_id,
-                       pkt.fan_in, pkt.layer, pkt.count, pkt.seq, pkt.agg_index, pkt.bitmap)
+    head = HEADER.pack(
+        MAGIC,
+        VERSION,
+        pkt.priority,
+        pkt.flags,
+        pkt.job_id,
+        pkt.worker_id,
+        pkt.fan_in,
+        pkt.layer,
+        pkt.count,
+        pkt.seq,
+        pkt.agg_index,
+        pkt.bitmap,
+    )
     return head + pkt.payload.astype("<i4" if want is np.int32 else "<f4", copy=False).tobytes()
 
 
@@ -106,8 +128,20 @@ def decode(data: bytes) -> Packet:
     """Parse untrusted bytes. Raises ``ProtocolError`` and nothing else."""
     if len(data) < HEADER_BYTES:
         raise ProtocolError(f"short packet: {len(data)} bytes < header {HEADER_BYTES}")
-    (magic, version, priority, flags, job_id, worker_id, fan_in, layer, count, seq,
-     agg_index, bitmap) = HEADER.unpack_from(data)
+    (
+        magic,
+        version,
+        priority,
+        flags,
+        job_id,
+        worker_id,
+        fan_in,
+        layer,
+        count,
+        seq,
+        agg_index,
+        bitmap,
+    ) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic 0x{magic:04x}")
     if version != VERSION:
@@ -126,11 +160,16 @@ def decode(data: bytes) -> Packet:
         raise ProtocolError(f"length {len(data)} != header + {count} values")
     dtype = "<f4" if flags & Flag.FLOAT else "<i4"
     payload = np.frombuffer(data, dtype=dtype, count=count, offset=HEADER_BYTES)
-    native: Payload = payload.astype(np.float32 if flags & Flag.FLOAT else np.int32)
-    if flags & Flag.FLOAT and not np.all(np.isfinite(native)):
-        raise ProtocolError("non-finite float payload")
-    return Packet(job_id, worker_id, seq, agg_index, bitmap, fan_in, flags, priority, layer,
-                  count, native)
+    native: Payload
+    if flags & Flag.FLOAT:
+        native = payload.astype(np.float32)
+        if not np.all(np.isfinite(native)):
+            raise ProtocolError("non-finite float payload")
+    else:
+        native = payload.astype(np.int32)
+    return Packet(
+        job_id, worker_id, seq, agg_index, bitmap, fan_in, flags, priority, layer, count, native
+    )
 
 
 def wire_bytes(count: int, values_per_packet: int) -> int:

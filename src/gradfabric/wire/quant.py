@@ -76,7 +76,7 @@ class BlockExponent:
         peak = float(np.max(np.abs(x))) if len(x) else 0.0
         if peak == 0.0:
             return -126
-        mant, e = np.frexp(peak)  # peak = mant * 2**e, 0.5 <= mant < 1
+        _mant, e = np.frexp(peak)  # peak = mant * 2**e, 0.5 <= mant < 1
         return int(e)
 
     def scale(self, e_max: int) -> float:

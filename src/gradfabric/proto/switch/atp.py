@@ -45,8 +45,18 @@ def atp_index(job_id: int, seq: int, pool_slots: int) -> int:
 
 
 class _Agg:
-    __slots__ = ("bitmap", "claim_ns", "count", "flags", "index", "job", "nvalues", "seq",
-                 "state", "values")
+    __slots__ = (
+        "bitmap",
+        "claim_ns",
+        "count",
+        "flags",
+        "index",
+        "job",
+        "nvalues",
+        "seq",
+        "state",
+        "values",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -127,7 +137,11 @@ class ATPPolicy:
     def on_result(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
         if pkt.agg_index < len(self.pool):
             a = self.pool[pkt.agg_index]
-            if a.state != FREE and a.job == job.job_id and (a.seq == pkt.seq or self._stale(a, job)):
+            if (
+                a.state != FREE
+                and a.job == job.job_id
+                and (a.seq == pkt.seq or self._stale(a, job))
+            ):
                 self._free(a, now_ns)
         if pkt.seq > self.newest_result.get(job.job_id, -1):
             self.newest_result[job.job_id] = pkt.seq
@@ -160,8 +174,19 @@ class ATPPolicy:
         a.values = None
 
     def _aggregate(self, job: SwitchJob, a: _Agg, flag: int) -> Packet:
-        return Packet(job.job_id, 0, a.seq, a.index, a.bitmap, job.fan_in, a.flags | flag, 0, 0,
-                      a.nvalues, a.values)
+        return Packet(
+            job.job_id,
+            0,
+            a.seq,
+            a.index,
+            a.bitmap,
+            job.fan_in,
+            a.flags | flag,
+            0,
+            0,
+            a.nvalues,
+            a.values,
+        )
 
 
 POLICIES.add("atp", ATPPolicy)

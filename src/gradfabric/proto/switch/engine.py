@@ -47,7 +47,9 @@ class SwitchJob:
         object.__setattr__(self, "fan_in", len(self.children))
         object.__setattr__(self, "full", (1 << len(self.children)) - 1)
         if not 1 <= len(self.children) <= MAX_FAN_IN:
-            raise ConfigError("children", f"need 1..{MAX_FAN_IN} children, got {len(self.children)}")
+            raise ConfigError(
+                "children", f"need 1..{MAX_FAN_IN} children, got {len(self.children)}"
+            )
         if not 0 <= self.index_at_parent < self.parent_fan_in <= MAX_FAN_IN:
             raise ConfigError("index_at_parent", "must satisfy 0 <= index < parent_fan_in <= 64")
 
@@ -97,8 +99,9 @@ class SwitchEngine(NoTimers):
     jobs: dict[int, SwitchJob] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, name: str, policy: str, pool_slots: int,
-              jobs: tuple[SwitchJob, ...] = ()) -> SwitchEngine:
+    def build(
+        cls, name: str, policy: str, pool_slots: int, jobs: tuple[SwitchJob, ...] = ()
+    ) -> SwitchEngine:
         if pool_slots < 1:
             raise ConfigError("pool_slots", f"must be >= 1, got {pool_slots}")
         counters = Counters()
@@ -122,8 +125,10 @@ class SwitchEngine(NoTimers):
             if pkt.fan_in != self.policy.result_fan_in(job) or pkt.bitmap != (1 << pkt.fan_in) - 1:
                 return self._drop("bad_result")
             return self.policy.on_result(job, pkt, now_ns)
-        if pkt.worker_id >= job.fan_in or pkt.bitmap != 1 << pkt.worker_id or (
-            pkt.fan_in != job.fan_in
+        if (
+            pkt.worker_id >= job.fan_in
+            or pkt.bitmap != 1 << pkt.worker_id
+            or (pkt.fan_in != job.fan_in)
         ):
             return self._drop("bad_worker")
         self.counters["rx_gradient"] += 1
@@ -132,4 +137,3 @@ class SwitchEngine(NoTimers):
     def _drop(self, reason: str) -> list[Action]:
         self.counters["drop_" + reason] += 1
         return []
-

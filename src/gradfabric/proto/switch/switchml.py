@@ -37,8 +37,17 @@ IDLE, AGGREGATING, FORWARDED, COMPLETE = range(4)
 
 
 class _Copy:
-    __slots__ = ("bitmap", "claim_ns", "count", "flags", "nvalues", "result", "seq", "state",
-                 "values")
+    __slots__ = (
+        "bitmap",
+        "claim_ns",
+        "count",
+        "flags",
+        "nvalues",
+        "result",
+        "seq",
+        "state",
+        "values",
+    )
 
     def __init__(self) -> None:
         self.seq = -1
@@ -65,8 +74,10 @@ class SwitchMLPolicy:
 
     def _copy(self, job: SwitchJob, pkt: Packet) -> _Copy | None:
         w = job.slot_count
-        if w == 0 or pkt.agg_index != job.slot_base + pkt.seq % w or pkt.agg_index >= len(
-            self.copies
+        if (
+            w == 0
+            or pkt.agg_index != job.slot_base + pkt.seq % w
+            or pkt.agg_index >= len(self.copies)
         ):
             self.counters["drop_bad_slot"] += 1
             return None
@@ -102,8 +113,17 @@ class SwitchMLPolicy:
         self.stats.busy_ns += now_ns - c.claim_ns
         if job.parent is None:
             c.state = COMPLETE
-            c.result = Packet(job.job_id, 0, c.seq, pkt.agg_index, job.full, job.fan_in,
-                              Flag.ACK | c.flags, count=c.nvalues, payload=c.values)
+            c.result = Packet(
+                job.job_id,
+                0,
+                c.seq,
+                pkt.agg_index,
+                job.full,
+                job.fan_in,
+                Flag.ACK | c.flags,
+                count=c.nvalues,
+                payload=c.values,
+            )
             return [Multicast(job.children, c.result)]
         c.state = FORWARDED
         return [Send(job.parent, self._upward(job, c, pkt.agg_index))]
@@ -116,8 +136,17 @@ class SwitchMLPolicy:
             self.counters["drop_stale_result"] += 1
             return []
         c.state = COMPLETE
-        c.result = Packet(job.job_id, 0, c.seq, pkt.agg_index, job.full, job.fan_in,
-                          Flag.ACK | (pkt.flags & Flag.ECN), count=pkt.count, payload=pkt.payload)
+        c.result = Packet(
+            job.job_id,
+            0,
+            c.seq,
+            pkt.agg_index,
+            job.full,
+            job.fan_in,
+            Flag.ACK | (pkt.flags & Flag.ECN),
+            count=pkt.count,
+            payload=pkt.payload,
+        )
         return [Multicast(job.children, c.result)]
 
     def _reset(self, c: _Copy, pkt: Packet, now_ns: int) -> None:
@@ -146,8 +175,19 @@ class SwitchMLPolicy:
 
     def _upward(self, job: SwitchJob, c: _Copy, agg_index: int) -> Packet:
         i = job.index_at_parent
-        return Packet(job.job_id, i, c.seq, agg_index, 1 << i, job.parent_fan_in,
-                      c.flags, 0, 0, c.nvalues, c.values)
+        return Packet(
+            job.job_id,
+            i,
+            c.seq,
+            agg_index,
+            1 << i,
+            job.parent_fan_in,
+            c.flags,
+            0,
+            0,
+            c.nvalues,
+            c.values,
+        )
 
 
 POLICIES.add("switchml", SwitchMLPolicy)

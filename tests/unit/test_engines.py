@@ -1,0 +1,172 @@
+"""Engines driven by hand: scripted time, scripted drops, exact timers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradfabric.proto.actions import Deliver, Fail, Multicast, Send
+from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.switch import SwitchEngine, SwitchJob
+from gradfabric.proto.switch.atp import atp_index
+from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
+from gradfabric.wire.packet import Flag, Packet
+
+RTO = 1_000
+
+
+def _worker(i: int, n: int = 2, window: int = 2, route: object = None) -> WorkerEngine:
+    cfg = WorkerConfig(
+        job_id=1,
+        worker_id=i,
+        fan_in=n,
+        window=window,
+        rto_ns=RTO,
+        values_per_packet=4,
+        max_retries=3,
+    )
+    return WorkerEngine(f"w{i}", cfg, route or StaticSlots("sw", 0, window))  # type: ignore[arg-type]
+
+
+def _sends(actions: list) -> list[Send]:
+    return [a for a in actions if isinstance(a, Send)]
+
+
+def test_worker_window_timers_and_retransmission() -> None:
+    w = _worker(0)
+    acts = w.push(12, 0, np.arange(12, dtype=np.int32))  # 3 packets, window 2
+    assert [a.pkt.seq for a in _sends(acts)] == [0, 1]
+    assert [a.pkt.agg_index for a in _sends(acts)] == [0, 1]
+    assert w.next_deadline() == RTO
+    assert w.on_timer(RTO - 1) == []
+    again = _sends(w.on_timer(RTO))
+    assert [a.pkt.seq for a in again] == [0, 1]
+    assert not again[0].pkt.flags & Flag.RESEND  # SwitchML retransmits plainly
+    assert w.next_deadline() == 2 * RTO
+    res = Packet(1, 0, 0, 0, 0b11, 2, Flag.ACK, count=4, payload=np.zeros(4, np.int32))
+    acts = w.on_packet(res, 1500)
+    assert [a.pkt.seq for a in _sends(acts)] == [2]  # slot 0 reused for seq 2
+    assert _sends(acts)[0].pkt.agg_index == 0
+    assert [a.seq for a in acts if isinstance(a, Deliver)] == [0]
+    assert w.on_packet(res, 1600) == []  # a second copy is not delivered again
+    assert w.counters["drop_duplicate_result"] == 1
+    assert w.next_deadline() == 2 * RTO  # seq 1 still pending
+
+
+def test_worker_gives_up_naming_the_peer() -> None:
+    w = _worker(0)
+    w.push(4, 0, np.zeros(4, np.int32))
+    for k in range(1, 4):
+        assert _sends(w.on_timer(k * RTO))
+    fail = w.on_timer(4 * RTO)
+    assert len(fail) == 1 and isinstance(fail[0], Fail) and fail[0].peer == "sw"
+
+
+def test_atp_worker_marks_resends_and_halves_on_ecn() -> None:
+    cfg = WorkerConfig(job_id=1, worker_id=0, fan_in=2, window=8, rto_ns=RTO, ecn_window=True)
+    w = WorkerEngine("w0", cfg, HashedPool("sw", 1, 64))
+    acts = _sends(w.push(8 * 256, 0))
+    assert [a.pkt.agg_index for a in acts] == [atp_index(1, s, 64) for s in range(8)]
+    assert all(a.pkt.flags & Flag.RESEND for a in _sends(w.on_timer(RTO)))
+    w.on_packet(Packet(1, 0, 0, 0, 3, 2, Flag.ACK | Flag.ECN, count=256), 1)
+    assert w.cwnd == 4.0
+    w.on_packet(Packet(1, 0, 1, 0, 3, 2, Flag.ACK | Flag.ECN, count=256), 2)
+    assert w.cwnd == 4.0  # at most one halving per window of data
+    w.on_packet(Packet(1, 0, 2, 0, 3, 2, Flag.ACK, count=256), 3)
+    assert w.cwnd == 4.25
+
+
+def _grad(
+    job: int, w: int, seq: int, idx: int, vals: list[int], n: int = 2, flags: int = 0
+) -> Packet:
+    return Packet(
+        job, w, seq, idx, 1 << w, n, flags, count=len(vals), payload=np.array(vals, dtype=np.int32)
+    )
+
+
+def test_switchml_aggregates_multicasts_and_answers_retransmission() -> None:
+    sw = SwitchEngine.build("sw", "switchml", 4, (SwitchJob(1, ("w0", "w1"), slot_count=2),))
+    assert sw.on_packet(_grad(1, 0, 0, 0, [1, 2]), 10) == []
+    acts = sw.on_packet(_grad(1, 1, 0, 0, [10, 20]), 20)
+    assert len(acts) == 1 and isinstance(acts[0], Multicast)
+    assert acts[0].dsts == ("w0", "w1")
+    assert acts[0].pkt.payload is not None and list(acts[0].pkt.payload) == [11, 22]
+    again = sw.on_packet(_grad(1, 0, 0, 0, [1, 2]), 30)  # w0 lost the result
+    assert isinstance(again[0], Send) and again[0].dst == "w0"
+    assert list(again[0].pkt.payload) == [11, 22]  # type: ignore[arg-type]
+    # Next use of slot 0 (seq 2) goes to the shadow copy; seq 0 stays answerable.
+    sw.on_packet(_grad(1, 0, 2, 0, [5, 5]), 40)
+    assert sw.on_packet(_grad(1, 1, 0, 0, [10, 20]), 50)[0].dst == "w1"  # type: ignore[union-attr]
+    # seq 4 reuses copy 0: a late duplicate of seq 0 is now stale.
+    sw.on_packet(_grad(1, 0, 4, 0, [7, 7]), 60)
+    assert sw.on_packet(_grad(1, 1, 0, 0, [10, 20]), 70) == []
+    assert sw.counters["drop_stale"] == 1
+    assert sw.policy.stats.busy_ns == 10
+
+
+def test_switch_drops_foreign_and_malformed_packets() -> None:
+    sw = SwitchEngine.build(
+        "sw",
+        "switchml",
+        8,
+        (
+            SwitchJob(1, ("a", "b"), slot_count=2),
+            SwitchJob(2, ("c", "d"), slot_base=2, slot_count=2),
+        ),
+    )
+    assert sw.on_packet(_grad(9, 0, 0, 0, [1]), 0) == []  # unknown job
+    assert sw.on_packet(_grad(2, 0, 0, 0, [1]), 0) == []  # job 2 naming job 1's slot
+    assert sw.on_packet(_grad(1, 2, 0, 0, [1], n=3), 0) == []  # worker outside the job
+    bad_bitmap = _grad(1, 0, 0, 0, [1])
+    bad_bitmap.bitmap = 0b11
+    assert sw.on_packet(bad_bitmap, 0) == []
+    assert sw.counters["drop_unknown_job"] == 1
+    assert sw.counters["drop_bad_slot"] == 1
+    assert sw.counters["drop_bad_worker"] == 2
+
+
+def test_atp_collision_goes_to_ps_and_ps_merges_by_bitmap() -> None:
+    pool = 4
+    sw = SwitchEngine.build(
+        "sw",
+        "atp",
+        pool,
+        (SwitchJob(1, ("w0", "w1"), parent="ps"), SwitchJob(2, ("x0", "x1"), parent="ps")),
+    )
+    ps = ParameterServer("ps", (PsJob(1, ("w0", "w1"), via="sw"), PsJob(2, ("x0", "x1"), via="sw")))
+    i1 = atp_index(1, 0, pool)
+    # job 2 takes the aggregator first; job 1's packets collide and go to the PS
+    sw.on_packet(_grad(2, 0, 5, i1, [100]), 0)
+    fwd = sw.on_packet(_grad(1, 0, 0, i1, [1]), 1) + sw.on_packet(_grad(1, 1, 0, i1, [2]), 2)
+    assert all(isinstance(a, Send) and a.dst == "ps" and a.pkt.flags & Flag.COLLISION for a in fwd)
+    assert sw.counters["ps_collision"] == 2
+    out = ps.on_packet(fwd[0].pkt, 3) + ps.on_packet(fwd[1].pkt, 4)  # type: ignore[union-attr]
+    assert len(out) == 1 and isinstance(out[0], Send) and out[0].dst == "sw"
+    assert list(out[0].pkt.payload) == [3]  # type: ignore[arg-type]
+    # the result passing back does not free job 2's aggregator (different key)
+    down = sw.on_packet(out[0].pkt, 5)
+    assert isinstance(down[0], Multicast) and down[0].dsts == ("w0", "w1")
+    assert sw.policy.pool[i1].job == 2  # type: ignore[attr-defined]
+
+
+def test_atp_resend_flushes_partial_and_ps_never_double_counts() -> None:
+    sw = SwitchEngine.build("sw", "atp", 8, (SwitchJob(1, ("w0", "w1", "w2"), parent="ps"),))
+    ps = ParameterServer("ps", (PsJob(1, ("w0", "w1", "w2"), via="sw"),))
+    idx = atp_index(1, 0, 8)
+    sw.on_packet(_grad(1, 0, 0, idx, [1], n=3), 0)
+    sw.on_packet(_grad(1, 1, 0, idx, [2], n=3), 1)
+    flush = sw.on_packet(_grad(1, 0, 0, idx, [1], n=3, flags=Flag.RESEND), 2)
+    assert [a.pkt.bitmap for a in flush] == [0b011, 0b001]  # type: ignore[union-attr]
+    assert flush[0].pkt.flags & Flag.PARTIAL  # type: ignore[union-attr]
+    for a in flush:
+        assert ps.on_packet(a.pkt, 3) == []  # type: ignore[union-attr]
+    assert ps.counters["drop_duplicate"] == 1  # w0's resend was already in the partial
+    # a late duplicate of w0 claims a fresh aggregator with w2; that partial overlaps
+    sw.on_packet(_grad(1, 0, 0, idx, [1], n=3), 4)
+    sw.on_packet(_grad(1, 2, 0, idx, [4], n=3), 5)
+    flush2 = sw.on_packet(_grad(1, 2, 0, idx, [4], n=3, flags=Flag.RESEND), 6)
+    results = [r for a in flush2 for r in ps.on_packet(a.pkt, 7)]  # type: ignore[union-attr]
+    assert ps.counters["drop_overlap"] == 1
+    assert len(results) == 1 and list(results[0].pkt.payload) == [7]  # type: ignore[union-attr]
+    # a resend after completion is answered from the stored result
+    again = ps.on_packet(_grad(1, 1, 0, idx, [2], n=3, flags=Flag.RESEND), 8)
+    assert again[0].pkt.flags & Flag.RESEND and again[0].pkt.worker_id == 1  # type: ignore[union-attr]

@@ -1,0 +1,79 @@
+"""Event loop and link model against hand-computed timings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.proto.actions import Action, NoTimers
+from gradfabric.sim.loop import EventLoop
+from gradfabric.sim.network import LinkSpec, Network
+from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet
+
+
+def test_ties_break_by_insertion_order() -> None:
+    loop = EventLoop()
+    seen: list[str] = []
+    for name in "abc":
+        loop.at(5, seen.append, name)
+    loop.at(1, seen.append, "first")
+    loop.run()
+    assert seen == ["first", "a", "b", "c"] and loop.now == 5 and loop.events == 4
+    with pytest.raises(ValueError):
+        loop.at(4, seen.append, "past")
+
+
+class _Sink(NoTimers):
+    name = "sink"
+
+    def __init__(self) -> None:
+        from gradfabric.core.trace import Counters
+
+        self.counters = Counters()
+        self.got: list[tuple[int, Packet]] = []
+        self.loop: EventLoop | None = None
+
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+        self.got.append((now_ns, pkt))
+        return []
+
+
+def _pair(spec: LinkSpec) -> tuple[Network, _Sink, object]:
+    net = Network(EventLoop(), random.Random(0), values_per_packet=256)
+    link, _ = net.connect("a", "b", spec, spec)
+    sink = _Sink()
+    net.bind("b", sink)
+    return net, sink, link
+
+
+def test_link_serialisation_and_propagation_exact() -> None:
+    # 100 Gbit/s: a 256-value packet is 32 + 1024 = 1056 B = 84.48 ns on the wire.
+    net, sink, link = _pair(LinkSpec(link_gbps=100, prop_delay_ns=1000, queue_bytes=0))
+    for s in range(3):
+        link.send("b", Packet(1, 0, s, count=256))  # type: ignore[attr-defined]
+    net.loop.run()
+    # finishes at 84.48, 168.96, 253.44 ns -> rounded up to whole ns, plus 1000
+    assert [t for t, _ in sink.got] == [1085, 1169, 1254]
+
+
+def test_tail_drop_and_ecn_marking() -> None:
+    size = HEADER_BYTES + 1024
+    net, sink, link = _pair(
+        LinkSpec(link_gbps=10, prop_delay_ns=0, queue_bytes=3 * size, ecn_bytes=size)
+    )
+    for s in range(6):
+        link.send("b", Packet(1, 0, s, count=256))  # type: ignore[attr-defined]
+    net.loop.run()
+    # backlog before each send: 0, 1, 2, 3(full) ... packets
+    assert [p.seq for _, p in sink.got] == [0, 1, 2]
+    assert [bool(p.flags & Flag.ECN) for _, p in sink.got] == [False, False, True]
+    assert net.counters["queue_drop"] == 3
+
+
+def test_link_spec_validation_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="loss"):
+        LinkSpec(loss=1.5)
+    with pytest.raises(ConfigError, match="link_gbps"):
+        LinkSpec(link_gbps=0)
