@@ -123,6 +123,12 @@ class CollectiveResult:
         return self.pool.busy_ns / (self.pool.aggregators * max(1, self.comm_ns))
 
     @property
+    def mem_held(self) -> float:
+        if self.pool.aggregators == 0:
+            return 0.0
+        return self.pool.held_ns / (self.pool.aggregators * max(1, self.comm_ns))
+
+    @property
     def ps_fallback(self) -> float:
         return self.fallback_packets / max(1, self.worker_packets)
 

@@ -28,6 +28,11 @@ class EventLoop:
         self._seq += 1
         heapq.heappush(self._heap, (time_ns, self._seq, fn, arg))
 
+    def push(self, time_ns: int, fn: Callable[[Any], None], arg: Any) -> None:
+        """``at`` without the past-time check, for callers that add a delay to ``now``."""
+        self._seq += 1
+        heapq.heappush(self._heap, (time_ns, self._seq, fn, arg))
+
     def run(self, until_ns: int | None = None) -> None:
         """Process events in time order until none remain, ``until_ns`` or ``stop()``."""
         heap, pop = self._heap, heapq.heappop

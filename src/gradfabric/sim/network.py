@@ -7,6 +7,10 @@ instant is ``(busy_until - now) * rate``, which gives tail drop at
 ``queue_bytes`` and ECN marking above ``ecn_bytes`` exactly as a FIFO would,
 at one event per packet per hop (its arrival at the far end).
 
+A simulated packet may stand for a train of real packets (coarse
+granularity): it occupies the link for the whole train but reaches the next
+hop when the train's first packet does, as the real packets would pipeline.
+
 Loss, duplication and reordering (a uniform extra delay up to ``jitter_ns``)
 draw from the network's one seeded RNG.
 """
@@ -62,6 +66,7 @@ class LinkSpec:
 
 class Link:
     __slots__ = (
+        "arrive",
         "busy_until_ps",
         "bytes_sent",
         "counters",
@@ -84,6 +89,7 @@ class Link:
     def __init__(self, net: Network, src: str, dst: Node, spec: LinkSpec) -> None:
         self.net = net
         self.dst = dst
+        self.arrive = dst.arrive
         self.spec = spec
         self.name = f"{src}->{dst.name}"
         self.ps_per_byte = 8e12 / (spec.link_gbps * 1e9)
@@ -120,14 +126,18 @@ class Link:
         finish = start + int(size * self.ps_per_byte)
         self.busy_until_ps = finish
         self.bytes_sent += size
+        if count > self.vpp:
+            # A train: its packets pipeline through every hop, so the next node
+            # starts on it when its first packet is in (cut-through of the train),
+            # while this link stays busy for the whole train.
+            finish = start + int((HEADER_BYTES + self.vpp * VALUE_BYTES) * self.ps_per_byte)
         arrive = -(-finish // PS_PER_NS) + self.prop
         if self.jitter:
             arrive += self.rng.randrange(self.jitter + 1)
-        node = self.dst
-        loop.at(arrive, node.arrive, (dst, pkt))
+        loop.push(arrive, self.arrive, (dst, pkt))
         if self.dup and self.rng.random() < self.dup:
             self.counters["link_dup"] += 1
-            loop.at(arrive + self.rng.randrange(self.jitter + 1), node.arrive, (dst, pkt.clone()))
+            loop.at(arrive + self.rng.randrange(self.jitter + 1), self.arrive, (dst, pkt.clone()))
 
 
 class Node:
@@ -170,7 +180,12 @@ class Node:
     def execute(self, actions: list[Action]) -> None:
         for a in actions:
             if type(a) is Send:
-                self.link_to(a.dst, a.pkt).send(a.dst, a.pkt)
+                dst = a.dst
+                links = self.routes.get(dst)
+                if links is not None and len(links) == 1:  # the common case, inlined
+                    links[0].send(dst, a.pkt)
+                else:
+                    self.link_to(dst, a.pkt).send(dst, a.pkt)
             elif type(a) is Multicast:
                 for d in a.dsts:
                     p = a.pkt.clone()

@@ -59,8 +59,9 @@ class PoolStats:
     """Aggregator-time accounting (ns) for switch memory utilisation.
 
     ``busy_ns``: from an aggregator's first packet until its aggregate is
-    complete. ``held_ns``: from claim until it is free for another key (for
-    ATP this includes the wait for the PS result).
+    complete. ``held_ns``: from claim until its result is known (for ATP, until
+    the PS result passes back and frees it; for SwitchML, until the result is
+    multicast, after which the copy only shadows it for retransmissions).
     """
 
     aggregators: int

@@ -112,6 +112,7 @@ class SwitchMLPolicy:
             return []
         self.stats.busy_ns += now_ns - c.claim_ns
         if job.parent is None:
+            self.stats.held_ns += now_ns - c.claim_ns
             c.state = COMPLETE
             c.result = Packet(
                 job.job_id,
@@ -151,8 +152,6 @@ class SwitchMLPolicy:
 
     def _reset(self, c: _Copy, pkt: Packet, now_ns: int) -> None:
         self.stats.claims += 1
-        if c.state != IDLE:
-            self.stats.held_ns += now_ns - c.claim_ns
         c.seq = pkt.seq
         c.state = AGGREGATING
         c.bitmap = 0

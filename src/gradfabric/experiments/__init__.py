@@ -1,0 +1,1 @@
+"""Typed configs, experiments, the reproduction suite and its report."""

@@ -1,0 +1,88 @@
+"""Matplotlib figures for experiments (written as PNG, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def grouped_bars(
+    rows: list[dict[str, Any]],
+    group: str,
+    series: str,
+    value: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+) -> Path:
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    names = list(dict.fromkeys(r[series] for r in rows))
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, name in enumerate(names):
+        ys = [
+            next((r[value] for r in rows if r[group] == g and r[series] == name), 0.0)
+            for g in groups
+        ]
+        xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, ys, width, label=name)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def measured_vs_bound(checks: list[dict[str, Any]], title: str, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [f"{c['subject']}\n{c['check'].split(' vs ')[0]}" for c in checks]
+    ratios = [c["ratio"] for c in checks]
+    ax.bar(
+        range(len(ratios)),
+        ratios,
+        color=["tab:green" if c["within_5pct"] else "tab:red" for c in checks],
+    )
+    ax.axhline(1.0, color="k", lw=1)
+    ax.axhspan(0.95, 1.05, color="grey", alpha=0.2, label="±5%")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("measured / analytic bound")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def lines(
+    xs: list[float],
+    series: dict[str, list[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+    logx: bool = False,
+) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

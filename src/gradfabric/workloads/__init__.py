@@ -1,0 +1,1 @@
+"""Model catalog (per-layer parameters and FLOPs) and compute-time model."""

@@ -1,0 +1,150 @@
+"""Per-layer parameters and FLOPs of real models, derived from their definitions.
+
+Each model in ``models.BUILDERS`` is built on the meta device and run forward
+once on a one-sample input; hooks on the leaf modules record, in execution
+order, each layer's parameter count, forward FLOPs (multiply-add = 2 FLOPs)
+and output activation size. Backward FLOPs are taken as 2x forward (the
+gradients with respect to inputs and to weights each cost one forward's worth
+of multiply-adds), the usual rule for dense layers.
+
+FLOP rules: Conv2d ``2 * Cin/groups * kh * kw * Cout * Hout * Wout``; Linear
+``2 * in * out`` per row; multi-head attention projections plus ``4 * L^2 * E``
+for scores and weighted sum; LSTM ``8 * H * (I + H)`` per step and layer;
+normalisation ``5`` per element; embeddings are lookups (0).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import cache
+from typing import Any
+
+from gradfabric.core.errors import ConfigError
+
+MODEL_NAMES = (
+    "resnet50",
+    "resnet152",
+    "vgg16",
+    "vgg19",
+    "bert-base",
+    "bert-large",
+    "gpt2",
+    "lstm",
+    "ncf",
+)
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    params: int
+    fwd_flops: int
+    activation_bytes: int
+
+    @property
+    def bwd_flops(self) -> int:
+        return 2 * self.fwd_flops
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the simulator and planner see it (per sample)."""
+
+    name: str
+    layers: tuple[Layer, ...]
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(layer.fwd_flops for layer in self.layers)
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 * self.params
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "layers": [asdict(x) for x in self.layers]})
+
+
+def _flops(mod: Any, inp: tuple[Any, ...], out: Any) -> int:
+    from torch import nn
+
+    x = inp[0] if inp else None
+    y = out[0] if isinstance(out, tuple) else out
+    if isinstance(mod, nn.Conv2d):
+        kh, kw = mod.kernel_size
+        per_out = 2 * (mod.in_channels // mod.groups) * kh * kw
+        return int(per_out * y.numel() + (y.numel() if mod.bias is not None else 0))
+    if isinstance(mod, nn.Linear):
+        rows = x.numel() // mod.in_features
+        return int(2 * mod.in_features * mod.out_features * rows)
+    if isinstance(mod, nn.MultiheadAttention):
+        seq, emb = x.shape[-2], x.shape[-1]
+        proj = 2 * seq * emb * 4 * emb  # q, k, v and output projections
+        return int(proj + 4 * seq * seq * emb)
+    if isinstance(mod, nn.LSTM):
+        steps = x.shape[1] if mod.batch_first else x.shape[0]
+        h, i, total = mod.hidden_size, mod.input_size, 0
+        for layer in range(mod.num_layers):
+            total += 8 * h * ((i if layer == 0 else h) + h) * steps
+        return int(total)
+    if isinstance(mod, (nn.BatchNorm2d, nn.LayerNorm)):
+        return int(5 * y.numel())
+    return 0
+
+
+@cache
+def model_spec(name: str) -> ModelSpec:
+    """Per-layer spec of a catalog model; raises ``ConfigError`` for unknown names."""
+    if name not in MODEL_NAMES:
+        raise ConfigError("model", f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+    import torch
+    from torch import nn
+
+    from gradfabric.workloads.models import BUILDERS
+
+    with torch.device("meta"):
+        model, inputs = BUILDERS[name]()
+    leaf_types = (
+        nn.Conv2d,
+        nn.Linear,
+        nn.BatchNorm2d,
+        nn.LayerNorm,
+        nn.Embedding,
+        nn.MultiheadAttention,
+        nn.LSTM,
+    )
+    records: list[Layer] = []
+    seen: set[int] = set()
+    hooks = []
+
+    def hook(mname: str) -> Any:
+        def fn(mod: nn.Module, inp: tuple[Any, ...], out: Any) -> None:
+            # Count each parameter once, at its first use (tied weights, reused modules).
+            fresh = [p for p in mod.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in fresh)
+            params = sum(p.numel() for p in fresh)
+            y = out[0] if isinstance(out, tuple) else out
+            records.append(Layer(mname, int(params), _flops(mod, inp, out), 4 * int(y.numel())))
+
+        return fn
+
+    inside_mha: set[str] = {
+        n for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)
+    }
+    for mname, mod in model.named_modules():
+        if isinstance(mod, leaf_types) and not any(mname.startswith(p + ".") for p in inside_mha):
+            hooks.append(mod.register_forward_hook(hook(mname)))
+    with torch.no_grad():
+        model(*inputs)
+    for h in hooks:
+        h.remove()
+    counted = sum(r.params for r in records)
+    total = sum(p.numel() for p in model.parameters())
+    if counted != total:  # a parameter held outside any hooked leaf: keep the books honest
+        records.append(Layer("other", int(total - counted), 0, 0))
+    return ModelSpec(name, tuple(records))
