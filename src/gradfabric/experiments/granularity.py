@@ -15,7 +15,8 @@ from typing import Any
 
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
-from gradfabric.sim.collective import Bucket, FabricConfig, InaConfig, run_collective
+from gradfabric.proto.jobs import InaConfig
+from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
 from gradfabric.sim.network import LinkSpec
 from gradfabric.workloads.catalog import model_spec
 from gradfabric.workloads.compute import device, timeline

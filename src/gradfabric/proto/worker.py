@@ -124,6 +124,8 @@ _PKT, _DEADLINE, _TRIES = range(3)
 
 
 class WorkerEngine:
+    deadlines_only_grow = True  # every deadline is now + the constant rto_ns
+
     def __init__(self, name: str, cfg: WorkerConfig, route: Route) -> None:
         if isinstance(route, StaticSlots) and cfg.window > route.slot_count:
             raise ConfigError(

@@ -24,11 +24,12 @@ import numpy as np
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
-from gradfabric.proto.actions import Deliver
-from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.actions import Deliver, Engine
+from gradfabric.proto.jobs import InaConfig as InaConfig
+from gradfabric.proto.jobs import atp_engines, ps_engines, switchml_engines
 from gradfabric.proto.ring import RingEngine
-from gradfabric.proto.switch import PoolStats, SwitchEngine, SwitchJob
-from gradfabric.proto.worker import HashedPool, Sharded, StaticSlots, WorkerConfig, WorkerEngine
+from gradfabric.proto.switch import PoolStats, SwitchEngine
+from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import LinkSpec, Network
 from gradfabric.sim.topology import Topology, leaf_spine, star
@@ -52,37 +53,6 @@ class FabricConfig:
             )
         if self.hosts_per_rack < 1 or self.spines < 1:
             raise ConfigError("hosts_per_rack", "hosts_per_rack and spines must be >= 1")
-
-
-@dataclass(frozen=True)
-class InaConfig:
-    values_per_packet: int = 256
-    train_packets: int = 1
-    switchml_slots: int = 128
-    atp_pool_slots: int = 4096
-    atp_window: int = 128
-    ps_window: int = 2048
-    ps_servers: int = 0
-    rto_ns: int = 1_000_000
-
-    def __post_init__(self) -> None:
-        for name in (
-            "values_per_packet",
-            "train_packets",
-            "switchml_slots",
-            "atp_pool_slots",
-            "atp_window",
-            "ps_window",
-            "rto_ns",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.ps_servers < 0:
-            raise ConfigError("ps_servers", "must be >= 0 (0: one server per worker)")
-
-    def windowed(self, packets: int) -> int:
-        """A window of ``packets`` real packets, in simulated packets (trains)."""
-        return max(1, packets // self.train_packets)
 
 
 @dataclass(frozen=True)
@@ -133,6 +103,14 @@ class CollectiveResult:
         return self.fallback_packets / max(1, self.worker_packets)
 
 
+def worker_input(seed: int, rank: int, workers: int, values: int) -> np.ndarray:
+    """Worker ``rank``'s int32 data for a seeded run: uniform in the range that
+    keeps the sum of ``workers`` contributions inside int32. The simulator and
+    the UDP driver draw from this same function."""
+    lim = INT32_MAX // workers
+    return np.random.default_rng((seed, rank)).integers(-lim, lim, values, dtype=np.int32)
+
+
 class _Run:
     """Shared state of one run; scheme setups bind engines and return a starter."""
 
@@ -155,18 +133,14 @@ class _Run:
         )
         self.loop = EventLoop()
         self.net = Network(self.loop, random.Random(seed), ina.values_per_packet)
-        self.vpp = ina.values_per_packet * ina.train_packets
+        self.vpp = ina.values_per_sim_packet
         self.workers = [f"w{i}" for i in range(workers)]
         self.offsets = np.concatenate([[0], np.cumsum([b.count for b in buckets])]).astype(int)
         self.total = int(self.offsets[-1])
         self.inputs: list[np.ndarray] | None = None
         self.results: list[np.ndarray] | None = None
         if values:
-            lim = INT32_MAX // workers
-            gen = np.random.default_rng(seed)
-            self.inputs = [
-                gen.integers(-lim, lim, self.total, dtype=np.int32) for _ in range(workers)
-            ]
+            self.inputs = [worker_input(seed, w, workers, self.total) for w in range(workers)]
             self.results = [np.zeros(self.total, dtype=np.int64) for _ in range(workers)]
         self.done = [[-1] * len(buckets) for _ in range(workers)]
         self.left = [[0] * len(buckets) for _ in range(workers)]
@@ -214,33 +188,28 @@ class _Run:
 
         return on_deliver
 
-    def windowed_workers(self, make: Callable[[int], WorkerEngine]) -> Callable[[int, int], None]:
+    def bind_engines(self, engines: dict[str, Engine]) -> Callable[[int, int], None]:
+        """Bind a job's engines to their nodes; returns the bucket starter."""
         npk = [max(1, -(-b.count // self.vpp)) for b in self.buckets]
         self.first_seq = [0, *np.cumsum(npk)[:-1].tolist()]
-        for w, name in enumerate(self.workers):
-            eng = make(w)
-            self.worker_engines.append(eng)
+        for name, eng in engines.items():
             self.net.bind(name, eng)
+            if isinstance(eng, SwitchEngine):
+                self.switches.append(eng)
+        for w, name in enumerate(self.workers):
+            eng = engines[name]
+            assert isinstance(eng, WorkerEngine)
+            self.worker_engines.append(eng)
             self.net.nodes[name].on_deliver = self.seq_deliverer(w)
             self.left[w] = list(npk)
 
         def start(w: int, b: int) -> None:
-            eng = self.worker_engines[w]
-            acts = eng.push(self.buckets[b].count, self.loop.now, self.payload(w, b))
+            acts = self.worker_engines[w].push(
+                self.buckets[b].count, self.loop.now, self.payload(w, b)
+            )
             self.net.kick(self.workers[w], acts)
 
         return start
-
-    def worker_cfg(self, w: int, fan_in: int, window: int, ecn: bool = False) -> WorkerConfig:
-        return WorkerConfig(
-            job_id=1,
-            worker_id=w,
-            fan_in=fan_in,
-            window=window,
-            rto_ns=self.ina.rto_ns,
-            values_per_packet=self.vpp,
-            ecn_window=ecn,
-        )
 
 
 Setup = Callable[[_Run], Callable[[int, int], None]]
@@ -250,55 +219,11 @@ SCHEMES: Registry[Setup] = Registry("scheme")
 @SCHEMES.register("switchml")
 def _switchml(run: _Run) -> Callable[[int, int], None]:
     topo = run.topology([])
-    slots = run.ina.windowed(run.ina.switchml_slots)
-    leaves = sorted(
-        {topo.first_hop[w] for w in run.workers},
-        key=lambda s: int(s[4:] or 0) if s.startswith("leaf") else 0,
-    )
-    root = topo.spines[0] if len(leaves) > 1 else None
-    local_index: dict[str, tuple[int, int]] = {}
-    for li, leaf in enumerate(leaves):
-        kids = topo.rack_hosts(leaf, run.workers)
-        for i, h in enumerate(kids):
-            local_index[h] = (i, len(kids))
-        eng = SwitchEngine.build(
-            leaf,
-            "switchml",
-            slots,
-            (
-                SwitchJob(
-                    1,
-                    tuple(kids),
-                    parent=root,
-                    index_at_parent=li if root else 0,
-                    parent_fan_in=len(leaves) if root else 1,
-                    slot_count=slots,
-                ),
-            ),
-        )
-        run.net.bind(leaf, eng)
-        run.switches.append(eng)
-    if root is not None:
-        eng = SwitchEngine.build(
-            root, "switchml", slots, (SwitchJob(1, tuple(leaves), slot_count=slots),)
-        )
-        run.net.bind(root, eng)
-        run.switches.append(eng)
-
-    def make(w: int) -> WorkerEngine:
-        name = run.workers[w]
-        i, fan = local_index[name]
-        cfg = WorkerConfig(
-            job_id=1,
-            worker_id=i,
-            fan_in=fan,
-            window=slots,
-            rto_ns=run.ina.rto_ns,
-            values_per_packet=run.vpp,
-        )
-        return WorkerEngine(name, cfg, StaticSlots(topo.first_hop[name], 0, slots))
-
-    return run.windowed_workers(make)
+    racks: dict[str, list[str]] = {}
+    for w in run.workers:
+        racks.setdefault(topo.first_hop[w], []).append(w)
+    root = topo.spines[0] if topo.spines else None
+    return run.bind_engines(switchml_engines(racks, root, run.ina))
 
 
 @SCHEMES.register("atp")
@@ -311,35 +236,14 @@ def _atp(run: _Run) -> Callable[[int, int], None]:
             "ATP here aggregates at one switch (<= 64 workers in one "
             "rack); use a star or a smaller job",
         )
-    sw = sws.pop()
-    pool = run.ina.atp_pool_slots
-    window = run.ina.windowed(run.ina.atp_window)
-    eng = SwitchEngine.build(
-        sw, "atp", pool, (SwitchJob(1, tuple(run.workers), parent="ps0", window=window),)
-    )
-    run.net.bind(sw, eng)
-    run.switches.append(eng)
-    run.net.bind(
-        "ps0", ParameterServer("ps0", (PsJob(1, tuple(run.workers), via=sw, window=window),))
-    )
-    return run.windowed_workers(
-        lambda w: WorkerEngine(
-            run.workers[w], run.worker_cfg(w, run.n, window, ecn=True), HashedPool(sw, 1, pool)
-        )
-    )
+    return run.bind_engines(atp_engines(sws.pop(), run.workers, run.ina))
 
 
 @SCHEMES.register("ps")
 def _ps(run: _Run) -> Callable[[int, int], None]:
-    m = run.ina.ps_servers or run.n
-    servers = tuple(f"ps{i}" for i in range(m))
-    run.topology(list(servers))
-    window = run.ina.windowed(run.ina.ps_window)
-    for s in servers:
-        run.net.bind(s, ParameterServer(s, (PsJob(1, tuple(run.workers), window=window),)))
-    return run.windowed_workers(
-        lambda w: WorkerEngine(run.workers[w], run.worker_cfg(w, run.n, window), Sharded(servers))
-    )
+    servers = [f"ps{i}" for i in range(run.ina.ps_servers or run.n)]
+    run.topology(servers)
+    return run.bind_engines(ps_engines(servers, run.workers, run.ina))
 
 
 @SCHEMES.register("ring")

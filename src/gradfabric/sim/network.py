@@ -144,7 +144,17 @@ class Node:
     """A host or switch. Packets addressed to it go to its engine (if any);
     others are forwarded along ``routes`` (several links = ECMP, hashed per flow)."""
 
-    __slots__ = ("engine", "loop", "name", "net", "on_deliver", "routes", "timed", "timer_at")
+    __slots__ = (
+        "engine",
+        "grow_only",
+        "loop",
+        "name",
+        "net",
+        "on_deliver",
+        "routes",
+        "timed",
+        "timer_at",
+    )
 
     def __init__(self, net: Network, name: str) -> None:
         self.net = net
@@ -155,6 +165,7 @@ class Node:
         self.on_deliver: Callable[[Deliver], None] | None = None
         self.timer_at: int | None = None
         self.timed = False
+        self.grow_only = False
 
     def arrive(self, arg: tuple[str, Packet]) -> None:
         dst, pkt = arg
@@ -187,15 +198,20 @@ class Node:
                 else:
                     self.link_to(dst, a.pkt).send(dst, a.pkt)
             elif type(a) is Multicast:
+                routes = self.routes
                 for d in a.dsts:
                     p = a.pkt.clone()
-                    self.link_to(d, p).send(d, p)
+                    links = routes.get(d)
+                    if links is not None and len(links) == 1:
+                        links[0].send(d, p)
+                    else:
+                        self.link_to(d, p).send(d, p)
             elif type(a) is Deliver:
                 if self.on_deliver is not None:
                     self.on_deliver(a)
             elif type(a) is Fail:
                 raise PeerTimeoutError(a.peer, self.net.loop.now / 1e9)
-        if self.timed:
+        if self.timed and (self.timer_at is None or not self.grow_only):
             self.arm_timer()
 
     def arm_timer(self) -> None:
@@ -239,6 +255,9 @@ class Network:
         node = self.node(name)
         node.engine = engine
         node.timed = not isinstance(engine, NoTimers)
+        # An engine whose new deadlines are never earlier than its pending ones
+        # (a constant RTO) needs no re-arming while a timer is pending.
+        node.grow_only = bool(getattr(engine, "deadlines_only_grow", False))
 
     def kick(self, name: str, actions: list[Action]) -> None:
         """Execute actions an engine returned outside a packet event (e.g. a push)."""

@@ -73,8 +73,8 @@ class ModelSpec:
 def _flops(mod: Any, inp: tuple[Any, ...], out: Any) -> int:
     from torch import nn
 
-    x = inp[0] if inp else None
-    y = out[0] if isinstance(out, tuple) else out
+    x: Any = inp[0] if inp else None
+    y: Any = out[0] if isinstance(out, tuple) else out
     if isinstance(mod, nn.Conv2d):
         kh, kw = mod.kernel_size
         per_out = 2 * (mod.in_channels // mod.groups) * kh * kw

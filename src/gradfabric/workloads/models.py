@@ -7,7 +7,9 @@ its parameter count is checked against the published figure in the tests.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -38,7 +40,8 @@ class Bottleneck(nn.Module):
         idt = x if self.down is None else self.down(x)
         y = self.relu(self.bn1(self.conv1(x)))
         y = self.relu(self.bn2(self.conv2(y)))
-        return self.relu(self.bn3(self.conv3(y)) + idt)
+        out: torch.Tensor = self.relu(self.bn3(self.conv3(y)) + idt)
+        return out
 
 
 class ResNet(nn.Module):
@@ -62,10 +65,11 @@ class ResNet(nn.Module):
         self.fc = nn.Linear(cin, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+        out: torch.Tensor = self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+        return out
 
 
-VGG_CFG = {
+VGG_CFG: dict[int, list[int | str]] = {
     16: [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
     19: [
         64,
@@ -99,11 +103,11 @@ class VGG(nn.Module):
         feats: list[nn.Module] = []
         cin = 3
         for v in VGG_CFG[depth]:
-            if v == "M":
+            if isinstance(v, str):  # "M": max-pool
                 feats.append(nn.MaxPool2d(2))
             else:
-                feats += [nn.Conv2d(cin, int(v), 3, padding=1), nn.ReLU()]
-                cin = int(v)
+                feats += [nn.Conv2d(cin, v, 3, padding=1), nn.ReLU()]
+                cin = v
         self.features = nn.Sequential(*feats)
         self.pool = nn.AdaptiveAvgPool2d(7)
         self.classifier = nn.Sequential(
@@ -117,7 +121,7 @@ class VGG(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
+        return cast(torch.Tensor, self.classifier(torch.flatten(self.pool(self.features(x)), 1)))
 
 
 class Transformer(nn.Module):
@@ -152,7 +156,7 @@ class Transformer(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         if self.final_norm is not None and self.head is not None:
-            return self.head(self.final_norm(x))
+            return cast(torch.Tensor, self.head(self.final_norm(x)))
         assert self.pooler is not None
         return torch.tanh(self.pooler(x[:, 0]))
 
@@ -168,7 +172,7 @@ class LSTMLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         y, _ = self.lstm(self.emb(ids))
-        return self.out(y)
+        return cast(torch.Tensor, self.out(y))
 
 
 class NCF(nn.Module):
@@ -187,7 +191,7 @@ class NCF(nn.Module):
         self.mlp_user = nn.Embedding(users, mlp[0] // 2)
         self.mlp_item = nn.Embedding(items, mlp[0] // 2)
         self.mlp = nn.Sequential(
-            *[m for a, b in zip(mlp, mlp[1:], strict=False) for m in (nn.Linear(a, b), nn.ReLU())]
+            *[m for a, b in itertools.pairwise(mlp) for m in (nn.Linear(a, b), nn.ReLU())]
         )
         self.head = nn.Linear(mf_dim + mlp[-1], 1)
 
@@ -195,7 +199,8 @@ class NCF(nn.Module):
         u, i = pair[:, 0], pair[:, 1]
         mf = self.mf_user(u) * self.mf_item(i)
         h = self.mlp(torch.cat([self.mlp_user(u), self.mlp_item(i)], dim=1))
-        return self.head(torch.cat([mf, h], dim=1))
+        out: torch.Tensor = self.head(torch.cat([mf, h], dim=1))
+        return out
 
 
 def _image(model: nn.Module) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

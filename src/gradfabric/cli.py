@@ -1,0 +1,271 @@
+"""The ``gradfabric`` command line.
+
+Exit codes: 0 success; 1 the run finished but a check it makes failed (an
+analytic bound missed, an experiment raised); 2 bad usage or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gradfabric.core.errors import ConfigError
+
+err = Console(stderr=True)
+out = Console()
+
+
+def _results_dir(given: str | None, command: str) -> Path:
+    path = Path(given) if given else Path("results") / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def _progress(total: int, quiet: bool) -> Iterator[Callable[[str], None]]:
+    bar = Progress(
+        TextColumn("{task.description:<32}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=quiet or not err.is_terminal,
+    )
+    with bar:
+        task = bar.add_task("starting", total=total)
+        first = [True]
+
+        def tick(label: str) -> None:
+            if not first[0]:
+                bar.advance(task)
+            first[0] = False
+            bar.update(task, description=label)
+
+        yield tick
+        bar.update(task, completed=total)
+
+
+def _table(rows: list[dict[str, Any]], title: str, cols: Sequence[str]) -> Table:
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(
+            c, justify="right" if c not in ("model", "scheme", "check", "subject") else "left"
+        )
+    for r in rows:
+        t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+    return t
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from gradfabric.experiments.baselines import builtin_config
+    from gradfabric.experiments.config import dump, load_yaml
+    from gradfabric.experiments.simulate import SimulateConfig, run_simulate
+
+    cfg = load_yaml(SimulateConfig, Path(args.config)) if args.config else builtin_config()
+    if args.train_packets:
+        cfg = replace(cfg, ina=replace(cfg.ina, train_packets=args.train_packets))
+    dest = _results_dir(args.out, "simulate")
+    (dest / "config.yaml").write_text(yaml.safe_dump(dump(cfg), sort_keys=False))
+    steps = len(cfg.models) * len(cfg.schemes) + 1
+    with _progress(steps, args.json) as tick:
+        res = run_simulate(cfg, tick)
+    (dest / "results.json").write_text(json.dumps(res, indent=1))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        out.print(
+            _table(
+                res["rows"],
+                f"{cfg.name}: {cfg.workers} workers, "
+                f"{cfg.fabric.link.link_gbps:g} Gbit/s, train={cfg.ina.train_packets}",
+                [
+                    "model",
+                    "scheme",
+                    "iteration_ms",
+                    "comm_only_ms",
+                    "goodput_gbps",
+                    "mem_util",
+                    "mem_held",
+                    "ps_fallback",
+                    "wall_s",
+                ],
+            )
+        )
+        if res["checks"]:
+            out.print(
+                _table(
+                    res["checks"],
+                    "analytic checks",
+                    ["subject", "check", "measured", "bound", "ratio", "within_5pct"],
+                )
+            )
+        out.print(f"results and resolved config: {dest}")
+    return 0 if all(c["within_5pct"] for c in res["checks"]) else 1
+
+
+def cmd_bench_sim(args: argparse.Namespace) -> int:
+    from gradfabric.proto.jobs import InaConfig
+    from gradfabric.sim.collective import Bucket, run_collective
+    from gradfabric.workloads.catalog import model_spec
+    from gradfabric.workloads.compute import device, timeline
+
+    spec = model_spec(args.model)
+    tl = timeline(spec, 32, device("v100"))
+    buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
+    runs = []
+    with _progress(args.repeats, args.json) as tick:
+        for i in range(args.repeats):
+            tick(f"run {i + 1}")
+            r = run_collective(args.scheme, args.workers, buckets, ina=InaConfig(train_packets=1))
+            runs.append(
+                {"events": r.events, "wall_s": r.wall_s, "events_per_s": r.events / r.wall_s}
+            )
+    res = {
+        "scheme": args.scheme,
+        "model": args.model,
+        "workers": args.workers,
+        "granularity": "packet",
+        "repeats": args.repeats,
+        "events_per_s": statistics.median(x["events_per_s"] for x in runs),
+        "events": runs[0]["events"],
+        "wall_s": [x["wall_s"] for x in runs],
+    }
+    if args.json:
+        print(json.dumps(res))
+    else:
+        out.print(
+            f"{args.scheme} {args.model}, {args.workers} workers, packet granularity: "
+            f"{res['events']} events; median {res['events_per_s']:,.0f} events/s over "
+            f"{args.repeats} runs (wall s: {', '.join(f'{w:.2f}' for w in res['wall_s'])})"
+        )
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from gradfabric.experiments import baselines, granularity  # noqa: F401  (registration)
+    from gradfabric.experiments.registry import EXPERIMENTS
+    from gradfabric.experiments.report import write_report
+
+    names = args.only.split(",") if args.only else EXPERIMENTS.names()
+    exps = [EXPERIMENTS.get(n) for n in names]
+    dest = _results_dir(args.out, "reproduce")
+    results = []
+    failed = []
+    for exp in exps:
+        err.print(f"[bold]{exp.title}[/bold]")
+        with _progress(8, args.json) as tick:
+            try:
+                results.append(exp.run(args.quick, dest, tick))
+            except Exception as e:  # one broken experiment must not hide the others
+                failed.append(f"{exp.name}: {e!r}")
+                err.print(f"[red]{exp.name} failed: {e!r}[/red]")
+    report = write_report(results, dest, args.quick)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "report": str(report),
+                    "failed": failed,
+                    "claims": [c.__dict__ for r in results for c in r.claims],
+                }
+            )
+        )
+    else:
+        t = Table(title="claims")
+        for col in ("system", "claim", "paper", "ours", "ratio"):
+            t.add_column(col)
+        for r in results:
+            for c in r.claims:
+                t.add_row(
+                    c.system, c.claim, c.paper, c.ours, "" if c.ratio is None else f"{c.ratio:.3f}"
+                )
+        out.print(t)
+        out.print(f"report: {report}")
+    return 1 if failed else 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from gradfabric.workloads.catalog import MODEL_NAMES, model_spec
+
+    rows = [
+        {
+            "model": m,
+            "params": model_spec(m).params,
+            "layers": len(model_spec(m).layers),
+            "fwd_gflops_per_sample": model_spec(m).fwd_flops / 1e9,
+        }
+        for m in MODEL_NAMES
+    ]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        out.print(
+            _table(rows, "model catalog", ["model", "params", "layers", "fwd_gflops_per_sample"])
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gradfabric", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    p.add_argument("--version", action="version", version="gradfabric 0.1.0")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("simulate", help="simulate baselines on real models (built-in default)")
+    s.add_argument("config", nargs="?", help="YAML config (default: the built-in baselines)")
+    s.add_argument("--train-packets", type=int, help="override ina.train_packets (1 = packets)")
+    s.add_argument("--out", help="results directory (default: results/simulate-<time>)")
+    s.add_argument("--json", action="store_true", help="print results as JSON")
+    s.set_defaults(fn=cmd_simulate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bs = bsub.add_parser("sim", help="simulator speed: packet events per wall second")
+    bs.add_argument("--scheme", default="atp")
+    bs.add_argument("--model", default="resnet50")
+    bs.add_argument("--workers", type=int, default=8)
+    bs.add_argument("--repeats", type=int, default=3)
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(fn=cmd_bench_sim)
+
+    r = sub.add_parser("reproduce", help="run the reproduction suite and write its report")
+    r.add_argument("--quick", action="store_true", help="minutes, not hours")
+    r.add_argument("--only", help="comma-separated experiment names")
+    r.add_argument("--out", help="results directory (default: results/reproduce-<time>)")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(fn=cmd_reproduce)
+
+    m = sub.add_parser("models", help="list the model catalog")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_models)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        err.print(f"[red]config error:[/red] {e}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Drivers that run the sans-I/O engines over real sockets."""

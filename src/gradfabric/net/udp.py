@@ -1,0 +1,102 @@
+"""The asyncio UDP driver: one engine behind one UDP socket, wall-clock time.
+
+The driver owns everything the engine may not: the socket, the clock
+(``time.monotonic_ns``, the same clock as ``loop.time()``), the single timer
+(armed at the engine's ``next_deadline``) and the address book that turns
+engine names (``"w0"``, ``"sw0"``) into ``(host, port)``. Datagrams that do
+not decode are a ``ProtocolError``: counted in ``counters['drop_malformed']``
+and otherwise ignored, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from gradfabric.core.errors import PeerTimeoutError, ProtocolError
+from gradfabric.proto.actions import Action, Deliver, Engine, Fail, Multicast, Send
+from gradfabric.wire.packet import decode, encode
+
+Address = tuple[str, int]
+
+
+class EngineProtocol(asyncio.DatagramProtocol):
+    def __init__(
+        self,
+        engine: Engine,
+        book: dict[str, Address],
+        on_deliver: Callable[[Deliver], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.book = book
+        self.on_deliver = on_deliver
+        self.transport: asyncio.DatagramTransport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at: int | None = None
+        self.failure: PeerTimeoutError | None = None
+        self.failed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.DatagramTransport)
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        try:
+            pkt = decode(data)
+        except ProtocolError:
+            self.engine.counters["drop_malformed"] += 1
+            return
+        self.execute(self.engine.on_packet(pkt, time.monotonic_ns()))
+
+    def error_received(self, exc: Exception) -> None:
+        self.engine.counters["socket_error"] += 1
+
+    def execute(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self._send(a.dst, encode(a.pkt))
+            elif isinstance(a, Multicast):
+                raw = encode(a.pkt)
+                for d in a.dsts:
+                    self._send(d, raw)
+            elif isinstance(a, Deliver):
+                if self.on_deliver is not None:
+                    self.on_deliver(a)
+            elif isinstance(a, Fail) and not self.failed.done():
+                self.failed.set_exception(PeerTimeoutError(a.peer, 0.0))
+        self._arm()
+
+    def _send(self, dst: str, raw: bytes) -> None:
+        addr = self.book.get(dst)
+        if addr is None or self.transport is None:
+            self.engine.counters["drop_no_address"] += 1
+            return
+        self.transport.sendto(raw, addr)
+
+    def _arm(self) -> None:
+        d = self.engine.next_deadline()
+        if d is None or d == self.timer_at:
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_at = d
+        self.timer = asyncio.get_running_loop().call_at(d / 1e9, self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        self.timer_at = None
+        self.execute(self.engine.on_timer(time.monotonic_ns()))
+
+
+async def open_engine(
+    engine: Engine,
+    book: dict[str, Address],
+    bind: Address,
+    on_deliver: Callable[[Deliver], None] | None = None,
+) -> tuple[asyncio.DatagramTransport, EngineProtocol]:
+    loop = asyncio.get_running_loop()
+    transport, proto = await loop.create_datagram_endpoint(
+        lambda: EngineProtocol(engine, book, on_deliver), local_addr=bind
+    )
+    return transport, proto

@@ -1,0 +1,138 @@
+"""Build the engines of one aggregation job: the same objects whether a
+simulator or a UDP driver runs them (so both run exactly one protocol).
+
+Names are addresses: workers ``w0..``, switches as the caller names them, the
+PS ``ps0`` (ATP) or ``ps0..`` (sharded PS baseline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.proto.actions import Engine
+from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.switch import SwitchEngine, SwitchJob
+from gradfabric.proto.worker import HashedPool, Sharded, StaticSlots, WorkerConfig, WorkerEngine
+
+JOB_ID = 1
+
+
+@dataclass(frozen=True)
+class InaConfig:
+    """Protocol knobs of an aggregation job (windows in real packets)."""
+
+    values_per_packet: int = 256
+    train_packets: int = 1
+    switchml_slots: int = 128
+    atp_pool_slots: int = 4096
+    atp_window: int = 128
+    ps_window: int = 2048
+    ps_servers: int = 0
+    rto_ns: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        for name in (
+            "values_per_packet",
+            "train_packets",
+            "switchml_slots",
+            "atp_pool_slots",
+            "atp_window",
+            "ps_window",
+            "rto_ns",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.ps_servers < 0:
+            raise ConfigError("ps_servers", "must be >= 0 (0: one server per worker)")
+
+    @property
+    def values_per_sim_packet(self) -> int:
+        return self.values_per_packet * self.train_packets
+
+    def windowed(self, packets: int) -> int:
+        """A window of ``packets`` real packets, in simulated packets (trains)."""
+        return max(1, packets // self.train_packets)
+
+
+def _worker(
+    name: str, index: int, fan_in: int, window: int, ina: InaConfig, ecn: bool = False
+) -> WorkerConfig:
+    return WorkerConfig(
+        job_id=JOB_ID,
+        worker_id=index,
+        fan_in=fan_in,
+        window=window,
+        rto_ns=ina.rto_ns,
+        values_per_packet=ina.values_per_sim_packet,
+        ecn_window=ecn,
+    )
+
+
+def switchml_engines(
+    racks: dict[str, list[str]], root: str | None, ina: InaConfig
+) -> dict[str, Engine]:
+    """SwitchML over ``racks`` (first-hop switch -> its workers). With more than
+    one rack, ``root`` aggregates the racks' aggregates (a two-level tree)."""
+    if len(racks) > 1 and root is None:
+        raise ConfigError("root", "several racks need a root switch")
+    slots = ina.windowed(ina.switchml_slots)
+    leaves = list(racks)
+    top = root if len(leaves) > 1 else None
+    engines: dict[str, Engine] = {}
+    for li, leaf in enumerate(leaves):
+        kids = racks[leaf]
+        engines[leaf] = SwitchEngine.build(
+            leaf,
+            "switchml",
+            slots,
+            (
+                SwitchJob(
+                    JOB_ID,
+                    tuple(kids),
+                    parent=top,
+                    index_at_parent=li if top else 0,
+                    parent_fan_in=len(leaves) if top else 1,
+                    slot_count=slots,
+                ),
+            ),
+        )
+        for i, w in enumerate(kids):
+            engines[w] = WorkerEngine(
+                w, _worker(w, i, len(kids), slots, ina), StaticSlots(leaf, 0, slots)
+            )
+    if top is not None:
+        engines[top] = SwitchEngine.build(
+            top, "switchml", slots, (SwitchJob(JOB_ID, tuple(leaves), slot_count=slots),)
+        )
+    return engines
+
+
+def atp_engines(
+    switch: str, workers: list[str], ina: InaConfig, ps: str = "ps0"
+) -> dict[str, Engine]:
+    pool = ina.atp_pool_slots
+    window = ina.windowed(ina.atp_window)
+    engines: dict[str, Engine] = {
+        switch: SwitchEngine.build(
+            switch, "atp", pool, (SwitchJob(JOB_ID, tuple(workers), parent=ps, window=window),)
+        ),
+        ps: ParameterServer(ps, (PsJob(JOB_ID, tuple(workers), via=switch, window=window),)),
+    }
+    for i, w in enumerate(workers):
+        engines[w] = WorkerEngine(
+            w, _worker(w, i, len(workers), window, ina, ecn=True), HashedPool(switch, JOB_ID, pool)
+        )
+    return engines
+
+
+def ps_engines(servers: list[str], workers: list[str], ina: InaConfig) -> dict[str, Engine]:
+    window = ina.windowed(ina.ps_window)
+    engines: dict[str, Engine] = {
+        s: ParameterServer(s, (PsJob(JOB_ID, tuple(workers), window=window),)) for s in servers
+    }
+    for i, w in enumerate(workers):
+        engines[w] = WorkerEngine(
+            w, _worker(w, i, len(workers), window, ina), Sharded(tuple(servers))
+        )
+    return engines
