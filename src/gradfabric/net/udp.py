@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import cast
 
-from gradfabric.core.errors import PeerTimeoutError, ProtocolError
+from gradfabric.core.errors import ProtocolError
 from gradfabric.proto.actions import Action, Deliver, Engine, Fail, Multicast, Send
 from gradfabric.wire.packet import decode, encode
 
 Address = tuple[str, int]
+SOCKET_BUFFER_BYTES = 4 * 2**20
 
 
 class EngineProtocol(asyncio.DatagramProtocol):
@@ -34,12 +36,10 @@ class EngineProtocol(asyncio.DatagramProtocol):
         self.transport: asyncio.DatagramTransport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at: int | None = None
-        self.failure: PeerTimeoutError | None = None
-        self.failed = asyncio.get_running_loop().create_future()
+        self.failed: asyncio.Future[Fail] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
         try:
@@ -64,7 +64,7 @@ class EngineProtocol(asyncio.DatagramProtocol):
                 if self.on_deliver is not None:
                     self.on_deliver(a)
             elif isinstance(a, Fail) and not self.failed.done():
-                self.failed.set_exception(PeerTimeoutError(a.peer, 0.0))
+                self.failed.set_result(a)
         self._arm()
 
     def _send(self, dst: str, raw: bytes) -> None:

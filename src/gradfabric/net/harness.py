@@ -1,0 +1,178 @@
+"""Run one all-reduce over real UDP on loopback: one process per node.
+
+Every process builds the job's engines with the same builder the simulator
+uses (``proto.jobs``) and keeps its own; it binds a UDP socket on an
+ephemeral port, reports the port, receives the address book, and runs. The
+workers push their seeded input (``sim.collective.worker_input``, the same
+data the simulator's values mode uses) and send back what they received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.net.udp import open_engine
+from gradfabric.proto.actions import Deliver, Engine
+from gradfabric.proto.jobs import InaConfig, atp_engines, switchml_engines
+from gradfabric.proto.worker import WorkerEngine
+from gradfabric.sim.collective import worker_input
+
+SCHEMES = ("switchml", "atp")
+# A Python switch process on a shared host: a window that keeps the switch's
+# socket buffer from overflowing (loopback drops what does not fit, and the
+# retransmissions cost more than the window gains) and a longer RTO than a
+# hardware switch needs.
+UDP_DEFAULTS = InaConfig(switchml_slots=8, atp_window=8, rto_ns=100_000_000)
+
+
+def job_engines(scheme: str, workers: int, ina: InaConfig) -> dict[str, Engine]:
+    names = [f"w{i}" for i in range(workers)]
+    if scheme == "switchml":
+        return switchml_engines({"sw0": names}, None, ina)
+    if scheme == "atp":
+        return atp_engines("sw0", names, ina)
+    raise ConfigError(
+        "scheme", f"unknown scheme {scheme!r} for the UDP driver; valid: {', '.join(SCHEMES)}"
+    )
+
+
+@dataclass
+class UdpResult:
+    results: list[np.ndarray]
+    wall_s: float
+    counters: dict[str, dict[str, int]]
+
+
+def _node_main(
+    scheme: str,
+    name: str,
+    workers: int,
+    ina: InaConfig,
+    seed: int,
+    values: int,
+    timeout_s: float,
+    conn: Connection,
+) -> None:
+    try:
+        asyncio.run(_node(scheme, name, workers, ina, seed, values, timeout_s, conn))
+    except Exception as e:  # report, never hang the parent
+        conn.send(("error", f"{name}: {e!r}"))
+
+
+async def _recv(conn: Connection) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+
+
+async def _node(
+    scheme: str,
+    name: str,
+    workers: int,
+    ina: InaConfig,
+    seed: int,
+    values: int,
+    timeout_s: float,
+    conn: Connection,
+) -> None:
+    engine = job_engines(scheme, workers, ina)[name]
+    result = np.zeros(values, dtype=np.int64)
+    vpp = ina.values_per_sim_packet
+    done = asyncio.get_running_loop().create_future()
+
+    def on_deliver(d: Deliver) -> None:
+        if d.pkt.payload is not None:
+            result[d.seq * vpp : d.seq * vpp + d.pkt.count] = d.pkt.payload
+        if isinstance(engine, WorkerEngine) and engine.idle and not done.done():
+            done.set_result(None)
+
+    transport, proto = await open_engine(engine, {}, ("127.0.0.1", 0), on_deliver)
+    try:
+        conn.send(("port", transport.get_extra_info("sockname")[1]))
+        proto.book.update(await _recv(conn))
+        if isinstance(engine, WorkerEngine):
+            await _recv(conn)  # "go": every node has its address book
+            rank = int(name[1:])
+            proto.execute(
+                engine.push(values, time.monotonic_ns(), worker_input(seed, rank, workers, values))
+            )
+            await asyncio.wait(
+                {done, proto.failed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done.done():
+                peer = proto.failed.result().peer if proto.failed.done() else "sw0"
+                raise PeerTimeoutError(peer, timeout_s)
+            conn.send(("result", result, dict(engine.counters)))
+        else:
+            await _recv(conn)  # "stop"
+            conn.send(("counters", dict(engine.counters)))
+    finally:
+        transport.close()
+
+
+def udp_allreduce(
+    scheme: str,
+    workers: int,
+    values: int,
+    seed: int = 0,
+    ina: InaConfig | None = None,
+    timeout_s: float = 60.0,
+) -> UdpResult:
+    """All-reduce ``values`` int32 per worker through a switch process on loopback."""
+    ina = ina or UDP_DEFAULTS
+    names = list(job_engines(scheme, workers, ina))
+    ctx = mp.get_context("spawn")
+    procs, conns = {}, {}
+    for name in names:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(
+            target=_node_main,
+            args=(scheme, name, workers, ina, seed, values, timeout_s, child),
+            daemon=True,
+        )
+        p.start()
+        procs[name], conns[name] = p, parent
+    try:
+        book = {}
+        for name in names:
+            kind, port = _expect(conns[name], timeout_s, "port")
+            book[name] = ("127.0.0.1", port)
+        for name in names:
+            conns[name].send(book)
+        t0 = time.perf_counter()
+        wnames = [n for n in names if n.startswith("w")]
+        for name in wnames:
+            conns[name].send("go")
+        results, counters = [], {}
+        for name in sorted(wnames, key=lambda n: int(n[1:])):
+            _, arr, cnt = _expect(conns[name], timeout_s, "result")
+            results.append(arr)
+            counters[name] = cnt
+        wall = time.perf_counter() - t0
+        for name in names:
+            if name not in wnames:
+                conns[name].send("stop")
+                counters[name] = _expect(conns[name], timeout_s, "counters")[1]
+        return UdpResult(results, wall, counters)
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+
+
+def _expect(conn: Connection, timeout_s: float, kind: str) -> tuple[Any, ...]:
+    if not conn.poll(timeout_s):
+        raise PeerTimeoutError("node process", timeout_s)
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(msg[1])
+    if msg[0] != kind:
+        raise RuntimeError(f"expected {kind!r}, got {msg[0]!r}")
+    return tuple(msg)

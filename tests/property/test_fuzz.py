@@ -1,0 +1,170 @@
+"""Untrusted bytes: only the remote error, counted drops, no cross-job effects."""
+
+from __future__ import annotations
+
+import random
+import struct
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradfabric.core.errors import ProtocolError
+from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.switch import SwitchEngine, SwitchJob
+from gradfabric.proto.switch.atp import atp_index
+from gradfabric.wire.packet import HEADER, MAGIC, VERSION, Flag, Packet, decode, encode
+
+N_FUZZ = 100_000
+
+
+def _valid(rng: random.Random) -> bytes:
+    n = rng.randint(1, 64)
+    w = rng.randrange(n)
+    count = rng.choice([0, 1, 7, 256])
+    flags = rng.choice([0, Flag.ACK, Flag.RESEND, Flag.FLOAT, Flag.ECN | Flag.COLLISION])
+    payload = (
+        np.array([rng.uniform(-9, 9) for _ in range(count)], np.float32)
+        if flags & Flag.FLOAT
+        else np.array([rng.randint(-(2**31), 2**31 - 1) for _ in range(count)], np.int32)
+    )
+    return encode(
+        Packet(
+            rng.choice([1, 2, 3, 999]),
+            w,
+            rng.randrange(2**32),
+            rng.randrange(64),
+            1 << w,
+            n,
+            flags,
+            rng.randrange(256),
+            rng.randrange(2**16),
+            count,
+            payload,
+        )
+    )
+
+
+def _mutate(rng: random.Random, raw: bytes) -> bytes:
+    b = bytearray(raw)
+    op = rng.randrange(6)
+    if op == 0 and b:  # flip bits
+        for _ in range(rng.randint(1, 8)):
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+    elif op == 1:  # truncate
+        b = b[: rng.randrange(len(b) + 1)]
+    elif op == 2:  # extend
+        b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+    elif op == 3:  # overwrite a header field with an extreme value
+        off = rng.randrange(max(1, HEADER.size - 4))
+        b[off : off + 4] = rng.choice([b"\xff\xff\xff\xff", b"\0\0\0\0", b"\x7f\xff\xff\xff"])
+    elif op == 4:  # pure noise with a valid magic/version prefix
+        b = bytearray(struct.pack("<HB", MAGIC, VERSION)) + bytes(
+            rng.randrange(256) for _ in range(rng.randint(0, 80))
+        )
+    return bytes(b)
+
+
+def _engines() -> list[Any]:
+    jobs = (
+        SwitchJob(1, ("a", "b", "c"), parent="ps", slot_count=8, window=8),
+        SwitchJob(2, ("d", "e"), parent="ps", slot_base=8, slot_count=8, window=8),
+    )
+    return [
+        SwitchEngine.build("sml", "switchml", 16, jobs),
+        SwitchEngine.build("atp", "atp", 16, jobs),
+        ParameterServer(
+            "ps", (PsJob(1, ("a", "b", "c"), via="sml"), PsJob(2, ("d", "e"), via="sml"))
+        ),
+    ]
+
+
+def test_fuzzed_bytes_raise_only_protocol_error_and_engines_only_count() -> None:
+    rng = random.Random(1234)
+    engines = _engines()
+    decoded = rejected = 0
+    for i in range(N_FUZZ):
+        raw = _valid(rng) if i % 10 == 0 else _mutate(rng, _valid(rng))
+        try:
+            pkt = decode(raw)
+        except ProtocolError:
+            rejected += 1
+            continue
+        decoded += 1
+        for eng in engines:
+            eng.on_packet(pkt, i)  # must not raise
+    assert decoded + rejected == N_FUZZ
+    assert decoded > 10_000 and rejected > 10_000  # both paths really exercised
+    assert sum(e.counters.total() for e in engines) >= decoded
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_only_protocol_error(raw: bytes) -> None:
+    try:
+        decode(raw)
+    except ProtocolError:
+        pass
+
+
+def _snapshot_switchml(eng: SwitchEngine, lo: int, hi: int) -> list[Any]:
+    pol: Any = eng.policy
+    return [
+        (c.seq, c.state, c.bitmap, c.count, None if c.values is None else c.values.tolist())
+        for pair in pol.copies[lo:hi]
+        for c in pair
+    ]
+
+
+def _snapshot_atp(eng: SwitchEngine, job: int) -> list[Any]:
+    pol: Any = eng.policy
+    return [
+        (a.index, a.seq, a.state, a.bitmap, None if a.values is None else a.values.tolist())
+        for a in pol.pool
+        if a.job == job and a.state != 0
+    ]
+
+
+def test_other_jobs_packets_never_touch_this_jobs_aggregators() -> None:
+    rng = random.Random(99)
+    jobs = (
+        SwitchJob(1, ("a", "b", "c"), parent="ps", slot_count=8, window=8),
+        SwitchJob(2, ("d", "e"), parent="ps", slot_base=8, slot_count=8, window=8),
+    )
+    sml = SwitchEngine.build("sml", "switchml", 16, jobs)
+    atp = SwitchEngine.build("atp", "atp", 16, jobs)
+    # job 1 is mid-aggregation on both switches: workers a and b sent seqs 0..7
+    contrib = {}
+    for seq in range(8):
+        for w in (0, 1):
+            vals = np.array([rng.randint(-1000, 1000) for _ in range(4)], np.int32)
+            contrib[(seq, w)] = vals
+            sml.on_packet(Packet(1, w, seq, seq, 1 << w, 3, count=4, payload=vals), 0)
+            atp.on_packet(
+                Packet(1, w, seq, atp_index(1, seq, 16), 1 << w, 3, count=4, payload=vals), 0
+            )
+    before = (_snapshot_switchml(sml, 0, 8), _snapshot_atp(atp, 1))
+    for i in range(N_FUZZ // 4):
+        try:
+            pkt = decode(_mutate(rng, _valid(rng)) if i % 2 else _valid(rng))
+        except ProtocolError:
+            continue
+        if pkt.job_id == 1:
+            pkt.job_id = rng.choice([2, 3, 77])  # any job but ours, aimed at our slots
+        if rng.random() < 0.5:
+            pkt.agg_index = rng.randrange(16)
+        sml.on_packet(pkt, i)
+        atp.on_packet(pkt, i)
+    assert (_snapshot_switchml(sml, 0, 8), _snapshot_atp(atp, 1)) == before
+    # job 1 still completes with exactly its own workers' sums
+    for seq in range(8):
+        vals = np.array([rng.randint(-1000, 1000) for _ in range(4)], np.int32)
+        want = contrib[(seq, 0)].astype(np.int64) + contrib[(seq, 1)] + vals
+        out = sml.on_packet(Packet(1, 2, seq, seq, 1 << 2, 3, count=4, payload=vals), 1)
+        assert np.array_equal(out[0].pkt.payload, want)  # type: ignore[union-attr]
+        out = atp.on_packet(
+            Packet(1, 2, seq, atp_index(1, seq, 16), 1 << 2, 3, count=4, payload=vals), 1
+        )
+        assert out[0].pkt.bitmap == 0b111  # type: ignore[union-attr]
+        assert np.array_equal(out[0].pkt.payload, want)  # type: ignore[union-attr]
