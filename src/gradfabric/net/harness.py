@@ -141,7 +141,7 @@ def udp_allreduce(
     try:
         book = {}
         for name in names:
-            kind, port = _expect(conns[name], timeout_s, "port")
+            _, port = _expect(conns[name], timeout_s, "port")
             book[name] = ("127.0.0.1", port)
         for name in names:
             conns[name].send(book)

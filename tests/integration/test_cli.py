@@ -1,0 +1,50 @@
+"""The command line: JSON output, exit codes, results next to the resolved config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gradfabric.cli import main
+
+SMALL = {
+    "name": "tiny", "models": ["resnet50"], "schemes": ["switchml", "ring"], "workers": 4,
+    "fabric": {"link": {"link_gbps": 100.0}}, "ina": {"train_packets": 64},
+}
+
+
+def test_simulate_json_and_resolved_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                           ) -> None:
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(SMALL))
+    out = tmp_path / "res"
+    code = main(["simulate", str(cfg), "--json", "--out", str(out)])
+    res = json.loads(capsys.readouterr().out)
+    assert {r["scheme"] for r in res["rows"]} == {"switchml", "ring"}
+    for key in ("iteration_ms", "goodput_gbps", "mem_util", "ps_fallback"):
+        assert all(key in r for r in res["rows"])
+    assert code == (0 if all(c["within_5pct"] for c in res["checks"]) else 1)
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["workers"] == 4 and resolved["ina"]["switchml_slots"] == 128
+    assert json.loads((out / "results.json").read_text()) == res
+
+
+def test_bad_config_exits_2_naming_the_field(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump({**SMALL, "schemes": ["carrier-pigeon"]}))
+    assert main(["simulate", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    assert "schemes" in capsys.readouterr().err
+
+
+def test_models_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "--json"]) == 0
+    rows = {r["model"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["gpt2"]["params"] == 124_439_808
+
+
+def test_unknown_experiment_exits_2(tmp_path: Path) -> None:
+    assert main(["reproduce", "--only", "nonsense", "--out", str(tmp_path)]) == 2

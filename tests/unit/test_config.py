@@ -1,0 +1,42 @@
+"""Config files: errors name the field and the allowed values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.experiments.baselines import builtin_config
+from gradfabric.experiments.config import dump, load, load_yaml
+from gradfabric.experiments.simulate import SimulateConfig
+
+
+def test_builtin_config_round_trips() -> None:
+    cfg = builtin_config()
+    assert cfg.models == ("resnet50", "vgg16") and cfg.workers == 8
+    assert cfg.fabric.link.link_gbps == 100.0
+    assert load(SimulateConfig, dump(cfg)) == cfg
+
+
+@pytest.mark.parametrize("data, field, allowed", [
+    ({"schemes": ["switchml", "tcp"]}, "schemes", "ring"),
+    ({"models": ["alexnet"]}, "models", "resnet50"),
+    ({"fabric": {"topology": "torus"}}, "fabric.topology", "leaf_spine"),
+    ({"fabric": {"link": {"loss": 2.0}}}, "fabric.link.loss", "[0, 1)"),
+    ({"fabric": {"link": {"bandwidth": 1}}}, "fabric.link.bandwidth", "link_gbps"),
+    ({"ina": {"switchml_slots": 0}}, "ina.switchml_slots", ">= 1"),
+    ({"workers": "eight"}, "workers", "int"),
+])
+def test_errors_name_the_field(data: dict, field: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(SimulateConfig, data)
+    assert e.value.field == field
+    assert allowed in str(e.value)
+
+
+def test_bad_yaml_is_a_config_error(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("models: [resnet50\n")
+    with pytest.raises(ConfigError, match="YAML"):
+        load_yaml(SimulateConfig, p)
