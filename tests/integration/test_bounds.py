@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.experiments.simulate import ring_bound_ns, switchml_bound_gbps
 from gradfabric.proto.jobs import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
@@ -33,3 +34,16 @@ def test_ina_beats_ring_by_the_traffic_ratio() -> None:
     ring = run_collective("ring", 8, [Bucket(0, 2_000_000)])
     sml = run_collective("switchml", 8, [Bucket(0, 2_000_000)])
     assert ring.comm_ns / sml.comm_ns == pytest.approx(2 * 7 / 8, rel=0.05)
+
+
+def test_a_dead_worker_ends_the_collective_with_a_timeout_naming_it() -> None:
+    for scheme in ("switchml", "atp"):
+        with pytest.raises(PeerTimeoutError, match="waits on w3") as e:
+            run_collective(
+                scheme,
+                4,
+                [Bucket(0, 10_000)],
+                ina=InaConfig(rto_ns=10_000),
+                dead_workers=frozenset({3}),
+            )
+        assert e.value.peer == "w3"

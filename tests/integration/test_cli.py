@@ -11,13 +11,18 @@ import yaml
 from gradfabric.cli import main
 
 SMALL = {
-    "name": "tiny", "models": ["resnet50"], "schemes": ["switchml", "ring"], "workers": 4,
-    "fabric": {"link": {"link_gbps": 100.0}}, "ina": {"train_packets": 64},
+    "name": "tiny",
+    "models": ["resnet50"],
+    "schemes": ["switchml", "ring"],
+    "workers": 4,
+    "fabric": {"link": {"link_gbps": 100.0}},
+    "ina": {"train_packets": 64},
 }
 
 
-def test_simulate_json_and_resolved_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                           ) -> None:
+def test_simulate_json_and_resolved_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(SMALL))
     out = tmp_path / "res"
@@ -32,8 +37,9 @@ def test_simulate_json_and_resolved_config(tmp_path: Path, capsys: pytest.Captur
     assert json.loads((out / "results.json").read_text()) == res
 
 
-def test_bad_config_exits_2_naming_the_field(tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_config_exits_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml.safe_dump({**SMALL, "schemes": ["carrier-pigeon"]}))
     assert main(["simulate", str(cfg), "--out", str(tmp_path / "r")]) == 2

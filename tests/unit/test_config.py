@@ -19,15 +19,18 @@ def test_builtin_config_round_trips() -> None:
     assert load(SimulateConfig, dump(cfg)) == cfg
 
 
-@pytest.mark.parametrize("data, field, allowed", [
-    ({"schemes": ["switchml", "tcp"]}, "schemes", "ring"),
-    ({"models": ["alexnet"]}, "models", "resnet50"),
-    ({"fabric": {"topology": "torus"}}, "fabric.topology", "leaf_spine"),
-    ({"fabric": {"link": {"loss": 2.0}}}, "fabric.link.loss", "[0, 1)"),
-    ({"fabric": {"link": {"bandwidth": 1}}}, "fabric.link.bandwidth", "link_gbps"),
-    ({"ina": {"switchml_slots": 0}}, "ina.switchml_slots", ">= 1"),
-    ({"workers": "eight"}, "workers", "int"),
-])
+@pytest.mark.parametrize(
+    "data, field, allowed",
+    [
+        ({"schemes": ["switchml", "tcp"]}, "schemes", "ring"),
+        ({"models": ["alexnet"]}, "models", "resnet50"),
+        ({"fabric": {"topology": "torus"}}, "fabric.topology", "leaf_spine"),
+        ({"fabric": {"link": {"loss": 2.0}}}, "fabric.link.loss", "[0, 1)"),
+        ({"fabric": {"link": {"bandwidth": 1}}}, "fabric.link.bandwidth", "link_gbps"),
+        ({"ina": {"switchml_slots": 0}}, "ina.switchml_slots", ">= 1"),
+        ({"workers": "eight"}, "workers", "int"),
+    ],
+)
 def test_errors_name_the_field(data: dict, field: str, allowed: str) -> None:
     with pytest.raises(ConfigError) as e:
         load(SimulateConfig, data)

@@ -10,13 +10,13 @@ from gradfabric.workloads.compute import DeviceProfile, timeline
 
 # Published totals: torchvision / the original papers / Hugging Face model cards.
 PUBLISHED = {
-    "resnet50": 25_557_032,   # "25.6M"
+    "resnet50": 25_557_032,  # "25.6M"
     "resnet152": 60_192_808,  # "60.2M"
-    "vgg16": 138_357_544,     # "138M"
-    "vgg19": 143_667_240,     # "144M"
+    "vgg16": 138_357_544,  # "138M"
+    "vgg19": 143_667_240,  # "144M"
     "bert-base": 109_482_240,  # "110M"
     "bert-large": 335_141_888,  # "340M" (335M with the pooler)
-    "gpt2": 124_439_808,      # "124M"
+    "gpt2": 124_439_808,  # "124M"
 }
 
 
@@ -46,8 +46,11 @@ def test_unknown_model_lists_valid_names() -> None:
 
 def test_timeline_by_hand() -> None:
     # 1 TFLOP/s effective; three layers, gradients bucketed 1 MiB first then 2 MiB.
-    layers = (Layer("a", 300_000, 1_000_000, 0), Layer("b", 200_000, 2_000_000, 0),
-              Layer("c", 100_000, 3_000_000, 0))
+    layers = (
+        Layer("a", 300_000, 1_000_000, 0),
+        Layer("b", 200_000, 2_000_000, 0),
+        Layer("c", 100_000, 3_000_000, 0),
+    )
     spec = ModelSpec("toy", layers)
     dev = DeviceProfile("toy", 1.0, 1.0)
     tl = timeline(spec, batch=2, dev=dev, bucket_mb=2.0, first_bucket_mb=1.0)

@@ -27,3 +27,4 @@ class PeerTimeoutError(TimeoutError):
     def __init__(self, peer: str, timeout_s: float) -> None:
         super().__init__(f"peer {peer} did not answer within {timeout_s:g} s")
         self.peer = peer
+        self.timeout_s = timeout_s

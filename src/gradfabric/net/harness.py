@@ -106,8 +106,10 @@ async def _node(
                 {done, proto.failed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if not done.done():
-                peer = proto.failed.result().peer if proto.failed.done() else "sw0"
-                raise PeerTimeoutError(peer, timeout_s)
+                if proto.failed.done():
+                    fail = proto.failed.result()
+                    raise PeerTimeoutError(fail.peer, fail.waited_ns / 1e9)
+                raise PeerTimeoutError("sw0", timeout_s)
             conn.send(("result", result, dict(engine.counters)))
         else:
             await _recv(conn)  # "stop"

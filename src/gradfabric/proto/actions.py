@@ -44,6 +44,7 @@ class Fail:
 
     peer: str
     reason: str
+    waited_ns: int = 0
 
 
 Action = Send | Multicast | Deliver | Fail

@@ -131,6 +131,15 @@ class ParameterServer(NoTimers):
             return [Send(job.via, result)]
         return [Multicast(job.workers, result)]
 
+    def missing_workers(self, job_id: int) -> list[str]:
+        """Workers that partly merged sequences of ``job_id`` still wait on."""
+        job = self.jobs[job_id]
+        full = (1 << len(job.workers)) - 1
+        bits = 0
+        for acc in self.state[job_id].accs.values():
+            bits |= full & ~acc.bitmap
+        return [w for i, w in enumerate(job.workers) if bits >> i & 1]
+
     def _result(self, job: PsJob, seq: int, acc: _Acc) -> Packet:
         n = len(job.workers)
         flags = Flag.ACK | acc.flags

@@ -210,6 +210,7 @@ class WorkerEngine:
                     Fail(
                         self.route.dst(seq),
                         f"sequence {seq} unanswered after {self.cfg.max_retries} retries",
+                        self.cfg.rto_ns * (self.cfg.max_retries + 1),
                     )
                 ]
             self.counters["retransmits"] += 1

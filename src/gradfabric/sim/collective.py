@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradfabric.core.errors import ConfigError
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Deliver, Engine
 from gradfabric.proto.jobs import InaConfig as InaConfig
 from gradfabric.proto.jobs import atp_engines, ps_engines, switchml_engines
+from gradfabric.proto.ps import ParameterServer
 from gradfabric.proto.ring import RingEngine
 from gradfabric.proto.switch import PoolStats, SwitchEngine
 from gradfabric.proto.worker import WorkerEngine
@@ -290,6 +291,21 @@ def _ring(run: _Run) -> Callable[[int, int], None]:
     return start
 
 
+def _blame(run: _Run, e: PeerTimeoutError) -> PeerTimeoutError:
+    """Name the workers a stalled switch still waits on, if it knows them."""
+    missing = {c for sw in run.switches for job in sw.jobs for c in sw.missing_children(job)}
+    for node in run.net.nodes.values():
+        if isinstance(node.engine, ParameterServer):
+            missing.update(w for job in node.engine.jobs for w in node.engine.missing_workers(job))
+    missing &= set(run.workers)  # a leaf's own bit at the root is not a worker
+    missing_list = sorted(missing, key=lambda w: int(w[1:]))
+    if not missing_list:
+        return e
+    err = PeerTimeoutError(", ".join(missing_list), e.timeout_s)
+    err.args = (f"{e}; aggregation still waits on {', '.join(missing_list)}",)
+    return err
+
+
 def _starter(start: Callable[[int, int], None], w: int, b: int) -> Callable[[object], None]:
     return lambda _arg: start(w, b)
 
@@ -303,6 +319,7 @@ def run_collective(
     seed: int = 0,
     values: bool = False,
     horizon_ns: int = 10**13,
+    dead_workers: frozenset[int] = frozenset(),
 ) -> CollectiveResult:
     """All-reduce ``buckets`` across ``workers`` with ``scheme``; see module doc."""
     if workers < 1:
@@ -313,10 +330,14 @@ def run_collective(
     start = SCHEMES.get(scheme)(run)
     for b, bk in enumerate(buckets):
         for w in range(workers):
-            run.loop.at(bk.ready_ns, _starter(start, w, b))
+            if w not in dead_workers:  # a dead worker never contributes
+                run.loop.at(bk.ready_ns, _starter(start, w, b))
     goal = workers * len(buckets)
     t0 = time.perf_counter()
-    run.loop.run(until_ns=horizon_ns)
+    try:
+        run.loop.run(until_ns=horizon_ns)
+    except PeerTimeoutError as e:
+        raise _blame(run, e) from None
     wall = time.perf_counter() - t0
     if run.finished != goal:
         raise RuntimeError(

@@ -210,7 +210,7 @@ class Node:
                 if self.on_deliver is not None:
                     self.on_deliver(a)
             elif type(a) is Fail:
-                raise PeerTimeoutError(a.peer, self.net.loop.now / 1e9)
+                raise PeerTimeoutError(a.peer, a.waited_ns / 1e9)
         if self.timed and (self.timer_at is None or not self.grow_only):
             self.arm_timer()
 

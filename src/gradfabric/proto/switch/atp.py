@@ -83,6 +83,13 @@ class ATPPolicy:
     def result_fan_in(self, job: SwitchJob) -> int:
         return job.fan_in
 
+    def missing(self, job: SwitchJob) -> int:
+        bits = 0
+        for a in self.pool:
+            if a.state == AGGREGATING and a.job == job.job_id:
+                bits |= job.full & ~a.bitmap
+        return bits
+
     def on_gradient(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
         ps = job.parent
         if ps is None or pkt.agg_index >= len(self.pool):

@@ -82,6 +82,10 @@ class Policy(Protocol):
         """The fan-in a legitimate result for ``job`` carries at this switch."""
         ...
 
+    def missing(self, job: SwitchJob) -> int:
+        """Bitmap of children some partly filled aggregator of ``job`` waits on."""
+        ...
+
 
 class PolicyFactory(Protocol):
     def __call__(self, pool_slots: int, counters: Counters) -> Policy: ...
@@ -134,6 +138,13 @@ class SwitchEngine(NoTimers):
             return self._drop("bad_worker")
         self.counters["rx_gradient"] += 1
         return self.policy.on_gradient(job, pkt, now_ns)
+
+    def missing_children(self, job_id: int) -> list[str]:
+        """Children that partly filled aggregators of ``job_id`` still wait on
+        (who to blame when a collective stalls)."""
+        job = self.jobs[job_id]
+        bits = self.policy.missing(job)
+        return [c for i, c in enumerate(job.children) if bits >> i & 1]
 
     def _drop(self, reason: str) -> list[Action]:
         self.counters["drop_" + reason] += 1

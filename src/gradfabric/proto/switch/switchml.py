@@ -72,6 +72,14 @@ class SwitchMLPolicy:
     def result_fan_in(self, job: SwitchJob) -> int:
         return job.parent_fan_in
 
+    def missing(self, job: SwitchJob) -> int:
+        bits = 0
+        for pair in self.copies[job.slot_base : job.slot_base + job.slot_count]:
+            for c in pair:
+                if c.state == AGGREGATING:
+                    bits |= job.full & ~c.bitmap
+        return bits
+
     def _copy(self, job: SwitchJob, pkt: Packet) -> _Copy | None:
         w = job.slot_count
         if (
