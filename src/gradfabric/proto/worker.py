@@ -135,6 +135,8 @@ class WorkerEngine:
             )
         self.name = name
         self.cfg = cfg
+        self.job_id = cfg.job_id
+        self.ecn_window = cfg.ecn_window
         self.route = route
         self.counters = Counters()
         self.cwnd = float(cfg.window)
@@ -174,23 +176,24 @@ class WorkerEngine:
 
     # -- engine interface -------------------------------------------------
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
-        if not pkt.flags & Flag.ACK or pkt.job_id != self.cfg.job_id:
+        if not pkt.flags & Flag.ACK or pkt.job_id != self.job_id:
             self.counters["drop_foreign"] += 1
             return []
         seq = pkt.seq
-        o = self.out.pop(seq, None)
-        if o is None:
+        if self.out.pop(seq, None) is None:
             self.counters["drop_duplicate_result"] += 1
             return []
         self.counters["results"] += 1
         if seq == self.base:
-            self.base += 1
-            while self.base in self.done_above:
-                self.done_above.discard(self.base)
-                self.base += 1
+            base = seq + 1
+            done = self.done_above
+            while base in done:
+                done.discard(base)
+                base += 1
+            self.base = base
         else:
             self.done_above.add(seq)
-        if self.cfg.ecn_window:
+        if self.ecn_window:
             self._adjust_window(pkt)
         actions = self._pump(now_ns)
         actions.append(Deliver(seq, pkt))

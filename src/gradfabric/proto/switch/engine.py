@@ -103,6 +103,9 @@ class SwitchEngine(NoTimers):
     counters: Counters
     jobs: dict[int, SwitchJob] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.on_gradient = self.policy.on_gradient
+
     @classmethod
     def build(
         cls, name: str, policy: str, pool_slots: int, jobs: tuple[SwitchJob, ...] = ()
@@ -130,14 +133,11 @@ class SwitchEngine(NoTimers):
             if pkt.fan_in != self.policy.result_fan_in(job) or pkt.bitmap != (1 << pkt.fan_in) - 1:
                 return self._drop("bad_result")
             return self.policy.on_result(job, pkt, now_ns)
-        if (
-            pkt.worker_id >= job.fan_in
-            or pkt.bitmap != 1 << pkt.worker_id
-            or (pkt.fan_in != job.fan_in)
-        ):
+        fan_in = job.fan_in
+        if pkt.fan_in != fan_in or pkt.worker_id >= fan_in or pkt.bitmap != 1 << pkt.worker_id:
             return self._drop("bad_worker")
         self.counters["rx_gradient"] += 1
-        return self.policy.on_gradient(job, pkt, now_ns)
+        return self.on_gradient(job, pkt, now_ns)
 
     def missing_children(self, job_id: int) -> list[str]:
         """Children that partly filled aggregators of ``job_id`` still wait on
