@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gradfabric.core.trace import ListSink
 from gradfabric.proto.actions import Deliver, Fail, Multicast, Send
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
@@ -122,6 +123,24 @@ def test_switch_drops_foreign_and_malformed_packets() -> None:
     assert sw.counters["drop_unknown_job"] == 1
     assert sw.counters["drop_bad_slot"] == 1
     assert sw.counters["drop_bad_worker"] == 2
+
+
+def test_switch_drops_are_traced_as_records() -> None:
+    sink = ListSink()
+    sw = SwitchEngine.build("sw", "switchml", 4, (SwitchJob(1, ("a", "b"), slot_count=2),))
+    sw.trace = sink
+    sw.on_packet(_grad(9, 0, 5, 0, [1]), 42)
+    assert sink.records == [
+        {
+            "kind": "drop",
+            "now_ns": 42,
+            "switch": "sw",
+            "reason": "unknown_job",
+            "job": 9,
+            "worker": 0,
+            "seq": 5,
+        }
+    ]
 
 
 def test_atp_collision_goes_to_ps_and_ps_merges_by_bitmap() -> None:

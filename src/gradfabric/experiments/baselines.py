@@ -6,7 +6,7 @@ from importlib import resources
 from pathlib import Path
 
 from gradfabric.experiments import plots
-from gradfabric.experiments.config import load_yaml
+from gradfabric.experiments.config import dump, load_yaml
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.experiments.simulate import SimulateConfig, run_simulate
 
@@ -24,7 +24,7 @@ class Baselines:
         cfg = builtin_config()
         res = run_simulate(cfg, tick)
         rows, checks = res["rows"], res["checks"]
-        r = ExperimentResult(self.name, self.title, rows=rows + checks)
+        r = ExperimentResult(self.name, self.title, rows=rows, config=dump(cfg))
         for c in checks:
             r.claims.append(
                 Claim(

@@ -9,11 +9,11 @@ packets; the error is the relative difference in completion time. Then a
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from gradfabric.experiments import plots
+from gradfabric.experiments.config import dump
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.proto.jobs import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
@@ -82,7 +82,18 @@ class Granularity:
         values = 2_000_000 if quick else model_spec("resnet50").params
         rows = error_at_64(values, (8, 64), tick)
         big = iteration_1024(64, tick)
-        r = ExperimentResult(self.name, self.title, rows=[*rows, big])
+        r = ExperimentResult(
+            self.name,
+            self.title,
+            rows=[*rows, big],
+            config={
+                "fabric": dump(FABRIC),
+                "values_at_64": values,
+                "trains": [1, 8, 64],
+                "workers_large": 1024,
+                "train_large": 64,
+            },
+        )
         worst = max(abs(x["rel_error"]) for x in rows if x["train_packets"] == 64)
         r.claims.append(
             Claim(
@@ -115,10 +126,6 @@ class Granularity:
             ).name
         )
         return r
-
-
-def _replace_fabric(**kw: Any) -> FabricConfig:
-    return replace(FABRIC, **kw)
 
 
 EXPERIMENTS.add("granularity", Granularity())

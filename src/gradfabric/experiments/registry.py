@@ -35,6 +35,7 @@ class ExperimentResult:
     claims: list[Claim] = field(default_factory=list)
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved config it ran
 
 
 class Experiment(Protocol):

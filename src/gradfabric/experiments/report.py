@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import yaml
+
 from gradfabric.experiments.registry import ExperimentResult
 
 
@@ -13,6 +15,12 @@ def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def _table(rows: list[dict[str, object]]) -> list[str]:
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return lines + ["| " + " | ".join(_fmt(row.get(k, "")) for k in keys) + " |" for row in rows]
 
 
 def write_report(results: list[ExperimentResult], out: Path, quick: bool) -> Path:
@@ -37,10 +45,10 @@ def write_report(results: list[ExperimentResult], out: Path, quick: bool) -> Pat
         for p in r.plots:
             lines += ["", f"![{p}]({p})"]
         if r.rows:
-            keys = list(dict.fromkeys(k for row in r.rows for k in row))
-            lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-            for row in r.rows:
-                lines.append("| " + " | ".join(_fmt(row.get(k, "")) for k in keys) + " |")
+            lines += _table(r.rows)
+    (out / "config.yaml").write_text(
+        yaml.safe_dump({r.name: r.config for r in results}, sort_keys=False)
+    )
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(

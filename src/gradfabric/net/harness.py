@@ -51,36 +51,33 @@ class UdpResult:
     counters: dict[str, dict[str, int]]
 
 
-def _node_main(
-    scheme: str,
-    name: str,
-    workers: int,
-    ina: InaConfig,
-    seed: int,
-    values: int,
-    timeout_s: float,
-    conn: Connection,
-) -> None:
+@dataclass(frozen=True)
+class _NodeSpec:
+    """What one node process needs to build its engine and its data (picklable)."""
+
+    scheme: str
+    name: str
+    workers: int
+    ina: InaConfig
+    seed: int
+    values: int
+    timeout_s: float
+
+
+def _node_main(spec: _NodeSpec, conn: Connection) -> None:
     try:
-        asyncio.run(_node(scheme, name, workers, ina, seed, values, timeout_s, conn))
+        asyncio.run(_node(spec, conn))
     except Exception as e:  # report, never hang the parent
-        conn.send(("error", f"{name}: {e!r}"))
+        conn.send(("error", f"{spec.name}: {e!r}"))
 
 
 async def _recv(conn: Connection) -> Any:
     return await asyncio.get_running_loop().run_in_executor(None, conn.recv)
 
 
-async def _node(
-    scheme: str,
-    name: str,
-    workers: int,
-    ina: InaConfig,
-    seed: int,
-    values: int,
-    timeout_s: float,
-    conn: Connection,
-) -> None:
+async def _node(spec: _NodeSpec, conn: Connection) -> None:
+    scheme, name, workers, ina = spec.scheme, spec.name, spec.workers, spec.ina
+    seed, values, timeout_s = spec.seed, spec.values, spec.timeout_s
     engine = job_engines(scheme, workers, ina)[name]
     result = np.zeros(values, dtype=np.int64)
     vpp = ina.values_per_sim_packet
@@ -133,11 +130,8 @@ def udp_allreduce(
     procs, conns = {}, {}
     for name in names:
         parent, child = ctx.Pipe()
-        p = ctx.Process(
-            target=_node_main,
-            args=(scheme, name, workers, ina, seed, values, timeout_s, child),
-            daemon=True,
-        )
+        spec = _NodeSpec(scheme, name, workers, ina, seed, values, timeout_s)
+        p = ctx.Process(target=_node_main, args=(spec, child), daemon=True)
         p.start()
         procs[name], conns[name] = p, parent
     try:

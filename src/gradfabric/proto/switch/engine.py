@@ -17,7 +17,7 @@ from typing import Protocol
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
-from gradfabric.core.trace import Counters
+from gradfabric.core.trace import Counters, NullSink, TraceSink
 from gradfabric.proto.actions import Action, NoTimers
 from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
 
@@ -102,6 +102,7 @@ class SwitchEngine(NoTimers):
     policy: Policy
     counters: Counters
     jobs: dict[int, SwitchJob] = field(default_factory=dict)
+    trace: TraceSink = field(default_factory=NullSink)
 
     def __post_init__(self) -> None:
         self.on_gradient = self.policy.on_gradient
@@ -126,16 +127,16 @@ class SwitchEngine(NoTimers):
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         job = self.jobs.get(pkt.job_id)
         if job is None:
-            return self._drop("unknown_job")
+            return self._drop("unknown_job", pkt, now_ns)
         if pkt.payload is not None and len(pkt.payload) != pkt.count:
-            return self._drop("bad_payload")
+            return self._drop("bad_payload", pkt, now_ns)
         if pkt.flags & Flag.ACK:
             if pkt.fan_in != self.policy.result_fan_in(job) or pkt.bitmap != (1 << pkt.fan_in) - 1:
-                return self._drop("bad_result")
+                return self._drop("bad_result", pkt, now_ns)
             return self.policy.on_result(job, pkt, now_ns)
         fan_in = job.fan_in
         if pkt.fan_in != fan_in or pkt.worker_id >= fan_in or pkt.bitmap != 1 << pkt.worker_id:
-            return self._drop("bad_worker")
+            return self._drop("bad_worker", pkt, now_ns)
         self.counters["rx_gradient"] += 1
         return self.on_gradient(job, pkt, now_ns)
 
@@ -146,6 +147,15 @@ class SwitchEngine(NoTimers):
         bits = self.policy.missing(job)
         return [c for i, c in enumerate(job.children) if bits >> i & 1]
 
-    def _drop(self, reason: str) -> list[Action]:
+    def _drop(self, reason: str, pkt: Packet, now_ns: int) -> list[Action]:
         self.counters["drop_" + reason] += 1
+        self.trace.emit(
+            "drop",
+            now_ns,
+            switch=self.name,
+            reason=reason,
+            job=pkt.job_id,
+            worker=pkt.worker_id,
+            seq=pkt.seq,
+        )
         return []

@@ -120,20 +120,7 @@ class SwitchMLPolicy:
             return []
         self.stats.busy_ns += now_ns - c.claim_ns
         if job.parent is None:
-            self.stats.held_ns += now_ns - c.claim_ns
-            c.state = COMPLETE
-            c.result = Packet(
-                job.job_id,
-                0,
-                c.seq,
-                pkt.agg_index,
-                job.full,
-                job.fan_in,
-                Flag.ACK | c.flags,
-                count=c.nvalues,
-                payload=c.values,
-            )
-            return [Multicast(job.children, c.result)]
+            return self._complete(job, c, pkt.agg_index, c.flags, c.values, now_ns)
         c.state = FORWARDED
         return [Send(job.parent, self._upward(job, c, pkt.agg_index))]
 
@@ -144,17 +131,30 @@ class SwitchMLPolicy:
         if c.seq != pkt.seq or c.state != FORWARDED:
             self.counters["drop_stale_result"] += 1
             return []
+        return self._complete(job, c, pkt.agg_index, pkt.flags & Flag.ECN, pkt.payload, now_ns)
+
+    def _complete(
+        self,
+        job: SwitchJob,
+        c: _Copy,
+        agg_index: int,
+        flags: int,
+        values: np.ndarray | None,
+        now_ns: int,
+    ) -> list[Action]:
+        """The copy's result is known: keep it for retransmissions, multicast it."""
+        self.stats.held_ns += now_ns - c.claim_ns
         c.state = COMPLETE
         c.result = Packet(
             job.job_id,
             0,
             c.seq,
-            pkt.agg_index,
+            agg_index,
             job.full,
             job.fan_in,
-            Flag.ACK | (pkt.flags & Flag.ECN),
-            count=pkt.count,
-            payload=pkt.payload,
+            Flag.ACK | flags,
+            count=c.nvalues,
+            payload=values,
         )
         return [Multicast(job.children, c.result)]
 
