@@ -245,12 +245,13 @@ class WorkerEngine:
         cfg, route, out, timers = self.cfg, self.route, self.out, self.timers
         job, wid, bit, fan_in = cfg.job_id, cfg.worker_id, 1 << cfg.worker_id, cfg.fan_in
         deadline = now_ns + cfg.rto_ns
+        agg_index, dst = route.agg_index, route.dst
         while queue and queue[0][0] < limit:
             seq, n, part, layer, prio = queue.popleft()
-            pkt = Packet(job, wid, seq, route.agg_index(seq), bit, fan_in, 0, prio, layer, n, part)
+            pkt = Packet(job, wid, seq, agg_index(seq), bit, fan_in, 0, prio, layer, n, part)
             out[seq] = [pkt, deadline, 0]
             timers.append((deadline, seq))
-            actions.append(Send(route.dst(seq), pkt))
+            actions.append(Send(dst(seq), pkt))
         return actions
 
     def _adjust_window(self, pkt: Packet) -> None:

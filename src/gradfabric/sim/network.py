@@ -150,6 +150,7 @@ class Node:
     others are forwarded along ``routes`` (several links = ECMP, hashed per flow)."""
 
     __slots__ = (
+        "direct",
         "engine",
         "grow_only",
         "loop",
@@ -167,6 +168,7 @@ class Node:
         self.name = name
         self.engine: Engine | None = None
         self.routes: dict[str, list[Link]] = {}
+        self.direct: dict[str, Link] = {}
         self.on_deliver: Callable[[Deliver], None] | None = None
         self.timer_at: int | None = None
         self.timed = False
@@ -175,7 +177,7 @@ class Node:
     def arrive(self, arg: tuple[str, Packet]) -> None:
         dst, pkt = arg
         if dst != self.name:
-            self.link_to(dst, pkt).send(dst, pkt)
+            (self.direct.get(dst) or self.link_to(dst, pkt)).send(dst, pkt)
             return
         eng = self.engine
         if eng is None:
@@ -190,27 +192,21 @@ class Node:
             if links is None:
                 raise ConfigError("route", f"{self.name} has no route to {dst}")
         if len(links) == 1:
+            self.direct[dst] = links[0]
             return links[0]
         return links[(pkt.job_id * 40503 + pkt.worker_id * 9973 + _name_hash(dst)) % len(links)]
 
     def execute(self, actions: list[Action]) -> None:
+        direct = self.direct  # dst -> its one link, learnt by link_to (not ECMP)
         for a in actions:
             if type(a) is Send:
-                dst = a.dst
-                links = self.routes.get(dst)
-                if links is not None and len(links) == 1:  # the common case, inlined
-                    links[0].send(dst, a.pkt)
-                else:
-                    self.link_to(dst, a.pkt).send(dst, a.pkt)
+                link = direct.get(a.dst)
+                (link or self.link_to(a.dst, a.pkt)).send(a.dst, a.pkt)
             elif type(a) is Multicast:
-                routes = self.routes
                 for d in a.dsts:
                     p = a.pkt.clone()
-                    links = routes.get(d)
-                    if links is not None and len(links) == 1:
-                        links[0].send(d, p)
-                    else:
-                        self.link_to(d, p).send(d, p)
+                    link = direct.get(d)
+                    (link or self.link_to(d, p)).send(d, p)
             elif type(a) is Deliver:
                 if self.on_deliver is not None:
                     self.on_deliver(a)
