@@ -47,7 +47,16 @@ class Fail:
     waited_ns: int = 0
 
 
-Action = Send | Multicast | Deliver | Fail
+@dataclass(slots=True)
+class HelpRequest:
+    """SA-ATP: the switch asks this host to send ``straggler``'s share from
+    ``from_seq`` on, computed from its replica of the straggler's data."""
+
+    straggler: int
+    from_seq: int
+
+
+Action = Send | Multicast | Deliver | Fail | HelpRequest
 
 
 class Engine(Protocol):

@@ -85,7 +85,13 @@ class ParameterServer(NoTimers):
             return self._drop("unknown_job")
         n = len(job.workers)
         full = (1 << n) - 1
-        if pkt.flags & Flag.ACK or pkt.fan_in != n or pkt.bitmap == 0 or pkt.bitmap & ~full:
+        if (
+            pkt.flags & Flag.ACK
+            or pkt.fan_in != n
+            or pkt.bitmap == 0
+            or pkt.bitmap & ~full
+            or pkt.worker_id >= n
+        ):
             return self._drop("bad_packet")
         if pkt.payload is not None and len(pkt.payload) != pkt.count:
             return self._drop("bad_payload")
@@ -94,9 +100,9 @@ class ParameterServer(NoTimers):
             return self._drop("stale")
         done = st.results.get(pkt.seq)
         if done is not None:
-            if pkt.bitmap & (pkt.bitmap - 1) == 0:  # one worker asking again
+            if pkt.bitmap & (pkt.bitmap - 1) == 0:  # one worker (or its helper) asking again
                 self.counters["resend_answered"] += 1
-                return [self._unicast(job, done, pkt.bitmap.bit_length() - 1)]
+                return [self._unicast(job, done, pkt.worker_id)]
             return self._drop("late_partial")
         acc = st.accs.get(pkt.seq)
         if acc is None:

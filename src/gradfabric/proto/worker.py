@@ -102,6 +102,8 @@ class WorkerConfig:
     max_window: int = 0
     rto_ns: int = 1_000_000
     max_retries: int = 100
+    max_ahead: int = 1 << 24  # how far past the window a (helped) result may be
+    helping: int = -1  # SA-ATP shadow stream: send this worker's share, flagged HELP
     values_per_packet: int = 256
     ecn_window: bool = False
 
@@ -116,6 +118,8 @@ class WorkerConfig:
             raise ConfigError("rto_ns", f"must be > 0, got {self.rto_ns}")
         if self.values_per_packet < 1:
             raise ConfigError("values_per_packet", "must be >= 1")
+        if self.helping >= self.fan_in or self.helping == self.worker_id:
+            raise ConfigError("helping", "must name another worker of the job (or -1)")
 
 
 # An outstanding packet: [packet, deadline_ns, retransmissions] (a list: cheaper
@@ -169,6 +173,14 @@ class WorkerEngine:
             self.next_seq += 1
         return self._pump(now_ns)
 
+    def skip_to(self, seq: int) -> None:
+        """Start this (empty) stream at ``seq``: a helper's shadow of a straggler
+        joins the job's sequence space where the help begins."""
+        if self.queue or self.out or seq < self.next_seq:
+            raise ValueError("skip_to needs an idle stream and a later sequence")
+        self.base = self.next_seq = seq
+        self.done_above = {x for x in self.done_above if x > seq}
+
     @property
     def idle(self) -> bool:
         """True once every pushed sequence has its result."""
@@ -181,8 +193,12 @@ class WorkerEngine:
             return []
         seq = pkt.seq
         if self.out.pop(seq, None) is None:
-            self.counters["drop_duplicate_result"] += 1
-            return []
+            if seq < self.base or seq in self.done_above or seq >= self.base + self.cfg.max_ahead:
+                self.counters["drop_duplicate_result"] += 1
+                return []
+            # A result for a sequence this worker has not sent (yet): someone
+            # helped it (SA-ATP). Take it; the sequence is skipped when pushed.
+            self.counters["results_ahead"] += 1
         self.counters["results"] += 1
         if seq == self.base:
             base = seq + 1
@@ -243,12 +259,17 @@ class WorkerEngine:
         if not queue or queue[0][0] >= limit:
             return actions
         cfg, route, out, timers = self.cfg, self.route, self.out, self.timers
-        job, wid, bit, fan_in = cfg.job_id, cfg.worker_id, 1 << cfg.worker_id, cfg.fan_in
+        job, wid, fan_in = cfg.job_id, cfg.worker_id, cfg.fan_in
+        bit = 1 << (cfg.helping if cfg.helping >= 0 else wid)
+        flags = Flag.HELP if cfg.helping >= 0 else 0
         deadline = now_ns + cfg.rto_ns
         agg_index, dst = route.agg_index, route.dst
+        done = self.done_above
         while queue and queue[0][0] < limit:
             seq, n, part, layer, prio = queue.popleft()
-            pkt = Packet(job, wid, seq, agg_index(seq), bit, fan_in, 0, prio, layer, n, part)
+            if seq < self.base or seq in done:  # already answered (helped ahead)
+                continue
+            pkt = Packet(job, wid, seq, agg_index(seq), bit, fan_in, flags, prio, layer, n, part)
             out[seq] = [pkt, deadline, 0]
             timers.append((deadline, seq))
             actions.append(Send(dst(seq), pkt))

@@ -8,7 +8,10 @@ Layout (little-endian, 32-byte header, then ``count`` 4-byte values)::
 
 ``bitmap`` is the set of contributions a packet carries: a worker's own packet
 has just its bit (``1 << worker_id``); a partial aggregate flushed to the
-parameter server carries every contributor's bit. This makes "merge by bitmap"
+parameter server carries every contributor's bit. ``worker_id`` is the
+*sender* (whom to answer): it differs from the contribution's bit only in a
+``HELP`` packet, where a helper sends a straggler's share under the
+straggler's bit. This makes "merge by bitmap"
 one rule for every hop. One bitmap word bounds the fan-in of one aggregation
 point to 64; larger jobs aggregate hierarchically (leaf, then spine).
 
@@ -46,6 +49,8 @@ class Flag:
     OVERFLOW = 1 << 4  # values did not fit the integer domain; sent as float
     FLOAT = 1 << 5  # payload is float32 (else int32)
     PARTIAL = 1 << 6  # a partial aggregate flushed from a switch to the PS
+    HELP = 1 << 7  # SA-ATP: a helper sending a straggler's share under its bit
+    NOTIFY = 1 << 8  # SA-ATP: the switch asking a helper to help (worker_id = straggler)
 
     @staticmethod
     def names(flags: int) -> list[str]:
@@ -53,7 +58,15 @@ class Flag:
 
 
 KNOWN_FLAGS = (
-    Flag.ACK | Flag.COLLISION | Flag.RESEND | Flag.ECN | Flag.OVERFLOW | Flag.FLOAT | Flag.PARTIAL
+    Flag.ACK
+    | Flag.COLLISION
+    | Flag.RESEND
+    | Flag.ECN
+    | Flag.OVERFLOW
+    | Flag.FLOAT
+    | Flag.PARTIAL
+    | Flag.HELP
+    | Flag.NOTIFY
 )
 
 Payload = npt.NDArray[np.int32] | npt.NDArray[np.float32]

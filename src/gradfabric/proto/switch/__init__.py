@@ -1,6 +1,7 @@
 """The switch data plane: an aggregator pool behind an allocation policy."""
 
-from gradfabric.proto.switch.engine import POLICIES, PoolStats, SwitchEngine, SwitchJob
+from gradfabric.proto.switch.engine import POLICIES, PoolStats, SwitchEngine
+from gradfabric.proto.switch.job import SwitchJob
 
 __all__ = ["POLICIES", "PoolStats", "SwitchEngine", "SwitchJob"]
 

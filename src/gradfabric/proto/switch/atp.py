@@ -30,7 +30,8 @@ import numpy as np
 
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Multicast, Send
-from gradfabric.proto.switch.engine import POLICIES, PoolStats, SwitchJob
+from gradfabric.proto.switch.engine import POLICIES, PoolStats
+from gradfabric.proto.switch.job import SwitchJob
 from gradfabric.wire.packet import Flag, Packet
 
 FREE, AGGREGATING, COMPLETE = range(3)

@@ -19,39 +19,9 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters, NullSink, TraceSink
 from gradfabric.proto.actions import Action, NoTimers
-from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
-
-
-@dataclass(frozen=True)
-class SwitchJob:
-    """One job as this switch sees it.
-
-    ``children`` are the addresses below this switch (workers, or leaf switches
-    at a spine); child ``i`` owns bit ``i``. ``parent`` is where a complete
-    aggregate goes next: the next switch up (SwitchML hierarchy) or the
-    parameter server (ATP); None makes this switch the root.
-    """
-
-    job_id: int
-    children: tuple[str, ...]
-    parent: str | None = None
-    index_at_parent: int = 0
-    parent_fan_in: int = 1
-    slot_base: int = 0
-    slot_count: int = 0
-    window: int = 0
-    fan_in: int = field(init=False)
-    full: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "fan_in", len(self.children))
-        object.__setattr__(self, "full", (1 << len(self.children)) - 1)
-        if not 1 <= len(self.children) <= MAX_FAN_IN:
-            raise ConfigError(
-                "children", f"need 1..{MAX_FAN_IN} children, got {len(self.children)}"
-            )
-        if not 0 <= self.index_at_parent < self.parent_fan_in <= MAX_FAN_IN:
-            raise ConfigError("index_at_parent", "must satisfy 0 <= index < parent_fan_in <= 64")
+from gradfabric.proto.switch.job import SwitchJob
+from gradfabric.proto.switch.straggler import HelpConfig, StragglerMonitor
+from gradfabric.wire.packet import Flag, Packet
 
 
 @dataclass
@@ -106,6 +76,11 @@ class SwitchEngine(NoTimers):
 
     def __post_init__(self) -> None:
         self.on_gradient = self.policy.on_gradient
+        self.monitors: dict[int, StragglerMonitor] = {}
+
+    def watch(self, job_id: int, cfg: HelpConfig) -> None:
+        """Enable SA-ATP straggler help for ``job_id`` at this switch."""
+        self.monitors[job_id] = StragglerMonitor(cfg, self.jobs[job_id], self.counters)
 
     @classmethod
     def build(
@@ -136,9 +111,25 @@ class SwitchEngine(NoTimers):
             return self.policy.on_result(job, pkt, now_ns)
         fan_in = job.fan_in
         if pkt.fan_in != fan_in or pkt.worker_id >= fan_in or pkt.bitmap != 1 << pkt.worker_id:
-            return self._drop("bad_worker", pkt, now_ns)
+            # A helper may send one other worker's share, flagged HELP (SA-ATP).
+            bit = pkt.bitmap
+            if not (
+                pkt.flags & Flag.HELP
+                and pkt.fan_in == fan_in
+                and pkt.worker_id < fan_in
+                and bit
+                and not bit & (bit - 1)
+                and bit >> fan_in == 0
+            ):
+                return self._drop("bad_worker", pkt, now_ns)
+            self.counters["rx_help"] += 1
         self.counters["rx_gradient"] += 1
-        return self.on_gradient(job, pkt, now_ns)
+        actions = self.on_gradient(job, pkt, now_ns)
+        if self.monitors:
+            mon = self.monitors.get(pkt.job_id)
+            if mon is not None:
+                actions += mon.observe(pkt)
+        return actions
 
     def missing_children(self, job_id: int) -> list[str]:
         """Children that partly filled aggregators of ``job_id`` still wait on
