@@ -17,7 +17,7 @@ import bisect
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -25,11 +25,13 @@ from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Deliver, Engine
+from gradfabric.proto.host import HostEngine
+from gradfabric.proto.jobs import JOB_ID, atp_engines, ps_engines, switchml_engines
 from gradfabric.proto.jobs import InaConfig as InaConfig
-from gradfabric.proto.jobs import atp_engines, ps_engines, switchml_engines
 from gradfabric.proto.ps import ParameterServer
 from gradfabric.proto.ring import RingEngine
 from gradfabric.proto.switch import PoolStats, SwitchEngine
+from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import LinkSpec, Network
@@ -148,7 +150,14 @@ class _Run:
         self.finished = 0
         self.switches: list[SwitchEngine] = []
         self.worker_engines: list[WorkerEngine] = []
-        self.first_seq: list[int] = []
+        self.hosts: list[HostEngine] = []
+        self.npk = [max(1, -(-b.count // self.vpp)) for b in buckets]
+        self.first_seq: list[int] = [0, *np.cumsum(self.npk)[:-1].tolist()]
+        # Set by a multi-iteration driver: buckets per iteration, a hook called
+        # as each (worker, bucket) completes, and SA-ATP's help settings.
+        self.iteration_buckets = len(buckets)
+        self.bucket_hook: Callable[[int, int], None] | None = None
+        self.help = HelpConfig()
 
     def payload(self, w: int, b: int) -> np.ndarray | None:
         if self.inputs is None:
@@ -168,6 +177,8 @@ class _Run:
     def bucket_done(self, w: int, b: int) -> None:
         self.done[w][b] = self.loop.now
         self.finished += 1
+        if self.bucket_hook is not None:
+            self.bucket_hook(w, b)
         if self.finished == self.n * len(self.buckets):
             self.loop.stop()
 
@@ -191,18 +202,19 @@ class _Run:
 
     def bind_engines(self, engines: dict[str, Engine]) -> Callable[[int, int], None]:
         """Bind a job's engines to their nodes; returns the bucket starter."""
-        npk = [max(1, -(-b.count // self.vpp)) for b in self.buckets]
-        self.first_seq = [0, *np.cumsum(npk)[:-1].tolist()]
         for name, eng in engines.items():
             self.net.bind(name, eng)
             if isinstance(eng, SwitchEngine):
                 self.switches.append(eng)
         for w, name in enumerate(self.workers):
             eng = engines[name]
+            if isinstance(eng, HostEngine):
+                self.hosts.append(eng)
+                eng = eng.own
             assert isinstance(eng, WorkerEngine)
             self.worker_engines.append(eng)
             self.net.nodes[name].on_deliver = self.seq_deliverer(w)
-            self.left[w] = list(npk)
+            self.left[w] = list(self.npk)
 
         def start(w: int, b: int) -> None:
             acts = self.worker_engines[w].push(
@@ -227,8 +239,7 @@ def _switchml(run: _Run) -> Callable[[int, int], None]:
     return run.bind_engines(switchml_engines(racks, root, run.ina))
 
 
-@SCHEMES.register("atp")
-def _atp(run: _Run) -> Callable[[int, int], None]:
+def _atp_engines(run: _Run) -> tuple[str, dict[str, Engine]]:
     topo = run.topology(["ps0"])
     sws = {topo.first_hop[w] for w in run.workers}
     if len(sws) != 1 or run.n > 64:
@@ -237,7 +248,29 @@ def _atp(run: _Run) -> Callable[[int, int], None]:
             "ATP here aggregates at one switch (<= 64 workers in one "
             "rack); use a star or a smaller job",
         )
-    return run.bind_engines(atp_engines(sws.pop(), run.workers, run.ina))
+    sw = sws.pop()
+    return sw, atp_engines(sw, run.workers, run.ina)
+
+
+@SCHEMES.register("atp")
+def _atp(run: _Run) -> Callable[[int, int], None]:
+    return run.bind_engines(_atp_engines(run)[1])
+
+
+@SCHEMES.register("saatp")
+def _saatp(run: _Run) -> Callable[[int, int], None]:
+    """ATP plus straggler help: the switch watches progress, hosts run shadows."""
+    sw, engines = _atp_engines(run)
+    switch = engines[sw]
+    assert isinstance(switch, SwitchEngine)
+    per_iteration = sum(run.npk[: run.iteration_buckets])
+    lag = run.ina.windowed(run.help.lag_packets)  # in simulated packets (trains)
+    switch.watch(JOB_ID, replace(run.help, iteration_packets=per_iteration, lag_packets=lag))
+    for w in run.workers:
+        own = engines[w]
+        assert isinstance(own, WorkerEngine)
+        engines[w] = HostEngine(own)
+    return run.bind_engines(engines)
 
 
 @SCHEMES.register("ps")

@@ -26,7 +26,16 @@ from heapq import heappush
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.core.trace import Counters
-from gradfabric.proto.actions import Action, Deliver, Engine, Fail, Multicast, NoTimers, Send
+from gradfabric.proto.actions import (
+    Action,
+    Deliver,
+    Engine,
+    Fail,
+    HelpRequest,
+    Multicast,
+    NoTimers,
+    Send,
+)
 from gradfabric.sim.loop import EventLoop
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Flag, Packet
 
@@ -157,6 +166,7 @@ class Node:
         "name",
         "net",
         "on_deliver",
+        "on_help",
         "routes",
         "timed",
         "timer_at",
@@ -170,6 +180,7 @@ class Node:
         self.routes: dict[str, list[Link]] = {}
         self.direct: dict[str, Link] = {}
         self.on_deliver: Callable[[Deliver], None] | None = None
+        self.on_help: Callable[[HelpRequest], None] | None = None
         self.timer_at: int | None = None
         self.timed = False
         self.grow_only = False
@@ -212,6 +223,8 @@ class Node:
                     self.on_deliver(a)
             elif type(a) is Fail:
                 raise PeerTimeoutError(a.peer, a.waited_ns / 1e9)
+            elif type(a) is HelpRequest and self.on_help is not None:
+                self.on_help(a)
         if self.timed and (self.timer_at is None or not self.grow_only):
             self.arm_timer()
 

@@ -11,13 +11,14 @@ hold a replica of the straggler's data shard (worker ``s``'s shard is
 replicated on ``s+1 .. s+replicas``, mod n: that is the storage help costs).
 
 The switch then sends the helper a ``NOTIFY`` packet (``worker_id`` = the
-straggler, ``seq`` = the straggler's next unsent sequence). The helper
+straggler, ``seq`` = where help starts: the straggler's next unsent sequence,
+or the start of the leaders' iteration if the straggler's progress is stale). The helper
 computes the straggler's gradients from the replica and sends them flagged
 ``HELP`` under the straggler's bit; from then on whichever copy of a
 straggler packet arrives first is aggregated and the other is a duplicate
-dropped by the bitmap, so the sum is exactly the synchronous one. One request
-per (straggler, iteration); it is repeated if the gap keeps growing by
-another ``lag_packets`` and no HELP packet for the straggler has arrived.
+dropped by the bitmap, so the sum is exactly the synchronous one. Requests
+for one (straggler, iteration) stop once a HELP packet for it arrives, and
+after ``max_requests`` (a lost NOTIFY is retried as packets keep coming).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def next_holder(straggler: int, progress: list[int], n: int, replicas: int) -> i
 class HelpConfig:
     detector: str = "progress-gap"
     helper: str = "most-ahead"
-    lag_packets: int = 32
+    lag_packets: int = 64  # half the default ATP window: healthy workers drift less
     replicas: int = 2
+    max_requests: int = 3  # per (straggler, iteration), until a HELP packet shows up
     iteration_packets: int = 0  # packets per iteration; 0: set by the runner
 
     def __post_init__(self) -> None:
@@ -86,8 +88,10 @@ class StragglerMonitor:
     job: SwitchJob
     counters: Counters
     progress: list[int] = field(default_factory=list)
-    asked: dict[tuple[int, int], int] = field(default_factory=dict)  # -> leader progress then
+    # (straggler, iteration) -> (requests sent, leader's progress then, helper)
+    asked: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
     help_seen: set[tuple[int, int]] = field(default_factory=set)
+    helping: dict[int, int] = field(default_factory=dict)  # helper -> iteration it helps in
 
     def __post_init__(self) -> None:
         if self.cfg.iteration_packets < 1:
@@ -101,24 +105,38 @@ class StragglerMonitor:
         if pkt.flags & Flag.HELP:
             s = pkt.bitmap.bit_length() - 1
             self.help_seen.add((s, pkt.seq // it_len))
+            self.helping[pkt.worker_id] = pkt.seq // it_len
             return []
         w = pkt.worker_id
         if pkt.seq > self.progress[w]:
             self.progress[w] = pkt.seq
-        slow = self.detect(self.progress, self.cfg.lag_packets)
+        view = self.progress
+        if self.helping:  # a helper lags because it sends two shares: not a straggler
+            it_now = max(view) // it_len
+            lead = max(view)
+            view = [lead if self.helping.get(i) == it_now else p for i, p in enumerate(view)]
+        slow = self.detect(view, self.cfg.lag_packets)
         if slow is None:
             return []
         s = slow
-        nxt = self.progress[s] + 1
-        key = (s, nxt // it_len)
         lead = max(self.progress)
-        last = self.asked.get(key)
-        if last is not None and (key in self.help_seen or lead - last < self.cfg.lag_packets):
+        # Help in the iteration the leaders are in, from where the straggler is
+        # (its progress may be stale: after being helped it skipped ahead).
+        start = max(self.progress[s] + 1, lead // it_len * it_len)
+        key = (s, start // it_len)
+        if key in self.help_seen:
             return []
-        h = self.choose(s, self.progress, self.job.fan_in, self.cfg.replicas)
-        if h is None:
-            return []
-        self.asked[key] = lead
+        prev = self.asked.get(key)
+        if prev is None:
+            h = self.choose(s, self.progress, self.job.fan_in, self.cfg.replicas)
+            if h is None:
+                return []
+            self.asked[key] = (1, lead, h)
+        else:  # a retry (the NOTIFY may be lost) goes to the same helper
+            count, last_lead, h = prev
+            if count >= self.cfg.max_requests or lead - last_lead < self.cfg.lag_packets:
+                return []
+            self.asked[key] = (count + 1, lead, h)
         self.counters["help_requests"] += 1
-        note = Packet(self.job.job_id, s, nxt, 0, 1 << s, self.job.fan_in, Flag.NOTIFY)
+        note = Packet(self.job.job_id, s, start, 0, 1 << s, self.job.fan_in, Flag.NOTIFY)
         return [Send(self.job.children[h], note)]
