@@ -28,8 +28,8 @@ from gradfabric.sim.collective import (
     run_collective,
 )
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
-from gradfabric.workloads.catalog import MODEL_NAMES, model_spec
-from gradfabric.workloads.compute import DEVICES, device, timeline
+from gradfabric.workloads.catalog import check_model, model_spec
+from gradfabric.workloads.compute import device, timeline
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,11 @@ class SimulateConfig:
 
     def __post_init__(self) -> None:
         for m in self.models:
-            if m not in MODEL_NAMES:
-                raise ConfigError("models", f"unknown model {m!r}; valid: {', '.join(MODEL_NAMES)}")
+            check_model(m, "models")
         for s in self.schemes:
             if s not in SCHEMES:
                 raise ConfigError("schemes", f"unknown scheme {s!r}; valid: {', '.join(SCHEMES)}")
-        if self.device not in DEVICES:
-            raise ConfigError(
-                "device", f"unknown device {self.device!r}; valid: {', '.join(DEVICES)}"
-            )
+        device(self.device)
         if self.workers < 1 or self.batch < 1:
             raise ConfigError("workers", "workers and batch must be >= 1")
 

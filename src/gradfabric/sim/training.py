@@ -34,8 +34,8 @@ from gradfabric.proto.jobs import InaConfig
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.sim.collective import SCHEMES, Bucket, FabricConfig, _Run
 from gradfabric.sim.stragglers import StragglerConfig, factors
-from gradfabric.workloads.catalog import MODEL_NAMES, model_spec
-from gradfabric.workloads.compute import DEVICES, device, timeline
+from gradfabric.workloads.catalog import model_spec
+from gradfabric.workloads.compute import device, timeline
 
 # How much of a straggler's iteration a helper takes over: the first bucket
 # (index into the iteration's buckets) it computes and sends, given the
@@ -78,14 +78,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         SCHEMES.get(self.scheme)
         TAKEOVER.get(self.takeover)
-        if self.model not in MODEL_NAMES:
-            raise ConfigError(
-                "model", f"unknown model {self.model!r}; valid: {', '.join(MODEL_NAMES)}"
-            )
-        if self.device not in DEVICES:
-            raise ConfigError(
-                "device", f"unknown device {self.device!r}; valid: {', '.join(DEVICES)}"
-            )
+        check_model(self.model)
+        device(self.device)
         if self.iterations < 1 or self.workers < 1:
             raise ConfigError("iterations", "iterations and workers must be >= 1")
 

@@ -97,11 +97,15 @@ def _flops(mod: Any, inp: tuple[Any, ...], out: Any) -> int:
     return 0
 
 
+def check_model(name: str, field: str = "model") -> None:
+    if name not in MODEL_NAMES:
+        raise ConfigError(field, f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+
+
 @cache
 def model_spec(name: str) -> ModelSpec:
     """Per-layer spec of a catalog model; raises ``ConfigError`` for unknown names."""
-    if name not in MODEL_NAMES:
-        raise ConfigError("model", f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+    check_model(name)
     import torch
     from torch import nn
 
