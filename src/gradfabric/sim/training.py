@@ -34,7 +34,7 @@ from gradfabric.proto.jobs import InaConfig
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.sim.collective import SCHEMES, Bucket, FabricConfig, _Run
 from gradfabric.sim.stragglers import StragglerConfig, factors
-from gradfabric.workloads.catalog import model_spec
+from gradfabric.workloads.catalog import check_model, model_spec
 from gradfabric.workloads.compute import device, timeline
 
 # How much of a straggler's iteration a helper takes over: the first bucket
