@@ -128,7 +128,10 @@ class StragglerMonitor:
             return []
         prev = self.asked.get(key)
         if prev is None:
-            h = self.choose(s, self.progress, self.job.fan_in, self.cfg.replicas)
+            # A worker already asked to help someone in this iteration is busy.
+            busy = {h for (_, it), (_, _, h) in self.asked.items() if it == key[1]}
+            cand = [-1 if i in busy else p for i, p in enumerate(self.progress)]
+            h = self.choose(s, cand, self.job.fan_in, self.cfg.replicas)
             if h is None:
                 return []
             self.asked[key] = (1, lead, h)
