@@ -54,3 +54,28 @@ def test_models_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_unknown_experiment_exits_2(tmp_path: Path) -> None:
     assert main(["reproduce", "--only", "nonsense", "--out", str(tmp_path)]) == 2
+
+
+def test_experiment_saatp_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "experiment",
+            "saatp",
+            "--quick",
+            "--models",
+            "mlp",
+            "--slowdowns",
+            "1,4",
+            "--iterations",
+            "2",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 * 4  # two slowdowns x four schemes
+    for r in rows:
+        assert {"model", "workers", "stragglers", "slowdown", "scheme", "iter_time_ms"} <= set(r)
+    assert {r["scheme"] for r in rows} == {"saatp", "atp", "switchml", "ring"}

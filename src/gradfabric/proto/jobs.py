@@ -109,15 +109,20 @@ def switchml_engines(
 
 
 def atp_engines(
-    switch: str, workers: list[str], ina: InaConfig, ps: str = "ps0"
+    switch: str, workers: list[str], ina: InaConfig, ps: str = "ps0", keep_results: int = 0
 ) -> dict[str, Engine]:
+    """ATP's switch, PS and workers. The PS keeps each result for a window of
+    sequences to answer retransmissions; ``keep_results`` raises that (SA-ATP:
+    with help, the job can run ahead of a straggler by more than a window)."""
     pool = ina.atp_pool_slots
     window = ina.windowed(ina.atp_window)
     engines: dict[str, Engine] = {
         switch: SwitchEngine.build(
             switch, "atp", pool, (SwitchJob(JOB_ID, tuple(workers), parent=ps, window=window),)
         ),
-        ps: ParameterServer(ps, (PsJob(JOB_ID, tuple(workers), via=switch, window=window),)),
+        ps: ParameterServer(
+            ps, (PsJob(JOB_ID, tuple(workers), via=switch, window=max(window, keep_results)),)
+        ),
     }
     for i, w in enumerate(workers):
         engines[w] = WorkerEngine(

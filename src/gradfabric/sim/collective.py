@@ -239,7 +239,7 @@ def _switchml(run: _Run) -> Callable[[int, int], None]:
     return run.bind_engines(switchml_engines(racks, root, run.ina))
 
 
-def _atp_engines(run: _Run) -> tuple[str, dict[str, Engine]]:
+def _atp_engines(run: _Run, keep_results: int = 0) -> tuple[str, dict[str, Engine]]:
     topo = run.topology(["ps0"])
     sws = {topo.first_hop[w] for w in run.workers}
     if len(sws) != 1 or run.n > 64:
@@ -249,7 +249,7 @@ def _atp_engines(run: _Run) -> tuple[str, dict[str, Engine]]:
             "rack); use a star or a smaller job",
         )
     sw = sws.pop()
-    return sw, atp_engines(sw, run.workers, run.ina)
+    return sw, atp_engines(sw, run.workers, run.ina, keep_results=keep_results)
 
 
 @SCHEMES.register("atp")
@@ -260,10 +260,12 @@ def _atp(run: _Run) -> Callable[[int, int], None]:
 @SCHEMES.register("saatp")
 def _saatp(run: _Run) -> Callable[[int, int], None]:
     """ATP plus straggler help: the switch watches progress, hosts run shadows."""
-    sw, engines = _atp_engines(run)
+    per_iteration = sum(run.npk[: run.iteration_buckets])
+    # Helped, the others may finish iterations while a straggler still waits
+    # on an old result: the PS keeps two iterations of results to answer it.
+    sw, engines = _atp_engines(run, keep_results=2 * per_iteration)
     switch = engines[sw]
     assert isinstance(switch, SwitchEngine)
-    per_iteration = sum(run.npk[: run.iteration_buckets])
     lag = run.ina.windowed(run.help.lag_packets)  # in simulated packets (trains)
     switch.watch(JOB_ID, replace(run.help, iteration_packets=per_iteration, lag_packets=lag))
     for w in run.workers:

@@ -32,6 +32,7 @@ MODEL_NAMES = (
     "gpt2",
     "lstm",
     "ncf",
+    "mlp",
 )
 
 

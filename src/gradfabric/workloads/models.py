@@ -222,5 +222,12 @@ BUILDERS: dict[str, Builder] = {
     "bert-large": lambda: _tokens(Transformer(30522, 512, 1024, 24, 16, 4096, gpt=False), 128),
     "gpt2": lambda: _tokens(Transformer(50257, 1024, 768, 12, 12, 3072, gpt=True), 1024),
     "lstm": lambda: _tokens(LSTMLM(), 35),
+    # A small MLP (51K parameters) for tests and quick runs of the protocols.
+    "mlp": lambda: (
+        nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10)
+        ),
+        (torch.empty(1, 64, device="meta"),),
+    ),
     "ncf": lambda: (NCF(), (torch.zeros(1, 2, dtype=torch.long, device="meta"),)),
 }
