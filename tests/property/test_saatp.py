@@ -87,3 +87,17 @@ def test_no_straggler_no_help_and_same_time_as_atp() -> None:
     sa = run_training(TrainingConfig(scheme="saatp", **kw))  # type: ignore[arg-type]
     assert sa.help_requests == 0
     assert sa.iteration_ns == atp.iteration_ns
+
+
+def test_abandoned_work_keeps_sequence_numbers_aligned() -> None:
+    # A helped straggler abandons the rest of its iteration; its next iteration
+    # must still number packets like everyone else's (a regression: it did not).
+    for takeover in ("all", "tail"):
+        for slowdown in (3.0, 4.0):
+            cfg = TrainingConfig(scheme="saatp", workers=6, takeover=takeover,
+                                 stragglers=StragglerConfig(model="fixed", workers=(1,),
+                                                            slowdown=slowdown),
+                                 **{**BASE, "iterations": 4})  # type: ignore[arg-type]
+            r = run_training(cfg, values=True)
+            _exact(r)
+            assert r.helps_started >= 2

@@ -34,6 +34,9 @@ class HostEngine:
             sh = self.shadows[straggler] = WorkerEngine(
                 f"{self.name}~{straggler}", cfg, self.own.route
             )
+            # Sending past the host's own window is useless (those sequences also
+            # wait on the host) and would only wait out retransmission budgets.
+            sh.cap = self.own
         return sh
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
@@ -46,6 +49,7 @@ class HostEngine:
         actions = self.own.on_packet(pkt, now_ns)
         for sh in self.shadows.values():
             actions += [a for a in sh.on_packet(pkt, now_ns) if not isinstance(a, Deliver)]
+            actions += sh.pump(now_ns)
         return actions
 
     def on_timer(self, now_ns: int) -> list[Action]:

@@ -152,6 +152,7 @@ class WorkerEngine:
         self.done_above: set[int] = set()
         self.timers: deque[tuple[int, int]] = deque()
         self.recover_seq = 0
+        self.cap: WorkerEngine | None = None
 
     # -- application side -------------------------------------------------
     def push(
@@ -161,10 +162,21 @@ class WorkerEngine:
         payload: np.ndarray | None = None,
         layer: int = 0,
         priority: int = 0,
+        at_seq: int | None = None,
     ) -> list[Action]:
-        """Queue ``count`` values (and their int32 ``payload`` in values mode)."""
+        """Queue ``count`` values (and their int32 ``payload`` in values mode).
+
+        ``at_seq`` numbers them from that sequence: every worker numbers the
+        job's tensors alike, so one that skipped a tensor (it was helped, and
+        abandoned it) must skip its sequences too. The skipped sequences are
+        never sent; their results are expected like any other.
+        """
         if payload is not None and len(payload) != count:
             raise ValueError(f"payload has {len(payload)} values, count says {count}")
+        if at_seq is not None:
+            if at_seq < self.next_seq:
+                raise ValueError(f"at_seq {at_seq} is behind the next sequence {self.next_seq}")
+            self.next_seq = at_seq
         vpp = self.cfg.values_per_packet
         for off in range(0, count, vpp):
             n = min(vpp, count - off)
@@ -251,11 +263,17 @@ class WorkerEngine:
             timers.popleft()
         return None
 
+    def pump(self, now_ns: int) -> list[Action]:
+        """Send what the window now allows (after a capping stream moved on)."""
+        return self._pump(now_ns)
+
     # -- internals --------------------------------------------------------
     def _pump(self, now_ns: int) -> list[Action]:
         actions: list[Action] = []
         queue = self.queue
         limit = self.base + int(self.cwnd)
+        if self.cap is not None:  # a shadow never runs ahead of its host's own window
+            limit = min(limit, self.cap.base + int(self.cap.cwnd))
         if not queue or queue[0][0] >= limit:
             return actions
         cfg, route, out, timers = self.cfg, self.route, self.out, self.timers

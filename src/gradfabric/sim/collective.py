@@ -218,7 +218,7 @@ class _Run:
 
         def start(w: int, b: int) -> None:
             acts = self.worker_engines[w].push(
-                self.buckets[b].count, self.loop.now, self.payload(w, b)
+                self.buckets[b].count, self.loop.now, self.payload(w, b), at_seq=self.first_seq[b]
             )
             self.net.kick(self.workers[w], acts)
 

@@ -242,7 +242,8 @@ class _Trainer:
         if payload is not None:
             payload = payload[skip:]
         shadow = run.hosts[h].shadow(s)
-        run.net.kick(run.workers[h], shadow.push(count, run.loop.now, payload))
+        at = max(start_seq, run.first_seq[g])
+        run.net.kick(run.workers[h], shadow.push(count, run.loop.now, payload, at_seq=at))
         if g == (it + 1) * self.J - 1:  # the straggler's whole iteration is computed
             self._end_help(h, run.loop.now)
 
