@@ -94,10 +94,13 @@ def test_abandoned_work_keeps_sequence_numbers_aligned() -> None:
     # must still number packets like everyone else's (a regression: it did not).
     for takeover in ("all", "tail"):
         for slowdown in (3.0, 4.0):
-            cfg = TrainingConfig(scheme="saatp", workers=6, takeover=takeover,
-                                 stragglers=StragglerConfig(model="fixed", workers=(1,),
-                                                            slowdown=slowdown),
-                                 **{**BASE, "iterations": 4})  # type: ignore[arg-type]
+            cfg = TrainingConfig(
+                scheme="saatp",
+                workers=6,
+                takeover=takeover,
+                stragglers=StragglerConfig(model="fixed", workers=(1,), slowdown=slowdown),
+                **{**BASE, "iterations": 4},
+            )  # type: ignore[arg-type]
             r = run_training(cfg, values=True)
             _exact(r)
             assert r.helps_started >= 2
