@@ -50,7 +50,7 @@ def test_bad_configs_name_the_field() -> None:
         StragglerConfig(model="gremlins")
     with pytest.raises(ConfigError, match="slowdown"):
         StragglerConfig(slowdown=0.5)
-    with pytest.raises(ConfigError, match="stragglers.workers"):
+    with pytest.raises(ConfigError, match=r"stragglers\.workers"):
         factors(StragglerConfig(model="fixed", workers=(9,), slowdown=2), 2, 4, seed=0)
 
 
