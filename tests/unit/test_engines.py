@@ -189,3 +189,34 @@ def test_atp_resend_flushes_partial_and_ps_never_double_counts() -> None:
     # a resend after completion is answered from the stored result
     again = ps.on_packet(_grad(1, 1, 0, idx, [2], n=3, flags=Flag.RESEND), 8)
     assert again[0].pkt.flags & Flag.RESEND and again[0].pkt.worker_id == 1  # type: ignore[union-attr]
+
+
+def test_esa_preempts_lower_priority_and_reuses_complete_aggregators() -> None:
+    jobs = (SwitchJob(1, ("w0", "w1"), parent="ps"), SwitchJob(2, ("x0", "x1"), parent="ps"))
+    sw = SwitchEngine.build("sw", "esa", 4, jobs)
+    ps = ParameterServer("ps", (PsJob(1, ("w0", "w1"), via="sw"), PsJob(2, ("x0", "x1"), via="sw")))
+    i1 = atp_index(1, 0, 4)
+    low = _grad(1, 0, 0, i1, [5])
+    low.priority = 1
+    assert sw.on_packet(low, 0) == []
+    high = _grad(2, 0, 9, i1, [100])
+    high.priority = 7
+    evict = sw.on_packet(high, 1)  # job 2 outranks job 1: job 1's partial goes to the PS
+    assert len(evict) == 1 and evict[0].pkt.flags & Flag.PARTIAL  # type: ignore[union-attr]
+    assert evict[0].pkt.job_id == 1 and evict[0].pkt.bitmap == 0b01  # type: ignore[union-attr]
+    assert sw.counters["preemptions"] == 1 and sw.policy.pool[i1].job == 2  # type: ignore[attr-defined]
+    ps.on_packet(evict[0].pkt, 2)  # type: ignore[union-attr]
+    # job 1's second worker now collides (lower priority) and completes at the PS
+    late = _grad(1, 1, 0, i1, [6])
+    late.priority = 1
+    fwd = sw.on_packet(late, 3)
+    assert fwd[0].pkt.flags & Flag.COLLISION  # type: ignore[union-attr]
+    res = ps.on_packet(fwd[0].pkt, 4)  # type: ignore[union-attr]
+    assert list(res[0].pkt.payload) == [11]  # type: ignore[union-attr]
+    # job 2 completes: its aggregator is COMPLETE, awaiting the PS ...
+    done = sw.on_packet(_grad(2, 1, 9, i1, [1]), 5)
+    assert list(done[0].pkt.payload) == [101]  # type: ignore[union-attr]
+    # ... and ESA lets any packet take it at once (ATP would collide)
+    other = _grad(1, 0, 4, i1, [3])
+    assert sw.on_packet(other, 6) == []
+    assert sw.counters["reclaimed_complete"] == 1 and sw.policy.pool[i1].job == 1  # type: ignore[attr-defined]

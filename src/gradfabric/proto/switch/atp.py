@@ -54,6 +54,8 @@ class _Agg:
         "index",
         "job",
         "nvalues",
+        "owner",
+        "priority",
         "seq",
         "state",
         "values",
@@ -70,6 +72,8 @@ class _Agg:
         self.flags = 0
         self.values: np.ndarray | None = None
         self.claim_ns = 0
+        self.owner: SwitchJob | None = None
+        self.priority = 0
 
 
 class ATPPolicy:
@@ -101,9 +105,9 @@ class ATPPolicy:
             return [Send(ps, pkt)]
         a = self.pool[pkt.agg_index]
         mine = a.state != FREE and a.job == job.job_id and a.seq == pkt.seq
+        out: list[Action] = []
         if pkt.flags & Flag.RESEND:
             self.counters["ps_resend"] += 1
-            out: list[Action] = []
             if mine and a.state == AGGREGATING:
                 self.counters["flush_partial"] += 1
                 out.append(Send(ps, self._aggregate(job, a, Flag.PARTIAL)))
@@ -113,15 +117,15 @@ class ATPPolicy:
             out.append(Send(ps, pkt))
             return out
         if not mine:
-            if a.state != FREE and not self._stale(a, job):
-                self.counters["ps_collision"] += 1
-                fwd = pkt.clone()
-                fwd.flags |= Flag.COLLISION
-                return [Send(ps, fwd)]
             if a.state != FREE:
-                self.counters["stale_reclaimed"] += 1
-                self._free(a, now_ns)
-            self._claim(a, pkt, now_ns)
+                evicted = self._make_room(a, job, pkt, now_ns)
+                if evicted is None:
+                    self.counters["ps_collision"] += 1
+                    fwd = pkt.clone()
+                    fwd.flags |= Flag.COLLISION
+                    return [Send(ps, fwd)]
+                out = evicted
+            self._claim(a, job, pkt, now_ns)
         elif a.bitmap & pkt.bitmap:
             self.counters["drop_duplicate"] += 1
             return []
@@ -137,10 +141,21 @@ class ATPPolicy:
             else:
                 np.add(a.values, pkt.payload, out=a.values)
         if a.count < job.fan_in:
-            return []
+            return out
         a.state = COMPLETE
         self.stats.busy_ns += now_ns - a.claim_ns
-        return [Send(ps, self._aggregate(job, a, Flag.NONE))]
+        out.append(Send(ps, self._aggregate(job, a, Flag.NONE)))
+        return out
+
+    def _make_room(self, a: _Agg, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action] | None:
+        """May ``pkt`` take occupied aggregator ``a``? None: no (a collision);
+        else the actions that evict the occupant (none for ATP: only a stale
+        occupant, whose sequence already completed, is reclaimed)."""
+        if not self._stale(a, job):
+            return None
+        self.counters["stale_reclaimed"] += 1
+        self._free(a, now_ns)
+        return []
 
     def on_result(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
         if pkt.agg_index < len(self.pool):
@@ -164,9 +179,11 @@ class ATPPolicy:
         newest = self.newest_result.get(a.job, -1)
         return a.job == job.job_id and job.window > 0 and a.seq <= newest - job.window
 
-    def _claim(self, a: _Agg, pkt: Packet, now_ns: int) -> None:
+    def _claim(self, a: _Agg, job: SwitchJob, pkt: Packet, now_ns: int) -> None:
         self.stats.claims += 1
         a.state = AGGREGATING
+        a.owner = job
+        a.priority = pkt.priority
         a.job = pkt.job_id
         a.seq = pkt.seq
         a.bitmap = 0
