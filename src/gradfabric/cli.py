@@ -156,7 +156,7 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from gradfabric.experiments import baselines, granularity, saatp  # noqa: F401
+    from gradfabric.experiments import baselines, esa, granularity, saatp  # noqa: F401
     from gradfabric.experiments.registry import EXPERIMENTS
     from gradfabric.experiments.report import write_report
 
@@ -252,6 +252,56 @@ def cmd_experiment_saatp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_esa(args: argparse.Namespace) -> int:
+    from gradfabric.experiments.config import dump
+    from gradfabric.experiments.esa import EsaGrid, compare, run_grid
+
+    grid = EsaGrid.quick() if args.quick else EsaGrid()
+    overrides: dict[str, Any] = {}
+    if args.pools:
+        overrides["pool_slots"] = tuple(int(x) for x in args.pools.split(","))
+    if args.loads:
+        overrides["loads"] = tuple(float(x) for x in args.loads.split(","))
+    if args.jobs:
+        overrides["jobs"] = args.jobs
+    grid = replace(grid, **overrides)
+    dest = _results_dir(args.out, "esa")
+    (dest / "config.yaml").write_text(yaml.safe_dump(dump(grid), sort_keys=False))
+    with _progress(len(grid.pool_slots) * len(grid.loads) * len(grid.schemes), args.json) as tick:
+        rows = run_grid(grid, tick)
+    cmp = compare(rows)
+    (dest / "results.json").write_text(json.dumps({"rows": rows, "vs_atp": cmp}, indent=1))
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    else:
+        out.print(
+            _table(
+                rows,
+                "ESA vs ATP vs SwitchML",
+                [
+                    "scheme",
+                    "pool_slots",
+                    "load",
+                    "jobs",
+                    "avg_jct_s",
+                    "p99_jct_s",
+                    "mem_util",
+                    "mem_held",
+                ],
+            )
+        )
+        out.print(
+            _table(
+                cmp,
+                "ESA vs ATP",
+                ["pool_slots", "load", "atp_avg_jct_s", "esa_avg_jct_s", "improvement"],
+            )
+        )
+        out.print(f"results and resolved config: {dest}")
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from gradfabric.workloads.catalog import MODEL_NAMES, model_spec
 
@@ -316,6 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--out", help="results directory (default: results/saatp-<time>)")
     es.add_argument("--json", action="store_true", help="one JSON object per row")
     es.set_defaults(fn=cmd_experiment_saatp)
+
+    ee = esub.add_parser("esa", help="ESA vs ATP vs SwitchML: JCT against pool size and load")
+    ee.add_argument("--quick", action="store_true", help="two pool sizes, one load, 8 jobs")
+    ee.add_argument("--pools", help="comma-separated pool sizes in aggregators, e.g. 512,4096")
+    ee.add_argument("--loads", help="comma-separated offered loads, e.g. 0.5,0.9")
+    ee.add_argument("--jobs", type=int, help="jobs per trace")
+    ee.add_argument("--out", help="results directory (default: results/esa-<time>)")
+    ee.add_argument("--json", action="store_true", help="one JSON object per row")
+    ee.set_defaults(fn=cmd_experiment_esa)
 
     m = sub.add_parser("models", help="list the model catalog")
     m.add_argument("--json", action="store_true")

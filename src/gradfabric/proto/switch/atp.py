@@ -88,6 +88,15 @@ class ATPPolicy:
     def result_fan_in(self, job: SwitchJob) -> int:
         return job.fan_in
 
+    def admit(self, job: SwitchJob) -> None:
+        return None  # the pool is shared: nothing is reserved
+
+    def retire(self, job: SwitchJob) -> None:
+        for a in self.pool:
+            if a.state != FREE and a.job == job.job_id:
+                self._free(a, a.claim_ns)  # its remaining hold is not counted as use
+        self.newest_result.pop(job.job_id, None)
+
     def missing(self, job: SwitchJob) -> int:
         bits = 0
         for a in self.pool:

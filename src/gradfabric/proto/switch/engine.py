@@ -52,6 +52,14 @@ class Policy(Protocol):
         """The fan-in a legitimate result for ``job`` carries at this switch."""
         ...
 
+    def admit(self, job: SwitchJob) -> None:
+        """The control plane installs ``job``: clear whatever state it may use."""
+        ...
+
+    def retire(self, job: SwitchJob) -> None:
+        """``job`` left: release everything it holds."""
+        ...
+
     def missing(self, job: SwitchJob) -> int:
         """Bitmap of children some partly filled aggregator of ``job`` waits on."""
         ...
@@ -97,7 +105,14 @@ class SwitchEngine(NoTimers):
     def add_job(self, job: SwitchJob) -> None:
         if job.job_id in self.jobs:
             raise ConfigError("job_id", f"job {job.job_id} already registered at {self.name}")
+        self.policy.admit(job)
         self.jobs[job.job_id] = job
+
+    def remove_job(self, job_id: int) -> None:
+        """Unregister a finished job and release its aggregators."""
+        job = self.jobs.pop(job_id)
+        self.monitors.pop(job_id, None)
+        self.policy.retire(job)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         job = self.jobs.get(pkt.job_id)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Multicast, Send
 from gradfabric.proto.switch.engine import POLICIES, PoolStats
@@ -72,6 +73,19 @@ class SwitchMLPolicy:
 
     def result_fan_in(self, job: SwitchJob) -> int:
         return job.parent_fan_in
+
+    def admit(self, job: SwitchJob) -> None:
+        if job.slot_base + job.slot_count > len(self.copies):
+            raise ConfigError(
+                "slot_count",
+                f"slots {job.slot_base}..{job.slot_base + job.slot_count}"
+                f" exceed the pool of {len(self.copies)}",
+            )
+        for i in range(job.slot_base, job.slot_base + job.slot_count):
+            self.copies[i] = (_Copy(), _Copy())
+
+    def retire(self, job: SwitchJob) -> None:
+        self.admit(job)  # a static range is simply cleared for its next owner
 
     def missing(self, job: SwitchJob) -> int:
         bits = 0

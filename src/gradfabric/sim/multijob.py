@@ -1,0 +1,382 @@
+"""Many training jobs sharing one switch's aggregator pool; job completion times.
+
+Jobs arrive (Poisson, or a trace file of ``arrival_s,model,workers,iterations``
+rows), wait for free hosts (and, under SwitchML, for a free static slot
+partition), then train for their iterations on the hosts of one rack (a star:
+every host under one ToR switch whose pool all jobs share; each job has its
+own PS host). A job's completion time (JCT) runs from its arrival to its last
+result, queueing included. Under ESA, workers stamp every packet with their
+job's priority (``proto/priority.py``), recomputed at each iteration.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.priority import PRIORITIES
+from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.switch import SwitchEngine, SwitchJob
+from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
+from gradfabric.sim.collective import FabricConfig, worker_input
+from gradfabric.sim.loop import EventLoop
+from gradfabric.sim.network import Network
+from gradfabric.sim.topology import star
+from gradfabric.workloads.catalog import check_model, model_spec
+from gradfabric.workloads.compute import Timeline, device, timeline
+
+TENANCY_SCHEMES = ("esa", "atp", "switchml")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: int
+    arrival_ns: int
+    model: str
+    workers: int
+    iterations: int
+
+
+@dataclass(frozen=True)
+class TenancyConfig:
+    scheme: str = "esa"
+    priority: str = "srpt-aging"
+    aging_s: float = 0.05
+    pool_slots: int = 4096  # real aggregators (one per 256-value packet) in the shared pool
+    hosts: int = 48
+    jobs: int = 12
+    load: float = 0.7  # offered load: arrival rate x mean isolated work / host capacity
+    models: tuple[str, ...] = ("resnet50", "bert-base")
+    workers_choices: tuple[int, ...] = (4, 8)
+    iterations_range: tuple[int, int] = (2, 5)
+    batch: int = 32
+    device: str = "v100"
+    bucket_mb: float = 25.0
+    trace_file: str = ""
+    seed: int = 0
+    fabric: FabricConfig = field(default_factory=FabricConfig)
+    ina: InaConfig = field(default_factory=lambda: InaConfig(train_packets=64))
+
+    def __post_init__(self) -> None:
+        if self.scheme not in TENANCY_SCHEMES:
+            raise ConfigError(
+                "scheme", f"unknown {self.scheme!r}; valid: {', '.join(TENANCY_SCHEMES)}"
+            )
+        PRIORITIES.get(self.priority)
+        for m in self.models:
+            check_model(m, "models")
+        device(self.device)
+        if not 1 <= self.hosts <= 64 or max(self.workers_choices) > self.hosts:
+            raise ConfigError("hosts", "need 1..64 hosts and every job to fit")
+        if self.load <= 0 or self.jobs < 1 or self.pool_slots < 1:
+            raise ConfigError("load", "load, jobs and pool_slots must be > 0")
+
+
+def job_trace(cfg: TenancyConfig) -> list[JobSpec]:
+    """The jobs of a run: from ``trace_file`` or Poisson arrivals at ``load``."""
+    if cfg.trace_file:
+        return _trace_file(Path(cfg.trace_file))
+    rng = random.Random(cfg.seed)
+    draws = [
+        (
+            rng.choice(cfg.models),
+            rng.choice(cfg.workers_choices),
+            rng.randint(*cfg.iterations_range),
+        )
+        for _ in range(cfg.jobs)
+    ]
+    dev = device(cfg.device)
+    work = [
+        it
+        * n
+        * _iteration_ns(
+            timeline(model_spec(m), cfg.batch, dev, cfg.bucket_mb),
+            model_spec(m).params,
+            cfg.fabric.link.link_gbps,
+        )
+        for m, n, it in draws
+    ]
+    rate = cfg.load * cfg.hosts / float(np.mean(work))  # jobs per ns
+    t, jobs = 0.0, []
+    for i, (m, n, it) in enumerate(draws):
+        jobs.append(JobSpec(i + 1, int(t), m, n, it))
+        t += rng.expovariate(rate)
+    return jobs
+
+
+def _iteration_ns(tl: Timeline, params: int, gbps: float) -> float:
+    return max(tl.compute_ns, tl.forward_ns + params * 32 / gbps)
+
+
+def _trace_file(path: Path) -> list[JobSpec]:
+    try:
+        rows = list(csv.reader(path.read_text().splitlines()))
+    except OSError as e:
+        raise ConfigError("trace_file", str(e)) from None
+    jobs = []
+    for i, row in enumerate(rows):
+        try:
+            arrival_s, model, n, it = float(row[0]), row[1].strip(), int(row[2]), int(row[3])
+        except (ValueError, IndexError):
+            raise ConfigError(
+                "trace_file", f"line {i + 1}: want arrival_s,model,workers,iterations"
+            ) from None
+        check_model(model, "trace_file")
+        jobs.append(JobSpec(i + 1, int(arrival_s * 1e9), model, n, it))
+    return sorted(jobs, key=lambda j: j.arrival_ns)
+
+
+class _Job:
+    """One job's engines, schedule and bookkeeping on the shared fabric."""
+
+    def __init__(self, spec: JobSpec, cfg: TenancyConfig, values: bool) -> None:
+        self.spec = spec
+        self.tl = timeline(model_spec(spec.model), cfg.batch, device(cfg.device), cfg.bucket_mb)
+        self.J = len(self.tl.buckets)
+        vpp = cfg.ina.values_per_sim_packet
+        counts = [b.values for b in self.tl.buckets] * spec.iterations
+        self.counts = counts
+        self.npk = [max(1, -(-c // vpp)) for c in counts]
+        self.first_seq = [0, *np.cumsum(self.npk)[:-1].tolist()]
+        self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        self.vpp = vpp
+        self.bytes_per_iteration = 4 * sum(b.values for b in self.tl.buckets)
+        self.hosts: list[str] = []
+        self.engines: list[WorkerEngine] = []
+        self.left: list[list[int]] = []
+        self.done_iters: list[int] = []
+        self.start_ns = -1
+        self.end_ns = -1
+        self.partition = -1
+        self.inputs: list[np.ndarray] | None = None
+        self.results: list[np.ndarray] | None = None
+        if values:
+            n, total = spec.workers, int(self.offsets[-1])
+            self.inputs = [
+                worker_input(cfg.seed * 7919 + spec.job_id, w, n, total) for w in range(n)
+            ]
+            self.results = [np.zeros(total, dtype=np.int64) for _ in range(n)]
+
+
+@dataclass
+class TenancyResult:
+    jobs: list[dict[str, Any]]
+    makespan_ns: int
+    mem_util: float
+    mem_held: float
+    events: int
+    wall_s: float
+    counters: dict[str, int]
+    exact: bool | None = None
+
+    @property
+    def avg_jct_s(self) -> float:
+        return float(np.mean([j["jct_s"] for j in self.jobs]))
+
+    @property
+    def p99_jct_s(self) -> float:
+        return float(np.percentile([j["jct_s"] for j in self.jobs], 99))
+
+
+class _Tenancy:
+    def __init__(self, cfg: TenancyConfig, jobs: list[JobSpec], values: bool) -> None:
+        self.cfg = cfg
+        self.loop = EventLoop()
+        self.net = Network(self.loop, random.Random(cfg.seed), cfg.ina.values_per_packet)
+        self.hosts = [f"h{i}" for i in range(cfg.hosts)]
+        self.ps_hosts = [f"ps{j.job_id}" for j in jobs]
+        star(self.net, self.hosts + self.ps_hosts, cfg.fabric.link)
+        ina = cfg.ina
+        self.pool = max(1, cfg.pool_slots // ina.train_packets)  # simulated aggregators
+        self.window = ina.windowed(ina.atp_window)
+        self.sml_slots = ina.windowed(ina.switchml_slots)
+        policy = "atp" if cfg.scheme == "atp" else cfg.scheme
+        self.switch = SwitchEngine.build("sw0", policy, self.pool)
+        self.net.bind("sw0", self.switch)
+        # SwitchML: the pool split into static partitions of 2 x window (shadow copies).
+        self.partitions = [True] * (self.pool // (2 * self.sml_slots))
+        if cfg.scheme == "switchml" and not self.partitions:
+            raise ConfigError("pool_slots", "too small for one SwitchML partition")
+        self.free_hosts = list(self.hosts)
+        self.waiting: list[_Job] = []
+        self.jobs = {j.job_id: _Job(j, cfg, values) for j in jobs}
+        self.finished = 0
+        for j in jobs:
+            self.loop.at(j.arrival_ns, self.arrive, j.job_id)
+
+    def arrive(self, job_id: int) -> None:
+        self.waiting.append(self.jobs[job_id])
+        self.admit()
+
+    def admit(self) -> None:
+        while self.waiting:  # first come, first served
+            job = self.waiting[0]
+            if len(self.free_hosts) < job.spec.workers:
+                return
+            if self.cfg.scheme == "switchml":
+                if True not in self.partitions:
+                    return
+                job.partition = self.partitions.index(True)
+                self.partitions[job.partition] = False
+            self.waiting.pop(0)
+            self.start(job)
+
+    def start(self, job: _Job) -> None:
+        spec, cfg, ina = job.spec, self.cfg, self.cfg.ina
+        job.hosts = [self.free_hosts.pop(0) for _ in range(spec.workers)]
+        job.start_ns = self.loop.now
+        ps = f"ps{spec.job_id}"
+        if cfg.scheme == "switchml":
+            base = job.partition * 2 * self.sml_slots
+            self.switch.add_job(
+                SwitchJob(spec.job_id, tuple(job.hosts), slot_base=base, slot_count=self.sml_slots)
+            )
+            window = self.sml_slots
+        else:
+            window = self.window
+            keep = 2 * sum(job.npk[: job.J])
+            self.switch.add_job(SwitchJob(spec.job_id, tuple(job.hosts), parent=ps, window=window))
+            self.net.bind(
+                ps,
+                ParameterServer(
+                    ps, (PsJob(spec.job_id, tuple(job.hosts), via="sw0", window=max(window, keep)),)
+                ),
+            )
+        for i, h in enumerate(job.hosts):
+            wc = WorkerConfig(
+                job_id=spec.job_id,
+                worker_id=i,
+                fan_in=spec.workers,
+                window=window,
+                rto_ns=ina.rto_ns,
+                values_per_packet=job.vpp,
+                ecn_window=cfg.scheme != "switchml",
+            )
+            route = (
+                StaticSlots("sw0", job.partition * 2 * self.sml_slots, self.sml_slots)
+                if cfg.scheme == "switchml"
+                else HashedPool("sw0", spec.job_id, self.pool)
+            )
+            eng = WorkerEngine(h, wc, route)
+            job.engines.append(eng)
+            self.net.bind(h, eng)
+            node = self.net.nodes[h]
+            node.timer_at = None
+            node.on_deliver = self._deliverer(job, i)
+        job.left = [list(job.npk) for _ in range(spec.workers)]
+        job.done_iters = [0] * spec.workers
+        for i in range(spec.workers):
+            self.begin(job, i, 0)
+
+    def priority(self, job: _Job, it: int) -> int:
+        remaining = (job.spec.iterations - it) * job.bytes_per_iteration
+        age_s = (self.loop.now - job.spec.arrival_ns) / 1e9
+        return PRIORITIES.get(self.cfg.priority)(remaining, age_s, self.cfg.aging_s)
+
+    def begin(self, job: _Job, w: int, it: int) -> None:
+        t0 = self.loop.now
+        prio = self.priority(job, it)
+        for j, b in enumerate(job.tl.buckets):
+            self.loop.at(t0 + b.ready_ns, self._push, (job, w, it * job.J + j, prio))
+
+    def _push(self, arg: tuple[_Job, int, int, int]) -> None:
+        job, w, g, prio = arg
+        payload = None
+        if job.inputs is not None:
+            payload = job.inputs[w][job.offsets[g] : job.offsets[g + 1]]
+        eng = job.engines[w]
+        self.net.kick(
+            job.hosts[w],
+            eng.push(job.counts[g], self.loop.now, payload, priority=prio, at_seq=job.first_seq[g]),
+        )
+
+    def _deliverer(self, job: _Job, w: int) -> Any:
+        def on_deliver(d: Any) -> None:
+            g = bisect.bisect_right(job.first_seq, d.seq) - 1
+            if job.results is not None and d.pkt.payload is not None:
+                off = int(job.offsets[g]) + (d.seq - job.first_seq[g]) * job.vpp
+                job.results[w][off : off + d.pkt.count] = d.pkt.payload
+            job.left[w][g] -= 1
+            if job.left[w][g] == 0:
+                self.bucket_done(job, w, g)
+
+        return on_deliver
+
+    def bucket_done(self, job: _Job, w: int, g: int) -> None:
+        it = g // job.J
+        if any(job.left[w][it * job.J : (it + 1) * job.J]):
+            return
+        job.done_iters[w] = it + 1
+        if it + 1 < job.spec.iterations:
+            self.begin(job, w, it + 1)
+        elif all(d == job.spec.iterations for d in job.done_iters):
+            self.finish(job)
+
+    def finish(self, job: _Job) -> None:
+        job.end_ns = self.loop.now
+        self.finished += 1
+        self.switch.remove_job(job.spec.job_id)
+        self.free_hosts += job.hosts
+        if job.partition >= 0:
+            self.partitions[job.partition] = True
+        if self.finished == len(self.jobs):
+            self.loop.stop()
+        self.admit()
+
+
+def run_tenancy(
+    cfg: TenancyConfig,
+    jobs: list[JobSpec] | None = None,
+    values: bool = False,
+    horizon_ns: int = 10**13,
+) -> TenancyResult:
+    jobs = jobs if jobs is not None else job_trace(cfg)
+    ten = _Tenancy(cfg, jobs, values)
+    t0 = time.perf_counter()
+    ten.loop.run(until_ns=horizon_ns)
+    wall = time.perf_counter() - t0
+    if ten.finished != len(jobs):
+        raise RuntimeError(f"{len(jobs) - ten.finished} jobs did not finish")
+    makespan = max(j.end_ns for j in ten.jobs.values()) - min(j.arrival_ns for j in jobs)
+    stats = ten.switch.policy.stats
+    held = stats.held_ns
+    if cfg.scheme == "switchml":  # a static partition is held for the job's whole life
+        held = sum((j.end_ns - j.start_ns) * 2 * ten.sml_slots for j in ten.jobs.values())
+    exact = None
+    if values:
+        exact = all(
+            np.array_equal(res, np.sum([x.astype(np.int64) for x in j.inputs or []], axis=0))
+            for j in ten.jobs.values()
+            for res in j.results or []
+        )
+    rows = [
+        {
+            "job": j.spec.job_id,
+            "model": j.spec.model,
+            "workers": j.spec.workers,
+            "iterations": j.spec.iterations,
+            "arrival_s": j.spec.arrival_ns / 1e9,
+            "queued_s": (j.start_ns - j.spec.arrival_ns) / 1e9,
+            "jct_s": (j.end_ns - j.spec.arrival_ns) / 1e9,
+        }
+        for j in ten.jobs.values()
+    ]
+    return TenancyResult(
+        jobs=rows,
+        makespan_ns=makespan,
+        mem_util=stats.busy_ns / (stats.aggregators * max(1, makespan)),
+        mem_held=held / (stats.aggregators * max(1, makespan)),
+        events=ten.loop.events,
+        wall_s=wall,
+        counters=dict(ten.switch.counters),
+        exact=exact,
+    )
