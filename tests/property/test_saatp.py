@@ -51,7 +51,7 @@ schedules = st.one_of(
     dup=st.floats(0.0, 0.05),
     jitter=st.integers(0, 5_000),
     seed=st.integers(0, 2**31),
-    takeover=st.sampled_from(["all", "tail"]),
+    takeover=st.sampled_from(["all", "tail", "beatable"]),
 )
 def test_saatp_exact_under_random_stragglers_loss_and_duplication(
     stragglers: StragglerConfig, loss: float, dup: float, jitter: int, seed: int, takeover: str
@@ -92,7 +92,7 @@ def test_no_straggler_no_help_and_same_time_as_atp() -> None:
 def test_abandoned_work_keeps_sequence_numbers_aligned() -> None:
     # A helped straggler abandons the rest of its iteration; its next iteration
     # must still number packets like everyone else's (a regression: it did not).
-    for takeover in ("all", "tail"):
+    for takeover in ("all", "tail", "beatable"):
         for slowdown in (3.0, 4.0):
             cfg = TrainingConfig(
                 scheme="saatp",
@@ -103,4 +103,5 @@ def test_abandoned_work_keeps_sequence_numbers_aligned() -> None:
             )  # type: ignore[arg-type]
             r = run_training(cfg, values=True)
             _exact(r)
-            assert r.helps_started >= 2
+            if takeover != "beatable":  # beatable may rightly decline on this tiny model
+                assert r.helps_started >= 2

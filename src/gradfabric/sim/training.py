@@ -37,25 +37,38 @@ from gradfabric.sim.stragglers import StragglerConfig, factors
 from gradfabric.workloads.catalog import check_model, model_spec
 from gradfabric.workloads.compute import device, timeline
 
-# How much of a straggler's iteration a helper takes over: the first bucket
-# (index into the iteration's buckets) it computes and sends, given the
-# buckets' ready offsets and the iteration's compute time.
-Takeover = Callable[[list[int], int], int]
+# How much of a straggler's iteration a helper takes over, decided when the
+# helper's device becomes free: given the iteration's bucket ready offsets,
+# the time since the iteration began, and the bucket the straggler has reached
+# (the first with a result missing), the first bucket to help with, or None.
+Takeover = Callable[[list[int], int, int], int | None]
 TAKEOVER: Registry[Takeover] = Registry("takeover policy")
 
 
+@TAKEOVER.register("beatable")
+def _beatable(offsets: list[int], elapsed_ns: int, straggler_at: int) -> int | None:
+    """Only what the helper can deliver first. The straggler took ``elapsed``
+    to reach bucket ``straggler_at``, so its slowdown is at least
+    ``elapsed / offsets[straggler_at]``; the helper, starting now at speed 1,
+    beats it on bucket ``j`` when ``offsets[j] * (slowdown - 1) > elapsed``."""
+    slowdown = elapsed_ns / max(1, offsets[straggler_at])
+    if slowdown <= 1.0:
+        return None
+    beat = elapsed_ns / (slowdown - 1)
+    return next((j for j in range(straggler_at, len(offsets)) if offsets[j] > beat), None)
+
+
 @TAKEOVER.register("all")
-def _all(offsets: list[int], compute_ns: int) -> int:
-    """Everything the straggler has not sent yet."""
-    return 0
+def _all(offsets: list[int], elapsed_ns: int, straggler_at: int) -> int | None:
+    """Everything the straggler has not delivered yet."""
+    return straggler_at
 
 
 @TAKEOVER.register("tail")
-def _tail(offsets: list[int], compute_ns: int) -> int:
-    """Only the buckets ready in the second half of backward: a helper that
-    starts after its own iteration can beat a straggler there (slowdown >= 3)."""
+def _tail(offsets: list[int], elapsed_ns: int, straggler_at: int) -> int | None:
+    """The buckets ready in the second half of backward."""
     half = offsets[0] + (offsets[-1] - offsets[0]) // 2
-    return next(j for j, off in enumerate(offsets) if off >= half)
+    return max(straggler_at, next(j for j, off in enumerate(offsets) if off >= half))
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class TrainingResult:
     counters: dict[str, int]
     help_requests: int = 0
     helps_started: int = 0
+    helps_declined: int = 0
     help_compute_ns: int = 0
     replica_gb_per_worker: float = 0.0
     results: list[np.ndarray] | None = None
@@ -108,6 +122,7 @@ class TrainingResult:
             "total_ms": self.end_ns / 1e6,
             "help_requests": self.help_requests,
             "helps_started": self.helps_started,
+            "helps_declined": self.helps_declined,
             "help_compute_ms": self.help_compute_ns / 1e6,
             "replica_gb_per_worker": self.replica_gb_per_worker,
             "wall_s": self.wall_s,
@@ -138,6 +153,8 @@ class _Trainer:
         self.iter_end = [0] * cfg.iterations
         self.helping: dict[int, tuple[int, int]] = {}  # helper -> (iteration, help start)
         self.helps_started = 0
+        self.helps_declined = 0
+        self.iter_start = [0] * n
         self.help_compute_ns = 0
         if cfg.stragglers.nic:
             self.nic_links = {w: self._nic_links(w) for w in range(n)}
@@ -166,6 +183,7 @@ class _Trainer:
                 link.ps_per_byte = base * sigma
             compute = 1.0
         self.current[w] = it
+        self.iter_start[w] = t0
         self.device_free[w] = t0 + int(compute * self.tl.compute_ns)
         for j, off in enumerate(self.offsets):
             loop.at(t0 + int(compute * off), self._push, (w, it, it * self.J + j))
@@ -203,25 +221,40 @@ class _Trainer:
         return on_help
 
     def help(self, h: int, req: HelpRequest) -> None:
+        """A help request: the helper decides once its device is free."""
         run, s = self.run, req.straggler
-        g0 = bisect.bisect_right(run.first_seq, req.from_seq) - 1
-        it = g0 // self.J
-        own = run.worker_engines[h]
-        last_seq = (
-            run.first_seq[(it + 1) * self.J - 1] + run.npk[(it + 1) * self.J - 1] - 1
-            if (it + 1) * self.J - 1 < len(run.first_seq)
-            else -1
-        )
-        if it != self.current[h] or h in self.helping or own.base > last_seq or s == h:
+        it = (bisect.bisect_right(run.first_seq, req.from_seq) - 1) // self.J
+        if it != self.current[h] or h in self.helping or s == h:
             return
-        first = it * self.J + TAKEOVER.get(self.cfg.takeover)(self.offsets, self.tl.compute_ns)
-        start_seq = max(req.from_seq, own.base, run.first_seq[first])
-        g_start = bisect.bisect_right(run.first_seq, start_seq) - 1
-        shadow = run.hosts[h].shadow(s)
-        if not shadow.idle or start_seq < shadow.next_seq:
-            return
-        shadow.skip_to(start_seq)
         t0 = max(run.loop.now, self.device_free[h])
+        self.helping[h] = (it, t0)
+        run.loop.at(t0, self._start_help, (h, s, it, req.from_seq))
+
+    def _start_help(self, arg: tuple[int, int, int, int]) -> None:
+        h, s, it, from_seq = arg
+        run = self.run
+        own = run.worker_engines[h]
+        end = (it + 1) * self.J  # first bucket of the next iteration
+        done = own.base >= run.first_seq[end - 1] + run.npk[end - 1]
+        at = max(0, bisect.bisect_right(run.first_seq, own.base) - 1 - it * self.J)
+        first = (
+            None
+            if done or self.current[h] != it
+            else TAKEOVER.get(self.cfg.takeover)(
+                self.offsets, run.loop.now - self.iter_start[h], min(at, self.J - 1)
+            )
+        )
+        shadow = run.hosts[h].shadow(s)
+        start_seq = (
+            -1 if first is None else max(from_seq, own.base, run.first_seq[it * self.J + first])
+        )
+        if first is None or not shadow.idle or start_seq < shadow.next_seq:
+            self.helping.pop(h, None)
+            self.helps_declined += 1
+            return
+        g_start = bisect.bisect_right(run.first_seq, start_seq) - 1
+        shadow.skip_to(start_seq)
+        t0 = run.loop.now
         sigma = 1.0 if self.cfg.stragglers.nic else float(self.factors[it, h])
         self.device_free[h] = t0 + int(sigma * self.tl.compute_ns)
         self.helping[h] = (it, t0)
@@ -279,6 +312,7 @@ def run_training(
         counters=counters,
         help_requests=helps,
         helps_started=tr.helps_started,
+        helps_declined=tr.helps_declined,
         help_compute_ns=tr.help_compute_ns,
         replica_gb_per_worker=cfg.shard_gb * cfg.help.replicas if cfg.scheme == "saatp" else 0.0,
         results=run.results,
