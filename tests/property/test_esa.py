@@ -96,3 +96,16 @@ def test_a_steady_high_priority_stream_does_not_starve_a_long_job() -> None:
     assert jct60 <= 1.25 * jct20  # bounded: three times the stream, no longer a JCT
     assert jct60 < 0.5 * end60  # it finishes long before the stream does
     assert jct60 < 2 * alone
+
+
+def test_leaf_spine_racks_each_with_a_pool_stay_exact_under_loss() -> None:
+    jobs = [JobSpec(i + 1, i * 10_000, "mlp", 4, 2) for i in range(6)]
+    fabric = FabricConfig(topology="leaf_spine", spines=2,
+                          link=LinkSpec(loss=0.05, jitter_ns=2_000))
+    for scheme in ("esa", "atp", "switchml"):
+        cfg = TenancyConfig(scheme=scheme, racks=3, pool_slots=16, fabric=fabric,
+                            ina=InaConfig(train_packets=1, atp_window=8, switchml_slots=4,
+                                          rto_ns=200_000),
+                            **{**SMALL, "hosts": 8})  # type: ignore[arg-type]
+        r = run_tenancy(cfg, jobs, values=True)
+        assert r.exact is True, scheme

@@ -1,12 +1,13 @@
 """Many training jobs sharing one switch's aggregator pool; job completion times.
 
 Jobs arrive (Poisson, or a trace file of ``arrival_s,model,workers,iterations``
-rows), wait for free hosts (and, under SwitchML, for a free static slot
-partition), then train for their iterations on the hosts of one rack (a star:
-every host under one ToR switch whose pool all jobs share; each job has its
-own PS host). A job's completion time (JCT) runs from its arrival to its last
-result, queueing included. Under ESA, workers stamp every packet with their
-job's priority (``proto/priority.py``), recomputed at each iteration.
+rows), wait for free hosts in one rack (and, under SwitchML, for a free static
+slot partition there), then train for their iterations on those hosts. Every
+rack's ToR (the one switch of a star, or a leaf of a leaf-spine) has its own
+aggregator pool, shared by the jobs placed in that rack; each job has its own
+PS host, which may sit in another rack. A job's completion time (JCT) runs
+from its arrival to its last result, queueing included. Under ESA, workers
+stamp every packet with their job's priority (``proto/priority.py``), recomputed at each iteration.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, Worke
 from gradfabric.sim.collective import FabricConfig, worker_input
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import Network
-from gradfabric.sim.topology import star
+from gradfabric.sim.topology import leaf_spine, star
 from gradfabric.workloads.catalog import check_model, model_spec
 from gradfabric.workloads.compute import Timeline, device, timeline
 
@@ -52,7 +53,8 @@ class TenancyConfig:
     priority: str = "srpt-aging"
     aging_s: float = 0.05
     pool_slots: int = 4096  # real aggregators (one per 256-value packet) in the shared pool
-    hosts: int = 48
+    hosts: int = 48  # per rack
+    racks: int = 1  # 1: a star (one ToR); more: a leaf-spine, jobs placed within a rack
     jobs: int = 12
     load: float = 0.7  # offered load: arrival rate x mean isolated work / host capacity
     models: tuple[str, ...] = ("resnet50", "bert-base")
@@ -76,7 +78,9 @@ class TenancyConfig:
             check_model(m, "models")
         device(self.device)
         if not 1 <= self.hosts <= 64 or max(self.workers_choices) > self.hosts:
-            raise ConfigError("hosts", "need 1..64 hosts and every job to fit")
+            raise ConfigError("hosts", "need 1..64 hosts per rack and every job to fit in one")
+        if self.racks < 1:
+            raise ConfigError("racks", f"must be >= 1, got {self.racks}")
         if self.load <= 0 or self.jobs < 1 or self.pool_slots < 1:
             raise ConfigError("load", "load, jobs and pool_slots must be > 0")
 
@@ -157,6 +161,7 @@ class _Job:
         self.start_ns = -1
         self.end_ns = -1
         self.partition = -1
+        self.rack: _Rack | None = None
         self.inputs: list[np.ndarray] | None = None
         self.results: list[np.ndarray] | None = None
         if values:
@@ -187,26 +192,49 @@ class TenancyResult:
         return float(np.percentile([j["jct_s"] for j in self.jobs], 99))
 
 
+@dataclass
+class _Rack:
+    switch: SwitchEngine
+    free: list[str]
+    partitions: list[bool]
+
+
 class _Tenancy:
     def __init__(self, cfg: TenancyConfig, jobs: list[JobSpec], values: bool) -> None:
         self.cfg = cfg
         self.loop = EventLoop()
         self.net = Network(self.loop, random.Random(cfg.seed), cfg.ina.values_per_packet)
-        self.hosts = [f"h{i}" for i in range(cfg.hosts)]
-        self.ps_hosts = [f"ps{j.job_id}" for j in jobs]
-        star(self.net, self.hosts + self.ps_hosts, cfg.fabric.link)
+        racks = [[f"h{r * cfg.hosts + i}" for i in range(cfg.hosts)] for r in range(cfg.racks)]
+        # job j's PS sits in rack (j - 1) mod racks, wherever the job itself lands
+        for j in jobs:
+            racks[(j.job_id - 1) % cfg.racks].append(f"ps{j.job_id}")
+        if cfg.racks == 1:
+            topo = star(self.net, racks[0], cfg.fabric.link)
+        else:
+            topo = leaf_spine(
+                self.net, racks, cfg.fabric.spines, cfg.fabric.link, cfg.fabric.fabric_link
+            )
         ina = cfg.ina
         self.pool = max(1, cfg.pool_slots // ina.train_packets)  # simulated aggregators
         self.window = ina.windowed(ina.atp_window)
         self.sml_slots = ina.windowed(ina.switchml_slots)
         policy = "atp" if cfg.scheme == "atp" else cfg.scheme
-        self.switch = SwitchEngine.build("sw0", policy, self.pool)
-        self.net.bind("sw0", self.switch)
-        # SwitchML: the pool split into static partitions of 2 x window (shadow copies).
-        self.partitions = [True] * (self.pool // (2 * self.sml_slots))
-        if cfg.scheme == "switchml" and not self.partitions:
+        # One pool per rack switch; SwitchML splits it into static partitions of
+        # 2 x window (the shadow copies).
+        self.racks: list[_Rack] = []
+        for hosts in racks:
+            name = topo.first_hop[hosts[0]]
+            sw = SwitchEngine.build(name, policy, self.pool)
+            self.net.bind(name, sw)
+            self.racks.append(
+                _Rack(
+                    sw,
+                    [h for h in hosts if h.startswith("h")],
+                    [True] * (self.pool // (2 * self.sml_slots)),
+                )
+            )
+        if cfg.scheme == "switchml" and not self.racks[0].partitions:
             raise ConfigError("pool_slots", "too small for one SwitchML partition")
-        self.free_hosts = list(self.hosts)
         self.waiting: list[_Job] = []
         self.jobs = {j.job_id: _Job(j, cfg, values) for j in jobs}
         self.finished = 0
@@ -218,37 +246,53 @@ class _Tenancy:
         self.admit()
 
     def admit(self) -> None:
-        while self.waiting:  # first come, first served
+        while self.waiting:  # first come, first served; first rack that fits
             job = self.waiting[0]
-            if len(self.free_hosts) < job.spec.workers:
+            sml = self.cfg.scheme == "switchml"
+            rack = next(
+                (
+                    r
+                    for r in self.racks
+                    if len(r.free) >= job.spec.workers and (not sml or True in r.partitions)
+                ),
+                None,
+            )
+            if rack is None:
                 return
-            if self.cfg.scheme == "switchml":
-                if True not in self.partitions:
-                    return
-                job.partition = self.partitions.index(True)
-                self.partitions[job.partition] = False
+            if sml:
+                job.partition = rack.partitions.index(True)
+                rack.partitions[job.partition] = False
             self.waiting.pop(0)
-            self.start(job)
+            self.start(job, rack)
 
-    def start(self, job: _Job) -> None:
+    def start(self, job: _Job, rack: _Rack) -> None:
         spec, cfg, ina = job.spec, self.cfg, self.cfg.ina
-        job.hosts = [self.free_hosts.pop(0) for _ in range(spec.workers)]
+        job.rack = rack
+        job.hosts = [rack.free.pop(0) for _ in range(spec.workers)]
         job.start_ns = self.loop.now
         ps = f"ps{spec.job_id}"
         if cfg.scheme == "switchml":
             base = job.partition * 2 * self.sml_slots
-            self.switch.add_job(
+            rack.switch.add_job(
                 SwitchJob(spec.job_id, tuple(job.hosts), slot_base=base, slot_count=self.sml_slots)
             )
             window = self.sml_slots
         else:
             window = self.window
             keep = 2 * sum(job.npk[: job.J])
-            self.switch.add_job(SwitchJob(spec.job_id, tuple(job.hosts), parent=ps, window=window))
+            rack.switch.add_job(SwitchJob(spec.job_id, tuple(job.hosts), parent=ps, window=window))
             self.net.bind(
                 ps,
                 ParameterServer(
-                    ps, (PsJob(spec.job_id, tuple(job.hosts), via="sw0", window=max(window, keep)),)
+                    ps,
+                    (
+                        PsJob(
+                            spec.job_id,
+                            tuple(job.hosts),
+                            via=rack.switch.name,
+                            window=max(window, keep),
+                        ),
+                    ),
                 ),
             )
         for i, h in enumerate(job.hosts):
@@ -262,9 +306,9 @@ class _Tenancy:
                 ecn_window=cfg.scheme != "switchml",
             )
             route = (
-                StaticSlots("sw0", job.partition * 2 * self.sml_slots, self.sml_slots)
+                StaticSlots(rack.switch.name, job.partition * 2 * self.sml_slots, self.sml_slots)
                 if cfg.scheme == "switchml"
-                else HashedPool("sw0", spec.job_id, self.pool)
+                else HashedPool(rack.switch.name, spec.job_id, self.pool)
             )
             eng = WorkerEngine(h, wc, route)
             job.engines.append(eng)
@@ -324,10 +368,12 @@ class _Tenancy:
     def finish(self, job: _Job) -> None:
         job.end_ns = self.loop.now
         self.finished += 1
-        self.switch.remove_job(job.spec.job_id)
-        self.free_hosts += job.hosts
+        rack = job.rack
+        assert rack is not None
+        rack.switch.remove_job(job.spec.job_id)
+        rack.free += job.hosts
         if job.partition >= 0:
-            self.partitions[job.partition] = True
+            rack.partitions[job.partition] = True
         if self.finished == len(self.jobs):
             self.loop.stop()
         self.admit()
@@ -347,10 +393,16 @@ def run_tenancy(
     if ten.finished != len(jobs):
         raise RuntimeError(f"{len(jobs) - ten.finished} jobs did not finish")
     makespan = max(j.end_ns for j in ten.jobs.values()) - min(j.arrival_ns for j in jobs)
-    stats = ten.switch.policy.stats
-    held = stats.held_ns
+    stats = [r.switch.policy.stats for r in ten.racks]
+    aggregators = sum(st.aggregators for st in stats)
+    busy = sum(st.busy_ns for st in stats)
+    held = sum(st.held_ns for st in stats)
     if cfg.scheme == "switchml":  # a static partition is held for the job's whole life
         held = sum((j.end_ns - j.start_ns) * 2 * ten.sml_slots for j in ten.jobs.values())
+    counters: dict[str, int] = {}
+    for r in ten.racks:
+        for k, v in r.switch.counters.items():
+            counters[k] = counters.get(k, 0) + v
     exact = None
     if values:
         exact = all(
@@ -373,10 +425,10 @@ def run_tenancy(
     return TenancyResult(
         jobs=rows,
         makespan_ns=makespan,
-        mem_util=stats.busy_ns / (stats.aggregators * max(1, makespan)),
-        mem_held=held / (stats.aggregators * max(1, makespan)),
+        mem_util=busy / (aggregators * max(1, makespan)),
+        mem_held=held / (aggregators * max(1, makespan)),
         events=ten.loop.events,
         wall_s=wall,
-        counters=dict(ten.switch.counters),
+        counters=counters,
         exact=exact,
     )
