@@ -198,43 +198,68 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def cmd_experiment_saatp(args: argparse.Namespace) -> int:
+def _csv(text: str | None, kind: type) -> tuple[Any, ...] | None:
+    return None if not text else tuple(kind(x) for x in text.split(","))
+
+
+def _grid_command(
+    args: argparse.Namespace,
+    name: str,
+    grid: Any,
+    steps: int,
+    run: Callable[[Any, Callable[[str], None]], list[dict[str, Any]]],
+    compare: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
+    tables: list[tuple[str, str, list[str]]],
+) -> int:
+    """Run an experiment grid; write results next to the resolved grid; print
+    one JSON object per row (``--json``) or the tables (``rows``/``cmp``)."""
     from gradfabric.experiments.config import dump
+
+    dest = _results_dir(args.out, name)
+    (dest / "config.yaml").write_text(yaml.safe_dump(dump(grid), sort_keys=False))
+    with _progress(steps, args.json) as tick:
+        rows = run(grid, tick)
+    data = {"rows": rows, "cmp": compare(rows)}
+    (dest / "results.json").write_text(json.dumps(data, indent=1))
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    for key, title, cols in tables:
+        out.print(_table(data[key], title, cols))
+    out.print(f"results and resolved config: {dest}")
+    return 0
+
+
+def cmd_experiment_saatp(args: argparse.Namespace) -> int:
     from gradfabric.experiments.saatp import SaatpGrid, compare, run_grid
 
     grid = SaatpGrid.quick() if args.quick else SaatpGrid()
-    overrides: dict[str, Any] = {}
-    if args.models:
-        overrides["models"] = tuple(args.models.split(","))
-    if args.workers:
-        overrides["workers"] = tuple(int(x) for x in args.workers.split(","))
-    if args.slowdowns:
-        overrides["slowdowns"] = tuple(float(x) for x in args.slowdowns.split(","))
-    if args.stragglers:
-        overrides["stragglers"] = tuple(int(x) for x in args.stragglers.split(","))
-    if args.iterations:
-        overrides["iterations"] = args.iterations
-    grid = replace(grid, **overrides)
-    dest = _results_dir(args.out, "saatp")
-    (dest / "config.yaml").write_text(yaml.safe_dump(dump(grid), sort_keys=False))
-    n = (
+    given = {
+        "models": _csv(args.models, str),
+        "workers": _csv(args.workers, int),
+        "slowdowns": _csv(args.slowdowns, float),
+        "stragglers": _csv(args.stragglers, int),
+        "iterations": args.iterations,
+    }
+    grid = replace(grid, **{k: v for k, v in given.items() if v})
+    steps = (
         len(grid.models)
         * len(grid.workers)
         * len(grid.stragglers)
         * len(grid.slowdowns)
         * len(grid.schemes)
     )
-    with _progress(n, args.json) as tick:
-        rows = run_grid(grid, tick)
-    cmp = compare(rows)
-    (dest / "results.json").write_text(json.dumps({"rows": rows, "vs_atp": cmp}, indent=1))
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-    else:
-        out.print(
-            _table(
-                cmp,
+    return _grid_command(
+        args,
+        "saatp",
+        grid,
+        steps,
+        run_grid,
+        compare,
+        [
+            (
+                "cmp",
                 "SA-ATP vs ATP",
                 [
                     "model",
@@ -247,37 +272,31 @@ def cmd_experiment_saatp(args: argparse.Namespace) -> int:
                     "speedup",
                 ],
             )
-        )
-        out.print(f"results and resolved config: {dest}")
-    return 0
+        ],
+    )
 
 
 def cmd_experiment_esa(args: argparse.Namespace) -> int:
-    from gradfabric.experiments.config import dump
     from gradfabric.experiments.esa import EsaGrid, compare, run_grid
 
     grid = EsaGrid.quick() if args.quick else EsaGrid()
-    overrides: dict[str, Any] = {}
-    if args.pools:
-        overrides["pool_slots"] = tuple(int(x) for x in args.pools.split(","))
-    if args.loads:
-        overrides["loads"] = tuple(float(x) for x in args.loads.split(","))
-    if args.jobs:
-        overrides["jobs"] = args.jobs
-    grid = replace(grid, **overrides)
-    dest = _results_dir(args.out, "esa")
-    (dest / "config.yaml").write_text(yaml.safe_dump(dump(grid), sort_keys=False))
-    with _progress(len(grid.pool_slots) * len(grid.loads) * len(grid.schemes), args.json) as tick:
-        rows = run_grid(grid, tick)
-    cmp = compare(rows)
-    (dest / "results.json").write_text(json.dumps({"rows": rows, "vs_atp": cmp}, indent=1))
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-    else:
-        out.print(
-            _table(
-                rows,
+    given = {
+        "pool_slots": _csv(args.pools, int),
+        "loads": _csv(args.loads, float),
+        "jobs": args.jobs,
+    }
+    grid = replace(grid, **{k: v for k, v in given.items() if v})
+    steps = len(grid.pool_slots) * len(grid.loads) * len(grid.schemes)
+    return _grid_command(
+        args,
+        "esa",
+        grid,
+        steps,
+        run_grid,
+        compare,
+        [
+            (
+                "rows",
                 "ESA vs ATP vs SwitchML",
                 [
                     "scheme",
@@ -289,17 +308,14 @@ def cmd_experiment_esa(args: argparse.Namespace) -> int:
                     "mem_util",
                     "mem_held",
                 ],
-            )
-        )
-        out.print(
-            _table(
-                cmp,
+            ),
+            (
+                "cmp",
                 "ESA vs ATP",
                 ["pool_slots", "load", "atp_avg_jct_s", "esa_avg_jct_s", "improvement"],
-            )
-        )
-        out.print(f"results and resolved config: {dest}")
-    return 0
+            ),
+        ],
+    )
 
 
 def cmd_models(args: argparse.Namespace) -> int:
