@@ -82,12 +82,32 @@ def test_experiment_saatp_json_rows(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_experiment_esa_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["experiment", "esa", "--pools", "512", "--loads", "0.7", "--jobs", "2",
-                 "--json", "--out", str(tmp_path)])
+    code = main(
+        [
+            "experiment",
+            "esa",
+            "--pools",
+            "512",
+            "--loads",
+            "0.7",
+            "--jobs",
+            "2",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["scheme"] for r in rows} == {"esa", "atp", "switchml"}
     for r in rows:
-        assert {"scheme", "pool_slots", "load", "jobs", "avg_jct_s", "p99_jct_s",
-                "mem_util"} <= set(r)
+        assert {
+            "scheme",
+            "pool_slots",
+            "load",
+            "jobs",
+            "avg_jct_s",
+            "p99_jct_s",
+            "mem_util",
+        } <= set(r)
         assert r["jobs"] == 2 and r["avg_jct_s"] > 0

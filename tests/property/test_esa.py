@@ -100,12 +100,17 @@ def test_a_steady_high_priority_stream_does_not_starve_a_long_job() -> None:
 
 def test_leaf_spine_racks_each_with_a_pool_stay_exact_under_loss() -> None:
     jobs = [JobSpec(i + 1, i * 10_000, "mlp", 4, 2) for i in range(6)]
-    fabric = FabricConfig(topology="leaf_spine", spines=2,
-                          link=LinkSpec(loss=0.05, jitter_ns=2_000))
+    fabric = FabricConfig(
+        topology="leaf_spine", spines=2, link=LinkSpec(loss=0.05, jitter_ns=2_000)
+    )
     for scheme in ("esa", "atp", "switchml"):
-        cfg = TenancyConfig(scheme=scheme, racks=3, pool_slots=16, fabric=fabric,
-                            ina=InaConfig(train_packets=1, atp_window=8, switchml_slots=4,
-                                          rto_ns=200_000),
-                            **{**SMALL, "hosts": 8})  # type: ignore[arg-type]
+        cfg = TenancyConfig(
+            scheme=scheme,
+            racks=3,
+            pool_slots=16,
+            fabric=fabric,
+            ina=InaConfig(train_packets=1, atp_window=8, switchml_slots=4, rto_ns=200_000),
+            **{**SMALL, "hosts": 8},
+        )  # type: ignore[arg-type]
         r = run_tenancy(cfg, jobs, values=True)
         assert r.exact is True, scheme
