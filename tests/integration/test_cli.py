@@ -111,3 +111,24 @@ def test_experiment_esa_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[
             "mem_util",
         } <= set(r)
         assert r["jobs"] == 2 and r["avg_jct_s"] > 0
+
+
+def test_bench_omnireduce_json_checks_results(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["bench", "omnireduce", "--size-mb", "1", "--iters", "1", "--densities", "0.05,1", "--json"]
+    )
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0  # exit 1 would mean sparse and dense results differed
+    assert [r["density"] for r in rows] == [0.05, 1.0]
+    for r in rows:
+        assert {
+            "density",
+            "ranks",
+            "link_gbps",
+            "gradfabric_ms",
+            "dense_ms",
+            "speedup",
+            "floor_ratio",
+        } <= set(r)
+    assert rows[0]["sparse_path"] and rows[0]["bytes_ratio"] < 0.2
+    assert not rows[1]["sparse_path"]  # dense input: the dense all-reduce is used
