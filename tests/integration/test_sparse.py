@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradfabric.collectives import OmniState, omnireduce_hook, sparse_allreduce
+from gradfabric.collectives.bench import block_sparse
 
 
 def _port() -> int:
@@ -27,14 +28,7 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _sparse_input(rank: int, n: int, density: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
-    blocks = -(-n // 256)
-    mask = (torch.rand(blocks, generator=g) < density).repeat_interleave(256)[:n]
-    if dtype == torch.int32:
-        vals = torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int32)
-    else:
-        vals = torch.randn(n, generator=g).to(dtype)
-    return vals * mask.to(vals.dtype)
+    return block_sparse(seed * 1000 + rank, n, density, dtype)
 
 
 def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> None:

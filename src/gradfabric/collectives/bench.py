@@ -27,11 +27,19 @@ from gradfabric.collectives.sparse import OmniState, sparse_allreduce
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01)
 
 
-def _tensor(rank: int, values: int, density: float) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1234 + rank)
+def block_sparse(
+    seed: int, values: int, density: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A tensor whose non-zero 256-value blocks sit at random positions, each
+    block non-zero with probability ``density`` (OmniReduce's microbenchmark)."""
+    g = torch.Generator().manual_seed(seed)
     blocks = -(-values // 256)
     mask = (torch.rand(blocks, generator=g) < density).repeat_interleave(256)[:values]
-    return torch.randn(values, generator=g) * mask
+    if dtype == torch.int32:
+        vals = torch.randint(-1000, 1000, (values,), generator=g, dtype=torch.int32)
+    else:
+        vals = torch.randn(values, generator=g).to(dtype)
+    return vals * mask.to(vals.dtype)
 
 
 def _worker(
@@ -41,7 +49,7 @@ def _worker(
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     rows = []
     for density in densities:
-        x = _tensor(rank, values, density)
+        x = block_sparse(1234 + rank, values, density)
         sparse_t, dense_t = [], []
         state = OmniState()
         for i in range(iters + 1):  # the first round is a warm-up
