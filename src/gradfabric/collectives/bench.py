@@ -46,6 +46,9 @@ def _worker(
     rank: int, ranks: int, port: int, out: str, values: int, densities: list[float], iters: int
 ) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    # Ranks share the host's cores: one intra-op thread each, or they spin
+    # against each other (both paths are timed under the same setting).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     rows = []
     for density in densities:

@@ -14,11 +14,12 @@ an uneven all_gather):
 2. each owner sends its non-zero summed blocks to every rank, which scatters
    them into a zero tensor.
 
-Before that, one small all-reduce of the busiest rank's non-zero block count
+Before that, a small all-reduce of the busiest rank's non-zero block count
 lets every rank take the same decision: if the sparse exchange could move more
 bytes from some rank than a ring all-reduce of the dense tensor
-(``2(n-1)/n * N`` values per rank), the dense ``all_reduce`` runs instead, so
-the call is never much slower than dense.
+(``2(n-1)/n * N`` values per rank), the dense ``all_reduce`` runs instead. A
+1-in-16 sample decides first for large tensors, so a dense tensor pays for a
+sixteenth of the occupancy scan, not all of it.
 """
 
 from dataclasses import dataclass, field
@@ -48,8 +49,12 @@ class OmniState:
 
 
 def _blocks(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+    """``flat`` as (blocks, block_size): a view when it divides evenly, else a
+    zero-padded copy (the caller copies results back)."""
     n = flat.numel()
     nb = -(-n // block_size)
+    if n == nb * block_size and flat.is_contiguous():
+        return flat.view(nb, block_size), nb
     padded = flat.new_zeros(nb * block_size)
     padded[:n] = flat
     return padded.view(nb, block_size), nb
@@ -76,24 +81,38 @@ def sparse_allreduce(
     rank = dist.get_rank(group)
     flat = tensor.reshape(-1)
     blocks, nb = _blocks(flat, block_size)
-    nonzero = blocks.abs().amax(dim=1) > threshold
-    local = int(nonzero.sum())
     elem = tensor.element_size()
     dense_bytes = int(2 * (world - 1) / world * flat.numel() * elem) if world > 1 else 0
-    # Every rank must take the same path: agree on the busiest rank's block count
-    # and bound what the sparse exchange would send from any rank (self-sends
-    # excluded): its own blocks, then its shard's summed blocks to every peer.
-    count = torch.tensor([local], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    busiest = int(count)
-    shard = min(-(-nb // world), world * busiest)
-    sparse_bytes = (busiest + shard * (world - 1)) * (block_size * elem + INDEX_BYTES)
+
+    def sparse_cost(busiest: int) -> int:
+        # What the sparse exchange could send from one rank (self-sends excluded):
+        # its own non-zero blocks, then its shard's summed blocks to every peer.
+        shard = min(-(-nb // world), world * busiest)
+        return (busiest + shard * (world - 1)) * (block_size * elem + INDEX_BYTES)
+
+    def agree(count: int) -> int:  # every rank must take the same path
+        t = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t)
+
+    nonzero = None
+    sparse = world > 1
+    if sparse and nb >= 1024:
+        # A 1-in-16 sample of blocks first: a clearly dense tensor goes straight
+        # to the dense all-reduce without paying for a full occupancy scan.
+        sample = int((blocks[::16].abs().amax(dim=1) > threshold).sum()) * 16
+        sparse = sparse_cost(agree(sample)) < dense_bytes  # near break-even: dense either way
+    if sparse:
+        nonzero = blocks.abs().amax(dim=1) > threshold
+        sparse = sparse_cost(agree(int(nonzero.sum()))) < dense_bytes
     if state is not None:
         state.calls += 1
         state.bytes_dense += dense_bytes
-        state.density_seen.append(local / max(1, nb))
-    if world == 1 or sparse_bytes >= dense_bytes:
-        dist.all_reduce(tensor, group=group)
+        if nonzero is not None:
+            state.density_seen.append(int(nonzero.sum()) / max(1, nb))
+    if not sparse or nonzero is None:
+        if world > 1:
+            dist.all_reduce(tensor, group=group)
         if state is not None:
             state.bytes_sent += dense_bytes
     else:
@@ -138,13 +157,12 @@ def _sparse_exchange(
         [c * block_size for c in sc],
         group=group,
     )
-    # the owner sums its shard
-    mine = torch.arange(rank, blocks.shape[0], world)
-    acc = blocks.new_zeros(len(mine), block_size)
-    slot = torch.div(recv_idx - rank, world, rounding_mode="floor")
-    acc.index_add_(0, slot, recv_vals.view(-1, block_size))
+    # the owner sums its shard: only the blocks that arrived
+    uniq, inv = torch.unique(recv_idx, return_inverse=True)
+    acc = recv_vals.new_zeros(len(uniq), block_size)
+    acc.index_add_(0, inv, recv_vals.view(-1, block_size))
     keep = torch.nonzero(acc.abs().amax(dim=1) > 0).flatten()
-    out_idx, out_vals = mine[keep], acc[keep].reshape(-1)
+    out_idx, out_vals = uniq[keep], acc[keep].reshape(-1)
     # 2. summed non-zero blocks from every owner to every rank
     k = torch.tensor([len(out_idx)], dtype=torch.int64)
     ks = torch.empty(world, dtype=torch.int64)
@@ -160,9 +178,10 @@ def _sparse_exchange(
         [len(out_vals)] * world,
         group=group,
     )
-    result = blocks.new_zeros(blocks.shape)
-    result[all_idx] = all_vals.view(-1, block_size)
-    flat.copy_(result.reshape(-1)[: flat.numel()])
+    blocks.zero_()  # a view of the caller's tensor, or its padded copy
+    blocks[all_idx] = all_vals.view(-1, block_size)
+    if blocks.data_ptr() != flat.data_ptr():
+        flat.copy_(blocks.reshape(-1)[: flat.numel()])
     elem = flat.element_size()
     blocks_sent = int(sum(sc) - sc[rank]) + len(out_idx) * (world - 1)  # self-sends are free
     return blocks_sent * (block_size * elem + INDEX_BYTES)
