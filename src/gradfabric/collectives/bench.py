@@ -6,7 +6,11 @@ positions (its own seed), then times ``iters`` calls of ``sparse_allreduce``
 and of ``torch.distributed.all_reduce`` after one warm-up each, interleaved,
 and checks that both give the same result. Reported: medians, the speedup,
 and the sparse path's bytes sent from the busiest rank over what a dense ring
-would send (``2(n-1)/n * N * 4``).
+would send (``2(n-1)/n * N * 4``). With ``link_gbps`` the ranks run in network
+namespaces on a star shaped with tbf, and ``floor_ratio`` is the measured time
+over the data-volume floor: the bytes of non-zero blocks the busiest rank must
+send (its own blocks to their owners plus its shard's summed blocks to every
+other rank, with 8-byte indices) divided by the link rate.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -43,9 +49,16 @@ def block_sparse(
 
 
 def _worker(
-    rank: int, ranks: int, port: int, out: str, values: int, densities: list[float], iters: int
+    rank: int,
+    ranks: int,
+    port: int,
+    out: str,
+    values: int,
+    densities: list[float],
+    iters: int,
+    master: str = "127.0.0.1",
 ) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master, str(port)
     # Ranks share the host's cores: one intra-op thread each, or they spin
     # against each other (both paths are timed under the same setting).
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
@@ -85,31 +98,42 @@ def _worker(
 
 
 def run_bench(
-    ranks: int, size_mb: float, densities: list[float], iters: int
+    ranks: int, size_mb: float, densities: list[float], iters: int, link_gbps: float | None = None
 ) -> list[dict[str, Any]]:
+    """Run the benchmark on loopback, or with ``link_gbps`` in network
+    namespaces whose links are shaped to that rate (root only)."""
     values = int(size_mb * 2**20) // 4
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(  # type: ignore[no-untyped-call,attr-defined]
-            _worker, args=(ranks, port, tmp, values, densities, iters), nprocs=ranks
-        )
+        if link_gbps is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.spawn(  # type: ignore[no-untyped-call,attr-defined]
+                _worker, args=(ranks, port, tmp, values, densities, iters), nprocs=ranks
+            )
+        else:
+            _run_in_namespaces(ranks, link_gbps, tmp, values, densities, iters)
         per_rank = [torch.load(f"{tmp}/{r}.pt") for r in range(ranks)]
     out = []
     for i, density in enumerate(densities):
         # a call ends when its slowest rank does
         sparse = statistics.median(max(r[i]["sparse_s"][k] for r in per_rank) for k in range(iters))
         dense = statistics.median(max(r[i]["dense_s"][k] for r in per_rank) for k in range(iters))
+        floor = None
+        if link_gbps is not None:
+            # The data-volume floor: the non-zero blocks the busiest rank must send
+            # (its own to the owners, its shard's sums to the others), over the link.
+            floor_bytes = max(r[i]["bytes_sent"] for r in per_rank)
+            floor = sparse / (floor_bytes * 8 / (link_gbps * 1e9)) if floor_bytes else None
         out.append(
             {
                 "density": density,
                 "ranks": ranks,
-                "link_gbps": None,
+                "link_gbps": link_gbps,
                 "gradfabric_ms": sparse * 1e3,
                 "dense_ms": dense * 1e3,
                 "speedup": dense / sparse,
-                "floor_ratio": None,
+                "floor_ratio": floor,
                 "bytes_ratio": max(r[i]["bytes_sent"] for r in per_rank)
                 / max(1, per_rank[0][i]["bytes_dense"]),
                 "sparse_path": per_rank[0][i]["sparse_path"],
@@ -117,3 +141,50 @@ def run_bench(
             }
         )
     return out
+
+
+def _run_in_namespaces(
+    ranks: int, link_gbps: float, tmp: str, values: int, densities: list[float], iters: int
+) -> None:
+    from gradfabric.net.netns import shaped_star
+
+    with shaped_star(ranks, link_gbps) as hosts:
+        port = 29400 + os.getpid() % 500
+        procs = []
+        for r, h in enumerate(hosts):
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": h.ifname}
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                h.netns,
+                sys.executable,
+                "-m",
+                "gradfabric.collectives.bench",
+                str(r),
+                str(ranks),
+                hosts[0].ip,
+                str(port),
+                tmp,
+                str(values),
+                ",".join(map(str, densities)),
+                str(iters),
+            ]
+            procs.append(subprocess.Popen(cmd, env=env))
+        codes = [p.wait(timeout=3600) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"benchmark ranks exited with {codes}")
+
+
+if __name__ == "__main__":  # one rank, inside a network namespace
+    a = sys.argv[1:]
+    _worker(
+        int(a[0]),
+        int(a[1]),
+        int(a[3]),
+        a[4],
+        int(a[5]),
+        [float(x) for x in a[6].split(",")],
+        int(a[7]),
+        master=a[2],
+    )

@@ -1,0 +1,93 @@
+"""Hosts in Linux network namespaces on one shaped star (root only).
+
+``shaped_star(n, link_gbps)`` creates ``n`` host namespaces and a switch
+namespace holding a bridge; each host has a veth to the bridge shaped with
+``tbf`` to ``link_gbps`` in both directions (the kernel has no netem here, so
+only rate is shaped). Host ``i`` gets ``10.77.<k>.<i+1>/24`` on ``gfh<i>``.
+Everything is deleted on exit, also after an error. ``available()`` tells
+whether namespaces can be made at all (tests skip where not).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NsHost:
+    netns: str
+    ip: str
+    ifname: str
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def available() -> bool:
+    name = f"gfprobe{os.getpid()}"
+    try:
+        _ip("netns", "add", name)
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    _ip("netns", "del", name)
+    return True
+
+
+@contextmanager
+def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
+    tag = os.getpid() % 250
+    sw = f"gf{tag}sw"
+    names = [f"gf{tag}h{i}" for i in range(n)]
+    made: list[str] = []
+    rate = f"{int(link_gbps * 1000)}mbit"
+    burst = f"{max(64, int(link_gbps * 64))}kb"  # enough tokens for line rate at 1 ms
+    try:
+        _ip("netns", "add", sw)
+        made.append(sw)
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        _ip("-n", sw, "link", "set", "br0", "up")
+        hosts = []
+        for i, ns in enumerate(names):
+            _ip("netns", "add", ns)
+            made.append(ns)
+            a, b = f"gfh{i}", f"gfs{tag}x{i}"
+            _ip("link", "add", a, "netns", ns, "type", "veth", "peer", "name", b, "netns", sw)
+            addr = f"10.77.{tag}.{i + 1}"
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", a)
+            _ip("-n", ns, "link", "set", a, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", sw, "link", "set", b, "master", "br0", "up")
+            for where, dev in ((ns, a), (sw, b)):
+                subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        where,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        rate,
+                        "burst",
+                        burst,
+                        "latency",
+                        "100ms",
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
+            hosts.append(NsHost(ns, addr, a))
+        yield hosts
+    finally:
+        for ns in reversed(made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
