@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -25,7 +26,6 @@ from gradfabric.proto.jobs import InaConfig, atp_engines, switchml_engines
 from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.collective import worker_input
 
-SCHEMES = ("switchml", "atp")
 # A Python switch process on a shared host: a window that keeps the switch's
 # socket buffer from overflowing (loopback drops what does not fit, and the
 # retransmissions cost more than the window gains) and a longer RTO than a
@@ -33,15 +33,22 @@ SCHEMES = ("switchml", "atp")
 UDP_DEFAULTS = InaConfig(switchml_slots=8, atp_window=8, rto_ns=100_000_000)
 
 
+_BUILDERS: dict[str, Callable[[list[str], InaConfig], dict[str, Engine]]] = {
+    "switchml": lambda names, ina: switchml_engines({"sw0": names}, None, ina),
+    "atp": lambda names, ina: atp_engines("sw0", names, ina),
+}
+
+
+SCHEMES = tuple(_BUILDERS)
+
+
 def job_engines(scheme: str, workers: int, ina: InaConfig) -> dict[str, Engine]:
-    names = [f"w{i}" for i in range(workers)]
-    if scheme == "switchml":
-        return switchml_engines({"sw0": names}, None, ina)
-    if scheme == "atp":
-        return atp_engines("sw0", names, ina)
-    raise ConfigError(
-        "scheme", f"unknown scheme {scheme!r} for the UDP driver; valid: {', '.join(SCHEMES)}"
-    )
+    build = _BUILDERS.get(scheme)
+    if build is None:
+        raise ConfigError(
+            "scheme", f"unknown scheme {scheme!r} for the UDP driver; valid: {', '.join(SCHEMES)}"
+        )
+    return build([f"w{i}" for i in range(workers)], ina)
 
 
 @dataclass

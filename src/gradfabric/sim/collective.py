@@ -380,13 +380,9 @@ def run_collective(
             f"t={run.loop.now} ns (events left: {run.loop.pending})"
         )
     counters = Counters(run.net.counters)
-    pool = PoolStats(aggregators=0)
     for sw in run.switches:
         counters.update(sw.counters)
-        pool.aggregators += sw.policy.stats.aggregators
-        pool.busy_ns += sw.policy.stats.busy_ns
-        pool.held_ns += sw.policy.stats.held_ns
-        pool.claims += sw.policy.stats.claims
+    pool = PoolStats.total(sw.policy.stats for sw in run.switches)
     for node in run.net.nodes.values():
         if node.engine is not None and not isinstance(node.engine, SwitchEngine):
             counters.update(

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from gradfabric.core.errors import ConfigError
+from gradfabric.core.trace import Counters
 from gradfabric.proto.jobs import InaConfig
 from gradfabric.proto.priority import PRIORITIES
 from gradfabric.proto.ps import ParameterServer, PsJob
-from gradfabric.proto.switch import SwitchEngine, SwitchJob
+from gradfabric.proto.switch import PoolStats, SwitchEngine, SwitchJob
 from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
 from gradfabric.sim.collective import FabricConfig, worker_input
 from gradfabric.sim.loop import EventLoop
@@ -393,16 +394,13 @@ def run_tenancy(
     if ten.finished != len(jobs):
         raise RuntimeError(f"{len(jobs) - ten.finished} jobs did not finish")
     makespan = max(j.end_ns for j in ten.jobs.values()) - min(j.arrival_ns for j in jobs)
-    stats = [r.switch.policy.stats for r in ten.racks]
-    aggregators = sum(st.aggregators for st in stats)
-    busy = sum(st.busy_ns for st in stats)
-    held = sum(st.held_ns for st in stats)
+    pool = PoolStats.total(r.switch.policy.stats for r in ten.racks)
+    held = pool.held_ns
     if cfg.scheme == "switchml":  # a static partition is held for the job's whole life
         held = sum((j.end_ns - j.start_ns) * 2 * ten.sml_slots for j in ten.jobs.values())
-    counters: dict[str, int] = {}
+    counters = Counters()
     for r in ten.racks:
-        for k, v in r.switch.counters.items():
-            counters[k] = counters.get(k, 0) + v
+        counters.update(r.switch.counters)
     exact = None
     if values:
         exact = all(
@@ -425,10 +423,10 @@ def run_tenancy(
     return TenancyResult(
         jobs=rows,
         makespan_ns=makespan,
-        mem_util=busy / (aggregators * max(1, makespan)),
-        mem_held=held / (aggregators * max(1, makespan)),
+        mem_util=pool.busy_ns / (pool.aggregators * max(1, makespan)),
+        mem_held=held / (pool.aggregators * max(1, makespan)),
         events=ten.loop.events,
         wall_s=wall,
-        counters=counters,
+        counters=counters.as_dict(),
         exact=exact,
     )

@@ -29,9 +29,12 @@ import numpy as np
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
+from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import HelpRequest
+from gradfabric.proto.host import HostEngine
 from gradfabric.proto.jobs import InaConfig
 from gradfabric.proto.switch.straggler import HelpConfig
+from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.collective import SCHEMES, Bucket, FabricConfig, _Run
 from gradfabric.sim.stragglers import StragglerConfig, factors
 from gradfabric.workloads.catalog import check_model, model_spec
@@ -295,21 +298,19 @@ def run_training(
     if run.finished != goal:
         raise RuntimeError(f"{cfg.scheme}: {goal - run.finished} bucket deliveries missing")
     ends = tr.iter_end
-    counters: dict[str, int] = {}
+    counters = Counters()
     for sw in run.switches:
-        for k, v in sw.counters.items():
-            counters[k] = counters.get(k, 0) + v
+        counters.update(sw.counters)
     for node in run.net.nodes.values():
-        if node.engine is not None and not hasattr(node.engine, "jobs"):
-            for k, v in node.engine.counters.items():
-                counters[f"host.{k}"] = counters.get(f"host.{k}", 0) + v
+        if isinstance(node.engine, WorkerEngine | HostEngine):
+            counters.update({f"host.{k}": v for k, v in node.engine.counters.items()})
     helps = counters.get("help_requests", 0)
     return TrainingResult(
         iteration_ns=[ends[0]] + [ends[i] - ends[i - 1] for i in range(1, len(ends))],
         end_ns=ends[-1],
         events=run.loop.events,
         wall_s=wall,
-        counters=counters,
+        counters=counters.as_dict(),
         help_requests=helps,
         helps_started=tr.helps_started,
         helps_declined=tr.helps_declined,

@@ -12,6 +12,7 @@ and ``atp.py`` for their slot lifecycles.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +39,16 @@ class PoolStats:
     busy_ns: int = 0
     held_ns: int = 0
     claims: int = 0
+
+    @classmethod
+    def total(cls, stats: Iterable[PoolStats]) -> PoolStats:
+        out = cls(aggregators=0)
+        for st in stats:
+            out.aggregators += st.aggregators
+            out.busy_ns += st.busy_ns
+            out.held_ns += st.held_ns
+            out.claims += st.claims
+        return out
 
 
 class Policy(Protocol):

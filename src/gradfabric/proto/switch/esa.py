@@ -33,10 +33,9 @@ class ESAPolicy(ATPPolicy):
     name = "esa"
 
     def _make_room(self, a: _Agg, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action] | None:
-        if self._stale(a, job):
-            self.counters["stale_reclaimed"] += 1
-            self._free(a, now_ns)
-            return []
+        room = super()._make_room(a, job, pkt, now_ns)  # a stale occupant: reclaimed
+        if room is not None:
+            return room
         if a.state == COMPLETE:
             self.counters["reclaimed_complete"] += 1
             self._free(a, now_ns)
