@@ -106,6 +106,27 @@ class CollectiveResult:
         return self.fallback_packets / max(1, self.worker_packets)
 
 
+def deliver_into(
+    d: Deliver,
+    first_seq: list[int],
+    offsets: np.ndarray,
+    vpp: int,
+    results: np.ndarray | None,
+    left: list[int],
+) -> int | None:
+    """Account one delivered sequence to its bucket (and, in values mode, copy
+    its payload into place). Returns the bucket if that completed it; raises
+    if a bucket is delivered more often than it has sequences."""
+    b = bisect.bisect_right(first_seq, d.seq) - 1
+    if results is not None and d.pkt.payload is not None:
+        off = int(offsets[b]) + (d.seq - first_seq[b]) * vpp
+        results[off : off + d.pkt.count] = d.pkt.payload
+    left[b] -= 1
+    if left[b] < 0:
+        raise RuntimeError(f"bucket {b} was delivered more than once")
+    return b if left[b] == 0 else None
+
+
 def worker_input(seed: int, rank: int, workers: int, values: int) -> np.ndarray:
     """Worker ``rank``'s int32 data for a seeded run: uniform in the range that
     keeps the sum of ``workers`` contributions inside int32. The simulator and
@@ -184,18 +205,11 @@ class _Run:
 
     def seq_deliverer(self, w: int) -> Callable[[Deliver], None]:
         """Map delivered sequences back to buckets (INA and PS schemes)."""
-        first = self.first_seq
-        vpp = self.vpp
 
         def on_deliver(d: Deliver) -> None:
-            b = bisect.bisect_right(first, d.seq) - 1
-            if self.results is not None and d.pkt.payload is not None:
-                off = int(self.offsets[b]) + (d.seq - first[b]) * vpp
-                self.results[w][off : off + d.pkt.count] = d.pkt.payload
-            self.left[w][b] -= 1
-            if self.left[w][b] < 0:
-                raise RuntimeError(f"worker {w} was delivered bucket {b} more than once")
-            if self.left[w][b] == 0:
+            results = None if self.results is None else self.results[w]
+            b = deliver_into(d, self.first_seq, self.offsets, self.vpp, results, self.left[w])
+            if b is not None:
                 self.bucket_done(w, b)
 
         return on_deliver

@@ -12,7 +12,6 @@ stamp every packet with their job's priority (``proto/priority.py``), recomputed
 
 from __future__ import annotations
 
-import bisect
 import csv
 import random
 import time
@@ -29,7 +28,7 @@ from gradfabric.proto.priority import PRIORITIES
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.switch import PoolStats, SwitchEngine, SwitchJob
 from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
-from gradfabric.sim.collective import FabricConfig, worker_input
+from gradfabric.sim.collective import FabricConfig, deliver_into, worker_input
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import Network
 from gradfabric.sim.topology import leaf_spine, star
@@ -346,12 +345,9 @@ class _Tenancy:
 
     def _deliverer(self, job: _Job, w: int) -> Any:
         def on_deliver(d: Any) -> None:
-            g = bisect.bisect_right(job.first_seq, d.seq) - 1
-            if job.results is not None and d.pkt.payload is not None:
-                off = int(job.offsets[g]) + (d.seq - job.first_seq[g]) * job.vpp
-                job.results[w][off : off + d.pkt.count] = d.pkt.payload
-            job.left[w][g] -= 1
-            if job.left[w][g] == 0:
+            results = None if job.results is None else job.results[w]
+            g = deliver_into(d, job.first_seq, job.offsets, job.vpp, results, job.left[w])
+            if g is not None:
                 self.bucket_done(job, w, g)
 
         return on_deliver

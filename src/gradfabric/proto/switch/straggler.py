@@ -111,15 +111,17 @@ class StragglerMonitor:
         if pkt.seq > self.progress[w]:
             self.progress[w] = pkt.seq
         view = self.progress
-        if self.helping:  # a helper lags because it sends two shares: not a straggler
-            it_now = max(view) // it_len
-            lead = max(view)
-            view = [lead if self.helping.get(i) == it_now else p for i, p in enumerate(view)]
+        lead = max(view)
+        # A helper lags because it sends two shares: it is not a straggler.
+        helpers_now = [i for i, it in self.helping.items() if it == lead // it_len]
+        if helpers_now:
+            view = view.copy()
+            for i in helpers_now:
+                view[i] = lead
         slow = self.detect(view, self.cfg.lag_packets)
         if slow is None:
             return []
         s = slow
-        lead = max(self.progress)
         # Help in the iteration the leaders are in, from where the straggler is
         # (its progress may be stale: after being helped it skipped ahead).
         start = max(self.progress[s] + 1, lead // it_len * it_len)
