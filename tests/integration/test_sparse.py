@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from gradfabric.collectives import OmniState, omnireduce_hook, sparse_allreduce
 from gradfabric.collectives.bench import block_sparse
+from gradfabric.collectives.sparse import DENSE_MARGIN
 
 
 def _port() -> int:
@@ -28,7 +29,17 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _sparse_input(rank: int, n: int, density: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    if density < 0:  # non-zero blocks on rank 0 only (density -d), zero elsewhere
+        x = block_sparse(seed * 1000, n, -density, dtype)
+        return x if rank == 0 else torch.zeros_like(x)
     return block_sparse(seed * 1000 + rank, n, density, dtype)
+
+
+def _faint(rank: int) -> torch.Tensor:
+    """Sparse blocks where every other non-zero block holds values under 1e-3."""
+    x = block_sparse(77 + rank, 160 * 256, 0.3).view(-1, 512)  # rows of two blocks
+    x[::2] *= 1e-4
+    return x.flatten()
 
 
 def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> None:
@@ -39,6 +50,8 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> Non
         st = OmniState()
         got = sparse_allreduce(x.clone(), op=op, state=st)
         results.append((got, st.sparse_calls, st.bytes_sent, st.bytes_dense))
+    # a threshold: blocks of tiny values count as zero and are dropped, on every rank
+    results.append(sparse_allreduce(_faint(rank), threshold=0.01))
     torch.save(results, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
@@ -50,6 +63,8 @@ CASES = [
     (50_000, 0.05, torch.bfloat16, "sum"),
     (30_000, 0.9, torch.float32, "sum"),
     (4096, 0.0, torch.float16, "sum"),
+    (60_000, -0.05, torch.float32, "sum"),
+    (20_480, 1.0, torch.float32, "avg"),
 ]
 
 
@@ -58,6 +73,14 @@ def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, _port(), tmp, CASES), nprocs=world)
         per_rank = [torch.load(f"{tmp}/{r}.pt") for r in range(world)]
+    faint = [_faint(r).view(-1) for r in range(world)]
+    ref_t = torch.zeros(160 * 256, dtype=torch.float64)
+    for x in faint:
+        b = x.double().view(160, 256)
+        ref_t += (b * (b.abs().amax(1, keepdim=True) > 0.01)).flatten()
+    assert ref_t.view(160, 256)[::4].abs().max() == 0  # the faint blocks were dropped
+    for r in range(world):
+        torch.testing.assert_close(per_rank[r][-1].double(), ref_t, rtol=1e-5, atol=1e-6)
     for i, (n, density, dtype, op) in enumerate(CASES):
         ref = sum(_sparse_input(r, n, density, dtype, seed=n).double() for r in range(world))
         if op == "avg":
@@ -68,9 +91,34 @@ def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
             got, sparse_calls, sent, dense = per_rank[r][i]
             assert got.dtype == dtype and got.shape == (n,)
             torch.testing.assert_close(got.double(), ref, rtol=tol[dtype], atol=tol[dtype])
-            # sparse inputs take the sparse path and move fewer bytes; dense ones do not
-            assert sparse_calls == (1 if density <= 0.1 else 0)
-            assert (sent < dense) == (density <= 0.1)
+            # the path taken is the one the byte rule picks, recomputed here block by block
+            inputs = [_sparse_input(q, n, density, dtype, seed=n) for q in range(world)]
+            link = _link_bytes_brute_force(inputs, world, dtype)
+            ring = 2 * (world - 1) / world * n * got.element_size()
+            assert sparse_calls == (1 if link <= DENSE_MARGIN * ring else 0)
+            assert dense == int(ring) and (sent < dense) == bool(sparse_calls)
+        if density <= 0.05 and n >= 50_000:
+            assert sparse_calls == 1  # clearly sparse, large enough: the sparse path ran
+
+
+def _link_bytes_brute_force(inputs: list[torch.Tensor], world: int, dtype: torch.dtype) -> int:
+    """Bytes on the busiest rank's link in its busier direction, counted per block."""
+    n = len(inputs[0])
+    nz = [
+        {b for b in range(-(-n // 256)) if bool(x[b * 256 : (b + 1) * 256].ne(0).any())}
+        for x in inputs
+    ]
+    union = set().union(*nz)
+    worst = 0
+    for r in range(world):
+        send = sum(1 for b in nz[r] if b % world != r) + (world - 1) * sum(
+            1 for b in union if b % world == r
+        )
+        recv = sum(1 for s in range(world) if s != r for b in nz[s] if b % world == r) + sum(
+            1 for b in union if b % world != r
+        )
+        worst = max(worst, send, recv)
+    return worst * 256 * torch.empty(0, dtype=dtype).element_size()
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradfabric.core.errors import ProtocolError
+from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
 from gradfabric.proto.switch.atp import atp_index
@@ -67,6 +68,9 @@ def _mutate(rng: random.Random, raw: bytes) -> bytes:
 
 
 def _engines() -> list[Any]:
+    omni = OmniWorker("a", 1, 0, OmniLayout(["agg0", "agg1"], streams=4))
+    for b in range(3):  # buckets in progress, for results to land in
+        omni.start(b, 5000, 0, np.arange(5000, dtype=np.int32))
     jobs = (
         SwitchJob(1, ("a", "b", "c"), parent="ps", slot_count=8, window=8),
         SwitchJob(2, ("d", "e"), parent="ps", slot_base=8, slot_count=8, window=8),
@@ -77,6 +81,8 @@ def _engines() -> list[Any]:
         ParameterServer(
             "ps", (PsJob(1, ("a", "b", "c"), via="sml"), PsJob(2, ("d", "e"), via="sml"))
         ),
+        OmniAggregator("agg0", 1, 0, ["a", "b", "c"], streams=4),
+        omni,
     ]
 
 

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+MTU = "9000"
+
 
 @dataclass(frozen=True)
 class NsHost:
@@ -45,7 +47,7 @@ def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
     names = [f"gf{tag}h{i}" for i in range(n)]
     made: list[str] = []
     rate = f"{int(link_gbps * 1000)}mbit"
-    burst = f"{max(64, int(link_gbps * 64))}kb"  # enough tokens for line rate at 1 ms
+    burst = f"{max(160, int(link_gbps * 160))}kb"  # enough tokens for line rate at 1 ms
     try:
         _ip("netns", "add", sw)
         made.append(sw)
@@ -56,11 +58,41 @@ def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
             _ip("netns", "add", ns)
             made.append(ns)
             a, b = f"gfh{i}", f"gfs{tag}x{i}"
-            _ip("link", "add", a, "netns", ns, "type", "veth", "peer", "name", b, "netns", sw)
+            _ip(
+                "link",
+                "add",
+                a,
+                "netns",
+                ns,
+                "mtu",
+                MTU,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                b,
+                "netns",
+                sw,
+                "mtu",
+                MTU,
+            )
             addr = f"10.77.{tag}.{i + 1}"
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", a)
             _ip("-n", ns, "link", "set", a, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "sysctl",
+                    "-qw",
+                    "net.ipv4.tcp_slow_start_after_idle=0",
+                ],
+                check=True,
+                capture_output=True,
+            )
             _ip("-n", sw, "link", "set", b, "master", "br0", "up")
             for where, dev in ((ns, a), (sw, b)):
                 subprocess.run(
@@ -81,7 +113,7 @@ def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
                         "burst",
                         burst,
                         "latency",
-                        "100ms",
+                        "20ms",
                     ],
                     check=True,
                     capture_output=True,

@@ -30,6 +30,8 @@ class InaConfig:
     ps_window: int = 2048
     ps_servers: int = 0
     rto_ns: int = 1_000_000
+    omni_streams: int = 64
+    omni_aggregators: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -40,11 +42,13 @@ class InaConfig:
             "atp_window",
             "ps_window",
             "rto_ns",
+            "omni_streams",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.ps_servers < 0:
-            raise ConfigError("ps_servers", "must be >= 0 (0: one server per worker)")
+        for name in ("ps_servers", "omni_aggregators"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, "must be >= 0 (0: one per worker)")
 
     @property
     def values_per_sim_packet(self) -> int:

@@ -1,10 +1,14 @@
 """Run one collective (all-reduce of a sequence of buckets) on a simulated fabric.
 
 ``run_collective`` builds the topology, binds engines to nodes by scheme
-(``SCHEMES``: switchml, atp, ps, ring), releases each bucket at its ready
+(``SCHEMES``: switchml, atp, saatp, ps, ring, omnireduce), releases each bucket at its ready
 time (as DDP's backward pass does) and runs to completion. In values mode
 every worker's data is seeded int32 and every delivered result is kept, so
 callers can check each sum; in timing mode packets carry only a count.
+``density < 1`` makes each worker's buckets block-sparse (each block of
+``values_per_packet`` values non-zero with that probability, at seeded random
+positions per worker), the same tensors for every scheme: dense schemes move
+them whole, OmniReduce only their non-zero blocks.
 
 Granularity: ``train_packets > 1`` makes one simulated packet stand for a
 train of that many real packets (same bytes and headers on the wire, one
@@ -28,6 +32,7 @@ from gradfabric.proto.actions import Deliver, Engine
 from gradfabric.proto.host import HostEngine
 from gradfabric.proto.jobs import JOB_ID, atp_engines, ps_engines, switchml_engines
 from gradfabric.proto.jobs import InaConfig as InaConfig
+from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
 from gradfabric.proto.ps import ParameterServer
 from gradfabric.proto.ring import RingEngine
 from gradfabric.proto.switch import PoolStats, SwitchEngine
@@ -147,6 +152,7 @@ class _Run:
         ina: InaConfig,
         seed: int,
         values: bool,
+        density: float = 1.0,
     ) -> None:
         self.scheme, self.n, self.buckets, self.fabric, self.ina = (
             scheme,
@@ -163,9 +169,23 @@ class _Run:
         self.total = int(self.offsets[-1])
         self.inputs: list[np.ndarray] | None = None
         self.results: list[np.ndarray] | None = None
+        block = ina.values_per_packet
+        # masks[w][b]: which blocks of bucket b are non-zero at worker w
+        self.masks = [
+            [
+                np.random.default_rng((seed, w, b, 1)).random(-(-bk.count // block)) < density
+                for b, bk in enumerate(buckets)
+            ]
+            for w in range(workers)
+        ]
         if values:
             self.inputs = [worker_input(seed, w, workers, self.total) for w in range(workers)]
             self.results = [np.zeros(self.total, dtype=np.int64) for _ in range(workers)]
+            if density < 1:
+                for w, x in enumerate(self.inputs):
+                    for b, bk in enumerate(buckets):
+                        keep = np.repeat(self.masks[w][b], block)[: bk.count]
+                        x[self.offsets[b] : self.offsets[b + 1]] *= keep
         self.done = [[-1] * len(buckets) for _ in range(workers)]
         self.left = [[0] * len(buckets) for _ in range(workers)]
         self.finished = 0
@@ -340,12 +360,46 @@ def _ring(run: _Run) -> Callable[[int, int], None]:
     return start
 
 
+@SCHEMES.register("omnireduce")
+def _omnireduce(run: _Run) -> Callable[[int, int], None]:
+    """OmniReduce: one aggregator per worker (or ``omni_aggregators``) on the
+    same fabric, streaming only non-zero blocks (``gradfabric.proto.omni``)."""
+    if run.ina.train_packets != 1:
+        raise ConfigError("train_packets", "OmniReduce streams real packets: use 1")
+    aggs = [f"agg{i}" for i in range(run.ina.omni_aggregators or run.n)]
+    run.topology(aggs)
+    layout = OmniLayout(aggs, run.ina.omni_streams, run.ina.values_per_packet)
+    for i, a in enumerate(aggs):
+        run.net.bind(a, OmniAggregator(a, JOB_ID, i, run.workers, layout.streams))
+    engines = [OmniWorker(w, JOB_ID, i, layout, run.ina.rto_ns) for i, w in enumerate(run.workers)]
+    for w, eng in enumerate(engines):
+        run.net.bind(run.workers[w], eng)
+
+        def on_deliver(d: Deliver, w: int = w) -> None:
+            b = d.seq
+            if run.results is not None and d.pkt.payload is not None:
+                run.results[w][run.offsets[b] : run.offsets[b + 1]] = d.pkt.payload
+            run.bucket_done(w, b)
+
+        run.net.nodes[run.workers[w]].on_deliver = on_deliver
+
+    def start(w: int, b: int) -> None:
+        acts = engines[w].start(
+            b, run.buckets[b].count, run.loop.now, run.payload(w, b), run.masks[w][b]
+        )
+        run.net.kick(run.workers[w], acts)
+
+    return start
+
+
 def _blame(run: _Run, e: PeerTimeoutError) -> PeerTimeoutError:
     """Name the workers a stalled switch still waits on, if it knows them."""
     missing = {c for sw in run.switches for job in sw.jobs for c in sw.missing_children(job)}
     for node in run.net.nodes.values():
         if isinstance(node.engine, ParameterServer):
             missing.update(w for job in node.engine.jobs for w in node.engine.missing_workers(job))
+        elif isinstance(node.engine, OmniAggregator):
+            missing.update(node.engine.missing_workers())
     missing &= set(run.workers)  # a leaf's own bit at the root is not a worker
     missing_list = sorted(missing, key=lambda w: int(w[1:]))
     if not missing_list:
@@ -369,13 +423,25 @@ def run_collective(
     values: bool = False,
     horizon_ns: int = 10**13,
     dead_workers: frozenset[int] = frozenset(),
+    density: float = 1.0,
 ) -> CollectiveResult:
     """All-reduce ``buckets`` across ``workers`` with ``scheme``; see module doc."""
     if workers < 1:
         raise ConfigError("workers", f"must be >= 1, got {workers}")
     if not buckets:
         raise ConfigError("buckets", "need at least one bucket")
-    run = _Run(scheme, workers, buckets, fabric or FabricConfig(), ina or InaConfig(), seed, values)
+    if not 0 <= density <= 1:
+        raise ConfigError("density", f"must be in [0, 1], got {density}")
+    run = _Run(
+        scheme,
+        workers,
+        buckets,
+        fabric or FabricConfig(),
+        ina or InaConfig(),
+        seed,
+        values,
+        density,
+    )
     start = SCHEMES.get(scheme)(run)
     for b, bk in enumerate(buckets):
         for w in range(workers):
