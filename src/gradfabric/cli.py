@@ -155,6 +155,17 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+OMNI_FLOOR = (
+    "floor = max over ranks r of max(S_r, R_r) * 8 / link rate, where, with "
+    "block b owned by rank b mod n, N_r the non-zero blocks of rank r, U_o the "
+    "blocks of owner o's shard non-zero at some rank, and B the bytes of a block: "
+    "S_r = B * (|N_r outside r's shard| + (n-1) |U_r|) (own blocks to their owners, "
+    "then r's summed shard to every other rank) and R_r = B * (sum over s != r of "
+    "|N_s in r's shard| + sum over o != r of |U_o|); on the dense path, the ring's "
+    "2(n-1)/n * 4N bytes"
+)
+
+
 def cmd_bench_omnireduce(args: argparse.Namespace) -> int:
     from gradfabric.collectives.bench import DENSITIES, run_bench
 
@@ -187,7 +198,7 @@ def cmd_bench_omnireduce(args: argparse.Namespace) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from gradfabric.experiments import baselines, esa, granularity, saatp  # noqa: F401
+    from gradfabric.experiments import baselines, esa, granularity, omnireduce, saatp  # noqa: F401
     from gradfabric.experiments.registry import EXPERIMENTS
     from gradfabric.experiments.report import write_report
 
@@ -396,12 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bo = bsub.add_parser(
         "omnireduce",
-        help="sparse vs dense all-reduce on gloo (loopback)",
+        help="sparse vs dense all-reduce on gloo (loopback or shaped links)",
         description="Sparse (OmniReduce-style) vs torch.distributed.all_reduce "
-        "on gloo ranks over loopback, medians of --iters timed calls after a "
-        "warm-up. bytes_ratio: bytes the busiest rank sends on the sparse path "
-        "over a dense ring's 2(n-1)/n*N*4. Shaped links (netns) and the "
-        "floor ratio are not implemented yet (printed as null).",
+        "on gloo ranks, medians of --iters timed calls after a warm-up, side by "
+        "side in one run. On loopback, or with --link-gbps each rank in a network "
+        "namespace behind a tbf-shaped link (root). bytes_ratio: bytes the busiest "
+        "rank sends on the sparse path over a dense ring's 2(n-1)/n*N*4. "
+        "floor_ratio (shaped links only): measured time over the data-volume "
+        f"floor; {OMNI_FLOOR}.",
     )
     bo.add_argument("--ranks", type=int, default=2)
     bo.add_argument("--size-mb", type=float, default=100.0)

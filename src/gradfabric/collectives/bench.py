@@ -8,9 +8,7 @@ and checks that both give the same result. Reported: medians, the speedup,
 and the sparse path's bytes sent from the busiest rank over what a dense ring
 would send (``2(n-1)/n * N * 4``). With ``link_gbps`` the ranks run in network
 namespaces on a star shaped with tbf, and ``floor_ratio`` is the measured time
-over the data-volume floor: the bytes of non-zero blocks the busiest rank must
-send (its own blocks to their owners plus its shard's summed blocks to every
-other rank, with 8-byte indices) divided by the link rate.
+over the data-volume floor (its formula: ``gradfabric bench omnireduce --help``).
 """
 
 from __future__ import annotations
@@ -89,6 +87,7 @@ def _worker(
                 "dense_s": dense_t,
                 "max_abs_diff": err,
                 "bytes_sent": state.bytes_sent,
+                "bytes_link": state.bytes_busiest_link,
                 "bytes_dense": state.bytes_dense,
                 "sparse_path": state.sparse_calls > 0,
             }
@@ -121,9 +120,9 @@ def run_bench(
         dense = statistics.median(max(r[i]["dense_s"][k] for r in per_rank) for k in range(iters))
         floor = None
         if link_gbps is not None:
-            # The data-volume floor: the non-zero blocks the busiest rank must send
-            # (its own to the owners, its shard's sums to the others), over the link.
-            floor_bytes = max(r[i]["bytes_sent"] for r in per_rank)
+            # The data-volume floor: the non-zero block values that must cross the
+            # busiest rank's link in its busier direction, over the link rate.
+            floor_bytes = per_rank[0][i]["bytes_link"]
             floor = sparse / (floor_bytes * 8 / (link_gbps * 1e9)) if floor_bytes else None
         out.append(
             {

@@ -31,11 +31,14 @@ path's per-block host work (gather, sum, scatter), which matters where the
 host and not the wire is the bottleneck.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gradfabric.core.errors import PeerTimeoutError
 
 # The sparse path's block bookkeeping (gather, sum, scatter) costs host time the
 # dense ring does not; at 2 ranks the sharded exchange of a fully dense tensor
@@ -56,8 +59,9 @@ class OmniState:
     block_size: int = 256
     threshold: float = 0.0
     dense_margin: float = DENSE_MARGIN
-    bytes_sent: int = 0
-    bytes_dense: int = 0
+    bytes_sent: int = 0  # by this rank
+    bytes_dense: int = 0  # a ring all-reduce would send per rank
+    bytes_busiest_link: int = 0  # the busier direction of the busiest rank's link
     calls: int = 0
     sparse_calls: int = 0
     density_seen: list[float] = field(default_factory=list)
@@ -116,8 +120,11 @@ class Plan:
         world, nb = masks.shape
         owner = torch.arange(nb) % world
         union = masks.any(dim=0)
-        share = torch.stack([(masks & (owner == o)).sum(dim=1) for o in range(world)], 1)
-        shard_union = torch.stack([(union & (owner == o)).sum() for o in range(world)])
+        # block b sits in column b % world once padded to whole rows of ``world``
+        pad = (-nb) % world
+        cols = torch.cat([masks, masks.new_zeros(world, pad)], 1).view(world, -1, world)
+        share = cols.sum(dim=1)
+        shard_union = cols.any(dim=0).sum(dim=0)
         return Plan(masks, owner, union, share, shard_union)
 
     def link_blocks(self) -> int:
@@ -142,6 +149,7 @@ def sparse_allreduce(
     op: str = "sum",
     state: OmniState | None = None,
     dense_margin: float = DENSE_MARGIN,
+    peer_timeout_s: float = 10.0,
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place (SUM or AVG) moving only non-zero blocks.
 
@@ -149,6 +157,10 @@ def sparse_allreduce(
     ``ValueError`` for an unknown ``op`` or dtype. With ``state`` its
     ``block_size``, ``threshold`` and ``dense_margin`` replace the arguments
     and its statistics are updated.
+
+    If a peer fails mid-call (gloo reports a closed connection, or the process
+    group's timeout passes), raises ``PeerTimeoutError`` naming the ranks that
+    did not report within ``peer_timeout_s`` through the rendezvous store.
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
@@ -163,20 +175,13 @@ def sparse_allreduce(
     dense_bytes = int(2 * (world - 1) / world * flat.numel() * elem) if world > 1 else 0
     sent = dense_bytes
     if world > 1:
-        blocks, nb = _blocks(flat, block_size)
-        mine = occupancy(blocks, threshold)
-        gathered = [torch.empty(-(-nb // 8), dtype=torch.uint8) for _ in range(world)]
-        dist.all_gather(gathered, _pack(mine), group=group)
-        plan = Plan.of(_unpack(torch.stack(gathered), nb))
-        sparse_bytes = plan.link_blocks() * block_size * elem
-        if state is not None:
-            state.density_seen.append(int(mine.sum()) / max(1, nb))
-        if sparse_bytes <= dense_margin * dense_bytes:
-            sent = _sparse_exchange(flat, blocks, plan, rank, group, threshold > 0)
-            if state is not None:
-                state.sparse_calls += 1
-        else:
-            dist.all_reduce(tensor, group=group)
+        members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        call = _CALLS[members] = _CALLS.get(members, -1) + 1
+        try:
+            sent = _allreduce(tensor, flat, group, world, rank, block_size, threshold, state,
+                              dense_margin, dense_bytes)  # fmt: skip
+        except RuntimeError as e:  # gloo: a closed connection or the group's timeout
+            raise _name_the_missing(group, world, rank, call, peer_timeout_s, e) from e
     if state is not None:
         state.calls += 1
         state.bytes_dense += dense_bytes
@@ -189,26 +194,91 @@ def sparse_allreduce(
     return tensor
 
 
-# gloo's all_to_all moves a large message at about half the link rate (its
-# sends and receives of one call do not overlap once they exceed the socket
-# buffers); rounds of at most this many bytes per peer, all in flight at once,
-# reach the line rate on shaped links here.
+# Calls per group (by its members): collective, so every member counts alike.
+_CALLS: dict[tuple[int, ...], int] = {}
+
+
+def _allreduce(
+    tensor: torch.Tensor,
+    flat: torch.Tensor,
+    group: Any,
+    world: int,
+    rank: int,
+    block_size: int,
+    threshold: float,
+    state: OmniState | None,
+    dense_margin: float,
+    dense_bytes: int,
+) -> int:
+    """The collective part; returns the bytes this rank sent."""
+    blocks, nb = _blocks(flat, block_size)
+    mine = occupancy(blocks, threshold)
+    gathered = [torch.empty(-(-nb // 8), dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(gathered, _pack(mine), group=group)
+    plan = Plan.of(_unpack(torch.stack(gathered), nb))
+    sparse_bytes = plan.link_blocks() * block_size * tensor.element_size()
+    if state is not None:
+        state.density_seen.append(int(mine.sum()) / max(1, nb))
+    if sparse_bytes > dense_margin * dense_bytes:
+        dist.all_reduce(tensor, group=group)
+        if state is not None:
+            state.bytes_busiest_link += dense_bytes
+        return dense_bytes
+    if state is not None:
+        state.bytes_busiest_link += sparse_bytes
+        state.sparse_calls += 1
+    return _sparse_exchange(flat, blocks, plan, rank, group, threshold > 0)
+
+
+def _name_the_missing(
+    group: Any, world: int, rank: int, call: int, wait_s: float, err: RuntimeError
+) -> PeerTimeoutError:
+    """After a failed call, every surviving rank checks in at the rendezvous
+    store (which does not depend on the broken gloo connections); the ranks
+    that have not checked in after ``wait_s`` are named."""
+    # (the default store is reached through a private accessor: there is no public one)
+    store = dist.distributed_c10d._get_default_store()
+    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(world)]
+    key = f"gradfabric/sparse/{call}/"
+    store.set(key + str(ranks[rank]), "here")
+    deadline = time.monotonic() + wait_s
+    missing = list(ranks)
+    while missing and time.monotonic() < deadline:
+        missing = [r for r in missing if not store.check([key + str(r)])]
+        time.sleep(0.05)
+    names = ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in)"
+    e = PeerTimeoutError(names, wait_s)
+    e.args = (f"sparse_allreduce failed ({str(err).splitlines()[0][:200]}); {names} did not "
+              f"report within {wait_s:g} s",)  # fmt: skip
+    return e
+
+
+# One gloo all_to_all of many megabytes moves at about half the link rate on
+# shaped links here (a call's send and receive stop overlapping once they
+# outgrow the socket buffers); rounds of at most this many bytes per peer, all
+# in flight at once, reach the line rate (isend/irecv pieces were slower).
 ROUND_BYTES = 512 * 1024
 
 
 def _exchange(
-    parts: list[torch.Tensor], recv_rows: list[int], rounds: int, group: Any
-) -> list[torch.Tensor]:
-    """All-to-all of per-peer block rows in ``rounds`` asynchronous rounds;
-    returns the rows received from each peer, in order. Every rank passes the
-    same ``rounds`` (it comes from the shared plan)."""
-    bs = parts[0].shape[1]
-    got: list[list[torch.Tensor]] = [[] for _ in parts]
+    parts: list[torch.Tensor], recv_rows: list[int], rounds: int, rank: int, group: Any
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """All-to-all of per-peer block rows in ``rounds`` asynchronous rounds
+    (every rank passes the same ``rounds``: it comes from the shared plan).
+    Returns, per peer, the received pieces as (first row, rows)."""
+    bs = parts[rank].shape[1]
+    got: list[list[tuple[int, torch.Tensor]]] = [[] for _ in parts]
     pending = []
     for c in range(rounds):
-        send = [p[c * len(p) // rounds : (c + 1) * len(p) // rounds] for p in parts]
-        rows = [(c + 1) * n // rounds - c * n // rounds for n in recv_rows]
-        out = parts[0].new_empty(sum(rows), bs)
+        send = [
+            p[c * len(p) // rounds : (c + 1) * len(p) // rounds] if i != rank else p[:0]
+            for i, p in enumerate(parts)
+        ]
+        starts = [0 if i == rank else c * n // rounds for i, n in enumerate(recv_rows)]
+        rows = [
+            0 if i == rank else (c + 1) * n // rounds - starts[i] for i, n in enumerate(recv_rows)
+        ]
+        out = parts[rank].new_empty(sum(rows), bs)
         pending.append(
             dist.all_to_all_single(
                 out.view(-1),
@@ -219,11 +289,12 @@ def _exchange(
                 async_op=True,
             )
         )
-        for p, piece in enumerate(torch.split(out, rows)):
-            got[p].append(piece)
+        for i, piece in enumerate(torch.split(out, rows)):
+            if len(piece):
+                got[i].append((starts[i], piece))
     for work in pending:
         work.wait()
-    return [torch.cat(g) if g else parts[0].new_empty(0, bs) for g in got]
+    return got
 
 
 def _sparse_exchange(
@@ -236,42 +307,39 @@ def _sparse_exchange(
 ) -> int:
     """Phases 1 and 2; returns the bytes this rank sent."""
     world, bs = plan.masks.shape[0], blocks.shape[1]
-    per_round = max(1, ROUND_BYTES // (bs * blocks.element_size()))
-    most1, most2 = plan.most_to_one_peer()
     mine = plan.owner == rank
     shard_union = torch.nonzero(plan.union & mine).flatten()
-    empty = blocks.new_empty(0, bs)
     # 1. my non-zero blocks to their owners (none to myself)
     own_idx = torch.nonzero(plan.masks[rank]).flatten()
+    from_r = [torch.nonzero(plan.masks[r] & mine).flatten() for r in range(world)]
     sends = [
-        empty if o == rank else blocks.index_select(0, own_idx[plan.owner[own_idx] == o])
+        blocks[from_r[rank]] if o == rank else blocks[own_idx[plan.owner[own_idx] == o]]
         for o in range(world)
     ]
-    from_r = [torch.nonzero(plan.masks[r] & mine).flatten() for r in range(world)]
-    rows = [0 if r == rank else len(from_r[r]) for r in range(world)]
-    recv = _exchange(sends, rows, -(-most1 // per_round), group)
+    most1, most2 = plan.most_to_one_peer()
+    per_round = max(1, ROUND_BYTES // (bs * blocks.element_size()))
+    got = _exchange(sends, [len(f) for f in from_r], -(-most1 // per_round), rank, group)
     # the owner sums its shard's union: its own blocks, then what arrived
     acc = blocks.new_zeros(len(shard_union), bs)
+    acc.index_add_(0, torch.searchsorted(shard_union, from_r[rank]), sends[rank])
     for r in range(world):
-        part = blocks[from_r[r]] if r == rank else recv[r]
-        acc.index_add_(0, torch.searchsorted(shard_union, from_r[r]), part)
+        pos = torch.searchsorted(shard_union, from_r[r])
+        for lo, piece in got[r]:
+            acc.index_add_(0, pos[lo : lo + len(piece)], piece)
     # 2. every owner's summed union to every rank
     unions = [torch.nonzero(plan.union & (plan.owner == o)).flatten() for o in range(world)]
-    rows = [0 if o == rank else len(unions[o]) for o in range(world)]
-    sends = [empty if o == rank else acc for o in range(world)]
-    out = _exchange(sends, rows, -(-most2 // per_round), group)
+    got = _exchange([acc] * world, [len(u) for u in unions], -(-most2 // per_round), rank, group)
     if zero_rest:  # blocks under the threshold were not sent: they read as zero
         blocks.masked_fill_(~plan.union.unsqueeze(1), 0)
     # (with threshold 0 every block outside the union is zero already)
-    out[rank] = acc
-    blocks.index_copy_(0, torch.cat(unions), torch.cat(out))
+    blocks.index_copy_(0, shard_union, acc)
+    for o in range(world):
+        for lo, piece in got[o]:
+            blocks.index_copy_(0, unions[o][lo : lo + len(piece)], piece)
     if blocks.data_ptr() != flat.data_ptr():
         flat.copy_(blocks.reshape(-1)[: flat.numel()])
-    return (
-        (sum(len(x) for x in sends) + int(plan.share[rank].sum() - plan.share[rank, rank]))
-        * bs
-        * flat.element_size()
-    )
+    phase1 = int(plan.share[rank].sum() - plan.share[rank, rank])
+    return (phase1 + len(acc) * (world - 1)) * bs * flat.element_size()
 
 
 def omnireduce_hook(

@@ -1,0 +1,88 @@
+"""Launch a torch.distributed program on N ranks with torchrun.
+
+On loopback: one ``torchrun`` with ``--nproc-per-node N``. On shaped links:
+each rank is a host in its own network namespace on a ``shaped_star`` (one
+``torchrun`` per namespace, ``--nnodes N --node-rank r``, rendezvous at rank
+0's address), so every byte between ranks crosses a tbf-shaped veth. The
+program reads ``RANK``/``WORLD_SIZE`` from the environment as under any
+torchrun launch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from gradfabric.core.errors import PeerTimeoutError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(nnodes: int, nproc: int, node_rank: int, master: str, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        f"--node-rank={node_rank}",
+        f"--master-addr={master}",
+        f"--master-port={port}",
+        "--max-restarts=0",
+    ]
+
+
+def run_ranks(
+    ranks: int,
+    module: str,
+    args: list[str],
+    link_gbps: float | None = None,
+    timeout_s: float = 3600,
+) -> None:
+    """Run ``python -m module *args`` on ``ranks`` ranks; raise if any fails.
+
+    ``link_gbps``: run each rank in its own network namespace behind a link
+    shaped to that rate (root only; see ``gradfabric.net.netns``).
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+    prog = ["-m", module, *args]
+    if link_gbps is None:
+        cmd = _torchrun(1, ranks, 0, "127.0.0.1", _free_port())
+        _wait([subprocess.Popen([*cmd, *prog], env=env)], timeout_s)
+        return
+    from gradfabric.net.netns import shaped_star
+
+    with shaped_star(ranks, link_gbps) as hosts:
+        port = 29400 + os.getpid() % 500
+        procs = [
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    h.netns,
+                    *_torchrun(ranks, 1, r, hosts[0].ip, port),
+                    *prog,
+                ],
+                env={**env, "GLOO_SOCKET_IFNAME": h.ifname},
+            )
+            for r, h in enumerate(hosts)
+        ]
+        _wait(procs, timeout_s)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    try:
+        codes = [p.wait(timeout=timeout_s) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise PeerTimeoutError("torchrun ranks", timeout_s) from None
+    if any(codes):
+        raise RuntimeError(f"ranks exited with {codes}")
