@@ -32,6 +32,14 @@ def _init(rank: int, world: int, port: int) -> None:
 
 
 def _sparse_input(rank: int, n: int, density: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    if density == 2.0:  # pipeline chunks of both kinds: a dense half, then a sparse one
+        half = n // 2
+        return torch.cat(
+            [
+                block_sparse(seed + rank, half, 1.0, dtype),
+                block_sparse(seed - rank, n - half, 0.01, dtype),
+            ]
+        )
     if density < 0:  # non-zero blocks on rank 0 only (density -d), zero elsewhere
         x = block_sparse(seed * 1000, n, -density, dtype)
         return x if rank == 0 else torch.zeros_like(x)
@@ -68,6 +76,8 @@ CASES = [
     (4096, 0.0, torch.float16, "sum"),
     (60_000, -0.05, torch.float32, "sum"),
     (20_480, 1.0, torch.float32, "avg"),
+    (3_000_017, 0.02, torch.float32, "sum"),  # several pipeline chunks
+    (5_000_000, 2.0, torch.float32, "sum"),  # chunks on the dense and on the sparse path
 ]
 
 
@@ -94,6 +104,9 @@ def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
             got, sparse_calls, sent, dense = per_rank[r][i]
             assert got.dtype == dtype and got.shape == (n,)
             torch.testing.assert_close(got.double(), ref, rtol=tol[dtype], atol=tol[dtype])
+            if density == 2.0:
+                assert sparse_calls == 1 and sent < dense  # the sparse half went sparse
+                continue
             # the path taken is the one the byte rule picks, recomputed here block by block
             inputs = [_sparse_input(q, n, density, dtype, seed=n) for q in range(world)]
             link = _link_bytes_brute_force(inputs, world, dtype)

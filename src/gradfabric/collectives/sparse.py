@@ -127,13 +127,17 @@ class Plan:
         shard_union = cols.any(dim=0).sum(dim=0)
         return Plan(masks, owner, union, share, shard_union)
 
-    def link_blocks(self) -> int:
-        """Blocks crossing the busiest rank's link in its busier direction."""
+    def link_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks each rank sends and receives."""
         world = self.masks.shape[0]
         own, u = self.share.diagonal(), self.shard_union
         send = self.share.sum(1) - own + (world - 1) * u
         recv = self.share.sum(0) - own + u.sum() - u
-        return int(torch.maximum(send, recv).max())
+        return send, recv
+
+    def link_blocks(self) -> int:
+        """Blocks crossing the busiest rank's link in its busier direction."""
+        return int(torch.maximum(*self.link_vectors()).max())
 
     def most_to_one_peer(self) -> tuple[int, int]:
         """The most blocks any rank sends one peer in phase 1 and in phase 2."""
@@ -178,8 +182,7 @@ def sparse_allreduce(
         members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         call = _CALLS[members] = _CALLS.get(members, -1) + 1
         try:
-            sent = _allreduce(tensor, flat, group, world, rank, block_size, threshold, state,
-                              dense_margin, dense_bytes)  # fmt: skip
+            sent = _allreduce(flat, group, world, rank, block_size, threshold, state, dense_margin)
         except RuntimeError as e:  # gloo: a closed connection or the group's timeout
             raise _name_the_missing(group, world, rank, call, peer_timeout_s, e) from e
     if state is not None:
@@ -199,7 +202,6 @@ _CALLS: dict[tuple[int, ...], int] = {}
 
 
 def _allreduce(
-    tensor: torch.Tensor,
     flat: torch.Tensor,
     group: Any,
     world: int,
@@ -208,26 +210,36 @@ def _allreduce(
     threshold: float,
     state: OmniState | None,
     dense_margin: float,
-    dense_bytes: int,
 ) -> int:
-    """The collective part; returns the bytes this rank sent."""
+    """The collective part, as a three-stage software pipeline over chunks of
+    ``CHUNK_BYTES``: while chunk k is scanned and its bitmap gathered, chunk
+    k-1 runs phase 1 and chunk k-2 is summed and runs phase 2 (gloo works
+    asynchronously; every rank starts the same operations in the same order).
+    Each chunk takes the sparse or the dense path on its own. Returns the
+    bytes this rank sent."""
     blocks, nb = _blocks(flat, block_size)
-    mine = occupancy(blocks, threshold)
-    gathered = [torch.empty(-(-nb // 8), dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(gathered, _pack(mine), group=group)
-    plan = Plan.of(_unpack(torch.stack(gathered), nb))
-    sparse_bytes = plan.link_blocks() * block_size * tensor.element_size()
+    per_chunk = max(1, CHUNK_BYTES // (block_size * flat.element_size()))
+    chunks: list[_Chunk] = []
+    sent = sparse = 0
+    link = torch.zeros(2, world, dtype=torch.int64)
+    for k in range(-(-nb // per_chunk) + 2):
+        lo = k * per_chunk
+        if lo < nb:
+            chunks.append(_Chunk(blocks[lo : lo + per_chunk], threshold, world, group))
+        if 0 <= k - 1 < len(chunks):
+            s, lk, sp = chunks[k - 1].start_phase1(rank, group, dense_margin)
+            sent, link, sparse = sent + s, link + lk, sparse + sp
+        if 0 <= k - 2 < len(chunks):
+            chunks[k - 2].start_phase2(rank, group)
+    for c in chunks:
+        c.finish(threshold > 0)
+    if blocks.data_ptr() != flat.data_ptr():
+        flat.copy_(blocks.reshape(-1)[: flat.numel()])
     if state is not None:
-        state.density_seen.append(int(mine.sum()) / max(1, nb))
-    if sparse_bytes > dense_margin * dense_bytes:
-        dist.all_reduce(tensor, group=group)
-        if state is not None:
-            state.bytes_busiest_link += dense_bytes
-        return dense_bytes
-    if state is not None:
-        state.bytes_busiest_link += sparse_bytes
-        state.sparse_calls += 1
-    return _sparse_exchange(flat, blocks, plan, rank, group, threshold > 0)
+        state.density_seen.append(sum(int(c.mask.sum()) for c in chunks) / max(1, nb))
+        state.bytes_busiest_link += int(link.max())  # over ranks and directions, whole call
+        state.sparse_calls += sparse > 0
+    return sent
 
 
 def _name_the_missing(
@@ -258,14 +270,21 @@ def _name_the_missing(
 # outgrow the socket buffers); rounds of at most this many bytes per peer, all
 # in flight at once, reach the line rate (isend/irecv pieces were slower).
 ROUND_BYTES = 512 * 1024
+# The pipeline's unit: small enough to overlap scanning with the wire, large
+# enough that per-chunk round trips stay a small share of it.
+CHUNK_BYTES = 32 * 2**20
+
+
+Pieces = list[list[tuple[int, torch.Tensor]]]
 
 
 def _exchange(
     parts: list[torch.Tensor], recv_rows: list[int], rounds: int, rank: int, group: Any
-) -> list[list[tuple[int, torch.Tensor]]]:
-    """All-to-all of per-peer block rows in ``rounds`` asynchronous rounds
-    (every rank passes the same ``rounds``: it comes from the shared plan).
-    Returns, per peer, the received pieces as (first row, rows)."""
+) -> tuple[Pieces, list[Any]]:
+    """Start an all-to-all of per-peer block rows in ``rounds`` asynchronous
+    rounds (every rank passes the same ``rounds``: it comes from the shared
+    plan). Returns, per peer, the pieces that will arrive as (first row, rows),
+    and the works to wait for."""
     bs = parts[rank].shape[1]
     got: list[list[tuple[int, torch.Tensor]]] = [[] for _ in parts]
     pending = []
@@ -292,54 +311,93 @@ def _exchange(
         for i, piece in enumerate(torch.split(out, rows)):
             if len(piece):
                 got[i].append((starts[i], piece))
-    for work in pending:
-        work.wait()
-    return got
+    return got, pending
 
 
-def _sparse_exchange(
-    flat: torch.Tensor,
-    blocks: torch.Tensor,
-    plan: Plan,
-    rank: int,
-    group: Any,
-    zero_rest: bool,
-) -> int:
-    """Phases 1 and 2; returns the bytes this rank sent."""
-    world, bs = plan.masks.shape[0], blocks.shape[1]
-    mine = plan.owner == rank
-    shard_union = torch.nonzero(plan.union & mine).flatten()
-    # 1. my non-zero blocks to their owners (none to myself)
-    own_idx = torch.nonzero(plan.masks[rank]).flatten()
-    from_r = [torch.nonzero(plan.masks[r] & mine).flatten() for r in range(world)]
-    sends = [
-        blocks[from_r[rank]] if o == rank else blocks[own_idx[plan.owner[own_idx] == o]]
-        for o in range(world)
-    ]
-    most1, most2 = plan.most_to_one_peer()
-    per_round = max(1, ROUND_BYTES // (bs * blocks.element_size()))
-    got = _exchange(sends, [len(f) for f in from_r], -(-most1 // per_round), rank, group)
-    # the owner sums its shard's union: its own blocks, then what arrived
-    acc = blocks.new_zeros(len(shard_union), bs)
-    acc.index_add_(0, torch.searchsorted(shard_union, from_r[rank]), sends[rank])
-    for r in range(world):
-        pos = torch.searchsorted(shard_union, from_r[r])
-        for lo, piece in got[r]:
-            acc.index_add_(0, pos[lo : lo + len(piece)], piece)
-    # 2. every owner's summed union to every rank
-    unions = [torch.nonzero(plan.union & (plan.owner == o)).flatten() for o in range(world)]
-    got = _exchange([acc] * world, [len(u) for u in unions], -(-most2 // per_round), rank, group)
-    if zero_rest:  # blocks under the threshold were not sent: they read as zero
-        blocks.masked_fill_(~plan.union.unsqueeze(1), 0)
-    # (with threshold 0 every block outside the union is zero already)
-    blocks.index_copy_(0, shard_union, acc)
-    for o in range(world):
-        for lo, piece in got[o]:
-            blocks.index_copy_(0, unions[o][lo : lo + len(piece)], piece)
-    if blocks.data_ptr() != flat.data_ptr():
-        flat.copy_(blocks.reshape(-1)[: flat.numel()])
-    phase1 = int(plan.share[rank].sum() - plan.share[rank, rank])
-    return (phase1 + len(acc) * (world - 1)) * bs * flat.element_size()
+class _Chunk:
+    """One chunk of blocks on its way through the pipeline: occupancy scan and
+    bitmap gather, then phase 1 (or a dense all-reduce), then phase 2."""
+
+    def __init__(self, blocks: torch.Tensor, threshold: float, world: int, group: Any) -> None:
+        self.blocks = blocks
+        self.mask = occupancy(blocks, threshold)
+        nbytes = -(-len(blocks) // 8)
+        self.gathered = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(world)]
+        self.works = [dist.all_gather(self.gathered, _pack(self.mask), group=group, async_op=True)]
+        self.plan: Plan | None = None
+        self.got: Pieces = []
+        self.acc = blocks[:0]
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+    def start_phase1(
+        self, rank: int, group: Any, dense_margin: float
+    ) -> tuple[int, torch.Tensor, int]:
+        """Plan the chunk and start phase 1, or its dense all-reduce. Returns
+        (bytes this rank sends, bytes each rank sends and receives [2 x world],
+        1 if sparse)."""
+        self.wait()
+        blocks = self.blocks
+        world, (nb, bs), elem = len(self.gathered), blocks.shape, blocks.element_size()
+        plan = Plan.of(_unpack(torch.stack(self.gathered), nb))
+        dense = int(2 * (world - 1) / world * blocks.numel() * elem)
+        link = torch.stack(plan.link_vectors()) * (bs * elem)
+        if int(link.max()) > dense_margin * dense:
+            self.works = [dist.all_reduce(blocks, group=group, async_op=True)]
+            return dense, torch.full_like(link, dense), 0
+        self.plan = plan
+        mine = plan.owner == rank
+        self.shard_union = torch.nonzero(plan.union & mine).flatten()
+        own_idx = torch.nonzero(plan.masks[rank]).flatten()
+        self.from_r = [torch.nonzero(plan.masks[r] & mine).flatten() for r in range(world)]
+        self.sends = [
+            blocks[self.from_r[rank]] if o == rank else blocks[own_idx[plan.owner[own_idx] == o]]
+            for o in range(world)
+        ]
+        most1, self.most2 = plan.most_to_one_peer()
+        self.per_round = max(1, ROUND_BYTES // (bs * elem))
+        rows = [len(f) for f in self.from_r]
+        self.got, self.works = _exchange(self.sends, rows, -(-most1 // self.per_round), rank, group)
+        phase1 = int(plan.share[rank].sum() - plan.share[rank, rank])
+        return (phase1 + len(self.shard_union) * (world - 1)) * bs * elem, link, 1
+
+    def start_phase2(self, rank: int, group: Any) -> None:
+        """Sum what phase 1 brought into the shard's union; start sending it."""
+        plan = self.plan
+        if plan is None:
+            return  # dense: its all-reduce is in flight
+        self.wait()
+        world = len(self.gathered)
+        self.acc = acc = self.blocks.new_zeros(len(self.shard_union), self.blocks.shape[1])
+        acc.index_add_(0, torch.searchsorted(self.shard_union, self.from_r[rank]), self.sends[rank])
+        for r in range(world):
+            pos = torch.searchsorted(self.shard_union, self.from_r[r])
+            for lo, piece in self.got[r]:
+                acc.index_add_(0, pos[lo : lo + len(piece)], piece)
+        self.unions = [
+            torch.nonzero(plan.union & (plan.owner == o)).flatten() for o in range(world)
+        ]
+        rounds = -(-self.most2 // self.per_round)
+        self.got, self.works = _exchange(
+            [acc] * world, [len(u) for u in self.unions], rounds, rank, group
+        )
+
+    def finish(self, zero_rest: bool) -> None:
+        """Write the sums in place."""
+        self.wait()
+        plan, blocks = self.plan, self.blocks
+        if plan is None:
+            return
+        if zero_rest:  # blocks under the threshold were not sent: they read as zero
+            blocks.masked_fill_(~plan.union.unsqueeze(1), 0)
+        # (with threshold 0 every block outside the union is zero already)
+        blocks.index_copy_(0, self.shard_union, self.acc)
+        for o, pieces in enumerate(self.got):
+            for lo, piece in pieces:
+                blocks.index_copy_(0, self.unions[o][lo : lo + len(piece)], piece)
 
 
 def omnireduce_hook(

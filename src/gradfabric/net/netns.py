@@ -11,7 +11,9 @@ whether namespaces can be made at all (tests skip where not).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,12 +42,19 @@ def available() -> bool:
     return True
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally below
+
+
 @contextmanager
 def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
     tag = os.getpid() % 250
     sw = f"gf{tag}sw"
     names = [f"gf{tag}h{i}" for i in range(n)]
     made: list[str] = []
+    # a SIGTERM (a killed benchmark, a CI timeout) must still delete what was made
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
     rate = f"{int(link_gbps * 1000)}mbit"
     burst = f"{max(160, int(link_gbps * 160))}kb"  # enough tokens for line rate at 1 ms
     try:
@@ -123,3 +132,5 @@ def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
     finally:
         for ns in reversed(made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
