@@ -197,8 +197,119 @@ def cmd_bench_omnireduce(args: argparse.Namespace) -> int:
     return 0 if all(r["max_abs_diff"] < 1e-3 for r in rows) else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from gradfabric.experiments import plots
+    from gradfabric.planner.baselines import BASELINES
+    from gradfabric.planner.cost import Device, Workload, evaluate
+    from gradfabric.planner.online import load_trace, random_trace, run_online
+    from gradfabric.planner.search import plan
+    from gradfabric.planner.spec import example_cluster, load_cluster
+    from gradfabric.workloads.catalog import model_spec
+
+    cluster = load_cluster(Path(args.cluster)) if args.cluster else example_cluster()
+    if args.batch < 1:
+        raise ConfigError("batch", "must be >= 1")
+    w = Workload.of(model_spec(args.model), args.batch)
+    types = cluster.expand()
+    devs = [Device(i, t) for i, t in enumerate(types)]
+    lat = cluster.link_latency_us * 1e-6
+    res = plan(w, devs, lat)
+    est = res.estimate
+    out_obj: dict[str, Any] = {
+        "model": args.model,
+        "batch": args.batch,
+        "devices": len(devs),
+        "batch_time_s": est.batch_time_s,
+        "cost_per_hour": est.cost_per_hour,
+        "plan_time_s": res.plan_time_s,
+        "devices_used": len(res.plan.devices()),
+        "groups": [
+            {"batch": g.batch, "stages": [[s.device, s.first, s.end] for s in g.stages]}
+            for g in res.plan.groups
+        ],
+        "baselines": [],
+    }
+    for name in BASELINES.names():
+        e = evaluate(w, devs, BASELINES.get(name)(w, devs), lat)
+        out_obj["baselines"].append(
+            {"name": name, "batch_time_s": e.batch_time_s, "cost_per_hour": e.cost_per_hour}
+        )
+    if args.trace or args.slots:
+        trace = (
+            load_trace(Path(args.trace), len(types))
+            if args.trace
+            else random_trace(len(types), args.slots, args.seed)
+        )
+        budget = args.budget if args.budget is not None else est.cost_per_hour
+        with _progress(len(trace), args.json) as tick:
+            on = run_online(w, types, trace, budget, args.v, tick=tick)
+        dest = _results_dir(args.out, "plan")
+        slots = [float(r.slot) for r in on.slots]
+        plots.lines(
+            slots,
+            {"gradfabric": [r.batch_time_s * 1e3 for r in on.slots]}
+            | {n: [t * 1e3 for t in ts] for n, ts in on.baselines.items()},
+            "slot",
+            "batch time (ms)",
+            f"{args.model}, batch {args.batch}: batch time per slot",
+            dest / "plan_batch_time.png",
+        )
+        plots.lines(
+            slots,
+            {"price": [r.price_per_hour for r in on.slots], "budget": [budget] * len(slots)},
+            "slot",
+            "$ per hour",
+            f"price per slot (V = {args.v:g})",
+            dest / "plan_cost.png",
+        )
+        out_obj["online"] = {
+            "slots": len(trace),
+            "budget_per_hour": budget,
+            "v": args.v,
+            "mean_batch_time_s": on.mean_batch_time_s,
+            "mean_cost_per_hour": on.mean_price,
+            "max_plan_time_s": on.max_plan_time_s,
+            "baselines": [
+                {"name": n, "mean_batch_time_s": statistics.fmean(ts)}
+                for n, ts in on.baselines.items()
+            ],
+            "plots": str(dest),
+        }
+    if args.json:
+        print(json.dumps(out_obj))
+        return 0
+    out.print(res.explain(devs, w), markup=False)
+    out.print(
+        _table(
+            out_obj["baselines"],
+            "baselines (same cost model)",
+            ["name", "batch_time_s", "cost_per_hour"],
+        )
+    )
+    if "online" in out_obj:
+        on_obj = out_obj["online"]
+        out.print(
+            f"online over {on_obj['slots']} slots: mean batch time "
+            f"{on_obj['mean_batch_time_s'] * 1e3:.1f} ms at ${on_obj['mean_cost_per_hour']:.2f}/h "
+            f"(budget ${on_obj['budget_per_hour']:.2f}/h); plots in {on_obj['plots']}"
+        )
+        out.print(
+            _table(
+                on_obj["baselines"], "baselines under the same trace", ["name", "mean_batch_time_s"]
+            )
+        )
+    return 0
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from gradfabric.experiments import baselines, esa, granularity, omnireduce, saatp  # noqa: F401
+    from gradfabric.experiments import (  # noqa: F401
+        baselines,
+        esa,
+        granularity,
+        omnireduce,
+        planner,
+        saatp,
+    )
     from gradfabric.experiments.registry import EXPERIMENTS
     from gradfabric.experiments.report import write_report
 
@@ -452,6 +563,27 @@ def build_parser() -> argparse.ArgumentParser:
     ee.add_argument("--out", help="results directory (default: results/esa-<time>)")
     ee.add_argument("--json", action="store_true", help="one JSON object per row")
     ee.set_defaults(fn=cmd_experiment_esa)
+
+    pl = sub.add_parser(
+        "plan",
+        help="plan joint data/model parallelism on a heterogeneous cluster",
+        description="Choose device groups, pipeline cut points and batch shares for a model "
+        "on a cluster (YAML; default: 16 devices of three GPU generations), next to the "
+        "baselines under the same cost model. With --trace or --slots, re-plan each slot "
+        "under changing device speeds with a Lyapunov controller that keeps the average "
+        "price under --budget.",
+    )
+    pl.add_argument("cluster", nargs="?", help="cluster YAML (device_types, devices)")
+    pl.add_argument("--model", default="resnet50")
+    pl.add_argument("--batch", type=int, default=512)
+    pl.add_argument("--trace", help="CSV with slot,device,speed rows")
+    pl.add_argument("--slots", type=int, help="a random trace of this many slots")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--budget", type=float, help="$ per hour (default: the static plan's price)")
+    pl.add_argument("--v", type=float, default=1000.0, help="time-vs-cost trade-off V")
+    pl.add_argument("--out", help="results directory for the plots")
+    pl.add_argument("--json", action="store_true", help="one JSON object")
+    pl.set_defaults(fn=cmd_plan)
 
     m = sub.add_parser("models", help="list the model catalog")
     m.add_argument("--json", action="store_true")

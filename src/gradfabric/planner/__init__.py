@@ -1,0 +1,1 @@
+"""Joint data/model parallelism over heterogeneous devices, with online control."""

@@ -1,0 +1,205 @@
+"""Online control: re-plan each slot as device speeds and availability change,
+keeping the time-averaged price under a budget (Lyapunov drift-plus-penalty).
+
+Each slot ``t`` the controller sees the devices' current speed factors (0: not
+available) and picks, among candidate plans, the one minimising
+
+    V * (batch_time + migration / iterations_per_slot) + Q(t) * price_per_hour
+
+then updates the virtual queue ``Q(t+1) = max(Q(t) + price(t) - budget, 0)``.
+``Q`` grows while the spending runs above the budget, so cheaper plans win
+until it drains; ``V`` trades batch time against cost (large ``V``: faster,
+with a longer excursion over the budget). Candidates: the planner's plan on
+the best ``k`` devices by throughput per dollar and on the ``k`` cheapest, for
+several ``k``, plus the previous slot's plan if its devices are still there
+(no migration). Migration: the parameters a device must receive because its
+layers changed, over its NIC.
+
+A trace is a list of per-slot speed-factor vectors: ``random_trace`` draws
+contention (a device at 30-90% speed for a while), preemptions (gone for a
+while) and devices joining late; ``load_trace`` reads ``slot,device,speed``
+CSV rows (a device keeps its last speed until the next row for it).
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.planner.baselines import BASELINES, nominal
+from gradfabric.planner.cost import Device, Plan, Workload, evaluate
+from gradfabric.planner.search import plan
+from gradfabric.planner.spec import DeviceType
+
+Trace = list[list[float]]
+
+
+def random_trace(devices: int, slots: int, seed: int = 0) -> Trace:
+    rng = random.Random(seed)
+    speed = [1.0] * devices
+    late = set(rng.sample(range(devices), max(1, devices // 8)))  # join after a while
+    for d in late:
+        speed[d] = 0.0
+    out = []
+    for t in range(slots):
+        for d in range(devices):
+            if d in late and t == slots // 4:
+                speed[d] = 1.0
+            elif d in late and t < slots // 4:
+                continue
+            elif rng.random() < 0.05:  # something changes for this device
+                speed[d] = rng.choice([0.0, rng.uniform(0.3, 0.9), 1.0])
+        out.append(list(speed))
+    return out
+
+
+def load_trace(path: Path, devices: int) -> Trace:
+    rows: dict[int, list[tuple[int, float]]] = {}
+    with open(path) as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            try:
+                slot, dev, sp = int(row["slot"]), int(row["device"]), float(row["speed"])
+            except (KeyError, TypeError, ValueError):
+                raise ConfigError(f"trace row {i + 1}", "need slot,device,speed columns") from None
+            if not 0 <= dev < devices or sp < 0 or slot < 0:
+                raise ConfigError(f"trace row {i + 1}", f"device {dev} or speed {sp} out of range")
+            rows.setdefault(slot, []).append((dev, sp))
+    speed = [1.0] * devices
+    out = []
+    for t in range(max(rows, default=0) + 1):
+        for dev, sp in rows.get(t, []):
+            speed[dev] = sp
+        out.append(list(speed))
+    return out
+
+
+@dataclass
+class SlotRecord:
+    slot: int
+    batch_time_s: float
+    price_per_hour: float
+    queue: float
+    devices: int
+    migrated: bool
+
+
+@dataclass
+class OnlineResult:
+    slots: list[SlotRecord]
+    baselines: dict[str, list[float]] = field(default_factory=dict)  # batch time per slot
+    max_plan_time_s: float = 0.0  # the controller's longest decision
+
+    @property
+    def mean_batch_time_s(self) -> float:
+        return sum(s.batch_time_s for s in self.slots) / len(self.slots)
+
+    @property
+    def mean_price(self) -> float:
+        return sum(s.price_per_hour for s in self.slots) / len(self.slots)
+
+
+def _migration_s(w: Workload, devs: list[Device], old: Plan | None, new: Plan) -> float:
+    if old is None:
+        return 0.0
+    held = {(s.device, s.first, s.end) for g in old.groups for s in g.stages}
+    worst = 0.0
+    for g in new.groups:
+        for s in g.stages:
+            if (s.device, s.first, s.end) not in held:
+                nbytes = 4 * sum(w.params[s.first : s.end])
+                worst = max(worst, nbytes / (devs[s.device].type.nic_gbps * 1e9 / 8))
+    return worst
+
+
+def _candidates(
+    w: Workload, devs: list[Device], memo: dict[tuple[tuple[int, float], ...], Plan | None]
+) -> list[Plan]:
+    """Plans on device subsets: the best ``k`` by throughput per dollar and
+    the ``k`` cheapest, for several ``k`` (down to a single device)."""
+    live = [d for d in devs if d.speed > 0]
+    rankings = (
+        sorted(live, key=lambda d: -d.flops / max(d.type.cost_per_hour, 1e-9)),
+        sorted(live, key=lambda d: (d.type.cost_per_hour, -d.flops)),
+    )
+    subsets = {
+        frozenset(d.index for d in ranked[: max(1, round(len(live) * frac))])
+        for ranked in rankings
+        for frac in (1.0, 0.75, 0.5, 0.25, 0.0)
+    }
+    out = []
+    for keep in sorted(subsets, key=sorted):
+        key = tuple((d.index, d.speed) for d in devs if d.index in keep)
+        if key not in memo:  # speeds change rarely: most slots re-use the last plans
+            sub = [d if d.index in keep else Device(d.index, d.type, 0.0) for d in devs]
+            try:
+                memo[key] = plan(w, sub).plan
+            except ValueError:  # the model does not fit so few devices
+                memo[key] = None
+        got = memo[key]
+        if got is not None:
+            out.append(got)
+    return out
+
+
+def run_online(
+    w: Workload,
+    types: list[DeviceType],
+    trace: Trace,
+    budget_per_hour: float,
+    v: float = 1000.0,
+    iterations_per_slot: int = 100,
+    baselines: bool = True,
+    tick: Callable[[str], None] | None = None,
+) -> OnlineResult:
+    """Drive the controller (and, side by side, the baselines) over ``trace``."""
+    res = OnlineResult([])
+    q = 0.0
+    current: Plan | None = None
+    static: Plan | None = None
+    members: set[int] = set()
+    memo: dict[tuple[tuple[int, float], ...], Plan | None] = {}
+    names = BASELINES.names() if baselines else []
+    res.baselines = {n: [] for n in names}
+    for t, speeds in enumerate(trace):
+        if tick is not None:
+            tick(f"slot {t}")
+        t0 = time.perf_counter()
+        devs = [Device(i, ty, sp) for i, (ty, sp) in enumerate(zip(types, speeds, strict=True))]
+        cands = _candidates(w, devs, memo)
+        if current is not None and all(speeds[d] > 0 for d in current.devices()):
+            cands.append(current)
+        best = None
+        for c in cands:
+            e = evaluate(w, devs, c)
+            if not e.feasible:
+                continue
+            mig = _migration_s(w, devs, current, c)
+            score = v * (e.batch_time_s + mig / iterations_per_slot) + q * e.cost_per_hour
+            if best is None or score < best[0]:
+                best = (score, c, e, mig)
+        if best is None:
+            raise ValueError(f"slot {t}: no feasible plan on the devices available")
+        _, chosen, est, mig = best
+        res.max_plan_time_s = max(res.max_plan_time_s, time.perf_counter() - t0)
+        res.slots.append(
+            SlotRecord(t, est.batch_time_s + mig / iterations_per_slot, est.cost_per_hour, q,
+                       len(chosen.devices()), mig > 0)
+        )  # fmt: skip
+        q = max(q + est.cost_per_hour - budget_per_hour, 0.0)
+        current = chosen
+        for n in names:
+            if n == "hetpipe":  # re-planned when devices join or leave, blind to speed
+                alive = {d.index for d in devs if d.speed > 0}
+                if static is None or alive != members:
+                    static, members = BASELINES.get(n)(w, nominal(devs)), alive
+                p = static
+            else:
+                p = BASELINES.get(n)(w, nominal(devs))
+            e = evaluate(w, devs, p)
+            res.baselines[n].append(e.batch_time_s if e.feasible else float("inf"))
+    return res
