@@ -16,6 +16,7 @@ from gradfabric.proto.omni import NONE, OmniAggregator, OmniLayout, block_mask
 from gradfabric.sim.collective import Bucket, CollectiveResult, FabricConfig, run_collective
 from gradfabric.sim.network import LinkSpec
 from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, decode, encode
+from tests.property.test_aggregation import lossy
 
 
 def _union_blocks(r: CollectiveResult, sizes: list[int], block: int = 256) -> int:
@@ -67,17 +68,6 @@ def test_blocks_zero_everywhere_never_travel() -> None:
     assert r.counters["OmniAggregator.results"] == _union_blocks(r, [300_000, 77_777]) + streams
     dense = run_collective("ring", 4, [Bucket(0, 300_000), Bucket(0, 77_777)], density=0.05)
     assert r.comm_ns < dense.comm_ns / 3
-
-
-lossy = st.builds(
-    LinkSpec,
-    link_gbps=st.sampled_from([10.0, 100.0]),
-    prop_delay_ns=st.integers(100, 2000),
-    queue_bytes=st.sampled_from([50_000, 1_000_000]),
-    loss=st.floats(0.0, 0.2),
-    dup=st.floats(0.0, 0.1),
-    jitter_ns=st.integers(0, 20_000),
-)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -254,35 +254,39 @@ def _evaluate_partition(
     return (plan, est) if est.feasible else None
 
 
-def _search(w: Workload, devs: list[Device], lat: float, distinct_upto: int) -> PlanResult:
+def _best_of(
+    w: Workload, devs: list[Device], parts: Iterator[list[list[int]]], lat: float,
+    distinct_upto: int,
+) -> PlanResult:  # fmt: skip
+    """The fastest feasible plan over candidate partitions."""
     t0 = time.perf_counter()
     memo: dict[tuple[tuple[str, float], ...], tuple[tuple[int, ...], list[int]]] = {}
     best: tuple[Plan, Estimate] | None = None
     n = 0
-    ids = [d.index for d in devs if d.speed > 0]
-    for size in range(1, len(ids) + 1):
-        for subset in itertools.combinations(ids, size):
-            for part in partitions(list(subset)):
-                n += 1
-                got = _evaluate_partition(w, devs, part, lat, distinct_upto, memo)
-                if got and (best is None or got[1].batch_time_s < best[1].batch_time_s):
-                    best = got
+    for part in parts:
+        n += 1
+        got = _evaluate_partition(w, devs, part, lat, distinct_upto, memo)
+        if got and (best is None or got[1].batch_time_s < best[1].batch_time_s):
+            best = got
     if best is None:
         raise ValueError("no feasible plan: the model does not fit these devices")
     return PlanResult(best[0], best[1], time.perf_counter() - t0, n)
 
 
+def _every_partition(devs: list[Device]) -> Iterator[list[list[int]]]:
+    ids = [d.index for d in devs if d.speed > 0]
+    for size in range(1, len(ids) + 1):
+        for subset in itertools.combinations(ids, size):
+            yield from partitions(list(subset))
+
+
 def brute_force(w: Workload, devs: list[Device], lat: float = 5e-6) -> PlanResult:
     """Every subset, partition, order and cut (small clusters only)."""
-    return _search(w, devs, lat, BRUTE)
+    return _best_of(w, devs, _every_partition(devs), lat, BRUTE)
 
 
-def _tentative(w: Workload, devs: list[Device], lat: float) -> PlanResult:
-    t0 = time.perf_counter()
-    memo: dict[tuple[tuple[str, float], ...], tuple[tuple[int, ...], list[int]]] = {}
+def _tentative_partitions(w: Workload, devs: list[Device]) -> Iterator[list[list[int]]]:
     ranked = sorted((d.index for d in devs if d.speed > 0), key=lambda d: -devs[d].flops)
-    best: tuple[Plan, Estimate] | None = None
-    n = 0
     for depth in (1, 2, 3, 4, 6, 8):
         for drop in range(0, max(1, len(ranked) // 4) + 1, max(1, len(ranked) // 16)):
             use = ranked[: len(ranked) - drop]
@@ -290,27 +294,17 @@ def _tentative(w: Workload, devs: list[Device], lat: float) -> PlanResult:
             if k == 0 or depth > w.layers:
                 continue
             use = use[: k * depth]
-            layouts = {
-                "mixed": [use[i::k] for i in range(k)],  # one of each speed tier per group
-                "alike": [use[i * depth : (i + 1) * depth] for i in range(k)],
-            }
-            for part in layouts.values():
-                n += 1
-                got = _evaluate_partition(w, devs, part, lat, TENTATIVE_ORDERS_UPTO, memo)
-                if got and (best is None or got[1].batch_time_s < best[1].batch_time_s):
-                    best = got
-    if best is None:
-        raise ValueError("no feasible plan: the model does not fit these devices")
-    return PlanResult(best[0], best[1], time.perf_counter() - t0, n)
+            yield [use[i::k] for i in range(k)]  # mixed: one of each speed tier per group
+            yield [use[i * depth : (i + 1) * depth] for i in range(k)]  # alike
 
 
 def plan(w: Workload, devs: list[Device], lat: float = 5e-6) -> PlanResult:
     """The planner: exhaustive for small clusters, tentative search above."""
     live = [d for d in devs if d.speed > 0]
     if len(live) <= EXHAUSTIVE_MAX:
-        res = _search(w, devs, lat, EXHAUSTIVE_MAX)
+        res = _best_of(w, devs, _every_partition(devs), lat, EXHAUSTIVE_MAX)
         res.notes.append("exhaustive over device subsets and partitions")
     else:
-        res = _tentative(w, devs, lat)
+        res = _best_of(w, devs, _tentative_partitions(w, devs), lat, TENTATIVE_ORDERS_UPTO)
         res.notes.append("tentative search over pipeline depths 1-8, mixed or alike groups")
     return res

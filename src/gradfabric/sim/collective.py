@@ -234,6 +234,22 @@ class _Run:
 
         return on_deliver
 
+    def bucket_deliverer(
+        self, w: int, then: Callable[[int], None] | None = None
+    ) -> Callable[[Deliver], None]:
+        """For engines that deliver whole buckets (``seq`` = bucket, as the
+        ring and OmniReduce do): keep the result, mark the bucket done."""
+
+        def on_deliver(d: Deliver) -> None:
+            b = d.seq
+            if self.results is not None and d.pkt.payload is not None:
+                self.results[w][self.offsets[b] : self.offsets[b + 1]] = d.pkt.payload
+            self.bucket_done(w, b)
+            if then is not None:
+                then(w)
+
+        return on_deliver
+
     def bind_engines(self, engines: dict[str, Engine]) -> Callable[[int, int], None]:
         """Bind a job's engines to their nodes; returns the bucket starter."""
         for name, eng in engines.items():
@@ -343,15 +359,7 @@ def _ring(run: _Run) -> Callable[[int, int], None]:
 
     for w, eng in enumerate(engines):
         run.net.bind(run.workers[w], eng)
-
-        def on_deliver(d: Deliver, w: int = w) -> None:
-            b = d.seq
-            if run.results is not None and d.pkt.payload is not None:
-                run.results[w][run.offsets[b] : run.offsets[b + 1]] = d.pkt.payload
-            run.bucket_done(w, b)
-            try_start(w)
-
-        run.net.nodes[run.workers[w]].on_deliver = on_deliver
+        run.net.nodes[run.workers[w]].on_deliver = run.bucket_deliverer(w, try_start)
 
     def start(w: int, b: int) -> None:
         ready[w][b] = True
@@ -374,14 +382,7 @@ def _omnireduce(run: _Run) -> Callable[[int, int], None]:
     engines = [OmniWorker(w, JOB_ID, i, layout, run.ina.rto_ns) for i, w in enumerate(run.workers)]
     for w, eng in enumerate(engines):
         run.net.bind(run.workers[w], eng)
-
-        def on_deliver(d: Deliver, w: int = w) -> None:
-            b = d.seq
-            if run.results is not None and d.pkt.payload is not None:
-                run.results[w][run.offsets[b] : run.offsets[b + 1]] = d.pkt.payload
-            run.bucket_done(w, b)
-
-        run.net.nodes[run.workers[w]].on_deliver = on_deliver
+        run.net.nodes[run.workers[w]].on_deliver = run.bucket_deliverer(w)
 
     def start(w: int, b: int) -> None:
         acts = engines[w].start(
