@@ -10,8 +10,8 @@ then updates the virtual queue ``Q(t+1) = max(Q(t) + price(t) - budget, 0)``.
 ``Q`` grows while the spending runs above the budget, so cheaper plans win
 until it drains; ``V`` trades batch time against cost (large ``V``: faster,
 with a longer excursion over the budget). Candidates: the planner's plan on
-the best ``k`` devices by throughput per dollar and on the ``k`` cheapest, for
-several ``k``, plus the previous slot's plan if its devices are still there
+all devices, the best half and quarter by throughput per dollar, the cheapest
+quarter and the single cheapest device, plus the previous slot's plan if its devices are still there
 (no migration). Migration: the parameters a device must receive because its
 layers changed, over its NIC.
 
@@ -37,6 +37,9 @@ from gradfabric.planner.search import plan
 from gradfabric.planner.spec import DeviceType
 
 Trace = list[list[float]]
+# The controller plans several subsets per slot: exhaustive search only for
+# the smallest, so that a slot's decision stays well under a second.
+CONTROLLER_EXHAUSTIVE_UPTO = 4
 
 
 def random_trace(devices: int, slots: int, seed: int = 0) -> Trace:
@@ -119,17 +122,19 @@ def _migration_s(w: Workload, devs: list[Device], old: Plan | None, new: Plan) -
 def _candidates(
     w: Workload, devs: list[Device], memo: dict[tuple[tuple[int, float], ...], Plan | None]
 ) -> list[Plan]:
-    """Plans on device subsets: the best ``k`` by throughput per dollar and
-    the ``k`` cheapest, for several ``k`` (down to a single device)."""
+    """Plans on device subsets: all, the best half and quarter by throughput
+    per dollar, the cheapest quarter and the single cheapest device."""
     live = [d for d in devs if d.speed > 0]
     rankings = (
         sorted(live, key=lambda d: -d.flops / max(d.type.cost_per_hour, 1e-9)),
         sorted(live, key=lambda d: (d.type.cost_per_hour, -d.flops)),
     )
+    by_value, by_price = rankings
     subsets = {
-        frozenset(d.index for d in ranked[: max(1, round(len(live) * frac))])
-        for ranked in rankings
-        for frac in (1.0, 0.75, 0.5, 0.25, 0.0)
+        frozenset(d.index for d in by_value[: max(1, round(len(live) * f))]) for f in (1, 0.5, 0.25)
+    }
+    subsets |= {
+        frozenset(d.index for d in by_price[: max(1, round(len(live) * f))]) for f in (0.25, 0)
     }
     out = []
     for keep in sorted(subsets, key=sorted):
@@ -137,7 +142,7 @@ def _candidates(
         if key not in memo:  # speeds change rarely: most slots re-use the last plans
             sub = [d if d.index in keep else Device(d.index, d.type, 0.0) for d in devs]
             try:
-                memo[key] = plan(w, sub).plan
+                memo[key] = plan(w, sub, exhaustive_upto=CONTROLLER_EXHAUSTIVE_UPTO).plan
             except ValueError:  # the model does not fit so few devices
                 memo[key] = None
         got = memo[key]

@@ -298,10 +298,13 @@ def _tentative_partitions(w: Workload, devs: list[Device]) -> Iterator[list[list
             yield [use[i * depth : (i + 1) * depth] for i in range(k)]  # alike
 
 
-def plan(w: Workload, devs: list[Device], lat: float = 5e-6) -> PlanResult:
-    """The planner: exhaustive for small clusters, tentative search above."""
+def plan(
+    w: Workload, devs: list[Device], lat: float = 5e-6, exhaustive_upto: int = EXHAUSTIVE_MAX
+) -> PlanResult:
+    """The planner: exhaustive for up to ``exhaustive_upto`` devices,
+    tentative search above."""
     live = [d for d in devs if d.speed > 0]
-    if len(live) <= EXHAUSTIVE_MAX:
+    if len(live) <= exhaustive_upto:
         res = _best_of(w, devs, _every_partition(devs), lat, EXHAUSTIVE_MAX)
         res.notes.append("exhaustive over device subsets and partitions")
     else:
