@@ -1,0 +1,125 @@
+"""DLCP's bounded-loss transport: never completes beyond its bound, exact
+when reliable, indifferent to arrival order."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradfabric.proto.actions import Deliver, Send
+from gradfabric.proto.dlcp import (
+    DlcpReceiver,
+    DlcpSender,
+    classify,
+    drop_policy,
+    packet_norms,
+)
+from gradfabric.wire.packet import decode, encode
+
+
+def _transfer(
+    values: np.ndarray, bound: float, loss: float, dup: float, seed: int, per_packet: int
+) -> tuple[np.ndarray, float, int]:
+    """Send one tensor over a lossy, duplicating, reordering channel until the
+    receiver delivers it; returns (result, lost fraction, NACK rounds)."""
+    rng = random.Random(seed)
+    rx = DlcpReceiver("ps", 1, ["w0"], rto_ns=1000)
+    tx = DlcpSender("w0", 1, 0, "ps", per_packet)
+    rx.expect(0, 7, len(values), bound, 0)
+    wire = [a for a in tx.send(7, len(values), 0, 1, values) if isinstance(a, Send)]
+    now, rounds = 0, 0
+    while True:
+        rng.shuffle(wire)  # any order
+        out = []
+        for a in wire:
+            for _ in range(2 if rng.random() < dup else 1):
+                if rng.random() >= loss:
+                    out += rx.on_packet(a.pkt.clone(), now)
+        done = [d for d in out if isinstance(d, Deliver)]
+        if done:
+            assert len(done) == 1
+            return np.asarray(done[0].pkt.payload), rx.lost_fraction(0, 7), rounds
+        now = rx.next_deadline() or now
+        rounds += 1
+        assert rounds < 200, "the transfer never completed"
+        wire = []
+        for req in rx.on_timer(now):
+            assert isinstance(req, Send)
+            if rng.random() >= loss:  # requests can be lost too
+                wire += [a for a in tx.on_packet(req.pkt, now) if isinstance(a, Send)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    bound=st.sampled_from([0.0, 0.01, 0.1, 0.3]),
+    loss=st.floats(0.0, 0.5),
+    dup=st.floats(0.0, 0.2),
+    seed=st.integers(0, 2**31),
+    per_packet=st.sampled_from([1, 7, 64, 256]),
+)
+def test_bounded_loss_and_exact_when_reliable(
+    n: int, bound: float, loss: float, dup: float, seed: int, per_packet: int
+) -> None:
+    values = np.random.default_rng(seed).standard_normal(n).astype(np.float32) + 3.0
+    got, lost, _ = _transfer(values, bound, loss, dup, seed, per_packet)
+    assert lost <= bound + 1e-12  # never completes with more than p lost
+    arrived = got != 0  # (no true zeros: every value is near 3)
+    assert np.array_equal(got[arrived], values[arrived])  # what arrived is exact
+    assert 1 - arrived.mean() == lost
+    if bound == 0:
+        assert np.array_equal(got, values)  # reliable mode: exact
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 2000), seed=st.integers(0, 2**31), keep=st.floats(0.5, 1.0))
+def test_any_arrival_order_gives_the_same_result(n: int, seed: int, keep: float) -> None:
+    values = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    tx = DlcpSender("w0", 1, 0, "ps", 32)
+    pkts = [a.pkt for a in tx.send(3, n, 0, 1, values) if isinstance(a, Send)]
+    rng = random.Random(seed)
+    subset = [p for p in pkts if rng.random() < keep] or pkts[:1]
+    results = []
+    for _ in range(3):
+        rx = DlcpReceiver("ps", 1, ["w0"])
+        rx.expect(0, 3, n, 0.99, 0)  # a loose bound: deliver what arrived
+        order = list(subset)
+        rng.shuffle(order)
+        acts = [a for p in order for a in rx.on_packet(p.clone(), 0)]
+        assert len([a for a in acts if isinstance(a, Deliver)]) == 1
+        results.append(rx.tensors[(0, 3)].values)
+    assert all(np.array_equal(results[0], r) for r in results[1:])
+
+
+def test_policies_drop_what_they_say() -> None:
+    norms = np.array([5.0, 1.0, 3.0, 0.5, 4.0, 2.0, 6.0, 0.1, 7.0, 8.0])
+    rng = np.random.default_rng(0)
+    assert sorted(drop_policy("magnitude", norms, 0.3, rng).tolist()) == [1, 3, 7]
+    assert sorted(drop_policy("largest", norms, 0.3, rng).tolist()) == [6, 8, 9]
+    r = drop_policy("random", norms, 0.3, rng)
+    assert len(set(r.tolist())) == 3
+    assert len(drop_policy("magnitude", norms, 0.05, rng)) == 0
+
+
+def test_priority_classes_protect_large_and_front() -> None:
+    norms = packet_norms(np.arange(16, dtype=np.float32), 4)  # increasing norms
+    front, back = classify(norms, 0, 4), classify(norms, 3, 4)
+    assert front.tolist() == [6, 4, 2, 0] and back.tolist() == [7, 5, 3, 1]
+
+
+def test_packets_and_requests_are_valid_wire_packets() -> None:
+    tx = DlcpSender("w0", 1, 0, "ps", 8)
+    (first, *_) = tx.send(2, 20, 0, 1, np.ones(20, dtype=np.float32))
+    assert isinstance(first, Send)
+    assert decode(encode(first.pkt)).priority == first.pkt.priority
+    rx = DlcpReceiver("ps", 1, ["w0"], rto_ns=10)
+    rx.expect(0, 2, 20, 0.0, 0)
+    (req,) = rx.on_timer(10)
+    assert isinstance(req, Send)
+    wire = req.pkt.clone()
+    wire.payload = np.zeros(0, dtype=np.int32)
+    back = decode(encode(wire))
+    assert (back.agg_index, back.bitmap) == (0, 20)  # "send me values 0..19"
