@@ -302,24 +302,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment_dlcp(args: argparse.Namespace) -> int:
+    from gradfabric.experiments.dlcp import LOADS
     from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, run_convergence
+    from gradfabric.sim.dlcp import SCHEMES, DlcpConfig, run_grid
 
     cfg = ConvergenceConfig.quick() if args.quick else ConvergenceConfig()
     if args.policies:
         cfg = replace(cfg, policies=tuple(args.policies.split(",")))
     if args.bounds:
         cfg = replace(cfg, bounds=tuple(float(b) for b in args.bounds.split(",")))
-    steps = 1 + len(cfg.policies) * len(cfg.bounds)
+    loads = tuple(float(x) for x in args.loads.split(",")) if args.loads else LOADS
+    net = (
+        DlcpConfig(tensors=(16_384,) * 8, iterations=2)
+        if args.quick
+        else DlcpConfig(tensors=(65_536,) * 8)
+    )
+    steps = len(loads) * len(SCHEMES) + 1 + len(cfg.policies) * len(cfg.bounds)
     with _progress(steps, args.json) as tick:
+        transport = run_grid(net, loads, tick)
         rows = run_convergence(cfg, tick)
     if args.json:
-        for r in rows:
+        for r in [*transport, *rows]:
             print(json.dumps(r))
-    else:
-        out.print(
-            _table(rows, "DLCP convergence (digits MLP, 4 workers)",
-                   ["policy", "loss_bound", "accuracy", "accuracy_min", "delta_pp"])
-        )  # fmt: skip
+        return 0
+    out.print(
+        _table(transport, "DLCP vs reliable transport, PS on a leaf-spine (simulated)",
+               ["scheme", "baseline", "load", "iter_time_ms", "p99_comm_ms", "lost_push"])
+    )  # fmt: skip
+    out.print(
+        _table(rows, "DLCP convergence (digits MLP, 4 workers)",
+               ["policy", "loss_bound", "accuracy", "accuracy_min", "delta_pp"])
+    )  # fmt: skip
     return 0
 
 
@@ -610,13 +623,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     ed = esub.add_parser(
         "dlcp",
-        help="DLCP convergence study: accuracy against gradient loss bound and drop policy",
-        description="Train a digits MLP with 4 data-parallel workers whose gradient packets "
-        "are lost up to a bound under a drop policy (magnitude: DLCP's priorities; random; "
-        "largest), against lossless training on the same seeds. Rows: policy, loss_bound, "
-        "accuracy. (DLCP's transport rows are not built yet.)",
+        help="DLCP: transport vs reliable under load, and the convergence study",
+        description="Transport rows (scheme, baseline, load, iter_time_ms, p99_comm_ms): "
+        "8 workers push to and pull from a PS on a simulated leaf-spine with background "
+        "traffic, DLCP (bounded loss, priority dropping, spraying) and its ablations against "
+        "reliable transport. Convergence rows (policy, loss_bound, accuracy): a digits MLP "
+        "with 4 data-parallel workers whose gradient packets are lost up to a bound under a "
+        "drop policy (magnitude: DLCP's priorities; random; largest), against lossless "
+        "training on the same seeds.",
     )
-    ed.add_argument("--quick", action="store_true", help="two bounds, three seeds")
+    ed.add_argument("--quick", action="store_true", help="smaller tensors, fewer bounds/seeds")
+    ed.add_argument("--loads", help="comma-separated background loads, e.g. 0,0.5,0.8")
     ed.add_argument("--policies", help="comma-separated: magnitude,random,largest")
     ed.add_argument("--bounds", help="comma-separated loss bounds, e.g. 0.05,0.1,0.3")
     ed.add_argument("--json", action="store_true", help="one JSON object per row")

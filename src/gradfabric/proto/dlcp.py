@@ -5,10 +5,18 @@ Every packet carries what it is (tensor id in ``layer``, first value in
 ``worker_id``), so arrival order never matters: the receiver writes each
 packet where it belongs. A tensor of ``n`` values completes once at least
 ``(1 - p) n`` of its values have arrived (``p``: the tensor's loss bound);
-the missing ones read as zero. Below the bound the receiver waits: after
-``rto_ns`` without a new packet of an incomplete tensor it asks for the
-missing ranges (``RESEND`` packets naming their offsets), and the sender
-re-sends only those. ``p = 0`` is the reliable mode: every value, exactly.
+the missing ones read as zero, and the receiver ACKs the tensor. Below the
+bound the receiver waits: once a sender has been silent for ``rto_ns`` (no
+packet of any of its tensors: it is done sending, or its packets are lost)
+it asks for the missing ranges of that sender's started, incomplete tensors
+(``RESEND`` packets naming their offsets), and the sender re-sends only
+those. A sender whose tensor is not ACKed ``rto_ns`` after its last packet
+re-sends that packet marked as a probe (``seq = PROBE``); the receiver answers
+a probe at once with its missing ranges, or the ACK again, so a tensor lost
+whole, a lost ACK or a lost request is recovered too. Silent rounds double
+the wait (up to ``MAX_BACKOFF`` rto), so recovery cannot flood a congested
+network. ``p = 0`` is the reliable mode: every value,
+exactly.
 
 Priority classes (``classify``): the paper protects front layers (their
 gradients are needed first in the next forward pass) and large gradients
@@ -37,6 +45,8 @@ from gradfabric.proto.actions import Action, Deliver, Send
 from gradfabric.wire.packet import Flag, Packet
 
 MAG_CLASSES = 4
+PROBE = 1  # ``seq`` of a data packet re-sent as a probe (0 otherwise)
+MAX_BACKOFF = 64  # silent rounds double the wait, up to this many rto
 
 
 def packet_norms(values: np.ndarray, per_packet: int) -> np.ndarray:
@@ -89,7 +99,7 @@ class _Incoming:
     values: np.ndarray | None
     have: np.ndarray  # bool per value
     received: int = 0
-    last_ns: int = 0
+    started: bool = False
     done: bool = False
 
 
@@ -103,10 +113,15 @@ class DlcpReceiver:
 
     deadlines_only_grow = True
 
-    def __init__(self, name: str, job_id: int, senders: list[str], rto_ns: int = 200_000) -> None:
-        self.name, self.job_id, self.senders, self.rto_ns = name, job_id, senders, rto_ns
+    def __init__(
+        self, name: str, job_id: int, rank: int, senders: list[str], rto_ns: int = 200_000
+    ) -> None:
+        self.name, self.job_id, self.rank, self.senders = name, job_id, rank, senders
+        self.rto_ns = rto_ns
         self.counters = Counters()
         self.tensors: dict[tuple[int, int], _Incoming] = {}
+        self.heard: dict[int, int] = {}  # sender -> when a packet of it last arrived
+        self.backoff: dict[int, int] = {}  # sender -> rto multiplier (doubles per silent round)
         self.tick: int | None = None
 
     def expect(self, sender: int, tensor: int, count: int, bound: float, now_ns: int,
@@ -114,9 +129,8 @@ class DlcpReceiver:
         if not 0 <= bound < 1:
             raise ConfigError("loss_bound", f"must be in [0, 1), got {bound}")
         vals = np.zeros(count, dtype=np.float32) if values else None
-        self.tensors[(sender, tensor)] = _Incoming(
-            count, bound, vals, np.zeros(count, dtype=bool), last_ns=now_ns
-        )
+        self.tensors[(sender, tensor)] = _Incoming(count, bound, vals, np.zeros(count, dtype=bool))
+        self.heard.setdefault(sender, now_ns)
         if self.tick is None:
             self.tick = now_ns + self.rto_ns
 
@@ -126,12 +140,23 @@ class DlcpReceiver:
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         t = self.tensors.get((pkt.worker_id, pkt.layer))
-        if pkt.job_id != self.job_id or t is None or pkt.has(Flag.RESEND):
+        if pkt.job_id != self.job_id or t is None or pkt.flags & (Flag.RESEND | Flag.ACK):
             self.counters["drop_foreign"] += 1
             return []
         lo, hi = pkt.agg_index, pkt.agg_index + pkt.count
         if hi > t.count:
             self.counters["drop_malformed"] += 1
+            return []
+        t.started = True
+        if pkt.seq == PROBE:  # "what do you miss?": answer at once
+            self.counters["probes_answered"] += 1
+            if t.done:  # our ACK was lost
+                return [self._ack(pkt.worker_id, pkt.layer)]
+            return self._request(pkt.worker_id, pkt.layer, t)
+        self.heard[pkt.worker_id] = now_ns
+        self.backoff[pkt.worker_id] = 1
+        if t.done:
+            self.counters["duplicate"] += 1
             return []
         fresh = ~t.have[lo:hi]
         n_new = int(fresh.sum())
@@ -142,8 +167,13 @@ class DlcpReceiver:
             t.values[lo:hi][fresh] = pkt.payload[fresh]
         t.have[lo:hi] = True
         t.received += n_new
-        t.last_ns = now_ns
         return self._maybe_done(pkt.worker_id, pkt.layer, t)
+
+    def _ack(self, sender: int, tensor: int) -> Send:
+        return Send(
+            self.senders[sender],
+            Packet(self.job_id, self.rank, sender, 0, 0, 1, Flag.ACK, 0, tensor, 0, None),
+        )
 
     def _maybe_done(self, sender: int, tensor: int, t: _Incoming) -> list[Action]:
         if t.done or t.received < (1 - t.bound) * t.count - 1e-9:
@@ -152,27 +182,40 @@ class DlcpReceiver:
         self.counters["completed"] += 1
         self.counters["values_lost"] += t.count - t.received
         res = Packet(self.job_id, sender, tensor, 0, 0, 1, 0, 0, tensor, t.count, t.values)
-        return [Deliver(tensor, res)]
+        return [Deliver(tensor, res), self._ack(sender, tensor)]
+
+    def _request(self, sender: int, tensor: int, t: _Incoming) -> list[Action]:
+        """Ask ``sender`` for the missing ranges of ``tensor``, one RESEND packet
+        per range: from me (``worker_id``) about sender ``seq``'s tensor, the
+        range's length in ``bitmap`` (``fan_in`` 64: no contributor bits)."""
+        missing = np.flatnonzero(~t.have)
+        if len(missing) == 0:
+            return []
+        self.counters["nacks"] += 1
+        breaks = np.flatnonzero(np.diff(missing) != 1)
+        starts = np.concatenate([[missing[0]], missing[breaks + 1]])
+        ends = np.concatenate([missing[breaks], [missing[-1]]]) + 1
+        return [
+            Send(
+                self.senders[sender],
+                Packet(self.job_id, self.rank, sender, a, b - a, 64, Flag.RESEND, 0, tensor, 0),
+            )
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
 
     def on_timer(self, now_ns: int) -> list[Action]:
         self.tick = None
         out: list[Action] = []
+        silent = {
+            s for s, at in self.heard.items() if now_ns - at >= self.rto_ns * self.backoff.get(s, 1)
+        }
         for (sender, tensor), t in self.tensors.items():
-            if t.done or now_ns - t.last_ns < self.rto_ns:
+            if t.done or not t.started or sender not in silent:
                 continue
-            t.last_ns = now_ns
-            self.counters["nacks"] += 1
-            # ask for the missing ranges, one RESEND packet per range
-            missing = np.flatnonzero(~t.have)
-            if len(missing) == 0:
-                continue
-            breaks = np.flatnonzero(np.diff(missing) != 1)
-            starts = np.concatenate([[missing[0]], missing[breaks + 1]])
-            ends = np.concatenate([missing[breaks], [missing[-1]]]) + 1
-            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-                # ``bitmap`` carries the range's length (``fan_in`` 64: no contributor bits)
-                req = Packet(self.job_id, sender, 0, a, b - a, 64, Flag.RESEND, 0, tensor, 0, None)
-                out.append(Send(self.senders[sender], req))
+            out += self._request(sender, tensor, t)
+        for sender in silent:  # one request round per silence, then back off
+            self.heard[sender] = now_ns
+            self.backoff[sender] = min(MAX_BACKOFF, 2 * self.backoff.get(sender, 1))
         if any(not t.done for t in self.tensors.values()):
             self.tick = now_ns + self.rto_ns
         return out
@@ -186,51 +229,83 @@ class _Outgoing:
     values: np.ndarray | None
     count: int
     priority: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    last_ns: int = 0
+    backoff: int = 1
 
 
 class DlcpSender:
-    """Sends tensors as self-describing packets with priority classes and
-    answers ``RESEND`` requests for ranges."""
+    """Sends tensors as self-describing packets with priority classes, most
+    important first, answers ``RESEND`` requests for ranges, and probes tensors whose ACK has
+    not come."""
 
-    def __init__(self, name: str, job_id: int, rank: int, receiver: str, per_packet: int = 256):
+    deadlines_only_grow = True
+
+    def __init__(
+        self, name: str, job_id: int, rank: int, receiver: str, per_packet: int = 256,
+        rto_ns: int = 200_000,
+    ) -> None:  # fmt: skip
         self.name, self.job_id, self.rank, self.receiver = name, job_id, rank, receiver
-        self.per_packet = per_packet
+        self.per_packet, self.rto_ns = per_packet, rto_ns
         self.counters = Counters()
-        self.tensors: dict[int, _Outgoing] = {}
+        self.tensors: dict[int, _Outgoing] = {}  # sent, not yet ACKed
+        self.tick: int | None = None
 
     def send(self, tensor: int, count: int, layer: int, layers: int,
-             values: np.ndarray | None = None) -> list[Action]:  # fmt: skip
-        """Send a whole tensor; its packets carry their priority class."""
+             values: np.ndarray | None = None, norms: np.ndarray | None = None,
+             now_ns: int = 0) -> list[Action]:  # fmt: skip
+        """Send a whole tensor; its packets carry their priority class (from
+        the values, or from given packet norms in timing-only runs)."""
         pp = self.per_packet
-        if values is not None:
-            prio = classify(packet_norms(values, pp), layer, layers)
+        if norms is None and values is not None:
+            norms = packet_norms(values, pp)
+        if norms is not None:
+            prio = classify(norms, layer, layers)
         else:
             prio = np.full(-(-count // pp), 2 * (MAG_CLASSES // 2), dtype=np.int64)
-        self.tensors[tensor] = _Outgoing(values, count, prio)
-        return [self._packet(tensor, lo, min(count, lo + pp)) for lo in range(0, count, pp)]
+        self.tensors[tensor] = _Outgoing(values, count, prio, now_ns)
+        if self.tick is None:
+            self.tick = now_ns + self.rto_ns
+        # most important first: a tensor completed early at its bound misses its tail,
+        # and the tail is the least important packets
+        order = np.argsort(prio, kind="stable").tolist()
+        return [self._packet(tensor, i * pp, min(count, (i + 1) * pp)) for i in order]
 
-    def _packet(self, tensor: int, lo: int, hi: int) -> Send:
+    def _packet(self, tensor: int, lo: int, hi: int, probe: bool = False) -> Send:
         t = self.tensors[tensor]
         vals = None if t.values is None else t.values[lo:hi]
         prio = int(t.priority[lo // self.per_packet])
-        pkt = Packet(self.job_id, self.rank, 0, lo, 0, 1, Flag.FLOAT, prio, tensor, hi - lo, vals)
+        seq = PROBE if probe else 0
+        pkt = Packet(self.job_id, self.rank, seq, lo, 0, 1, Flag.FLOAT, prio, tensor, hi - lo, vals)
         self.counters["packets"] += 1
         return Send(self.receiver, pkt)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         t = self.tensors.get(pkt.layer)
-        if pkt.job_id != self.job_id or not pkt.has(Flag.RESEND) or t is None:
+        if pkt.job_id != self.job_id or not pkt.flags & (Flag.RESEND | Flag.ACK) or t is None:
             self.counters["drop_foreign"] += 1
             return []
+        if pkt.has(Flag.ACK):
+            del self.tensors[pkt.layer]
+            return []
         lo, hi = pkt.agg_index, min(t.count, pkt.agg_index + pkt.bitmap)
+        t.last_ns, t.backoff = now_ns, 1
         self.counters["resent_ranges"] += 1
-        return [
-            self._packet(pkt.layer, a, min(hi, a + self.per_packet))
-            for a in range(lo, hi, self.per_packet)
-        ]
+        pp = self.per_packet
+        return [self._packet(pkt.layer, a, min(hi, a + pp)) for a in range(lo, hi, pp)]
 
     def on_timer(self, now_ns: int) -> list[Action]:
-        return []
+        self.tick = None
+        out: list[Action] = []
+        for tensor, t in self.tensors.items():
+            if now_ns - t.last_ns >= self.rto_ns * t.backoff:  # no ACK: probe, back off
+                t.last_ns = now_ns
+                t.backoff = min(MAX_BACKOFF, 2 * t.backoff)
+                self.counters["probes"] += 1
+                last = (t.count - 1) // self.per_packet * self.per_packet
+                out.append(self._packet(tensor, last, t.count, probe=True))
+        if self.tensors:
+            self.tick = now_ns + self.rto_ns
+        return out
 
     def next_deadline(self) -> int | None:
-        return None
+        return self.tick

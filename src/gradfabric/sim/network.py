@@ -74,11 +74,15 @@ class LinkSpec:
             raise ConfigError("queue_bytes", "must be >= 0")
 
 
+PRIORITY_CLASSES = 8  # header priorities 0 (most important) .. 7
+
+
 class Link:
     __slots__ = (
         "arrive",
         "busy_until_ps",
         "bytes_sent",
+        "class_limit",
         "counters",
         "dst",
         "dup",
@@ -114,6 +118,13 @@ class Link:
             spec.ecn_bytes,
             spec.prop_delay_ns,
         )
+        # Priority dropping (DLCP): class c may fill only part of the queue, so
+        # under congestion the least important classes are dropped first.
+        self.class_limit = (
+            [int(spec.queue_bytes * (1 - c / (2 * PRIORITY_CLASSES))) for c in range(256)]
+            if net.priority_drop and spec.queue_bytes
+            else None
+        )
 
     def send(self, dst: str, pkt: Packet) -> None:
         # The simulator's hottest function: locals instead of attribute chains.
@@ -129,7 +140,9 @@ class Link:
         start = self.busy_until_ps
         if start > now_ps:
             backlog = (start - now_ps) / ps_per_byte
-            if self.queue_bytes and backlog + size > self.queue_bytes:
+            if self.queue_bytes and backlog + size > (
+                self.class_limit[pkt.priority] if self.class_limit else self.queue_bytes
+            ):
                 self.counters["queue_drop"] += 1
                 return
             if self.ecn_bytes and backlog > self.ecn_bytes:
@@ -205,6 +218,8 @@ class Node:
         if len(links) == 1:
             self.direct[dst] = links[0]
             return links[0]
+        if self.net.spray:  # per-packet spraying over the equal-cost paths
+            return links[self.net.rng.randrange(len(links))]
         return links[(pkt.job_id * 40503 + pkt.worker_id * 9973 + _name_hash(dst)) % len(links)]
 
     def execute(self, actions: list[Action]) -> None:
@@ -249,6 +264,8 @@ class Network:
     loop: EventLoop
     rng: random.Random
     values_per_packet: int = 256
+    spray: bool = False  # per-packet path choice instead of per-flow ECMP
+    priority_drop: bool = False  # queues drop low-priority classes first
     nodes: dict[str, Node] = field(default_factory=dict)
     links: list[Link] = field(default_factory=list)
     counters: Counters = field(default_factory=Counters)
