@@ -132,3 +132,30 @@ def test_bench_omnireduce_json_checks_results(capsys: pytest.CaptureFixture[str]
         } <= set(r)
     assert rows[0]["sparse_path"] and rows[0]["bytes_ratio"] < 0.2
     assert not rows[1]["sparse_path"]  # dense input: the dense all-reduce is used
+
+
+def test_plan_json_for_a_yaml_cluster_and_an_online_trace(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from gradfabric.planner.cost import Device, Workload
+    from gradfabric.planner.search import plan
+    from gradfabric.planner.spec import load_cluster
+    from gradfabric.workloads.catalog import model_spec
+
+    yaml_file = Path(__file__).parents[2] / "src/gradfabric/configs/cluster-example.yaml"
+    args = [str(yaml_file), "--model", "resnet50", "--batch", "256", "--slots", "4", "--json"]
+    assert main(["plan", *args, "--out", str(tmp_path)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert {"batch_time_s", "cost_per_hour", "plan_time_s", "baselines"} <= set(got)
+    assert {b["name"] for b in got["baselines"]} == {
+        "even-dp", "proportional-dp", "even-pipeline", "hetpipe",
+    }  # fmt: skip
+    # the command reports the planner's own estimate for that cluster
+    devs = [Device(i, t) for i, t in enumerate(load_cluster(yaml_file).expand())]
+    ref = plan(Workload.of(model_spec("resnet50"), 256), devs)
+    assert got["batch_time_s"] == pytest.approx(ref.estimate.batch_time_s)
+    assert got["online"]["slots"] == 4 and (tmp_path / "plan_batch_time.png").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml_file.read_text().replace("type: v100", "type: p100"))
+    assert main(["plan", str(bad)]) == 2  # a config error names the field and exits 2
+    assert "devices[2].type" in capsys.readouterr().err
