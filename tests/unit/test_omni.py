@@ -55,7 +55,8 @@ def test_time_is_the_union_over_the_downlink(density: float) -> None:
     _exact(r)
     bound_ns = _union_blocks(r, [1_000_000]) * (1024 + HEADER_BYTES) * 8 / 100.0
     ratio = r.comm_ns / bound_ns
-    assert 1.0 <= ratio <= 1.15, ratio
+    assert ratio >= 1.0, ratio  # never faster than the bound
+    assert ratio <= 1.15, ratio
 
 
 def test_blocks_zero_everywhere_never_travel() -> None:
