@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradfabric.planner.runtime import UnevenConfig, loss_weight, run_uneven, split
+from gradfabric.planner.cost import split
+from gradfabric.planner.runtime import UnevenConfig, loss_weight, run_uneven
 
 SHARES = [3, 9, 1]
 

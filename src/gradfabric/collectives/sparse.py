@@ -135,10 +135,6 @@ class Plan:
         recv = self.share.sum(0) - own + u.sum() - u
         return send, recv
 
-    def link_blocks(self) -> int:
-        """Blocks crossing the busiest rank's link in its busier direction."""
-        return int(torch.maximum(*self.link_vectors()).max())
-
     def most_to_one_peer(self) -> tuple[int, int]:
         """The most blocks any rank sends one peer in phase 1 and in phase 2."""
         off = self.share - torch.diag(self.share.diagonal())

@@ -18,19 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gradfabric.core.registry import Registry
-from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload
+from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, split
 from gradfabric.planner.search import _stages, dp_cuts, shares
 
 Baseline = Callable[[Workload, list[Device]], Plan]
 BASELINES: Registry[Baseline] = Registry("baseline")
-
-
-def _split(batch: int, weights: list[float]) -> list[float]:
-    raw = [batch * x / sum(weights) for x in weights]
-    base = [int(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: base[i] - raw[i])[: batch - sum(base)]:
-        base[i] += 1
-    return [float(b) for b in base]
 
 
 def nominal(devs: list[Device]) -> list[Device]:
@@ -39,13 +31,13 @@ def nominal(devs: list[Device]) -> list[Device]:
 
 def even_dp(w: Workload, devs: list[Device]) -> Plan:
     live = [d.index for d in devs if d.speed > 0]
-    b = _split(w.batch, [1.0] * len(live))
+    b = split(w.batch, [1.0] * len(live))
     return Plan(tuple(Group((Stage(d, 0, w.layers),), x) for d, x in zip(live, b, strict=True)))
 
 
 def proportional_dp(w: Workload, devs: list[Device]) -> Plan:
     live = [d for d in devs if d.speed > 0]
-    b = _split(w.batch, [d.type.flops for d in live])
+    b = split(w.batch, [d.type.flops for d in live])
     return Plan(
         tuple(Group((Stage(d.index, 0, w.layers),), x) for d, x in zip(live, b, strict=True))
     )
@@ -56,7 +48,7 @@ def even_pipeline(w: Workload, devs: list[Device], depth: int = 4) -> Plan:
     depth = min(depth, w.layers, len(live))
     groups = [tuple(live[i : i + depth]) for i in range(0, len(live) - depth + 1, depth)]
     edges = [round(i * w.layers / depth) for i in range(depth + 1)]
-    b = _split(w.batch, [1.0] * len(groups))
+    b = split(w.batch, [1.0] * len(groups))
     return Plan(tuple(Group(_stages(g, edges), x) for g, x in zip(groups, b, strict=True)))
 
 

@@ -45,6 +45,21 @@ BYTES_PER_PARAM_STATE = 16
 MICRO_PER_STAGE = 4
 
 
+def whole(raw: list[float], total: int) -> list[int]:
+    """Round non-negative shares ``raw`` (summing to ``total``) to whole
+    samples that still sum to ``total``: floors, then the largest remainders
+    get one more."""
+    base = [math.floor(max(0.0, x)) for x in raw]
+    for i in sorted(range(len(raw)), key=lambda i: base[i] - raw[i])[: total - sum(base)]:
+        base[i] += 1
+    return base
+
+
+def split(total: int, weights: list[float]) -> list[int]:
+    """Whole-sample shares of ``total`` proportional to ``weights``."""
+    return whole([total * x / sum(weights) for x in weights], total)
+
+
 @dataclass(frozen=True)
 class Workload:
     """Per-sample layer figures (after coarsening) and the global batch."""

@@ -28,20 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradfabric.planner.cost import split
+
 
 def loss_weight(local: int, total: int, world: int) -> float:
     """Factor on a rank's mean loss so that DDP's averaged gradient equals the
     full-batch mean gradient."""
     return world * local / total
-
-
-def split(total: int, weights: list[float]) -> list[int]:
-    """Whole-sample shares of ``total`` proportional to ``weights``."""
-    raw = [total * x / sum(weights) for x in weights]
-    base = [int(x) for x in raw]
-    for i in sorted(range(len(raw)), key=lambda i: base[i] - raw[i])[: total - sum(base)]:
-        base[i] += 1
-    return base
 
 
 @dataclass(frozen=True)

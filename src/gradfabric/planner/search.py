@@ -39,6 +39,7 @@ from gradfabric.planner.cost import (
     evaluate,
     fits,
     stage_costs,
+    whole,
 )
 
 EXHAUSTIVE_MAX = 6
@@ -167,10 +168,7 @@ def shares(w: Workload, devs: list[Device], groups: list[tuple[Stage, ...]], lat
         if min(raw) >= 0 or len(live) == 1:
             break
         live = [g for g, x in zip(live, raw, strict=True) if x > 0]
-    base = [math.floor(max(0.0, x)) for x in raw]
-    order = sorted(range(len(raw)), key=lambda i: base[i] - raw[i])
-    for i in order[: w.batch - sum(base)]:
-        base[i] += 1
+    base = whole(raw, w.batch)
     return Plan(tuple(Group(g, float(b)) for g, b in zip(live, base, strict=True) if b > 0))
 
 
