@@ -304,7 +304,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_experiment_dlcp(args: argparse.Namespace) -> int:
     from gradfabric.experiments.dlcp import LOADS
     from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, run_convergence
-    from gradfabric.sim.dlcp import SCHEMES, DlcpConfig, run_grid
+    from gradfabric.sim.dlcp import SCHEMES, experiment_configs, run_grid
 
     cfg = ConvergenceConfig.quick() if args.quick else ConvergenceConfig()
     if args.policies:
@@ -312,22 +312,21 @@ def cmd_experiment_dlcp(args: argparse.Namespace) -> int:
     if args.bounds:
         cfg = replace(cfg, bounds=tuple(float(b) for b in args.bounds.split(",")))
     loads = tuple(float(x) for x in args.loads.split(",")) if args.loads else LOADS
-    net = (
-        DlcpConfig(tensors=(16_384,) * 8, iterations=2)
-        if args.quick
-        else DlcpConfig(tensors=(65_536,) * 8)
-    )
-    steps = len(loads) * len(SCHEMES) + 1 + len(cfg.policies) * len(cfg.bounds)
+    wanted = args.collectives.split(",")
+    nets = [n for n in experiment_configs(args.quick) if n.collective in wanted]
+    if len(nets) != len(wanted):
+        raise ConfigError("collectives", f"each of ps, allreduce; got {args.collectives!r}")
+    steps = len(nets) * len(loads) * len(SCHEMES) + 1 + len(cfg.policies) * len(cfg.bounds)
     with _progress(steps, args.json) as tick:
-        transport = run_grid(net, loads, tick)
+        transport = run_grid(nets, loads, tick)
         rows = run_convergence(cfg, tick)
     if args.json:
         for r in [*transport, *rows]:
             print(json.dumps(r))
         return 0
     out.print(
-        _table(transport, "DLCP vs reliable transport, PS on a leaf-spine (simulated)",
-               ["scheme", "baseline", "load", "iter_time_ms", "p99_comm_ms", "lost_push"])
+        _table(transport, "DLCP vs reliable transport on a leaf-spine (simulated)",
+               ["scheme", "baseline", "load", "iter_time_ms", "p99_comm_ms", "lost"])
     )  # fmt: skip
     out.print(
         _table(rows, "DLCP convergence (digits MLP, 4 workers)",
@@ -528,6 +527,60 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_switch_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gradfabric.emu.switchd import Impairment, SwitchConfig, SwitchDaemon
+
+    cfg = SwitchConfig(
+        policy=args.policy, slots=args.slots, job_slots=args.job_slots,
+        values_per_packet=args.values_per_packet, rto_ms=args.rto_ms, host=args.host,
+        port=args.port, control_port=args.control_port, metrics_port=args.metrics_port,
+        impair=Impairment(args.loss, args.dup, args.delay_us, args.jitter_us, args.seed),
+    )  # fmt: skip
+    daemon = SwitchDaemon(cfg)
+
+    def ready(addrs: dict[str, tuple[str, int]]) -> None:
+        where = {k: f"{h}:{p}" for k, (h, p) in addrs.items()}
+        if args.json:
+            print(json.dumps(where), flush=True)
+        else:
+            err.print(
+                f"switch ({cfg.policy}) serving: " + ", ".join(f"{k} {v}" for k, v in where.items())
+            )
+
+    asyncio.run(daemon.serve(ready))
+    final = daemon.stats()
+    if args.json:
+        print(json.dumps(final), flush=True)
+    else:
+        err.print(f"stopped; counters: {final['counters']}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gradfabric.emu.client import parse_address
+    from gradfabric.emu.switchd import control_call
+
+    try:
+        st = asyncio.run(control_call(parse_address(args.switch), {"op": "stats"}))
+    except (OSError, TimeoutError) as e:
+        err.print(f"[red]no switch at {args.switch}:[/red] {e}")
+        return 1
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    out.print(
+        f"policy {st['policy']}, up {st['uptime_s']:.0f} s, {len(st['jobs'])} jobs, "
+        f"{st['occupied']}/{st['slots']} aggregators held"
+    )
+    rows = [{"counter": k, "value": v} for k, v in st["counters"].items()]
+    out.print(_table(rows, "switch counters", ["counter", "value"]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gradfabric", description=__doc__.splitlines()[0] if __doc__ else None
@@ -625,19 +678,58 @@ def build_parser() -> argparse.ArgumentParser:
         "dlcp",
         help="DLCP: transport vs reliable under load, and the convergence study",
         description="Transport rows (scheme, baseline, load, iter_time_ms, p99_comm_ms): "
-        "8 workers push to and pull from a PS on a simulated leaf-spine with background "
-        "traffic, DLCP (bounded loss, priority dropping, spraying) and its ablations against "
-        "reliable transport. Convergence rows (policy, loss_bound, accuracy): a digits MLP "
+        "8 workers on a simulated leaf-spine with background traffic, either pushing to and "
+        "pulling from a PS (baseline ps) or in a ring all-reduce (baseline allreduce); DLCP "
+        "(bounded loss, strict-priority queues with WRED, spraying) and its ablations "
+        "against reliable transport; lost is the share of gradient values that never "
+        "reached the sum. Convergence rows (policy, loss_bound, accuracy): a digits MLP "
         "with 4 data-parallel workers whose gradient packets are lost up to a bound under a "
         "drop policy (magnitude: DLCP's priorities; random; largest), against lossless "
         "training on the same seeds.",
     )
     ed.add_argument("--quick", action="store_true", help="smaller tensors, fewer bounds/seeds")
     ed.add_argument("--loads", help="comma-separated background loads, e.g. 0,0.5,0.8")
+    ed.add_argument("--collectives", default="ps,allreduce", help="comma-separated: ps,allreduce")
     ed.add_argument("--policies", help="comma-separated: magnitude,random,largest")
     ed.add_argument("--bounds", help="comma-separated loss bounds, e.g. 0.05,0.1,0.3")
     ed.add_argument("--json", action="store_true", help="one JSON object per row")
     ed.set_defaults(fn=cmd_experiment_dlcp)
+
+    sw = sub.add_parser("switch", help="the software switch daemon")
+    swsub = sw.add_subparsers(dest="switch", required=True)
+    ss = swsub.add_parser(
+        "serve",
+        help="run the switch (SwitchML, ATP or ESA) on UDP until SIGTERM",
+        description="Serve in-network aggregation on a UDP port for any number of jobs. "
+        "Jobs register on the control port (TCP, JSON lines) and get an id and a secret "
+        "token; datagrams with a wrong token, an unknown job or a malformed packet are "
+        "counted drops. --loss/--dup/--delay-us/--jitter-us impair every datagram in "
+        "and out (user space: this kernel has no netem). Prints its addresses once ready "
+        "(one JSON object with --json) and its final counters on SIGTERM or SIGINT.",
+    )
+    ss.add_argument("--policy", default="atp", choices=["switchml", "atp", "esa"])
+    ss.add_argument("--slots", type=int, default=4096, help="aggregators in the pool")
+    ss.add_argument(
+        "--job-slots", type=int, default=32, help="SwitchML: slots per job; ATP/ESA: the window"
+    )
+    ss.add_argument("--values-per-packet", type=int, default=1024)
+    ss.add_argument("--rto-ms", type=float, default=20.0, help="workers' retransmission timeout")
+    ss.add_argument("--host", default="127.0.0.1")
+    ss.add_argument("--port", type=int, default=0, help="data (UDP) port; 0 picks one")
+    ss.add_argument("--control-port", type=int, default=0, help="control (TCP) port")
+    ss.add_argument("--metrics-port", type=int, help="serve Prometheus text here")
+    ss.add_argument("--loss", type=float, default=0.0, help="drop probability per datagram")
+    ss.add_argument("--dup", type=float, default=0.0, help="duplication probability")
+    ss.add_argument("--delay-us", type=float, default=0.0)
+    ss.add_argument("--jitter-us", type=float, default=0.0, help="uniform extra delay (reorders)")
+    ss.add_argument("--seed", type=int, default=0)
+    ss.add_argument("--json", action="store_true")
+    ss.set_defaults(fn=cmd_switch_serve)
+
+    st = sub.add_parser("stats", help="a running switch's counters")
+    st.add_argument("--switch", required=True, help="HOST:CONTROL_PORT")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_stats)
 
     m = sub.add_parser("models", help="list the model catalog")
     m.add_argument("--json", action="store_true")

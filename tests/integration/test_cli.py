@@ -159,3 +159,19 @@ def test_plan_json_for_a_yaml_cluster_and_an_online_trace(
     bad.write_text(yaml_file.read_text().replace("type: v100", "type: p100"))
     assert main(["plan", str(bad)]) == 2  # a config error names the field and exits 2
     assert "devices[2].type" in capsys.readouterr().err
+
+
+def test_experiment_dlcp_json_rows_and_bad_collective(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["experiment", "dlcp", "--quick", "--json", "--loads", "0.8"]
+    code = main([*args, "--collectives", "allreduce", "--policies", "magnitude", "--bounds", "0.1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    transport = [r for r in rows if "scheme" in r]
+    assert code == 0 and {r["baseline"] for r in transport} == {"allreduce"}
+    assert {"reliable", "dlcp", "reliable+spray"} <= {r["scheme"] for r in transport}
+    for r in transport:
+        assert {"scheme", "baseline", "load", "iter_time_ms", "p99_comm_ms"} <= r.keys()
+        assert r["iter_time_ms"] > 0 and (r["lost"] == 0) == r["scheme"].startswith("reliable")
+    conv = [r for r in rows if "policy" in r]
+    assert {(r["policy"], r["loss_bound"]) for r in conv} >= {("magnitude", 0.1)}
+    assert all(0 < r["accuracy"] <= 1 for r in conv)
+    assert main([*args, "--collectives", "tree"]) == 2

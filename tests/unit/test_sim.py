@@ -10,7 +10,7 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.proto.actions import Action, NoTimers
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import LinkSpec, Network
-from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet
+from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, traffic_class
 
 
 def test_ties_break_by_insertion_order() -> None:
@@ -40,8 +40,8 @@ class _Sink(NoTimers):
         return []
 
 
-def _pair(spec: LinkSpec) -> tuple[Network, _Sink, object]:
-    net = Network(EventLoop(), random.Random(0), values_per_packet=256)
+def _pair(spec: LinkSpec, priority: bool = False) -> tuple[Network, _Sink, object]:
+    net = Network(EventLoop(), random.Random(0), values_per_packet=256, priority=priority)
     link, _ = net.connect("a", "b", spec, spec)
     sink = _Sink()
     net.bind("b", sink)
@@ -70,6 +70,37 @@ def test_tail_drop_and_ecn_marking() -> None:
     assert [p.seq for _, p in sink.got] == [0, 1, 2]
     assert [bool(p.flags & Flag.ECN) for _, p in sink.got] == [False, False, True]
     assert net.counters["queue_drop"] == 3
+
+
+def test_priority_port_serves_queues_in_strict_priority_back_to_back() -> None:
+    # 100 Gbit/s, 1056 B packets: 84.48 ns each, back to back in picoseconds.
+    net, sink, link = _pair(LinkSpec(link_gbps=100, prop_delay_ns=0, queue_bytes=100_000), True)
+    order = [(0, 1), (1, 1), (2, 0), (3, 1), (4, 0), (5, 3)]  # (seq, queue)
+    for s, q in order:  # 0 starts at once; the rest wait and leave by queue, FIFO within
+        link.send("b", Packet(1, 0, s, count=256, priority=traffic_class(q, 0)))  # type: ignore[attr-defined]
+    net.loop.run()
+    assert [p.seq for _, p in sink.got] == [0, 2, 4, 1, 3, 5]
+    assert [t for t, _ in sink.got] == [-(-k * 8448 // 100) for k in range(1, 7)]
+
+
+def test_priority_port_drops_by_precedence_under_congestion() -> None:
+    """A backlog of 5/8 of the buffer (not counting the packet in service):
+    precedence 3 (WRED from 1/2 to 5/8) is all dropped, precedence 0 (tail
+    drop at the full buffer) only once the buffer is full."""
+    q = 1056 * 64
+    net, sink, link = _pair(LinkSpec(link_gbps=1, prop_delay_ns=0, queue_bytes=q), True)
+    for s in range(41):  # one in service, a backlog of 40 packets = 5/8 of the buffer
+        link.send("b", Packet(1, 0, s, count=256, priority=traffic_class(0, 0)))  # type: ignore[attr-defined]
+    for s in range(100, 110):
+        link.send("b", Packet(1, 0, s, count=256, priority=traffic_class(0, 3)))  # type: ignore[attr-defined]
+    for s in range(200, 224):  # precedence 0 fills the buffer to exactly 64 packets
+        link.send("b", Packet(1, 0, s, count=256, priority=traffic_class(0, 0)))  # type: ignore[attr-defined]
+    link.send("b", Packet(1, 0, 999, count=256, priority=traffic_class(0, 0)))  # type: ignore[attr-defined]
+    net.loop.run()
+    seqs = [p.seq for _, p in sink.got]
+    assert seqs == [*range(41), *range(200, 224)]
+    assert net.counters["queue_drop_precedence3"] == 10
+    assert net.counters["queue_drop_precedence0"] == 1
 
 
 def test_link_spec_validation_names_the_field() -> None:

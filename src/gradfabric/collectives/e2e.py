@@ -126,6 +126,7 @@ def _rank_main(cfg: E2EConfig, out: str) -> None:
         }
         with open(out, "w") as f:
             json.dump(rec, f)
+    dist.barrier()  # nobody tears gloo down while a peer still uses it
     dist.destroy_process_group()
 
 

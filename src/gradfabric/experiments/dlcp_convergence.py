@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from gradfabric.proto.dlcp import drop_policy, packet_norms
+from gradfabric.workloads.digits import digits_data, digits_mlp
 
 
 @dataclass(frozen=True)
@@ -41,20 +42,6 @@ class ConvergenceConfig:
         return cls(bounds=(0.1, 0.3), seeds=(0, 1, 2), epochs=20)
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    rng = np.random.default_rng(1234)
-    order = rng.permutation(len(x))
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    cut = int(0.8 * len(x))
-    tr, te = order[:cut], order[cut:]
-    xt = torch.tensor(x, dtype=torch.float32)
-    yt = torch.tensor(y, dtype=torch.int64)
-    return xt[tr], yt[tr], xt[te], yt[te]
-
-
 def _lossy(g: np.ndarray, policy: str, bound: float, per_packet: int,
            rng: np.random.Generator) -> np.ndarray:  # fmt: skip
     """``g`` after the network lost ``bound`` of its packets under ``policy``."""
@@ -67,12 +54,9 @@ def _lossy(g: np.ndarray, policy: str, bound: float, per_packet: int,
 
 def train(cfg: ConvergenceConfig, policy: str, bound: float, seed: int) -> float:
     """Final test accuracy of one run (``bound = 0``: lossless)."""
-    xtr, ytr, xte, yte = _data()
+    xtr, ytr, xte, yte = digits_data()
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(),
-        torch.nn.Linear(64, 10),
-    )  # fmt: skip
+    model = digits_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     rng = np.random.default_rng(seed)
     params = list(model.parameters())

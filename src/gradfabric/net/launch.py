@@ -44,13 +44,18 @@ def run_ranks(
     args: list[str],
     link_gbps: float | None = None,
     timeout_s: float = 3600,
+    extra_env: dict[str, str] | None = None,
 ) -> None:
     """Run ``python -m module *args`` on ``ranks`` ranks; raise if any fails.
 
     ``link_gbps``: run each rank in its own network namespace behind a link
     shaped to that rate (root only; see ``gradfabric.net.netns``).
     """
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+        **(extra_env or {}),
+    }
     prog = ["-m", module, *args]
     if link_gbps is None:
         cmd = _torchrun(1, ranks, 0, "127.0.0.1", _free_port())

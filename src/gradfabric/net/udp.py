@@ -5,19 +5,23 @@ The driver owns everything the engine may not: the socket, the clock
 (armed at the engine's ``next_deadline``) and the address book that turns
 engine names (``"w0"``, ``"sw0"``) into ``(host, port)``. Datagrams that do
 not decode are a ``ProtocolError``: counted in ``counters['drop_malformed']``
-and otherwise ignored, never a crash.
+and otherwise ignored, never a crash. With a ``token`` (the emulator's job
+secret, ``emu.envelope``) every datagram carries it, and one that carries
+another is counted in ``counters['drop_bad_token']``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 from typing import cast
 
 from gradfabric.core.errors import ProtocolError
+from gradfabric.emu.envelope import drop_reason, seal, unseal
 from gradfabric.proto.actions import Action, Deliver, Engine, Fail, Multicast, Send
-from gradfabric.wire.packet import decode, encode
+from gradfabric.wire.packet import Packet, decode, encode
 
 Address = tuple[str, int]
 SOCKET_BUFFER_BYTES = 4 * 2**20
@@ -29,8 +33,10 @@ class EngineProtocol(asyncio.DatagramProtocol):
         engine: Engine,
         book: dict[str, Address],
         on_deliver: Callable[[Deliver], None] | None = None,
+        token: bytes | None = None,
     ) -> None:
         self.engine = engine
+        self.token = token
         self.book = book
         self.on_deliver = on_deliver
         self.transport: asyncio.DatagramTransport | None = None
@@ -43,11 +49,14 @@ class EngineProtocol(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
         try:
-            pkt = decode(data)
-        except ProtocolError:
-            self.engine.counters["drop_malformed"] += 1
+            pkt = decode(data) if self.token is None else unseal(data, self.token)
+        except ProtocolError as e:
+            self.engine.counters[drop_reason(e)] += 1
             return
         self.execute(self.engine.on_packet(pkt, time.monotonic_ns()))
+
+    def _encode(self, pkt: Packet) -> bytes:
+        return encode(pkt) if self.token is None else seal(self.token, pkt)
 
     def error_received(self, exc: Exception) -> None:
         self.engine.counters["socket_error"] += 1
@@ -55,9 +64,9 @@ class EngineProtocol(asyncio.DatagramProtocol):
     def execute(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
-                self._send(a.dst, encode(a.pkt))
+                self._send(a.dst, self._encode(a.pkt))
             elif isinstance(a, Multicast):
-                raw = encode(a.pkt)
+                raw = self._encode(a.pkt)
                 for d in a.dsts:
                     self._send(d, raw)
             elif isinstance(a, Deliver):
@@ -94,9 +103,13 @@ async def open_engine(
     book: dict[str, Address],
     bind: Address,
     on_deliver: Callable[[Deliver], None] | None = None,
+    token: bytes | None = None,
 ) -> tuple[asyncio.DatagramTransport, EngineProtocol]:
     loop = asyncio.get_running_loop()
     transport, proto = await loop.create_datagram_endpoint(
-        lambda: EngineProtocol(engine, book, on_deliver), local_addr=bind
+        lambda: EngineProtocol(engine, book, on_deliver, token), local_addr=bind
     )
+    sock = transport.get_extra_info("socket")
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
     return transport, proto

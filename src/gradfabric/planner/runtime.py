@@ -99,6 +99,7 @@ def _rank_main(cfg: UnevenConfig, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times_s": times, "shares": shares, "config": asdict(cfg)}, f)
+    dist.barrier()  # nobody tears gloo down while a peer still uses it
     dist.destroy_process_group()
 
 

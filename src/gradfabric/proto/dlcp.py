@@ -18,13 +18,15 @@ the wait (up to ``MAX_BACKOFF`` rto), so recovery cannot flood a congested
 network. ``p = 0`` is the reliable mode: every value,
 exactly.
 
-Priority classes (``classify``): the paper protects front layers (their
-gradients are needed first in the next forward pass) and large gradients
-(they carry most of the update). A packet's class mixes both: magnitude
-quantile of the packet within its tensor (``MAG_CLASSES``) and layer position
-(front half first); class 0 is the most important. Switch egress queues
-drop the highest class first (``proto.dlcp`` does not model queues: the
-simulator's links and ``drop_policy`` do).
+Priority classes (``classify``): the paper serves front layers first (their
+gradients are needed first in the next forward pass) and drops small
+gradients first (large ones carry most of the update). So a packet's
+traffic class (``wire.packet.traffic_class``) has two parts: the egress
+queue from its layer (front half of the model in queue 0, back half in
+queue 1, served in strict priority) and the drop precedence from its
+magnitude quartile within its tensor (``MAG_CLASSES``; largest 0, dropped
+last). ``proto.dlcp`` does not model queues: the simulator's links and
+``drop_policy`` do.
 
 ``drop_policy`` chooses which packets a congested network loses up to a
 bound: ``magnitude`` (DLCP: lowest priority first), ``random``, ``largest``
@@ -42,7 +44,7 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Send
-from gradfabric.wire.packet import Flag, Packet
+from gradfabric.wire.packet import Flag, Packet, traffic_class
 
 MAG_CLASSES = 4
 PROBE = 1  # ``seq`` of a data packet re-sent as a probe (0 otherwise)
@@ -58,15 +60,15 @@ def packet_norms(values: np.ndarray, per_packet: int) -> np.ndarray:
 
 
 def classify(norms: np.ndarray, layer: int, layers: int) -> np.ndarray:
-    """Priority class per packet (0 = most important): magnitude quartile
-    within the tensor (largest first), then front half of the model before
-    the back half."""
+    """Traffic class per packet: queue 0 for the front half of the model, 1
+    for the back half; drop precedence by magnitude quartile within the
+    tensor (the largest quarter 0, dropped last)."""
     if len(norms) == 0:
         return np.zeros(0, dtype=np.int64)
     rank = np.argsort(np.argsort(-norms, kind="stable"), kind="stable")
     mag = rank * MAG_CLASSES // len(norms)
     back = 1 if layers > 1 and layer >= layers / 2 else 0
-    return np.asarray(mag * 2 + back, dtype=np.int64)
+    return np.asarray(traffic_class(back, 0) + mag, dtype=np.int64)
 
 
 Policy = Callable[[np.ndarray, int, np.random.Generator], np.ndarray]
@@ -261,7 +263,7 @@ class DlcpSender:
         if norms is not None:
             prio = classify(norms, layer, layers)
         else:
-            prio = np.full(-(-count // pp), 2 * (MAG_CLASSES // 2), dtype=np.int64)
+            prio = np.full(-(-count // pp), traffic_class(0, MAG_CLASSES // 2), dtype=np.int64)
         self.tensors[tensor] = _Outgoing(values, count, prio, now_ns)
         if self.tick is None:
             self.tick = now_ns + self.rto_ns

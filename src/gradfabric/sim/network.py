@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -74,7 +75,8 @@ class LinkSpec:
             raise ConfigError("queue_bytes", "must be >= 0")
 
 
-PRIORITY_CLASSES = 8  # header priorities 0 (most important) .. 7
+PRIORITY_QUEUES = 8  # egress queues by the priority byte's high nibble
+DROP_LEVELS = 4  # WRED drop precedences by its low nibble
 
 
 class Link:
@@ -82,7 +84,6 @@ class Link:
         "arrive",
         "busy_until_ps",
         "bytes_sent",
-        "class_limit",
         "counters",
         "dst",
         "dup",
@@ -118,13 +119,6 @@ class Link:
             spec.ecn_bytes,
             spec.prop_delay_ns,
         )
-        # Priority dropping (DLCP): class c may fill only part of the queue, so
-        # under congestion the least important classes are dropped first.
-        self.class_limit = (
-            [int(spec.queue_bytes * (1 - c / (2 * PRIORITY_CLASSES))) for c in range(256)]
-            if net.priority_drop and spec.queue_bytes
-            else None
-        )
 
     def send(self, dst: str, pkt: Packet) -> None:
         # The simulator's hottest function: locals instead of attribute chains.
@@ -140,9 +134,7 @@ class Link:
         start = self.busy_until_ps
         if start > now_ps:
             backlog = (start - now_ps) / ps_per_byte
-            if self.queue_bytes and backlog + size > (
-                self.class_limit[pkt.priority] if self.class_limit else self.queue_bytes
-            ):
+            if self.queue_bytes and backlog + size > self.queue_bytes:
                 self.counters["queue_drop"] += 1
                 return
             if self.ecn_bytes and backlog > self.ecn_bytes:
@@ -165,6 +157,83 @@ class Link:
         if self.dup and self.rng.random() < self.dup:
             self.counters["link_dup"] += 1
             loop.at(arrive + self.rng.randrange(self.jitter + 1), self.arrive, (dst, pkt.clone()))
+
+
+class PriorityLink(Link):
+    """A switch egress port that reads a packet's ``priority`` byte as
+    ``wire.packet.traffic_class`` does: one FIFO per queue (high nibble),
+    served in strict priority (queue 0 first; a packet in service finishes),
+    and WRED by drop precedence (low nibble) on the port's backlog: precedence
+    ``d > 0`` is dropped with a probability rising from 0 at
+    ``(1 - (d + 1) / 8) Q`` to 1 at ``(1 - d / 8) Q`` bytes (``Q``: the
+    buffer), precedence 0 only when the buffer is full. So under congestion
+    the least important packets are dropped first (from half the buffer up),
+    the most important never before the buffer is full, and the most urgent
+    queue is sent first. ECN marks above ``ecn_bytes`` as the FIFO does.
+
+    Unlike the FIFO ``Link`` this needs an event per dequeue (the order of
+    departure depends on what arrives later), so it is used only where
+    priorities are on."""
+
+    __slots__ = ("backlog", "busy", "queues", "red")
+
+    def __init__(self, net: Network, src: str, dst: Node, spec: LinkSpec) -> None:
+        super().__init__(net, src, dst, spec)
+        self.queues: list[deque[tuple[str, Packet, int]]] = [
+            deque() for _ in range(PRIORITY_QUEUES)
+        ]
+        self.backlog = 0  # bytes waiting (not counting the packet in service)
+        self.busy = False
+        q = spec.queue_bytes
+        self.red = [(q * (1 - (d + 1) / 8), q * (1 - d / 8)) if d else (q, q)
+                    for d in range(DROP_LEVELS)]  # fmt: skip
+
+    def send(self, dst: str, pkt: Packet) -> None:
+        count = pkt.count
+        size = (-(-count // self.vpp) if count else 1) * HEADER_BYTES + count * VALUE_BYTES
+        if self.loss and self.rng.random() < self.loss:
+            self.counters["link_loss"] += 1
+            return
+        if not self.busy:
+            self._start(dst, pkt, size, self.loop.now * PS_PER_NS)
+            return
+        d = min(pkt.priority & 15, DROP_LEVELS - 1)
+        lo, hi = self.red[d]
+        after = self.backlog + size
+        if after > hi or (after > lo and self.rng.random() < (after - lo) / (hi - lo)):
+            self.counters["queue_drop"] += 1
+            self.counters[f"queue_drop_precedence{d}"] += 1
+            return
+        if self.ecn_bytes and self.backlog > self.ecn_bytes:
+            pkt.flags |= Flag.ECN
+        self.queues[min(pkt.priority >> 4, PRIORITY_QUEUES - 1)].append((dst, pkt, size))
+        self.backlog = after
+
+    def _start(self, dst: str, pkt: Packet, size: int, start_ps: int) -> None:
+        self.busy = True
+        finish = start_ps + int(size * self.ps_per_byte)
+        self.busy_until_ps = finish
+        self.bytes_sent += size
+        done = -(-finish // PS_PER_NS)
+        arrive = done + self.prop
+        if self.jitter:
+            arrive += self.rng.randrange(self.jitter + 1)
+        loop = self.loop
+        loop.push(arrive, self.arrive, (dst, pkt))
+        if self.dup and self.rng.random() < self.dup:
+            self.counters["link_dup"] += 1
+            loop.push(arrive + self.rng.randrange(self.jitter + 1), self.arrive, (dst, pkt.clone()))
+        loop.push(done, self._next, None)
+
+    def _next(self, _arg: object) -> None:
+        self.busy = False
+        for q in self.queues:
+            if q:
+                dst, pkt, size = q.popleft()
+                self.backlog -= size
+                # back to back with the previous packet, in picoseconds
+                self._start(dst, pkt, size, self.busy_until_ps)
+                return
 
 
 class Node:
@@ -265,7 +334,7 @@ class Network:
     rng: random.Random
     values_per_packet: int = 256
     spray: bool = False  # per-packet path choice instead of per-flow ECMP
-    priority_drop: bool = False  # queues drop low-priority classes first
+    priority: bool = False  # switch egress: strict-priority queues, per-class WRED
     nodes: dict[str, Node] = field(default_factory=dict)
     links: list[Link] = field(default_factory=list)
     counters: Counters = field(default_factory=Counters)
@@ -278,9 +347,14 @@ class Network:
 
     def connect(self, a: str, b: str, a_to_b: LinkSpec, b_to_a: LinkSpec) -> tuple[Link, Link]:
         na, nb = self.node(a), self.node(b)
-        ab, ba = Link(self, a, nb, a_to_b), Link(self, b, na, b_to_a)
+        ab, ba = self._link(a, nb, a_to_b), self._link(b, na, b_to_a)
         self.links += [ab, ba]
         return ab, ba
+
+    def _link(self, src: str, dst: Node, spec: LinkSpec) -> Link:
+        if self.priority and spec.queue_bytes:  # a switch port (host NICs stay FIFO)
+            return PriorityLink(self, src, dst, spec)
+        return Link(self, src, dst, spec)
 
     def bind(self, name: str, engine: Engine) -> None:
         node = self.node(name)

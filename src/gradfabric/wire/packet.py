@@ -37,6 +37,13 @@ MAX_WIRE_VALUES = 2048
 VALUE_BYTES = 4
 
 
+def traffic_class(queue: int, drop: int) -> int:
+    """The ``priority`` byte as a switch egress port reads it (DLCP), like
+    DSCP: the high nibble picks the queue (strict priority, 0 served first),
+    the low nibble the drop precedence within it (0 dropped last)."""
+    return (queue << 4) | drop
+
+
 class Flag:
     """Header flag bits (plain ints: enum arithmetic is too slow for the
     simulator's hot path). Unknown bits are a protocol error."""

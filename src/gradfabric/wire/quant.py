@@ -98,3 +98,18 @@ class BlockExponent:
 
     def sum_error_bound(self, e_max: int) -> float:
         return self.fan_in * 0.5 / self.scale(e_max)
+
+
+def block_exponents(x: F32, block: int) -> I32:
+    """``BlockExponent.exponent`` of every ``block``-value slice of ``x`` at once."""
+    if not np.all(np.isfinite(x)):
+        raise ValueError("non-finite values cannot be quantised")
+    pad = (-len(x)) % block
+    peaks = np.abs(np.concatenate([x, np.zeros(pad, x.dtype)])).reshape(-1, block).max(axis=1)
+    _mant, e = np.frexp(peaks.astype(np.float64))
+    return np.where(peaks > 0, e, -126).astype(np.int32)
+
+
+def block_scales(e_max: npt.NDArray[np.integer], fan_in: int) -> npt.NDArray[np.float64]:
+    """``BlockExponent(fan_in).scale`` for each agreed block exponent."""
+    return np.asarray((INT32_MAX // fan_in) / np.exp2(e_max.astype(np.float64)))

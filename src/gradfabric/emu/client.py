@@ -1,0 +1,224 @@
+"""A worker's side of a job at a switch daemon, for use from training code.
+
+``InaClient`` owns one ``WorkerEngine`` (the same engine the simulator
+runs) on a UDP socket, driven by an asyncio loop in a background thread, so
+a training step can call ``allreduce`` synchronously. Everything crossing the
+socket carries the job's token (``emu.envelope``).
+
+Floats reach the switch's integer domain as SwitchML does it: per block of
+``values_per_packet`` values every worker quantises with the block exponent
+agreed over the job (the maximum over workers, found with one small
+``MAX`` all-reduce of the exponents over the training process group), so
+the integer sum cannot overflow and is exact; the only error is the rounding
+at encode time (``wire.quant.BlockExponent``).
+
+A collective that does not finish within ``timeout_s`` raises
+``PeerTimeoutError`` naming the ranks the switch still waits on (asked over
+the control port), or the switch itself if it does not know the job any more
+(it was restarted: the job's aggregation state is gone, so the run stops
+with that error rather than resume with sums that may be partial).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future as CFuture
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from gradfabric.core.errors import ConfigError, PeerTimeoutError, ProtocolError
+from gradfabric.emu.switchd import SWITCH, control_call, worker_name
+from gradfabric.net.udp import Address, EngineProtocol, open_engine
+from gradfabric.proto.actions import Deliver
+from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
+from gradfabric.wire.packet import Flag
+from gradfabric.wire.quant import block_exponents, block_scales
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What the switch answered at registration: every rank needs it."""
+
+    switch: Address  # data (UDP)
+    control: Address
+    job_id: int
+    token: str  # hex
+    policy: str
+    workers: int
+    pool_slots: int
+    slot_base: int
+    window: int
+    values_per_packet: int
+    rto_ns: int
+
+    @classmethod
+    def register(cls, control: Address, workers: int, timeout_s: float = 5.0) -> Ticket:
+        """Register a job of ``workers`` at the switch whose control port is ``control``."""
+        req = {"op": "register", "workers": workers}
+        reply = asyncio.run(control_call(control, req, timeout_s))
+        return cls(control=control, **reply | {"switch": tuple(reply["switch"])})
+
+
+def parse_address(text: str) -> Address:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("address", f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
+
+
+class InaClient:
+    """Rank ``rank`` of the job ``ticket`` describes."""
+
+    @classmethod
+    def join(
+        cls, control: Address | None = None, group: Any = None, timeout_s: float = 30.0,
+        priority: int = 0,
+    ) -> InaClient:  # fmt: skip
+        """Every rank of a torch.distributed group calls this: rank 0 registers
+        the job (at ``control``, or ``$GRADFABRIC_SWITCH``), the ticket goes to
+        every rank over the group, and each rank opens its socket and says hello."""
+        import os
+
+        import torch.distributed as dist
+
+        if control is None:
+            env = os.environ.get(SWITCH_ENV)
+            if env is None:
+                raise ConfigError(SWITCH_ENV, "set it to the switch's HOST:CONTROL_PORT")
+            control = parse_address(env)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        box: list[Ticket | None] = [Ticket.register(control, world) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        assert box[0] is not None
+        client = cls(box[0], rank, timeout_s, priority)
+        dist.barrier(group)
+        return client
+
+    def __init__(
+        self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
+        bind_host: str = "127.0.0.1",
+    ) -> None:  # fmt: skip
+        if not 0 <= rank < ticket.workers:
+            raise ConfigError("rank", f"must be in 0..{ticket.workers - 1}")
+        self.ticket, self.rank, self.timeout_s, self.priority = ticket, rank, timeout_s, priority
+        t = ticket
+        route: StaticSlots | HashedPool = (
+            StaticSlots(SWITCH, t.slot_base, t.window)
+            if t.policy == "switchml"
+            else HashedPool(SWITCH, t.job_id, t.pool_slots)
+        )
+        cfg = WorkerConfig(
+            job_id=t.job_id, worker_id=rank, fan_in=t.workers, window=t.window,
+            rto_ns=t.rto_ns, max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)),
+            values_per_packet=t.values_per_packet, ecn_window=t.policy != "switchml",
+        )  # fmt: skip
+        self.engine = WorkerEngine(worker_name(t.job_id, rank), cfg, route)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self._call: _Call | None = None
+        self.proto: EngineProtocol = self._wait(self._open(bind_host))
+
+    async def _open(self, bind_host: str) -> EngineProtocol:
+        t = self.ticket
+        transport, proto = await open_engine(
+            self.engine, {SWITCH: t.switch}, (bind_host, 0), self._deliver, bytes.fromhex(t.token)
+        )
+        port = transport.get_extra_info("sockname")[1]
+        hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": self.rank}
+        await control_call(t.control, hello | {"port": port, "host": bind_host})
+        return proto
+
+    def _wait(self, coro: Any, timeout_s: float | None = None) -> Any:
+        fut: CFuture[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout_s)
+
+    # -- collectives ------------------------------------------------------
+    def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        """Sum ``q`` over the job's workers through the switch (every rank
+        calls with the same length, in the same order)."""
+        call = _Call(len(q), self.ticket.values_per_packet)
+        self.loop.call_soon_threadsafe(self._start, call, np.ascontiguousarray(q, dtype=np.int32))
+        if not call.done.wait(self.timeout_s) or call.failed:
+            raise self._blame(call.failed)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def allreduce(self, x: npt.NDArray[np.float32], group: Any = None) -> npt.NDArray[np.float32]:
+        """Sum float32 ``x`` over the job (see the module doc for the quantisation)."""
+        import torch
+        import torch.distributed as dist
+
+        vpp = self.ticket.values_per_packet
+        e = torch.from_numpy(block_exponents(x, vpp))
+        dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
+        scale = np.repeat(block_scales(e.numpy(), self.ticket.workers), vpp)[: len(x)]
+        q = np.rint(x.astype(np.float64) * scale).astype(np.int32)
+        return (self.allreduce_ints(q) / scale).astype(np.float32)
+
+    def _start(self, call: _Call, q: npt.NDArray[np.int32]) -> None:
+        self._call = call
+        call.first = self.engine.next_seq
+        if len(q) == 0:
+            call.finish()
+            return
+        self.proto.execute(self.engine.push(len(q), time.monotonic_ns(), q, priority=self.priority))
+        if self.proto.failed.done():
+            call.failed = True
+            call.done.set()
+
+    def _deliver(self, d: Deliver) -> None:
+        call = self._call
+        if call is None:
+            return
+        pkt = d.pkt
+        if pkt.flags & Flag.FLOAT or pkt.payload is None:
+            call.error = ProtocolError(f"result {d.seq} left the integer domain")
+        else:
+            lo = (d.seq - call.first) * call.vpp
+            call.result[lo : lo + pkt.count] = pkt.payload
+        if self.engine.idle:
+            call.finish()
+
+    def _blame(self, failed: bool) -> PeerTimeoutError:
+        """Whom the collective waits on, as the switch sees it."""
+        t = self.ticket
+        req = {"op": "missing", "job_id": t.job_id, "token": t.token}
+        try:
+            missing = self._wait(control_call(t.control, req, 2.0), 5.0)["missing"]
+        except ConfigError:  # the switch no longer knows the job
+            return PeerTimeoutError(
+                f"switch {t.switch[0]}:{t.switch[1]} (job state lost)", self.timeout_s
+            )
+        except (OSError, TimeoutError):
+            return PeerTimeoutError(f"switch {t.switch[0]}:{t.switch[1]}", self.timeout_s)
+        if missing:
+            return PeerTimeoutError(", ".join(f"rank {r}" for r in missing), self.timeout_s)
+        return PeerTimeoutError(f"switch {t.switch[0]}:{t.switch[1]}", self.timeout_s)
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+
+
+class _Call:
+    def __init__(self, n: int, vpp: int) -> None:
+        self.vpp = vpp
+        self.result = np.zeros(n, dtype=np.int64)
+        self.first = 0
+        self.done = threading.Event()
+        self.failed = False
+        self.error: Exception | None = None
+
+    def finish(self) -> None:
+        self.done.set()

@@ -1,0 +1,76 @@
+"""Start a switch daemon as its own process (as an operator would), for the
+training runs, the benchmark and the tests."""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.emu.client import parse_address
+from gradfabric.net.udp import Address
+
+
+@dataclass
+class RunningSwitch:
+    proc: subprocess.Popen[str]
+    data: Address
+    control: Address
+    final: dict[str, Any] = field(default_factory=dict)  # stats after SIGTERM
+
+    @property
+    def control_text(self) -> str:
+        return f"{self.control[0]}:{self.control[1]}"
+
+
+def _line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not ready:
+        raise PeerTimeoutError("switch daemon", timeout_s)
+    return proc.stdout.readline()
+
+
+def start_switch(*options: str, timeout_s: float = 30.0) -> RunningSwitch:
+    """``gradfabric switch serve --json *options`` in a new process."""
+    cmd = [sys.executable, "-m", "gradfabric.cli", "switch", "serve", "--json", *options]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = _line(proc, timeout_s)
+    if not line:
+        proc.wait(5)
+        raise RuntimeError(f"switch daemon exited with {proc.returncode} before serving")
+    where = json.loads(line)
+    return RunningSwitch(proc, parse_address(where["data"]), parse_address(where["control"]))
+
+
+def stop_switch(sw: RunningSwitch, timeout_s: float = 10.0) -> None:
+    """SIGTERM; keep its final counters."""
+    if sw.proc.poll() is None:
+        sw.proc.send_signal(signal.SIGTERM)
+        try:
+            line = _line(sw.proc, timeout_s)
+            sw.final = json.loads(line) if line else {}
+        finally:
+            try:
+                sw.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                sw.proc.kill()
+                sw.proc.wait()
+    if sw.proc.stdout is not None:
+        sw.proc.stdout.close()
+
+
+@contextmanager
+def switch_daemon(*options: str) -> Iterator[RunningSwitch]:
+    sw = start_switch(*options)
+    try:
+        yield sw
+    finally:
+        stop_switch(sw)

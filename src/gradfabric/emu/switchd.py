@@ -1,0 +1,405 @@
+"""The switch daemon: gradfabric's switch engine on a real UDP socket.
+
+One asyncio process runs one ``SwitchEngine`` (policy ``switchml``, ``atp``
+or ``esa``) for any number of jobs and, for ATP and ESA, the parameter server
+those policies fall back to (in the same process: its traffic to and from
+the switch is a function call, not a datagram). It has two ports:
+
+* data (UDP): ``emu.envelope`` datagrams. A datagram is checked before any
+  engine sees it: the job it names must be registered and its token must be
+  that job's (else ``drop_unknown_job`` / ``drop_bad_token``), its packet must
+  decode (else ``drop_malformed``); the switch engine then checks worker
+  index, bitmap, fan-in and slot range against the job (its own ``drop_*``
+  counters). So a stranger's datagram is a counted drop, never a crash and
+  never another job's data.
+* control (TCP, one JSON object per line): ``register`` (a job of N workers;
+  answers its id, secret token and the protocol parameters its workers
+  need), ``hello`` (a worker's UDP port), ``missing`` (which workers the
+  job's partly filled aggregators wait on), ``stats`` (all counters and the
+  aggregator pool's occupancy), ``unregister``.
+
+Impairments (this kernel has no netem): every datagram in and out is
+independently lost with ``loss``, duplicated with ``dup`` and held for
+``delay_us`` plus a uniform ``jitter_us`` (which reorders), from one seeded
+generator.
+
+Counters are also served as Prometheus text on ``metrics_port`` (any path).
+SIGTERM or SIGINT stops the daemon cleanly (sockets closed, final counters
+printed by the CLI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
+
+from gradfabric.core.errors import ConfigError, ProtocolError
+from gradfabric.core.trace import Counters
+from gradfabric.emu.envelope import TOKEN_BYTES, drop_reason, job_of, seal, unseal
+from gradfabric.net.udp import SOCKET_BUFFER_BYTES, Address
+from gradfabric.proto.actions import Multicast, Send
+from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.switch import SwitchEngine, SwitchJob
+from gradfabric.proto.switch.atp import FREE
+from gradfabric.wire.packet import MAX_FAN_IN, MAX_WIRE_VALUES, Packet
+
+SWITCH, PS = "sw", "ps"
+POLICIES = ("switchml", "atp", "esa")
+
+
+@dataclass(frozen=True)
+class Impairment:
+    loss: float = 0.0
+    dup: float = 0.0
+    delay_us: float = 0.0
+    jitter_us: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("loss", "dup"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.delay_us < 0 or self.jitter_us < 0:
+            raise ConfigError("delay_us", "delays must be >= 0")
+
+
+@dataclass(frozen=True)
+class SwitchConfig:
+    policy: str = "atp"
+    slots: int = 4096  # aggregators (SwitchML: cut into per-job ranges of job_slots)
+    job_slots: int = 32  # SwitchML: each job's slot range; ATP/ESA: the workers' window
+    values_per_packet: int = 1024
+    rto_ms: float = 20.0
+    host: str = "127.0.0.1"
+    port: int = 0
+    control_port: int = 0
+    metrics_port: int | None = None
+    impair: Impairment = field(default_factory=Impairment)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError("policy", f"one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if not 1 <= self.job_slots <= self.slots:
+            raise ConfigError("job_slots", f"must be in 1..slots ({self.slots})")
+        if not 1 <= self.values_per_packet <= MAX_WIRE_VALUES:
+            raise ConfigError("values_per_packet", f"must be in 1..{MAX_WIRE_VALUES}")
+        if self.rto_ms <= 0:
+            raise ConfigError("rto_ms", "must be > 0")
+
+
+@dataclass
+class _Job:
+    job_id: int
+    token: bytes
+    workers: int
+    slot_base: int
+    addrs: dict[int, Address] = field(default_factory=dict)
+
+
+def worker_name(job_id: int, rank: int) -> str:
+    return f"j{job_id}w{rank}"
+
+
+class SwitchDaemon(asyncio.DatagramProtocol):
+    def __init__(self, cfg: SwitchConfig) -> None:
+        self.cfg = cfg
+        self.switch = SwitchEngine.build(SWITCH, cfg.policy, cfg.slots)
+        self.ps = ParameterServer(PS) if cfg.policy != "switchml" else None
+        self.counters = Counters()
+        self.jobs: dict[int, _Job] = {}
+        self.book: dict[str, tuple[_Job, Address]] = {}
+        self.next_job = 1
+        self.rng = random.Random(cfg.impair.seed)
+        self.transport: asyncio.DatagramTransport | None = None
+        self.servers: list[asyncio.Server] = []
+        self.stopped = asyncio.Event()
+        self.started_ns = time.monotonic_ns()
+
+    # -- lifecycle ------------------------------------------------------
+    async def start(self) -> dict[str, Address]:
+        loop = asyncio.get_running_loop()
+        cfg = self.cfg
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: self, local_addr=(cfg.host, cfg.port)
+        )
+        sock = transport.get_extra_info("socket")
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):  # capped at rmem/wmem_max
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        control = await asyncio.start_server(self._control, cfg.host, cfg.control_port)
+        self.servers.append(control)
+        out = {
+            "data": cast(Address, transport.get_extra_info("sockname")[:2]),
+            "control": cast(Address, control.sockets[0].getsockname()[:2]),
+        }
+        if cfg.metrics_port is not None:
+            metrics = await asyncio.start_server(self._metrics, cfg.host, cfg.metrics_port)
+            self.servers.append(metrics)
+            out["metrics"] = cast(Address, metrics.sockets[0].getsockname()[:2])
+        return out
+
+    def stop(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        for s in self.servers:
+            s.close()
+        self.stopped.set()
+
+    async def serve(self, on_ready: Callable[[dict[str, Address]], None]) -> None:
+        """Start, report the addresses, run until SIGTERM/SIGINT or ``stop()``."""
+        addrs = await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        on_ready(addrs)
+        await self.stopped.wait()
+
+    # -- data path ------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def error_received(self, exc: Exception) -> None:
+        self.counters["socket_error"] += 1
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        self.counters["rx_datagrams"] += 1
+        imp = self.cfg.impair
+        if imp.loss and self.rng.random() < imp.loss:
+            self.counters["impair_loss"] += 1
+            return
+        try:
+            job = self.jobs.get(job_of(data))
+            if job is None:
+                self.counters["drop_unknown_job"] += 1
+                return
+            pkt = unseal(data, job.token)
+        except ProtocolError as e:
+            self.counters[drop_reason(e)] += 1
+            return
+        self._run(SWITCH, pkt)
+
+    def _run(self, name: str, pkt: Packet) -> None:
+        """Feed ``pkt`` to a local engine and follow its actions: to the other
+        local engine by call, to workers by datagram."""
+        now = time.monotonic_ns()
+        work: deque[tuple[str, Packet]] = deque([(name, pkt)])
+        while work:
+            name, pkt = work.popleft()
+            engine = self.switch if name == SWITCH else self.ps
+            if engine is None:
+                self.counters["drop_no_engine"] += 1
+                continue
+            for a in engine.on_packet(pkt, now):
+                if isinstance(a, Send):
+                    targets: tuple[str, ...] = (a.dst,)
+                elif isinstance(a, Multicast):
+                    targets = a.dsts
+                else:
+                    continue
+                raw: bytes | None = None
+                for dst in targets:
+                    if dst in (SWITCH, PS):
+                        work.append((dst, a.pkt))
+                        continue
+                    hit = self.book.get(dst)
+                    if hit is None:
+                        self.counters["drop_no_address"] += 1
+                        continue
+                    raw = raw or seal(hit[0].token, a.pkt)
+                    self._emit(raw, hit[1])
+
+    def _emit(self, raw: bytes, addr: Address) -> None:
+        imp, rng = self.cfg.impair, self.rng
+        if imp.loss and rng.random() < imp.loss:
+            self.counters["impair_loss"] += 1
+            return
+        copies = 2 if imp.dup and rng.random() < imp.dup else 1
+        self.counters["impair_dup"] += copies - 1
+        for _ in range(copies):
+            delay = (imp.delay_us + rng.random() * imp.jitter_us) / 1e6
+            if delay > 0:
+                asyncio.get_running_loop().call_later(delay, self._sendto, raw, addr)
+            else:
+                self._sendto(raw, addr)
+
+    def _sendto(self, raw: bytes, addr: Address) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.counters["tx_datagrams"] += 1
+            self.transport.sendto(raw, addr)
+
+    # -- control plane --------------------------------------------------
+    def register(self, workers: int) -> dict[str, Any]:
+        cfg = self.cfg
+        if not 1 <= workers <= MAX_FAN_IN:
+            raise ConfigError("workers", f"must be in 1..{MAX_FAN_IN}")
+        if len(self.jobs) >= 0xFFFF:
+            raise ConfigError("jobs", "the switch is full")
+        job_id = self.next_job
+        self.next_job = self.next_job % 0xFFFF + 1
+        while job_id in self.jobs:
+            job_id = self.next_job
+            self.next_job = self.next_job % 0xFFFF + 1
+        base = 0
+        if cfg.policy == "switchml":  # a free range of job_slots (first fit)
+            taken = sorted((j.slot_base, j.slot_base + cfg.job_slots) for j in self.jobs.values())
+            for lo, hi in taken:
+                if base + cfg.job_slots <= lo:
+                    break
+                base = max(base, hi)
+            if base + cfg.job_slots > cfg.slots:
+                raise ConfigError("slots", f"no free range of {cfg.job_slots} slots left")
+        job = _Job(job_id, secrets.token_bytes(TOKEN_BYTES), workers, base)
+        names = tuple(worker_name(job_id, r) for r in range(workers))
+        window = cfg.job_slots
+        if cfg.policy == "switchml":
+            self.switch.add_job(SwitchJob(job_id, names, slot_base=base, slot_count=window))
+        else:
+            assert self.ps is not None
+            self.switch.add_job(SwitchJob(job_id, names, parent=PS, window=window))
+            self.ps.add_job(PsJob(job_id, names, via=SWITCH, window=4 * window))
+        self.jobs[job_id] = job
+        self.counters["jobs_registered"] += 1
+        assert self.transport is not None
+        return {
+            "switch": list(self.transport.get_extra_info("sockname")[:2]),
+            "job_id": job_id,
+            "token": job.token.hex(),
+            "policy": cfg.policy,
+            "workers": workers,
+            "pool_slots": cfg.slots,
+            "slot_base": base,
+            "window": window,
+            "values_per_packet": cfg.values_per_packet,
+            "rto_ns": int(cfg.rto_ms * 1e6),
+        }
+
+    def _job(self, req: dict[str, Any]) -> _Job:
+        job = self.jobs.get(int(req.get("job_id", -1)))
+        if job is None or not secrets.compare_digest(
+            bytes.fromhex(str(req.get("token", ""))), job.token
+        ):
+            raise ConfigError("job_id", "unknown job or wrong token")
+        return job
+
+    def _handle(self, req: dict[str, Any], peer: str) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "register":
+            return self.register(int(req.get("workers", 0)))
+        if op == "stats":
+            return self.stats()
+        job = self._job(req)
+        if op == "hello":
+            rank = int(req["rank"])
+            if not 0 <= rank < job.workers:
+                raise ConfigError("rank", f"must be in 0..{job.workers - 1}")
+            addr = (str(req.get("host") or peer), int(req["port"]))
+            job.addrs[rank] = addr
+            self.book[worker_name(job.job_id, rank)] = (job, addr)
+            return {"ok": True, "ready": len(job.addrs) == job.workers}
+        if op == "missing":
+            names = set(self.switch.missing_children(job.job_id))
+            if self.ps is not None:
+                names |= set(self.ps.missing_workers(job.job_id))
+            ranks = sorted(r for r in range(job.workers) if worker_name(job.job_id, r) in names)
+            return {"missing": ranks}
+        if op == "unregister":
+            self.switch.remove_job(job.job_id)
+            for r in range(job.workers):
+                self.book.pop(worker_name(job.job_id, r), None)
+            del self.jobs[job.job_id]
+            return {"ok": True}
+        raise ConfigError("op", f"unknown operation {op!r}")
+
+    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = str(writer.get_extra_info("peername")[0])
+        try:
+            while line := await reader.readline():
+                try:
+                    req = json.loads(line)
+                    if not isinstance(req, dict):
+                        raise ConfigError("request", "must be a JSON object")
+                    reply = self._handle(req, peer)
+                except (ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
+                    self.counters["control_errors"] += 1
+                    reply = {"error": str(e)}
+                writer.write(json.dumps(reply).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    def occupancy(self) -> int:
+        """Aggregators now held by some job (ATP/ESA pool; SwitchML's ranges)."""
+        pool = getattr(self.switch.policy, "pool", None)
+        if pool is not None:
+            return sum(1 for a in pool if a.state != FREE)
+        return len(self.jobs) * self.cfg.job_slots
+
+    def stats(self) -> dict[str, Any]:
+        merged = Counters()
+        for c in (self.counters, self.switch.counters, self.ps.counters if self.ps else None):
+            for k, v in (c or {}).items():
+                merged[k] += v
+        return {
+            "policy": self.cfg.policy,
+            "uptime_s": (time.monotonic_ns() - self.started_ns) / 1e9,
+            "jobs": {
+                str(j.job_id): {"workers": j.workers, "hellos": len(j.addrs)}
+                for j in self.jobs.values()
+            },
+            "slots": self.cfg.slots,
+            "occupied": self.occupancy(),
+            "counters": dict(sorted(merged.items())),
+            "impair": asdict(self.cfg.impair),
+        }
+
+    async def _metrics(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readline()
+            st = self.stats()
+            lines = [f"gradfabric_switch_{k}_total {v}" for k, v in st["counters"].items()]
+            lines += [
+                f"gradfabric_switch_slots {st['slots']}",
+                f"gradfabric_switch_slots_occupied {st['occupied']}",
+                f"gradfabric_switch_jobs {len(st['jobs'])}",
+            ]
+            body = ("\n".join(lines) + "\n").encode()
+            writer.write(
+                b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+async def control_call(
+    addr: Address, req: dict[str, Any], timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """One request to a switch daemon's control port; raises ``ConfigError``
+    with the switch's message if it answers an error."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(*addr), timeout_s)
+    try:
+        writer.write(json.dumps(req).encode() + b"\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+    finally:
+        writer.close()
+    if not line:
+        raise ConnectionError(f"switch at {addr[0]}:{addr[1]} closed the control connection")
+    reply = json.loads(line)
+    if "error" in reply:
+        raise ConfigError(str(req.get("op")), str(reply["error"]))
+    return cast(dict[str, Any], reply)

@@ -1,0 +1,327 @@
+"""The emulator: a switch daemon process on real UDP, workers in this process
+or in torchrun ranks; every aggregate checked against an int64 sum."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gradfabric.cli import main
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.emu.client import InaClient, Ticket
+from gradfabric.emu.envelope import TOKEN_BYTES
+from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
+from gradfabric.wire.packet import Flag, Packet, encode
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _together(fns: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``fns`` in threads at once (each worker blocks in its collective);
+    re-raise the first error."""
+    out: list[Any] = [None] * len(fns)
+    errs: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # handed to the test thread
+            errs.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errs:
+        raise errs[0]
+    return out
+
+
+def _allreduce_all(clients: list[InaClient], xs: list[np.ndarray]) -> list[Any]:
+    """Every client's ``allreduce_ints`` of its own ``xs`` entry, at once."""
+    return _together(
+        [lambda c=c, x=x: c.allreduce_ints(x) for c, x in zip(clients, xs, strict=True)]
+    )
+
+
+def _exact_rounds(
+    clients: list[InaClient], rounds: int, rng: np.random.Generator, lengths: tuple[int, ...]
+) -> None:
+    for _ in range(rounds):
+        n = int(rng.choice(lengths))
+        xs = [rng.integers(-(2**26), 2**26, n, dtype=np.int32) for _ in clients]
+        ref = np.sum([x.astype(np.int64) for x in xs], axis=0)
+        outs = _allreduce_all(clients, xs)
+        for o in outs:
+            np.testing.assert_array_equal(o, ref)
+
+
+def _stats(sw: RunningSwitch) -> dict[str, Any]:
+    import asyncio
+
+    from gradfabric.emu.switchd import control_call
+
+    return asyncio.run(control_call(sw.control, {"op": "stats"}))
+
+
+@pytest.mark.parametrize("policy", ["switchml", "atp", "esa"])
+def test_aggregates_exact_under_loss_duplication_and_reordering(policy: str) -> None:
+    with switch_daemon(
+        "--policy", policy, "--loss", "0.05", "--dup", "0.02", "--jitter-us", "300",
+        "--rto-ms", "10",
+    ) as sw:  # fmt: skip
+        ticket = Ticket.register(sw.control, 3)
+        clients = [InaClient(ticket, r, timeout_s=30) for r in range(3)]
+        try:
+            # lengths: under one packet, not a multiple of it, many windows
+            _exact_rounds(clients, 4, np.random.default_rng(1), (1, 1000, 1025, 70_001))
+        finally:
+            for c in clients:
+                c.close()
+        counters = _stats(sw)["counters"]
+    assert counters["impair_loss"] > 0 and counters["impair_dup"] > 0
+
+
+def _fire(
+    addr: tuple[str, int], n: int, victim_job: int, seed: int, attacker: Ticket | None = None
+) -> None:
+    """``n`` datagrams: random bytes, well-formed packets for the victim job
+    under guessed tokens, and (with ``attacker``) the attacker's own job's
+    packets, correctly sealed, with random bytes of the header mutated."""
+    rng = random.Random(seed)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    good = Packet(victim_job, 0, 0, 0, 1, 3, 0, 0, 0, 4, np.arange(4, dtype=np.int32))
+    raw = encode(good)
+    own = b""
+    if attacker is not None:
+        p = Packet(attacker.job_id, 0, 0, 0, 1, attacker.workers, 0, 0, 0, 4,
+                   np.ones(4, dtype=np.int32))  # fmt: skip
+        own = bytes.fromhex(attacker.token) + encode(p)
+    for i in range(n):
+        kind = i % 3 if attacker is not None else i % 2
+        if kind == 0:
+            data = rng.randbytes(rng.randrange(0, 200))
+        elif kind == 1:
+            data = rng.randbytes(TOKEN_BYTES) + raw
+        else:
+            b = bytearray(own)
+            for _ in range(rng.randrange(1, 4)):
+                b[rng.randrange(TOKEN_BYTES, TOKEN_BYTES + 32)] = rng.randrange(256)
+            data = bytes(b)
+        sock.sendto(data, addr)
+        if i % 256 == 0:
+            time.sleep(0.001)  # let the switch keep up (its socket buffer is finite)
+    sock.close()
+
+
+UNAUTHENTICATED_DROPS = ("drop_unknown_job", "drop_bad_token", "drop_malformed")
+
+
+def _fuzz_while_training(fuzz_packets: int) -> None:
+    with switch_daemon("--policy", "atp") as sw:
+        victim = Ticket.register(sw.control, 3)
+        clients = [InaClient(victim, r, timeout_s=60) for r in range(3)]
+        firing = threading.Thread(target=_fire, args=(sw.data, fuzz_packets, victim.job_id, 7))
+        try:
+            firing.start()
+            while firing.is_alive():
+                _exact_rounds(clients, 1, np.random.default_rng(2), (5000, 20_000))
+            firing.join()
+            st = _stats(sw)
+        finally:
+            for c in clients:
+                c.close()
+    c = st["counters"]
+    unauth = sum(c.get(k, 0) for k in UNAUTHENTICATED_DROPS)
+    # every datagram is either a counted drop or a victim packet the switch accepted
+    assert c["rx_datagrams"] == unauth + c["rx_gradient"] + c.get("drop_bad_worker", 0)
+    assert unauth >= 0.5 * fuzz_packets  # most of the fuzz arrived, and all of that was dropped
+    assert c.get("drop_bad_token", 0) > 0 and c.get("drop_malformed", 0) > 0
+
+
+def test_random_and_forged_packets_are_counted_drops_while_a_job_runs_exactly() -> None:
+    _fuzz_while_training(30_000)
+
+
+@pytest.mark.slow
+def test_a_million_random_and_forged_packets() -> None:
+    _fuzz_while_training(1_000_000)
+
+
+def test_mutated_packets_of_another_job_never_touch_this_one() -> None:
+    """An attacker that holds its own job's token mutates its headers: the
+    switch survives and the victim's sums stay exact."""
+    with switch_daemon("--policy", "esa") as sw:
+        victim = Ticket.register(sw.control, 2)
+        attacker = Ticket.register(sw.control, 2)
+        clients = [InaClient(victim, r, timeout_s=60) for r in range(2)]
+        firing = threading.Thread(target=_fire, args=(sw.data, 20_000, victim.job_id, 8, attacker))
+        try:
+            firing.start()
+            while firing.is_alive():
+                _exact_rounds(clients, 1, np.random.default_rng(3), (3000, 10_000))
+            firing.join()
+            _exact_rounds(clients, 1, np.random.default_rng(4), (10_000,))
+        finally:
+            for c in clients:
+                c.close()
+        assert sw.proc.poll() is None and _stats(sw)["counters"]["drop_bad_worker"] > 0
+
+
+def _join_and_hang(ticket: Ticket, rank: int) -> None:
+    InaClient(ticket, rank, timeout_s=60)
+    time.sleep(60)
+
+
+def test_killed_worker_is_named_within_the_timeout() -> None:
+    with switch_daemon("--policy", "atp") as sw:
+        ticket = Ticket.register(sw.control, 3)
+        proc = mp.get_context("spawn").Process(target=_join_and_hang, args=(ticket, 2))
+        proc.start()
+        clients = [InaClient(ticket, r, timeout_s=3) for r in range(2)]
+        try:
+            _wait_for_hellos(sw, ticket)
+            os.kill(proc.pid or 0, signal.SIGKILL)
+            proc.join()
+            xs = [np.ones(5000, dtype=np.int32)] * 2
+            t0 = time.monotonic()
+            with pytest.raises(PeerTimeoutError, match="rank 2"):
+                _allreduce_all(clients, xs)
+            assert time.monotonic() - t0 < 3 + 5  # the timeout, plus asking the switch
+        finally:
+            for c in clients:
+                c.close()
+
+
+def _wait_for_hellos(sw: RunningSwitch, ticket: Ticket, wait_s: float = 60.0) -> None:
+    """Until every worker of ``ticket`` has told the switch its address."""
+    deadline = time.monotonic() + wait_s
+    while _hellos(sw, ticket) < ticket.workers:
+        if time.monotonic() > deadline:
+            raise TimeoutError("workers did not say hello")
+        time.sleep(0.1)
+
+
+def _hellos(sw: RunningSwitch, ticket: Ticket) -> int:
+    return int(_stats(sw)["jobs"][str(ticket.job_id)].get("hellos", 0))
+
+
+def test_switch_restart_fails_clearly_naming_the_switch() -> None:
+    port, control = _free_port(), _free_port()
+    options = ("--policy", "switchml", "--port", str(port), "--control-port", str(control))
+    sw = start_switch(*options)
+    ticket = Ticket.register(sw.control, 2)
+    clients = [InaClient(ticket, r, timeout_s=2) for r in range(2)]
+    try:
+        _exact_rounds(clients, 1, np.random.default_rng(5), (4000,))
+        stop_switch(sw)
+        sw = start_switch(*options)  # same ports, no jobs
+        with pytest.raises(PeerTimeoutError, match="job state lost"):
+            _exact_rounds(clients, 1, np.random.default_rng(6), (4000,))
+        assert _stats(sw)["counters"]["drop_unknown_job"] > 0
+    finally:
+        for c in clients:
+            c.close()
+        stop_switch(sw)
+
+
+def test_two_jobs_share_the_switch_under_esa_with_preemptions() -> None:
+    # a pool far smaller than two windows: the jobs must contend for aggregators
+    with switch_daemon("--policy", "esa", "--slots", "24", "--job-slots", "16") as sw:
+        low, high = Ticket.register(sw.control, 2), Ticket.register(sw.control, 2)
+        clients = [InaClient(low, r, priority=1) for r in range(2)]
+        clients += [InaClient(high, r, priority=9) for r in range(2)]
+        rng = np.random.default_rng(9)
+        try:
+            for _ in range(3):
+                xs = [rng.integers(-1000, 1000, 60_000, dtype=np.int32) for _ in range(4)]
+                outs = _allreduce_all(clients, xs)
+                for job in (0, 1):
+                    ref = xs[2 * job].astype(np.int64) + xs[2 * job + 1]
+                    for o in outs[2 * job : 2 * job + 2]:
+                        np.testing.assert_array_equal(o, ref)
+        finally:
+            for c in clients:
+                c.close()
+        counters = _stats(sw)["counters"]
+    assert counters["preemptions"] > 0
+
+
+def test_daemon_cli_stats_metrics_and_sigterm(capsys: pytest.CaptureFixture[str]) -> None:
+    metrics = _free_port()
+    sw = start_switch("--policy", "switchml", "--metrics-port", str(metrics))
+    try:
+        ticket = Ticket.register(sw.control, 2)
+        clients = [InaClient(ticket, r) for r in range(2)]
+        _exact_rounds(clients, 1, np.random.default_rng(0), (3000,))
+        for c in clients:
+            c.close()
+        assert main(["stats", "--switch", sw.control_text, "--json"]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert st["policy"] == "switchml" and st["counters"]["rx_gradient"] == 2 * 3
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read()
+        assert b"gradfabric_switch_rx_gradient_total 6" in body.splitlines()
+        with pytest.raises(ConfigError, match="workers"):
+            Ticket.register(sw.control, 0)
+    finally:
+        stop_switch(sw)
+    assert sw.proc.returncode == 0 and sw.final["counters"]["rx_gradient"] == 6
+    assert main(["stats", "--switch", sw.control_text]) == 1  # nobody there now
+
+
+def test_switch_serve_rejects_a_bad_policy() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradfabric.cli", "switch", "serve", "--policy", "tree"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_envelope_layout() -> None:
+    from gradfabric.emu.envelope import BadTokenError, job_of, seal, unseal
+
+    pkt = Packet(513, 1, 7, 0, 2, 2, Flag.NONE, 0, 0, 2, np.array([1, 2], dtype=np.int32))
+    token = bytes(range(TOKEN_BYTES))
+    data = seal(token, pkt)
+    assert job_of(data) == 513 and struct.unpack_from("<H", data, TOKEN_BYTES)[0] == 0x4647
+    assert unseal(data, token).seq == 7
+    with pytest.raises(BadTokenError):
+        unseal(data, bytes(TOKEN_BYTES))
+
+
+@pytest.mark.parametrize(("policy", "loss"), [("switchml", 0.05), ("atp", 0.05), ("esa", 0.0)])
+def test_ddp_training_through_the_switch_matches_the_default_hook(policy: str, loss: float) -> None:
+    """4 torchrun ranks, the digits MLP, DDP's default all-reduce vs
+    ``ina_hook``. Tolerance: the switch sums exactly in int32; the only error is
+    SwitchML's block quantisation, at most ``4**2 * 2**e / (2 * INT32_MAX)``
+    per value, ~7.5e-9 of each 1024-value block's largest gradient, so the mean
+    losses agree to float32 rounding (1e-5 leaves room for its accumulation
+    over 12 steps) and every rank holds the same switch-trained replica."""
+    from gradfabric.emu.train import EmuTrainConfig, run_emu_training
+
+    rec = run_emu_training(EmuTrainConfig(policy=policy, loss=loss, steps=12))
+    assert rec["max_loss_diff"] <= 1e-5 and rec["weights_max_diff"] <= 1e-5
+    assert rec["replica_spread"] == 0.0
+    assert rec["loss"]["switch"][-1] < rec["loss"]["switch"][0]  # it trains
+    c = rec["switch"]["counters"]
+    assert c["rx_gradient"] > 0 and (c.get("impair_loss", 0) > 0) == (loss > 0)
