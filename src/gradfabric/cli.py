@@ -197,6 +197,34 @@ def cmd_bench_omnireduce(args: argparse.Namespace) -> int:
     return 0 if all(r["max_abs_diff"] < 1e-3 for r in rows) else 1
 
 
+def cmd_bench_switch(args: argparse.Namespace) -> int:
+    from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
+
+    cfgs = [
+        SwitchBenchConfig(workers=w, tensor_mb=args.tensor_mb, iters=args.iters,
+                          policy=args.policy, job_slots=args.job_slots,
+                          values_per_packet=args.values_per_packet)
+        for w in _csv(args.workers, int) or (2, 4)
+    ]  # fmt: skip
+    rows = []
+    with _progress(len(cfgs), args.json) as tick:
+        for c in cfgs:
+            tick(f"{c.workers} workers")
+            rows.append(run_switch_bench(c))
+    if args.json:
+        for r in rows:
+            print(json.dumps({k: v for k, v in r.items() if k != "switch_counters"}))
+    else:
+        out.print(
+            _table(rows, f"software switch ({args.policy}) vs gloo all-reduce, loopback "
+                   f"(medians of {args.iters})",
+                   ["workers", "tensor_mb", "switch_ms", "gloo_ms", "goodput_gbps",
+                    "switch_cpu_gbps", "max_error"])
+        )  # fmt: skip
+    # both sum float32; the switch adds only block quantisation (~1e-8 of a block's peak)
+    return 0 if all(r["max_error"] < 1e-4 for r in rows) else 1
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from gradfabric.experiments import plots
     from gradfabric.planner.baselines import BASELINES
@@ -652,6 +680,25 @@ def build_parser() -> argparse.ArgumentParser:
     ee.add_argument("--out", help="results directory (default: results/esa-<time>)")
     ee.add_argument("--json", action="store_true", help="one JSON object per row")
     ee.set_defaults(fn=cmd_experiment_esa)
+
+    bw = bsub.add_parser(
+        "switch",
+        help="the software switch vs gloo all-reduce on loopback",
+        description="For each worker count: a switch daemon and that many gloo ranks "
+        "(torchrun) sum the same float32 tensor through the switch (what ina_hook does: "
+        "block-exponent round, quantisation, packets, decoding) and with "
+        "torch.distributed.all_reduce, alternating, medians of --iters after a warm-up. "
+        "goodput_gbps: tensor bits per second of switch time; switch_cpu_gbps: the same "
+        "per second of the switch process's CPU time (what one switch core sustains).",
+    )
+    bw.add_argument("--workers", default="2,4", help="comma-separated worker counts")
+    bw.add_argument("--tensor-mb", type=float, default=4.0)
+    bw.add_argument("--iters", type=int, default=5)
+    bw.add_argument("--policy", default="switchml", choices=["switchml", "atp", "esa"])
+    bw.add_argument("--job-slots", type=int, default=32, help="the workers' window")
+    bw.add_argument("--values-per-packet", type=int, default=2048)
+    bw.add_argument("--json", action="store_true", help="one JSON object per row")
+    bw.set_defaults(fn=cmd_bench_switch)
 
     pl = sub.add_parser(
         "plan",
