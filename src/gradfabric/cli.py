@@ -367,6 +367,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from gradfabric.experiments import (  # noqa: F401
         baselines,
         dlcp,
+        emulator,
         esa,
         granularity,
         omnireduce,
