@@ -363,6 +363,35 @@ def cmd_experiment_dlcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment_saatp_udp(args: argparse.Namespace) -> int:
+    from gradfabric.emu.saatp import SaatpEmuConfig, run_emu_saatp
+
+    cfg = SaatpEmuConfig(
+        workers=args.workers, iterations=args.iterations, compute_ms=args.compute_ms,
+        slowdown=args.slowdown,
+    )  # fmt: skip
+    rows = []
+    with _progress(2, args.json) as tick:
+        for helped in (False, True):
+            tick("SA-ATP" if helped else "ATP")
+            r = run_emu_saatp(cfg, helped)
+            rows.append(
+                {"scheme": "saatp" if helped else "atp", "workers": cfg.workers,
+                 "slowdown": cfg.slowdown, "iter_time_ms": r["median_iteration_ms"],
+                 "helps": r["helps_sent"], "abandoned": r["abandoned"], "exact": r["exact"]}
+            )  # fmt: skip
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        out.print(
+            _table(rows, f"ATP vs SA-ATP over UDP, worker {cfg.straggler} {cfg.slowdown:g}x "
+                   f"slower (median of {cfg.iterations - 1} iterations)",
+                   ["scheme", "iter_time_ms", "helps", "abandoned", "exact"])
+        )  # fmt: skip
+    return 0 if all(r["exact"] for r in rows) else 1
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from gradfabric.experiments import (  # noqa: F401
         baselines,
@@ -778,6 +807,22 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--switch", required=True, help="HOST:CONTROL_PORT")
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_stats)
+
+    eu = esub.add_parser(
+        "saatp-udp",
+        help="ATP vs SA-ATP through the switch daemon on UDP, one worker slowed",
+        description="A switch daemon (atp) and worker processes on loopback UDP; each "
+        "iteration a worker sleeps compute-ms (worker 1: times --slowdown), then pushes "
+        "its gradient (seeded ints: exact references). With SA-ATP the switch asks a "
+        "replica holder to compute and send the straggler's share. Side by side: the "
+        "median iteration time of each; every aggregate checked (exit 1 if one is wrong).",
+    )
+    eu.add_argument("--workers", type=int, default=4)
+    eu.add_argument("--iterations", type=int, default=8)
+    eu.add_argument("--compute-ms", type=float, default=100.0)
+    eu.add_argument("--slowdown", type=float, default=4.0)
+    eu.add_argument("--json", action="store_true", help="one JSON object per row")
+    eu.set_defaults(fn=cmd_experiment_saatp_udp)
 
     m = sub.add_parser("models", help="list the model catalog")
     m.add_argument("--json", action="store_true")

@@ -325,3 +325,17 @@ def test_ddp_training_through_the_switch_matches_the_default_hook(policy: str, l
     assert rec["loss"]["switch"][-1] < rec["loss"]["switch"][0]  # it trains
     c = rec["switch"]["counters"]
     assert c["rx_gradient"] > 0 and (c.get("impair_loss", 0) > 0) == (loss > 0)
+
+
+def test_saatp_over_udp_helps_the_straggler_and_stays_exact() -> None:
+    """One worker 4x slower: the switch asks a replica holder, which sends the
+    straggler's share under its bit; the straggler abandons helped iterations;
+    every worker's every result equals the int64 sum of all gradients."""
+    from gradfabric.emu.saatp import SaatpEmuConfig, run_emu_saatp
+
+    r = run_emu_saatp(SaatpEmuConfig(workers=3, iterations=4, compute_ms=60.0), help=True)
+    assert r["exact"]
+    assert r["helps_sent"] > 0 and r["abandoned"] > 0
+    assert r["switch"]["help_requests"] > 0 and r["switch"]["rx_help"] > 0
+    plain = run_emu_saatp(SaatpEmuConfig(workers=3, iterations=3, compute_ms=30.0), help=False)
+    assert plain["exact"] and plain["helps_sent"] == 0 and "rx_help" not in plain["switch"]

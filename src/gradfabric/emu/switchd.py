@@ -50,6 +50,7 @@ from gradfabric.proto.actions import Multicast, Send
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
 from gradfabric.proto.switch.atp import FREE
+from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.wire.packet import MAX_FAN_IN, MAX_WIRE_VALUES, Packet
 
 SWITCH, PS = "sw", "ps"
@@ -227,7 +228,11 @@ class SwitchDaemon:
                     if hit is None:
                         self.counters["drop_no_address"] += 1
                         continue
-                    raw = raw or seal(hit[0].token, a.pkt)
+                    try:
+                        raw = raw or seal(hit[0].token, a.pkt)
+                    except ValueError:  # an engine built a packet the wire cannot carry
+                        self.counters["drop_unencodable"] += 1
+                        break
                     self._emit(raw, hit[1])
 
     def _emit(self, raw: bytes, addr: Address) -> None:
@@ -256,10 +261,20 @@ class SwitchDaemon:
             self.counters["socket_error"] += 1
 
     # -- control plane --------------------------------------------------
-    def register(self, workers: int) -> dict[str, Any]:
+    def register(self, workers: int, sa_atp: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A new job of ``workers``; ``sa_atp`` (ATP/ESA only) turns on SA-ATP
+        straggler help with these ``HelpConfig`` fields (``iteration_packets``
+        required)."""
         cfg = self.cfg
         if not 1 <= workers <= MAX_FAN_IN:
             raise ConfigError("workers", f"must be in 1..{MAX_FAN_IN}")
+        helping = None
+        if sa_atp is not None:
+            if cfg.policy == "switchml":
+                raise ConfigError("help", "SA-ATP help runs on the atp and esa policies")
+            helping = HelpConfig(**sa_atp)
+            if helping.iteration_packets < 1:
+                raise ConfigError("iteration_packets", "SA-ATP needs packets per iteration")
         if len(self.jobs) >= 0xFFFF:
             raise ConfigError("jobs", "the switch is full")
         job_id = self.next_job
@@ -285,6 +300,8 @@ class SwitchDaemon:
             assert self.ps is not None
             self.switch.add_job(SwitchJob(job_id, names, parent=PS, window=window))
             self.ps.add_job(PsJob(job_id, names, via=SWITCH, window=4 * window))
+        if helping is not None:
+            self.switch.watch(job_id, helping)
         self.jobs[job_id] = job
         self.counters["jobs_registered"] += 1
         assert self.sock is not None
@@ -312,7 +329,7 @@ class SwitchDaemon:
     def _handle(self, req: dict[str, Any], peer: str) -> dict[str, Any]:
         op = req.get("op")
         if op == "register":
-            return self.register(int(req.get("workers", 0)))
+            return self.register(int(req.get("workers", 0)), req.get("help"))
         if op == "stats":
             return self.stats()
         job = self._job(req)

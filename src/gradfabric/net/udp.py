@@ -20,7 +20,7 @@ from typing import cast
 
 from gradfabric.core.errors import ProtocolError
 from gradfabric.emu.envelope import drop_reason, seal, unseal
-from gradfabric.proto.actions import Action, Deliver, Engine, Fail, Multicast, Send
+from gradfabric.proto.actions import Action, Deliver, Engine, Fail, HelpRequest, Multicast, Send
 from gradfabric.wire.packet import Packet, decode, encode
 
 Address = tuple[str, int]
@@ -34,9 +34,11 @@ class EngineProtocol(asyncio.DatagramProtocol):
         book: dict[str, Address],
         on_deliver: Callable[[Deliver], None] | None = None,
         token: bytes | None = None,
+        on_help: Callable[[HelpRequest], None] | None = None,
     ) -> None:
         self.engine = engine
         self.token = token
+        self.on_help = on_help
         self.book = book
         self.on_deliver = on_deliver
         self.transport: asyncio.DatagramTransport | None = None
@@ -74,6 +76,8 @@ class EngineProtocol(asyncio.DatagramProtocol):
                     self.on_deliver(a)
             elif isinstance(a, Fail) and not self.failed.done():
                 self.failed.set_result(a)
+            elif isinstance(a, HelpRequest) and self.on_help is not None:
+                self.on_help(a)
         self._arm()
 
     def _send(self, dst: str, raw: bytes) -> None:
@@ -104,10 +108,11 @@ async def open_engine(
     bind: Address,
     on_deliver: Callable[[Deliver], None] | None = None,
     token: bytes | None = None,
+    on_help: Callable[[HelpRequest], None] | None = None,
 ) -> tuple[asyncio.DatagramTransport, EngineProtocol]:
     loop = asyncio.get_running_loop()
     transport, proto = await loop.create_datagram_endpoint(
-        lambda: EngineProtocol(engine, book, on_deliver, token), local_addr=bind
+        lambda: EngineProtocol(engine, book, on_deliver, token, on_help), local_addr=bind
     )
     sock = transport.get_extra_info("socket")
     for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):

@@ -196,7 +196,7 @@ class WorkerEngine:
     @property
     def idle(self) -> bool:
         """True once every pushed sequence has its result."""
-        return self.base == self.next_seq
+        return self.base >= self.next_seq  # results may run ahead (SA-ATP help)
 
     # -- engine interface -------------------------------------------------
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:

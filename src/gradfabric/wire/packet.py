@@ -120,13 +120,15 @@ class Packet:
 
 def encode(pkt: Packet) -> bytes:
     """Serialise ``pkt``; raises ``ValueError`` for a packet we should never build."""
-    if pkt.payload is None:
-        raise ValueError("cannot encode a timing-only packet (payload is None)")
-    if pkt.count != len(pkt.payload) or pkt.count > MAX_WIRE_VALUES:
-        raise ValueError(f"count {pkt.count} does not match payload or exceeds {MAX_WIRE_VALUES}")
     want = np.float32 if pkt.flags & Flag.FLOAT else np.int32
-    if pkt.payload.dtype != want:
-        raise ValueError(f"payload dtype {pkt.payload.dtype} does not match flags ({want})")
+    if pkt.payload is None and pkt.count:
+        raise ValueError("cannot encode a timing-only packet (payload is None)")
+    # no payload and no values: a control packet (a NOTIFY), sent with an empty one
+    payload: np.ndarray = np.zeros(0, dtype=want) if pkt.payload is None else pkt.payload
+    if pkt.count != len(payload) or pkt.count > MAX_WIRE_VALUES:
+        raise ValueError(f"count {pkt.count} does not match payload or exceeds {MAX_WIRE_VALUES}")
+    if payload.dtype != want:
+        raise ValueError(f"payload dtype {payload.dtype} does not match flags ({want})")
     head = HEADER.pack(
         MAGIC,
         VERSION,
@@ -141,7 +143,7 @@ def encode(pkt: Packet) -> bytes:
         pkt.agg_index,
         pkt.bitmap,
     )
-    return head + pkt.payload.astype("<i4" if want is np.int32 else "<f4", copy=False).tobytes()
+    return head + payload.astype("<i4" if want is np.int32 else "<f4", copy=False).tobytes()
 
 
 def decode(data: bytes) -> Packet:
