@@ -392,6 +392,39 @@ def cmd_experiment_saatp_udp(args: argparse.Namespace) -> int:
     return 0 if all(r["exact"] for r in rows) else 1
 
 
+def cmd_experiment_dlcp_udp(args: argparse.Namespace) -> int:
+    from gradfabric.emu.dlcp import DlcpEmuConfig, run_emu_dlcp
+
+    cfg = DlcpEmuConfig(
+        workers=args.workers, rounds=args.rounds, port_mbps=args.port_mbps,
+        background_mbps=args.background_mbps,
+    )  # fmt: skip
+    rows = []
+    with _progress(2, args.json) as tick:
+        for reliable in (True, False):
+            tick("reliable" if reliable else "DLCP")
+            r = run_emu_dlcp(cfg, reliable)
+            port = r["port"]
+            rows.append(
+                {"scheme": r["scheme"], "round_ms": r["round_ms"], "lost_push": r["lost_push"],
+                 "lost_pull": r["lost_pull"], "wrong_share": r["wrong_share"]}
+                | {f"drop_rate_p{d}": port.get(f"queue_drop_precedence{d}", 0)
+                   / max(1, port.get(f"offered_precedence{d}", 0)) for d in range(4)}
+            )  # fmt: skip
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        out.print(
+            _table(rows, f"DLCP over UDP: {cfg.workers} workers, {cfg.port_mbps:g} Mbit/s port, "
+                   f"{cfg.background_mbps:g} Mbit/s background (median of {cfg.rounds} rounds)",
+                   ["scheme", "round_ms", "lost_push", "lost_pull", "drop_rate_p0",
+                    "drop_rate_p1", "drop_rate_p2", "drop_rate_p3"])
+        )  # fmt: skip
+    ok = rows[0]["wrong_share"] == 0 and rows[1]["lost_push"] <= cfg.push_bound
+    return 0 if ok and rows[1]["lost_pull"] <= cfg.pull_bound else 1
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from gradfabric.experiments import (  # noqa: F401
         baselines,
@@ -595,6 +628,8 @@ def cmd_switch_serve(args: argparse.Namespace) -> int:
         values_per_packet=args.values_per_packet, rto_ms=args.rto_ms, host=args.host,
         port=args.port, control_port=args.control_port, metrics_port=args.metrics_port,
         impair=Impairment(args.loss, args.dup, args.delay_us, args.jitter_us, args.seed),
+        port_mbps=args.port_mbps, port_buffer_kb=args.port_buffer_kb,
+        push_bound=args.push_bound, pull_bound=args.pull_bound,
     )  # fmt: skip
     daemon = SwitchDaemon(cfg)
 
@@ -776,7 +811,7 @@ def build_parser() -> argparse.ArgumentParser:
     swsub = sw.add_subparsers(dest="switch", required=True)
     ss = swsub.add_parser(
         "serve",
-        help="run the switch (SwitchML, ATP or ESA) on UDP until SIGTERM",
+        help="run the switch (SwitchML, ATP, ESA or DLCP) on UDP until SIGTERM",
         description="Serve in-network aggregation on a UDP port for any number of jobs. "
         "Jobs register on the control port (TCP, JSON lines) and get an id and a secret "
         "token; datagrams with a wrong token, an unknown job or a malformed packet are "
@@ -784,7 +819,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and out (user space: this kernel has no netem). Prints its addresses once ready "
         "(one JSON object with --json) and its final counters on SIGTERM or SIGINT.",
     )
-    ss.add_argument("--policy", default="atp", choices=["switchml", "atp", "esa"])
+    ss.add_argument("--policy", default="atp", choices=["switchml", "atp", "esa", "dlcp"])
     ss.add_argument("--slots", type=int, default=4096, help="aggregators in the pool")
     ss.add_argument(
         "--job-slots", type=int, default=32, help="SwitchML: slots per job; ATP/ESA: the window"
@@ -800,6 +835,13 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--delay-us", type=float, default=0.0)
     ss.add_argument("--jitter-us", type=float, default=0.0, help="uniform extra delay (reorders)")
     ss.add_argument("--seed", type=int, default=0)
+    ss.add_argument(
+        "--port-mbps", type=float, default=0.0,
+        help="dlcp: the rate of the port into the job servers (0: unshaped)",
+    )  # fmt: skip
+    ss.add_argument("--port-buffer-kb", type=int, default=256, help="dlcp: that port's buffer")
+    ss.add_argument("--push-bound", type=float, default=0.1, help="dlcp: loss bound, push")
+    ss.add_argument("--pull-bound", type=float, default=0.02, help="dlcp: loss bound, pull")
     ss.add_argument("--json", action="store_true")
     ss.set_defaults(fn=cmd_switch_serve)
 
@@ -823,6 +865,23 @@ def build_parser() -> argparse.ArgumentParser:
     eu.add_argument("--slowdown", type=float, default=4.0)
     eu.add_argument("--json", action="store_true", help="one JSON object per row")
     eu.set_defaults(fn=cmd_experiment_saatp_udp)
+
+    eq = esub.add_parser(
+        "dlcp-udp",
+        help="DLCP vs reliable over UDP through the switch's congested priority port",
+        description="A switch daemon (policy dlcp) hosts a DLCP server behind one port "
+        "served at --port-mbps with strict-priority queues and WRED by drop precedence; "
+        "workers push float32 tensors and pull the sums while a background job loads the "
+        "port. Rows: reliable (bounds 0) and DLCP (push 0.1, pull 0.02): round time, "
+        "shares of values lost (zero-filled), drop rate per precedence at the port "
+        "(0: the largest gradients). Exit 1 if reliable is inexact or a bound is broken.",
+    )
+    eq.add_argument("--workers", type=int, default=3)
+    eq.add_argument("--rounds", type=int, default=3)
+    eq.add_argument("--port-mbps", type=float, default=200.0)
+    eq.add_argument("--background-mbps", type=float, default=50.0)
+    eq.add_argument("--json", action="store_true", help="one JSON object per row")
+    eq.set_defaults(fn=cmd_experiment_dlcp_udp)
 
     m = sub.add_parser("models", help="list the model catalog")
     m.add_argument("--json", action="store_true")

@@ -74,6 +74,15 @@ def parse_address(text: str) -> Address:
 SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
 
 
+def switch_from_env() -> Address:
+    import os
+
+    env = os.environ.get(SWITCH_ENV)
+    if env is None:
+        raise ConfigError(SWITCH_ENV, "set it to the switch's HOST:CONTROL_PORT")
+    return parse_address(env)
+
+
 class InaClient:
     """Rank ``rank`` of the job ``ticket`` describes."""
 
@@ -85,15 +94,9 @@ class InaClient:
         """Every rank of a torch.distributed group calls this: rank 0 registers
         the job (at ``control``, or ``$GRADFABRIC_SWITCH``), the ticket goes to
         every rank over the group, and each rank opens its socket and says hello."""
-        import os
-
         import torch.distributed as dist
 
-        if control is None:
-            env = os.environ.get(SWITCH_ENV)
-            if env is None:
-                raise ConfigError(SWITCH_ENV, "set it to the switch's HOST:CONTROL_PORT")
-            control = parse_address(env)
+        control = control or switch_from_env()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         box: list[Ticket | None] = [Ticket.register(control, world) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)

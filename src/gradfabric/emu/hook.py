@@ -3,6 +3,8 @@
 ``ina_hook``: each gradient bucket is summed through the software switch
 with the job's policy (SwitchML, ATP or ESA) and averaged. Register it with
 ``model.register_comm_hook(InaClient.join(), ina_hook)`` in every rank.
+``dlcp_hook``: the same over DLCP's bounded-loss transport to the job's server
+behind the switch (``DlcpClient.join()``; the switch runs ``--policy dlcp``).
 
 (No ``from __future__ import annotations`` here: DDP compares the hook's
 ``bucket`` annotation with ``dist.GradBucket`` itself, not its string.)
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.emu.client import InaClient
+from gradfabric.emu.dlcp import DlcpClient
 
 
 def ina_hook(
@@ -21,6 +24,25 @@ def ina_hook(
     buf = bucket.buffer()
     flat = buf.detach().to(torch.float32).reshape(-1).numpy()
     avg = state.allreduce(flat) / state.ticket.workers
+    buf.copy_(torch.from_numpy(avg).reshape(buf.shape))
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def dlcp_hook(
+    state: DlcpClient,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
+) -> torch.futures.Future[torch.Tensor]:
+    """Each bucket pushed to the job's DLCP server and the sum pulled, within
+    the job's loss bounds (lost values read as zero), then averaged."""
+    buf = bucket.buffer()
+    flat = buf.detach().to(torch.float32).reshape(-1).numpy()
+    world = int(state.reply["workers"])
+    # DDP's bucket 0 holds the model's last layers: DLCP serves front layers first
+    state.buckets = max(state.buckets, bucket.index() + 1)
+    layer = state.buckets - 1 - bucket.index()
+    avg = state.allreduce(flat, layer, state.buckets) / world
     buf.copy_(torch.from_numpy(avg).reshape(buf.shape))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)

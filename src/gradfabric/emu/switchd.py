@@ -46,8 +46,10 @@ from gradfabric.core.errors import ConfigError, ProtocolError
 from gradfabric.core.trace import Counters
 from gradfabric.emu.envelope import TOKEN_BYTES, drop_reason, job_of, seal, unseal
 from gradfabric.net.udp import SOCKET_BUFFER_BYTES, Address
-from gradfabric.proto.actions import Multicast, Send
+from gradfabric.proto.actions import Action, Engine, Multicast, Send
+from gradfabric.proto.dlcp import DlcpServer
 from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
 from gradfabric.proto.switch.atp import FREE
 from gradfabric.proto.switch.straggler import HelpConfig
@@ -55,7 +57,8 @@ from gradfabric.wire.packet import MAX_FAN_IN, MAX_WIRE_VALUES, Packet
 
 SWITCH, PS = "sw", "ps"
 DRAIN_BATCH = 256  # datagrams read per wake-up
-POLICIES = ("switchml", "atp", "esa")
+BURST_S = 0.001  # the DLCP port's credit after idling: one timer tick
+POLICIES = ("switchml", "atp", "esa", "dlcp")
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,11 @@ class SwitchConfig:
     control_port: int = 0
     metrics_port: int | None = None
     impair: Impairment = field(default_factory=Impairment)
+    # DLCP: the port into the job's server (0: unshaped) and the loss bounds
+    port_mbps: float = 0.0
+    port_buffer_kb: int = 256
+    push_bound: float = 0.1
+    pull_bound: float = 0.02
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -96,6 +104,11 @@ class SwitchConfig:
             raise ConfigError("values_per_packet", f"must be in 1..{MAX_WIRE_VALUES}")
         if self.rto_ms <= 0:
             raise ConfigError("rto_ms", "must be > 0")
+        if self.port_mbps < 0 or self.port_buffer_kb < 1:
+            raise ConfigError("port_mbps", "must be >= 0, with a buffer of >= 1 KB")
+        for name in ("push_bound", "pull_bound"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
 
 
 @dataclass
@@ -104,6 +117,7 @@ class _Job:
     token: bytes
     workers: int
     slot_base: int
+    kind: str = "ina"  # or "dlcp" (a DLCP job), "background" (traffic for the port)
     addrs: dict[int, Address] = field(default_factory=dict)
 
 
@@ -111,12 +125,27 @@ def worker_name(job_id: int, rank: int) -> str:
     return f"j{job_id}w{rank}"
 
 
+def server_name(job_id: int) -> str:
+    return f"j{job_id}ps"
+
+
 class SwitchDaemon:
     def __init__(self, cfg: SwitchConfig) -> None:
         self.cfg = cfg
-        self.switch = SwitchEngine.build(SWITCH, cfg.policy, cfg.slots)
-        self.ps = ParameterServer(PS) if cfg.policy != "switchml" else None
+        # DLCP jobs bypass the aggregation engine (an idle ATP pool there)
+        self.switch = SwitchEngine.build(SWITCH, "atp" if cfg.policy == "dlcp" else cfg.policy,
+                                         cfg.slots)  # fmt: skip
+        self.ps = ParameterServer(PS) if cfg.policy in ("atp", "esa") else None
+        self.local: dict[str, Engine] = {SWITCH: self.switch}  # engines hosted here
+        if self.ps is not None:
+            self.local[PS] = self.ps
+        self.timers: dict[str, tuple[int, asyncio.TimerHandle]] = {}
         self.counters = Counters()
+        self.port: PortQueues[tuple[_Job, Packet]] = PortQueues(
+            cfg.port_buffer_kb * 1024, self.counters
+        )
+        self.port_clock = 0.0  # loop time at which the port is free
+        self.port_wake = False
         self.jobs: dict[int, _Job] = {}
         self.book: dict[str, tuple[_Job, Address]] = {}
         self.next_job = 1
@@ -199,20 +228,65 @@ class SwitchDaemon:
         except ProtocolError as e:
             self.counters[drop_reason(e)] += 1
             return
-        self._run(SWITCH, pkt)
+        if job.kind != "ina" and self.cfg.port_mbps > 0:
+            self._port_offer(job, pkt, len(data))
+        else:
+            self._arrive(job, pkt)
+
+    def _arrive(self, job: _Job, pkt: Packet) -> None:
+        if job.kind == "background":
+            self.counters["bg_delivered"] += 1
+        else:
+            self._run(server_name(job.job_id) if job.kind == "dlcp" else SWITCH, pkt)
+
+    # The DLCP port: strict-priority queues with WRED (``proto.qos``), served at
+    # ``port_mbps`` in front of the jobs' servers. The event loop's timers are
+    # no finer than a millisecond, so the port keeps a virtual clock (when it
+    # is free again) and on each wake-up sends everything that clock allows,
+    # most urgent queue first; idle time gives at most BURST_S of credit.
+    def _port_offer(self, job: _Job, pkt: Packet, size: int) -> None:
+        self.port.offer((job, pkt), size, pkt.priority, self.rng.random())
+        self._port_kick()
+
+    def _port_kick(self) -> None:
+        if not self.port_wake:
+            self.port_wake = True
+            loop = asyncio.get_running_loop()
+            loop.call_at(max(loop.time(), self.port_clock), self._port_tick)
+
+    def _port_tick(self) -> None:
+        self.port_wake = False
+        now = asyncio.get_running_loop().time()
+        self.port_clock = max(self.port_clock, now - BURST_S)
+        rate = self.cfg.port_mbps * 1e6 / 8
+        while self.port_clock <= now:
+            nxt = self.port.take()
+            if nxt is None:
+                break
+            (job, pkt), size = nxt
+            self.port_clock += size / rate
+            self.counters["port_served"] += 1
+            if job.job_id in self.jobs:
+                self._arrive(job, pkt)
+        if self.port.backlog > 0:
+            self._port_kick()
 
     def _run(self, name: str, pkt: Packet) -> None:
-        """Feed ``pkt`` to a local engine and follow its actions: to the other
-        local engine by call, to workers by datagram."""
+        """Feed ``pkt`` to a local engine and follow its actions."""
+        engine = self.local.get(name)
+        if engine is None:
+            self.counters["drop_no_engine"] += 1
+            return
+        self._follow(name, engine.on_packet(pkt, time.monotonic_ns()))
+
+    def _follow(self, name: str, actions: list[Action]) -> None:
+        """Carry out ``name``'s actions: to other local engines by call, to
+        workers by datagram; then re-arm the timers of the engines involved."""
         now = time.monotonic_ns()
-        work: deque[tuple[str, Packet]] = deque([(name, pkt)])
-        while work:
-            name, pkt = work.popleft()
-            engine = self.switch if name == SWITCH else self.ps
-            if engine is None:
-                self.counters["drop_no_engine"] += 1
-                continue
-            for a in engine.on_packet(pkt, now):
+        work: deque[tuple[str, Packet]] = deque()
+        touched = {name}
+        while True:
+            for a in actions:
                 if isinstance(a, Send):
                     targets: tuple[str, ...] = (a.dst,)
                 elif isinstance(a, Multicast):
@@ -221,7 +295,7 @@ class SwitchDaemon:
                     continue
                 raw: bytes | None = None
                 for dst in targets:
-                    if dst in (SWITCH, PS):
+                    if dst in self.local:
                         work.append((dst, a.pkt))
                         continue
                     hit = self.book.get(dst)
@@ -234,6 +308,32 @@ class SwitchDaemon:
                         self.counters["drop_unencodable"] += 1
                         break
                     self._emit(raw, hit[1])
+            if not work:
+                break
+            name, pkt = work.popleft()
+            touched.add(name)
+            actions = self.local[name].on_packet(pkt, now)
+        for n in touched:
+            self._arm(n)
+
+    def _arm(self, name: str) -> None:
+        engine = self.local.get(name)
+        d = None if engine is None else engine.next_deadline()
+        held = self.timers.get(name)
+        if held is not None and (d is None or held[0] > d):
+            held[1].cancel()
+            del self.timers[name]
+            held = None
+        if d is not None and held is None:
+            handle = asyncio.get_running_loop().call_at(d / 1e9, self._fire, name, d)
+            self.timers[name] = (d, handle)
+
+    def _fire(self, name: str, when: int) -> None:
+        if self.timers.get(name, (None,))[0] == when:
+            del self.timers[name]
+        engine = self.local.get(name)
+        if engine is not None:
+            self._follow(name, engine.on_timer(time.monotonic_ns()))
 
     def _emit(self, raw: bytes, addr: Address) -> None:
         imp, rng = self.cfg.impair, self.rng
@@ -261,13 +361,19 @@ class SwitchDaemon:
             self.counters["socket_error"] += 1
 
     # -- control plane --------------------------------------------------
-    def register(self, workers: int, sa_atp: dict[str, Any] | None = None) -> dict[str, Any]:
+    def register(
+        self, workers: int, sa_atp: dict[str, Any] | None = None, kind: str = "ina"
+    ) -> dict[str, Any]:
         """A new job of ``workers``; ``sa_atp`` (ATP/ESA only) turns on SA-ATP
         straggler help with these ``HelpConfig`` fields (``iteration_packets``
-        required)."""
+        required). Under the ``dlcp`` policy ``kind`` is ``dlcp`` (a job whose
+        server lives here) or ``background`` (traffic that only loads the port)."""
         cfg = self.cfg
         if not 1 <= workers <= MAX_FAN_IN:
             raise ConfigError("workers", f"must be in 1..{MAX_FAN_IN}")
+        kinds = ("dlcp", "background") if cfg.policy == "dlcp" else ("ina",)
+        if kind not in kinds:
+            raise ConfigError("kind", f"the {cfg.policy} switch takes {', '.join(kinds)} jobs")
         helping = None
         if sa_atp is not None:
             if cfg.policy == "switchml":
@@ -291,10 +397,18 @@ class SwitchDaemon:
                 base = max(base, hi)
             if base + cfg.job_slots > cfg.slots:
                 raise ConfigError("slots", f"no free range of {cfg.job_slots} slots left")
-        job = _Job(job_id, secrets.token_bytes(TOKEN_BYTES), workers, base)
+        job = _Job(job_id, secrets.token_bytes(TOKEN_BYTES), workers, base, kind)
         names = tuple(worker_name(job_id, r) for r in range(workers))
         window = cfg.job_slots
-        if cfg.policy == "switchml":
+        rto_ns = int(cfg.rto_ms * 1e6)
+        if kind == "dlcp":
+            self.local[server_name(job_id)] = DlcpServer(
+                server_name(job_id), job_id, list(names), cfg.push_bound,
+                cfg.values_per_packet, rto_ns,
+            )  # fmt: skip
+        elif kind == "background":
+            pass
+        elif cfg.policy == "switchml":
             self.switch.add_job(SwitchJob(job_id, names, slot_base=base, slot_count=window))
         else:
             assert self.ps is not None
@@ -315,8 +429,9 @@ class SwitchDaemon:
             "slot_base": base,
             "window": window,
             "values_per_packet": cfg.values_per_packet,
-            "rto_ns": int(cfg.rto_ms * 1e6),
-        }
+            "rto_ns": rto_ns,
+        } | ({"kind": kind, "server": server_name(job_id), "push_bound": cfg.push_bound,
+              "pull_bound": cfg.pull_bound} if cfg.policy == "dlcp" else {})  # fmt: skip
 
     def _job(self, req: dict[str, Any]) -> _Job:
         job = self.jobs.get(int(req.get("job_id", -1)))
@@ -329,7 +444,8 @@ class SwitchDaemon:
     def _handle(self, req: dict[str, Any], peer: str) -> dict[str, Any]:
         op = req.get("op")
         if op == "register":
-            return self.register(int(req.get("workers", 0)), req.get("help"))
+            kind = str(req.get("kind", "dlcp" if self.cfg.policy == "dlcp" else "ina"))
+            return self.register(int(req.get("workers", 0)), req.get("help"), kind)
         if op == "stats":
             return self.stats()
         job = self._job(req)
@@ -342,13 +458,19 @@ class SwitchDaemon:
             self.book[worker_name(job.job_id, rank)] = (job, addr)
             return {"ok": True, "ready": len(job.addrs) == job.workers}
         if op == "missing":
+            server = self.local.get(server_name(job.job_id))
+            if isinstance(server, DlcpServer):
+                ranks = sorted({w for (w, _), t in server.rx.tensors.items() if not t.done})
+                return {"missing": ranks}
             names = set(self.switch.missing_children(job.job_id))
             if self.ps is not None:
                 names |= set(self.ps.missing_workers(job.job_id))
             ranks = sorted(r for r in range(job.workers) if worker_name(job.job_id, r) in names)
             return {"missing": ranks}
         if op == "unregister":
-            self.switch.remove_job(job.job_id)
+            if job.kind == "ina":
+                self.switch.remove_job(job.job_id)
+            self.local.pop(server_name(job.job_id), None)
             for r in range(job.workers):
                 self.book.pop(worker_name(job.job_id, r), None)
             del self.jobs[job.job_id]
@@ -383,9 +505,11 @@ class SwitchDaemon:
 
     def stats(self) -> dict[str, Any]:
         merged = Counters()
-        for c in (self.counters, self.switch.counters, self.ps.counters if self.ps else None):
-            for k, v in (c or {}).items():
+        for e in self.local.values():
+            for k, v in e.counters.items():
                 merged[k] += v
+        for k, v in self.counters.items():
+            merged[k] += v
         return {
             "policy": self.cfg.policy,
             "uptime_s": (time.monotonic_ns() - self.started_ns) / 1e9,

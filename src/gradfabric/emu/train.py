@@ -5,10 +5,12 @@ its own process, with the chosen policy and impairments) and ``ranks`` gloo
 processes with torchrun. Each rank trains two replicas of the digits MLP
 side by side from the same weights on the same batches: one with DDP's
 default all-reduce, one with ``ina_hook`` (every gradient bucket summed
-through the switch). Reported: both loss curves (the global mean per step),
-per-step times, both test accuracies, the largest weight difference between
-the replicas, whether the switch-trained replicas are identical across
-ranks, and the switch's final counters.
+through the switch; with policy ``dlcp``: ``dlcp_hook``, the bucket pushed
+to the job's DLCP server behind the switch's port within the loss bounds).
+Reported: both loss curves (the global mean per step), per-step times, both
+test accuracies, the largest weight difference between the replicas, whether
+the switch-trained replicas are identical across ranks, and the switch's
+final counters.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV, InaClient
-from gradfabric.emu.hook import ina_hook
+from gradfabric.emu.dlcp import DlcpClient
+from gradfabric.emu.hook import dlcp_hook, ina_hook
 from gradfabric.workloads.digits import digits_data, digits_mlp
 
 
@@ -42,6 +45,7 @@ class EmuTrainConfig:
     seed: int = 0
     loss: float = 0.0  # switch impairment: drop probability per datagram, each way
     timeout_s: float = 60.0
+    port_mbps: float = 0.0  # dlcp: the port into the server (0: unshaped)
 
     def __post_init__(self) -> None:
         if self.ranks < 2 or self.steps < 1 or self.batch < 1:
@@ -52,11 +56,10 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
     from gradfabric.emu.harness import switch_daemon
     from gradfabric.net.launch import run_ranks
 
-    with (
-        switch_daemon("--policy", cfg.policy, "--loss", str(cfg.loss), "--seed", str(cfg.seed))
-        as sw,
-        tempfile.TemporaryDirectory() as tmp,
-    ):  # fmt: skip
+    options = ["--policy", cfg.policy, "--loss", str(cfg.loss), "--seed", str(cfg.seed)]
+    if cfg.policy == "dlcp":
+        options += ["--port-mbps", str(cfg.port_mbps), "--values-per-packet", "256"]
+    with switch_daemon(*options) as sw, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "train.json")
         run_ranks(
             cfg.ranks, "gradfabric.emu.train", [json.dumps(asdict(cfg)), out],
@@ -78,13 +81,20 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     xtr, ytr, xte, yte = digits_data()
-    client = InaClient.join(timeout_s=cfg.timeout_s)
+    client: InaClient | DlcpClient = (
+        DlcpClient.join(timeout_s=cfg.timeout_s)
+        if cfg.policy == "dlcp"
+        else InaClient.join(timeout_s=cfg.timeout_s)
+    )
     replicas = {}
     for name in ("default", "switch"):
         torch.manual_seed(cfg.seed)
         model = DDP(digits_mlp())
         if name == "switch":
-            model.register_comm_hook(client, ina_hook)
+            if isinstance(client, DlcpClient):
+                model.register_comm_hook(client, dlcp_hook)
+            else:
+                model.register_comm_hook(client, ina_hook)
         replicas[name] = (model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9))
     loss_log: dict[str, list[float]] = {k: [] for k in replicas}
     times: dict[str, list[float]] = {k: [] for k in replicas}

@@ -1,8 +1,9 @@
 """DLCP: loss-tolerant, prioritised gradient transport, as sans-I/O engines.
 
 Every packet carries what it is (tensor id in ``layer``, first value in
-``agg_index``, ``count`` values, priority class in ``priority``, sender in
-``worker_id``), so arrival order never matters: the receiver writes each
+``agg_index``, ``count`` values, the tensor's length in ``bitmap`` with
+``fan_in`` 64, priority class in ``priority``, sender in ``worker_id``), so
+arrival order never matters: the receiver writes each
 packet where it belongs. A tensor of ``n`` values completes once at least
 ``(1 - p) n`` of its values have arrived (``p``: the tensor's loss bound);
 the missing ones read as zero, and the receiver ACKs the tensor. Below the
@@ -44,9 +45,10 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Send
-from gradfabric.wire.packet import Flag, Packet, traffic_class
+from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, traffic_class
 
 MAG_CLASSES = 4
+MAX_TENSOR = 1 << 31  # values in one tensor
 PROBE = 1  # ``seq`` of a data packet re-sent as a probe (0 otherwise)
 MAX_BACKOFF = 64  # silent rounds double the wait, up to this many rto
 
@@ -116,10 +118,18 @@ class DlcpReceiver:
     deadlines_only_grow = True
 
     def __init__(
-        self, name: str, job_id: int, rank: int, senders: list[str], rto_ns: int = 200_000
-    ) -> None:
+        self, name: str, job_id: int, rank: int, senders: list[str], rto_ns: int = 200_000,
+        accept_bound: float | None = None, keep_done: int = 4096,
+    ) -> None:  # fmt: skip
         self.name, self.job_id, self.rank, self.senders = name, job_id, rank, senders
         self.rto_ns = rto_ns
+        # A server does not know what is coming: with ``accept_bound`` the first
+        # packet of an unknown tensor announces it (its length rides in every
+        # packet) under that bound. Finished tensors are forgotten after
+        # ``keep_done`` newer ones finish (a late duplicate of an older one is
+        # then a counted drop, not a new tensor).
+        self.accept_bound, self.keep_done = accept_bound, keep_done
+        self.finished: dict[tuple[int, int], None] = {}
         self.counters = Counters()
         self.tensors: dict[tuple[int, int], _Incoming] = {}
         self.heard: dict[int, int] = {}  # sender -> when a packet of it last arrived
@@ -141,7 +151,19 @@ class DlcpReceiver:
         return 1 - t.received / max(1, t.count)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
-        t = self.tensors.get((pkt.worker_id, pkt.layer))
+        key = (pkt.worker_id, pkt.layer)
+        t = self.tensors.get(key)
+        if (
+            t is None
+            and self.accept_bound is not None
+            and pkt.job_id == self.job_id
+            and not pkt.flags & (Flag.RESEND | Flag.ACK)
+            and 0 <= pkt.worker_id < len(self.senders)
+            and 0 < pkt.bitmap <= MAX_TENSOR
+            and key not in self.finished
+        ):
+            self.expect(pkt.worker_id, pkt.layer, pkt.bitmap, self.accept_bound, now_ns)
+            t = self.tensors[key]
         if pkt.job_id != self.job_id or t is None or pkt.flags & (Flag.RESEND | Flag.ACK):
             self.counters["drop_foreign"] += 1
             return []
@@ -182,6 +204,12 @@ class DlcpReceiver:
             return []
         t.done = True
         self.counters["completed"] += 1
+        if self.accept_bound is not None:  # a server: forget old tensors
+            self.finished[(sender, tensor)] = None
+            while len(self.finished) > self.keep_done:
+                old = next(iter(self.finished))
+                del self.finished[old]
+                self.tensors.pop(old, None)
         self.counters["values_lost"] += t.count - t.received
         res = Packet(self.job_id, sender, tensor, 0, 0, 1, 0, 0, tensor, t.count, t.values)
         return [Deliver(tensor, res), self._ack(sender, tensor)]
@@ -277,7 +305,8 @@ class DlcpSender:
         vals = None if t.values is None else t.values[lo:hi]
         prio = int(t.priority[lo // self.per_packet])
         seq = PROBE if probe else 0
-        pkt = Packet(self.job_id, self.rank, seq, lo, 0, 1, Flag.FLOAT, prio, tensor, hi - lo, vals)
+        pkt = Packet(self.job_id, self.rank, seq, lo, t.count, MAX_FAN_IN, Flag.FLOAT, prio,
+                     tensor, hi - lo, vals)  # fmt: skip
         self.counters["packets"] += 1
         return Send(self.receiver, pkt)
 
@@ -311,3 +340,88 @@ class DlcpSender:
 
     def next_deadline(self) -> int | None:
         return self.tick
+
+
+class DlcpEndpoint:
+    """A DLCP host: one receiver and its senders on one node. ACKs and range
+    requests go to the sender they name (``worker_id`` of the peer that sent
+    them); data goes to the receiver."""
+
+    deadlines_only_grow = False  # the senders' and the receiver's ticks interleave
+
+    def __init__(self, name: str, rx: DlcpReceiver, tx: list[DlcpSender]) -> None:
+        self.name, self.rx, self.tx = name, rx, tx
+        self.counters = Counters()
+        self.engines: list[DlcpReceiver | DlcpSender] = [rx, *tx]
+        for e in self.engines:
+            e.counters = self.counters
+
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+        if pkt.flags & (Flag.RESEND | Flag.ACK):
+            if not 0 <= pkt.worker_id < len(self.tx) and len(self.tx) > 1:
+                self.counters["drop_foreign"] += 1
+                return []
+            return self.tx[pkt.worker_id if len(self.tx) > 1 else 0].on_packet(pkt, now_ns)
+        return self.rx.on_packet(pkt, now_ns)
+
+    def on_timer(self, now_ns: int) -> list[Action]:
+        out: list[Action] = []
+        for e in self.engines:
+            d = e.next_deadline()
+            if d is not None and d <= now_ns:
+                out += e.on_timer(now_ns)
+        return out
+
+    def next_deadline(self) -> int | None:
+        ds = [d for e in self.engines if (d := e.next_deadline()) is not None]
+        return min(ds) if ds else None
+
+
+class DlcpServer(DlcpEndpoint):
+    """A parameter server over DLCP: it takes each worker's copy of a tensor
+    (announced by its first packet) within ``push_bound``, and once every
+    worker's copy is complete sends the float64-accumulated sum to every
+    worker (each of whom expects it within its pull bound). The pull keeps
+    the push's layer half, read from the packets' traffic class."""
+
+    def __init__(
+        self, name: str, job_id: int, workers: list[str], push_bound: float,
+        per_packet: int = 256, rto_ns: int = 200_000,
+    ) -> None:  # fmt: skip
+        rx = DlcpReceiver(name, job_id, 0, workers, rto_ns, accept_bound=push_bound)
+        tx = [DlcpSender(name, job_id, 0, w, per_packet, rto_ns) for w in workers]
+        super().__init__(name, rx, tx)
+        self.sums: dict[int, tuple[np.ndarray, set[int]]] = {}
+        self.back: dict[int, int] = {}  # tensor -> layer half (0 front, 1 back)
+
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+        if not pkt.flags & (Flag.RESEND | Flag.ACK):
+            self.back.setdefault(pkt.layer, pkt.priority >> 4)
+        out: list[Action] = []
+        for a in super().on_packet(pkt, now_ns):
+            if isinstance(a, Deliver):
+                out += self._merge(a, now_ns)
+            else:
+                out.append(a)
+        return out
+
+    def _merge(self, d: Deliver, now_ns: int) -> list[Action]:
+        tensor, w, vals = d.seq, d.pkt.worker_id, d.pkt.payload
+        if vals is None:
+            return []
+        acc, seen = self.sums.setdefault(tensor, (np.zeros(len(vals)), set()))
+        if w in seen or len(acc) != len(vals):
+            self.counters["drop_mismatch"] += 1
+            return []
+        acc += vals
+        seen.add(w)
+        if len(seen) < len(self.tx):
+            return []
+        del self.sums[tensor]
+        total = acc.astype(np.float32)
+        layer = self.back.pop(tensor, 0)
+        self.counters["sums"] += 1
+        out: list[Action] = []
+        for tx in self.tx:
+            out += tx.send(tensor, len(total), layer, 2, values=total, now_ns=now_ns)
+        return out

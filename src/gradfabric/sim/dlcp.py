@@ -39,11 +39,11 @@ import numpy as np
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Send
-from gradfabric.proto.dlcp import DlcpReceiver, DlcpSender
+from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import LinkSpec, Network
 from gradfabric.sim.topology import leaf_spine
-from gradfabric.wire.packet import Flag, Packet, traffic_class
+from gradfabric.wire.packet import Packet, traffic_class
 
 JOB = 1
 BG_JOB = 9
@@ -112,41 +112,6 @@ class _Background:
 
     def stop(self) -> None:
         self.at = None
-
-
-class _Host:
-    """A DLCP endpoint: one receiver and its senders on one node. ACKs and
-    range requests go to the sender they name (``worker_id`` of the peer
-    that sent them); data goes to the receiver."""
-
-    deadlines_only_grow = False  # the senders' and the receiver's ticks interleave
-
-    def __init__(self, name: str, rx: DlcpReceiver, tx: list[DlcpSender]) -> None:
-        self.name, self.rx, self.tx = name, rx, tx
-        self.counters = Counters()
-        self.engines: list[DlcpReceiver | DlcpSender] = [rx, *tx]
-        for e in self.engines:
-            e.counters = self.counters
-
-    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
-        if pkt.flags & (Flag.RESEND | Flag.ACK):
-            if not 0 <= pkt.worker_id < len(self.tx) and len(self.tx) > 1:
-                self.counters["drop_foreign"] += 1
-                return []
-            return self.tx[pkt.worker_id if len(self.tx) > 1 else 0].on_packet(pkt, now_ns)
-        return self.rx.on_packet(pkt, now_ns)
-
-    def on_timer(self, now_ns: int) -> list[Action]:
-        out: list[Action] = []
-        for e in self.engines:
-            d = e.next_deadline()
-            if d is not None and d <= now_ns:
-                out += e.on_timer(now_ns)
-        return out
-
-    def next_deadline(self) -> int | None:
-        ds = [d for e in self.engines if (d := e.next_deadline()) is not None]
-        return min(ds) if ds else None
 
 
 def _starter(fn: Callable[[int, int], None], w: int, loop: EventLoop) -> Callable[[object], None]:
@@ -228,7 +193,7 @@ class _Job:
         """The share of the workers' gradient values that never reached the sum."""
         raise NotImplementedError
 
-    def run(self, hosts: list[_Host]) -> DlcpResult:
+    def run(self, hosts: list[DlcpEndpoint]) -> DlcpResult:
         cfg, loop = self.cfg, self.loop
         for i in range(cfg.workers):
             loop.at(int(cfg.compute_ms * 1e6), _starter(self.start, i, loop))
@@ -265,14 +230,14 @@ class _PsJob(_Job):
             uplink.ps_per_byte = 8e12 / (fair * 1e9)
         rto = int(cfg.rto_us * 1000)
         self.wk = [
-            _Host(
+            DlcpEndpoint(
                 w,
                 DlcpReceiver(w, JOB, i, ["ps"], rto),
                 [DlcpSender(w, JOB, i, "ps", cfg.per_packet, rto)],
             )
             for i, w in enumerate(self.workers)
         ]
-        self.ps = _Host(
+        self.ps = DlcpEndpoint(
             "ps",
             DlcpReceiver("ps", JOB, 0, self.workers, rto),
             [DlcpSender("ps", JOB, 0, w, cfg.per_packet, rto) for w in self.workers],
@@ -349,7 +314,7 @@ class _RingJob(_Job):
         rto = int(cfg.rto_us * 1000)
         ws = self.workers
         self.hosts = [
-            _Host(
+            DlcpEndpoint(
                 w,
                 DlcpReceiver(w, JOB, 0, [ws[(i - 1) % n]], rto),
                 [DlcpSender(w, JOB, 0, ws[(i + 1) % n], pp, rto)],

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
@@ -37,6 +36,7 @@ from gradfabric.proto.actions import (
     NoTimers,
     Send,
 )
+from gradfabric.proto.qos import PortQueues
 from gradfabric.sim.loop import EventLoop
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Flag, Packet
 
@@ -73,10 +73,6 @@ class LinkSpec:
                 raise ConfigError(name, f"must be in [0, 1), got {v}")
         if self.queue_bytes < 0 or self.ecn_bytes < 0:
             raise ConfigError("queue_bytes", "must be >= 0")
-
-
-PRIORITY_QUEUES = 8  # egress queues by the priority byte's high nibble
-DROP_LEVELS = 4  # WRED drop precedences by its low nibble
 
 
 class Link:
@@ -160,33 +156,21 @@ class Link:
 
 
 class PriorityLink(Link):
-    """A switch egress port that reads a packet's ``priority`` byte as
-    ``wire.packet.traffic_class`` does: one FIFO per queue (high nibble),
-    served in strict priority (queue 0 first; a packet in service finishes),
-    and WRED by drop precedence (low nibble) on the port's backlog: precedence
-    ``d > 0`` is dropped with a probability rising from 0 at
-    ``(1 - (d + 1) / 8) Q`` to 1 at ``(1 - d / 8) Q`` bytes (``Q``: the
-    buffer), precedence 0 only when the buffer is full. So under congestion
-    the least important packets are dropped first (from half the buffer up),
-    the most important never before the buffer is full, and the most urgent
-    queue is sent first. ECN marks above ``ecn_bytes`` as the FIFO does.
+    """A switch egress port with strict-priority queues and WRED by drop
+    precedence (``proto.qos.PortQueues``: the priority byte as
+    ``wire.packet.traffic_class`` writes it); a packet in service finishes.
+    ECN marks above ``ecn_bytes`` as the FIFO does.
 
     Unlike the FIFO ``Link`` this needs an event per dequeue (the order of
     departure depends on what arrives later), so it is used only where
     priorities are on."""
 
-    __slots__ = ("backlog", "busy", "queues", "red")
+    __slots__ = ("busy", "port")
 
     def __init__(self, net: Network, src: str, dst: Node, spec: LinkSpec) -> None:
         super().__init__(net, src, dst, spec)
-        self.queues: list[deque[tuple[str, Packet, int]]] = [
-            deque() for _ in range(PRIORITY_QUEUES)
-        ]
-        self.backlog = 0  # bytes waiting (not counting the packet in service)
+        self.port: PortQueues[tuple[str, Packet]] = PortQueues(spec.queue_bytes, net.counters)
         self.busy = False
-        q = spec.queue_bytes
-        self.red = [(q * (1 - (d + 1) / 8), q * (1 - d / 8)) if d else (q, q)
-                    for d in range(DROP_LEVELS)]  # fmt: skip
 
     def send(self, dst: str, pkt: Packet) -> None:
         count = pkt.count
@@ -197,17 +181,9 @@ class PriorityLink(Link):
         if not self.busy:
             self._start(dst, pkt, size, self.loop.now * PS_PER_NS)
             return
-        d = min(pkt.priority & 15, DROP_LEVELS - 1)
-        lo, hi = self.red[d]
-        after = self.backlog + size
-        if after > hi or (after > lo and self.rng.random() < (after - lo) / (hi - lo)):
-            self.counters["queue_drop"] += 1
-            self.counters[f"queue_drop_precedence{d}"] += 1
-            return
-        if self.ecn_bytes and self.backlog > self.ecn_bytes:
+        if self.ecn_bytes and self.port.backlog > self.ecn_bytes:
             pkt.flags |= Flag.ECN
-        self.queues[min(pkt.priority >> 4, PRIORITY_QUEUES - 1)].append((dst, pkt, size))
-        self.backlog = after
+        self.port.offer((dst, pkt), size, pkt.priority, self.rng.random())
 
     def _start(self, dst: str, pkt: Packet, size: int, start_ps: int) -> None:
         self.busy = True
@@ -227,13 +203,11 @@ class PriorityLink(Link):
 
     def _next(self, _arg: object) -> None:
         self.busy = False
-        for q in self.queues:
-            if q:
-                dst, pkt, size = q.popleft()
-                self.backlog -= size
-                # back to back with the previous packet, in picoseconds
-                self._start(dst, pkt, size, self.busy_until_ps)
-                return
+        nxt = self.port.take()
+        if nxt is not None:
+            (dst, pkt), size = nxt
+            # back to back with the previous packet, in picoseconds
+            self._start(dst, pkt, size, self.busy_until_ps)
 
 
 class Node:

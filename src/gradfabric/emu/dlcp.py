@@ -1,0 +1,255 @@
+"""DLCP over UDP: workers push tensors to a DLCP server behind the switch
+daemon's congested port and pull the sum, both within their loss bounds.
+
+The switch daemon (policy ``dlcp``) hosts each DLCP job's server
+(``proto.dlcp.DlcpServer``) behind one port served at ``--port-mbps`` with
+strict-priority queues and WRED by drop precedence (``proto.qos``). A
+``background`` job's datagrams (``blast``) load the same port. ``DlcpClient``
+is one worker (a ``DlcpEndpoint`` on a UDP socket, driven by an asyncio loop
+in a background thread); ``dlcp_hook`` (``emu.hook``) uses it under DDP.
+
+``run_emu_dlcp`` measures one congested run: workers push float32 tensors
+(each with a different layer, so priority classes differ) while a blaster
+sends background traffic; every pulled tensor is compared with the exact
+float64 sum, and the share of values lost (zero-filled) is checked against
+the bounds. Reliable mode (bounds 0) is run side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.emu.client import switch_from_env
+from gradfabric.emu.envelope import seal
+from gradfabric.emu.switchd import control_call, worker_name
+from gradfabric.net.udp import open_engine
+from gradfabric.proto.actions import Deliver
+from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
+from gradfabric.wire.packet import Packet, traffic_class
+
+BACKGROUND_CLASS = traffic_class(1, 1)  # as in the simulator: the back layers' queue
+
+
+def register(control: tuple[str, int], workers: int, kind: str = "dlcp") -> dict[str, Any]:
+    req = {"op": "register", "workers": workers, "kind": kind}
+    return asyncio.run(control_call(control, req))
+
+
+class DlcpClient:
+    """Rank ``rank`` of a DLCP job (``reply``: the switch's registration answer)."""
+
+    @classmethod
+    def join(cls, control: tuple[str, int] | None = None, group: Any = None,
+             timeout_s: float = 30.0) -> DlcpClient:  # fmt: skip
+        """Every rank of a torch.distributed group calls this (as ``InaClient.join``)."""
+        import torch.distributed as dist
+
+        control = control or switch_from_env()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        box: list[dict[str, Any] | None] = [register(control, world) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        assert box[0] is not None
+        client = cls(box[0], control, rank, timeout_s)
+        dist.barrier(group)
+        return client
+
+    def __init__(self, reply: dict[str, Any], control: tuple[str, int], rank: int,
+                 timeout_s: float = 30.0) -> None:  # fmt: skip
+        self.reply, self.rank, self.timeout_s = reply, rank, timeout_s
+        job, server = int(reply["job_id"]), str(reply["server"])
+        name, rto, pp = (
+            worker_name(job, rank),
+            int(reply["rto_ns"]),
+            int(reply["values_per_packet"]),
+        )
+        self.endpoint = DlcpEndpoint(
+            name,
+            DlcpReceiver(name, job, rank, [server], rto),
+            [DlcpSender(name, job, rank, server, pp, rto)],
+        )
+        self.next_tensor = 0
+        self.buckets = 1  # DDP buckets seen (for dlcp_hook's layer order)
+        self.results: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        switch = (str(reply["switch"][0]), int(reply["switch"][1]))
+
+        async def open_() -> Any:
+            transport, proto = await open_engine(
+                self.endpoint, {server: switch}, ("127.0.0.1", 0), self._deliver,
+                bytes.fromhex(reply["token"]),
+            )  # fmt: skip
+            port = transport.get_extra_info("sockname")[1]
+            hello = {"op": "hello", "job_id": job, "token": reply["token"], "rank": rank}
+            await control_call(control, hello | {"port": port, "host": "127.0.0.1"})
+            return proto
+
+        self.proto = asyncio.run_coroutine_threadsafe(open_(), self.loop).result(timeout_s)
+
+    def allreduce(
+        self, x: npt.NDArray[np.float32], layer: int = 0, layers: int = 1
+    ) -> npt.NDArray[np.float32]:
+        """Sum ``x`` over the job within the bounds (every rank calls with the same
+        length in the same order): values lost beyond recovery read as zero."""
+        tensor = self.next_tensor
+        self.next_tensor = (self.next_tensor + 1) % 0x10000  # the header's tensor id
+        done: tuple[threading.Event, list[Any]] = (threading.Event(), [])
+        self.results[tensor] = done
+        vals = np.ascontiguousarray(x, dtype=np.float32)
+
+        def start() -> None:
+            now = time.monotonic_ns()
+            ep = self.endpoint
+            ep.rx.expect(0, tensor, len(vals), float(self.reply["pull_bound"]), now)
+            self.proto.execute(
+                ep.tx[0].send(tensor, len(vals), layer, layers, values=vals, now_ns=now)
+            )
+
+        self.loop.call_soon_threadsafe(start)
+        if not done[0].wait(self.timeout_s):
+            raise PeerTimeoutError(str(self.reply["server"]), self.timeout_s)
+        del self.results[tensor]
+        return np.asarray(done[1][0], dtype=np.float32)
+
+    def lost(self) -> int:
+        return int(self.endpoint.counters.get("values_lost", 0))
+
+    def _deliver(self, d: Deliver) -> None:
+        hit = self.results.get(d.seq)
+        if hit is not None and d.pkt.payload is not None:
+            hit[1].append(d.pkt.payload.copy())
+            hit[0].set()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def blast(reply: dict[str, Any], mbps: float, stop: threading.Event, seed: int = 0) -> int:
+    """Send a background job's packets (1 KB each, class ``BACKGROUND_CLASS``)
+    to the switch at ``mbps`` until ``stop``; returns how many."""
+    token = bytes.fromhex(reply["token"])
+    vals = np.zeros(248, dtype=np.int32)
+    raw = seal(
+        token, Packet(int(reply["job_id"]), 0, 0, 0, 1, 1, 0, BACKGROUND_CLASS, 0, len(vals), vals)
+    )
+    gap = len(raw) * 8 / (mbps * 1e6)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    addr = (str(reply["switch"][0]), int(reply["switch"][1]))
+    rng = random.Random(seed)
+    sent, t = 0, time.monotonic()
+    while not stop.is_set():
+        for _ in range(8):  # bursts of 8: sleeping per packet costs more than the gap
+            sock.sendto(raw, addr)
+            sent += 1
+        t += 8 * gap * rng.expovariate(1.0)
+        time.sleep(max(0.0, t - time.monotonic()))
+    sock.close()
+    return sent
+
+
+@dataclass(frozen=True)
+class DlcpEmuConfig:
+    workers: int = 3
+    tensors: int = 8  # per round, one per layer
+    values: int = 32_768  # per tensor
+    rounds: int = 3
+    port_mbps: float = 200.0
+    background_mbps: float = 50.0
+    push_bound: float = 0.1
+    pull_bound: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.workers < 2 or self.tensors < 1 or self.rounds < 1 or self.port_mbps <= 0:
+            raise ConfigError("workers", "need >= 2 workers, >= 1 tensor and round, a port rate")
+
+
+def run_emu_dlcp(cfg: DlcpEmuConfig, reliable: bool = False) -> dict[str, Any]:
+    """One run; returns the round times, the lost shares and the port's counters."""
+    from gradfabric.emu.harness import switch_daemon
+
+    push, pull = (0.0, 0.0) if reliable else (cfg.push_bound, cfg.pull_bound)
+    options = ("--policy", "dlcp", "--port-mbps", str(cfg.port_mbps),
+               "--push-bound", str(push), "--pull-bound", str(pull),
+               "--values-per-packet", "256", "--rto-ms", "5")  # fmt: skip
+    with switch_daemon(*options) as sw:
+        job = register(sw.control, cfg.workers)
+        bg = register(sw.control, 1, "background")
+        clients = [DlcpClient(job, sw.control, r) for r in range(cfg.workers)]
+        rng = np.random.default_rng(cfg.seed)
+        stop = threading.Event()
+        blaster = threading.Thread(target=blast, args=(bg, cfg.background_mbps, stop, cfg.seed))
+        blaster.start()
+        rounds, wrong = [], 0.0
+        try:
+            for _ in range(cfg.rounds):
+                xs = [
+                    [rng.standard_normal(cfg.values).astype(np.float32) for _ in range(cfg.tensors)]
+                    for _ in range(cfg.workers)
+                ]
+                t0 = time.perf_counter()
+                outs = _together(clients, xs, cfg.tensors)
+                rounds.append(time.perf_counter() - t0)
+                for t in range(cfg.tensors):
+                    ref = np.sum([xs[w][t].astype(np.float64) for w in range(cfg.workers)], axis=0)
+                    for o in outs:
+                        # a value differs from the exact sum only where some worker's
+                        # push or this worker's pull of it was lost (read as zero)
+                        wrong = max(wrong, float((np.abs(o[t] - ref) > 1e-4).mean()))
+            pulled = [c.lost() for c in clients]
+        finally:
+            stop.set()
+            blaster.join()
+            for c in clients:
+                c.close()
+    counters = sw.final.get("counters", {})
+    values = cfg.rounds * cfg.tensors * cfg.values
+    return {
+        "scheme": "reliable" if reliable else "dlcp",
+        "round_ms": float(np.median(rounds)) * 1e3,
+        # shares of values zero-filled: at the server (all pushes), at the workers (pulls)
+        "lost_push": counters.get("values_lost", 0) / (values * cfg.workers),
+        "lost_pull": max(pulled) / values,
+        "wrong_share": wrong,  # the largest share of a result differing from the exact sum
+        "port": {
+            k: v for k, v in counters.items() if k.startswith(("queue", "port", "bg_", "offered"))
+        },
+        "counters": counters,
+        "config": asdict(cfg),
+    }
+
+
+def _together(
+    clients: list[DlcpClient], xs: list[list[np.ndarray]], tensors: int
+) -> list[list[np.ndarray]]:
+    """Every worker sends its tensors (back layers first, as backward makes them)."""
+    outs: list[list[np.ndarray]] = [[np.zeros(0)] * tensors for _ in clients]
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for t in reversed(range(tensors)):
+                outs[w][t] = clients[w].allreduce(xs[w][t], t, tensors)
+        except BaseException as e:  # handed to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(len(clients))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return outs
