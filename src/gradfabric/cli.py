@@ -819,7 +819,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and out (user space: this kernel has no netem). Prints its addresses once ready "
         "(one JSON object with --json) and its final counters on SIGTERM or SIGINT.",
     )
-    ss.add_argument("--policy", default="atp", choices=["switchml", "atp", "esa", "dlcp"])
+    ss.add_argument(
+        "--policy", default="atp", choices=["switchml", "atp", "esa", "dlcp", "ps", "omni"],
+        help="the switch's aggregation (switchml, atp, esa), a DLCP server behind a "
+        "priority port (dlcp), a parameter server (ps) or an OmniReduce aggregator (omni)",
+    )  # fmt: skip
     ss.add_argument("--slots", type=int, default=4096, help="aggregators in the pool")
     ss.add_argument(
         "--job-slots", type=int, default=32, help="SwitchML: slots per job; ATP/ESA: the window"
@@ -844,6 +848,14 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--pull-bound", type=float, default=0.02, help="dlcp: loss bound, pull")
     ss.add_argument("--json", action="store_true")
     ss.set_defaults(fn=cmd_switch_serve)
+
+    ps = sub.add_parser("ps", help="the parameter server daemon")
+    pss = ps.add_subparsers(dest="ps", required=True)
+    pserve = pss.add_parser(
+        "serve", help="run a parameter server on UDP until SIGTERM (switch serve --policy ps)",
+        parents=[ss], add_help=False, conflict_handler="resolve",
+    )  # fmt: skip
+    pserve.set_defaults(fn=cmd_switch_serve, policy="ps")
 
     st = sub.add_parser("stats", help="a running switch's counters")
     st.add_argument("--switch", required=True, help="HOST:CONTROL_PORT")

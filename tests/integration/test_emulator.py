@@ -23,7 +23,7 @@ import pytest
 
 from gradfabric.cli import main
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.client import InaClient, Ticket
+from gradfabric.emu.client import Attached, InaClient, OmniClient, Ticket
 from gradfabric.emu.envelope import TOKEN_BYTES
 from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
 from gradfabric.wire.packet import Flag, Packet, encode
@@ -57,7 +57,7 @@ def _together(fns: list[Callable[[], Any]]) -> list[Any]:
     return out
 
 
-def _allreduce_all(clients: list[InaClient], xs: list[np.ndarray]) -> list[Any]:
+def _allreduce_all(clients: list[Any], xs: list[np.ndarray]) -> list[Any]:
     """Every client's ``allreduce_ints`` of its own ``xs`` entry, at once."""
     return _together(
         [lambda c=c, x=x: c.allreduce_ints(x) for c, x in zip(clients, xs, strict=True)]
@@ -65,11 +65,15 @@ def _allreduce_all(clients: list[InaClient], xs: list[np.ndarray]) -> list[Any]:
 
 
 def _exact_rounds(
-    clients: list[InaClient], rounds: int, rng: np.random.Generator, lengths: tuple[int, ...]
+    clients: list[Any], rounds: int, rng: np.random.Generator, lengths: tuple[int, ...]
 ) -> None:
+    """Sums of random int32 data, every other block zero on some worker, or on all."""
     for _ in range(rounds):
         n = int(rng.choice(lengths))
         xs = [rng.integers(-(2**26), 2**26, n, dtype=np.int32) for _ in clients]
+        for x in xs:  # blocks of 1024 values that are zero on this worker
+            for b in range(0, n, 2048):
+                x[b : b + 1024] *= rng.random() < 0.5
         ref = np.sum([x.astype(np.int64) for x in xs], axis=0)
         outs = _allreduce_all(clients, xs)
         for o in outs:
@@ -84,14 +88,17 @@ def _stats(sw: RunningSwitch) -> dict[str, Any]:
     return asyncio.run(control_call(sw.control, {"op": "stats"}))
 
 
-@pytest.mark.parametrize("policy", ["switchml", "atp", "esa"])
+@pytest.mark.parametrize("policy", ["switchml", "atp", "esa", "ps", "omni"])
 def test_aggregates_exact_under_loss_duplication_and_reordering(policy: str) -> None:
+    """In the switch (SwitchML, ATP, ESA), at a parameter server daemon, or at an
+    OmniReduce aggregator daemon (only non-zero blocks travel)."""
     with switch_daemon(
         "--policy", policy, "--loss", "0.05", "--dup", "0.02", "--jitter-us", "300",
         "--rto-ms", "10",
     ) as sw:  # fmt: skip
         ticket = Ticket.register(sw.control, 3)
-        clients = [InaClient(ticket, r, timeout_s=30) for r in range(3)]
+        kind = OmniClient if policy == "omni" else InaClient
+        clients: list[Attached] = [kind(ticket, r, timeout_s=30) for r in range(3)]
         try:
             # lengths: under one packet, not a multiple of it, many windows
             _exact_rounds(clients, 4, np.random.default_rng(1), (1, 1000, 1025, 70_001))

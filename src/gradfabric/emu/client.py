@@ -1,11 +1,17 @@
 """A worker's side of a job at a switch daemon, for use from training code.
 
-``InaClient`` owns one ``WorkerEngine`` (the same engine the simulator
-runs) on a UDP socket, driven by an asyncio loop in a background thread, so
-a training step can call ``allreduce`` synchronously. Everything crossing the
-socket carries the job's token (``emu.envelope``).
+Every client owns one sans-I/O engine (the same the simulator runs) on a UDP
+socket, driven by an asyncio loop in a background thread, so a training step
+can call a collective synchronously. Everything crossing the socket carries
+the job's token (``emu.envelope``).
 
-Floats reach the switch's integer domain as SwitchML does it: per block of
+* ``InaClient``: a ``WorkerEngine`` aggregating through the switch (SwitchML,
+  ATP, ESA) or a parameter server daemon (``ps``).
+* ``OmniClient``: an ``OmniWorker`` streaming its non-zero blocks to an
+  OmniReduce aggregator daemon (``omni``).
+* ``emu.dlcp.DlcpClient``: DLCP's bounded-loss transport.
+
+Floats reach the integer domain as SwitchML does it: per block of
 ``values_per_packet`` values every worker quantises with the block exponent
 agreed over the job (the maximum over workers, found with one small
 ``MAX`` all-reduce of the exponents over the training process group), so
@@ -24,20 +30,40 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future as CFuture
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError, ProtocolError
-from gradfabric.emu.switchd import SWITCH, control_call, worker_name
+from gradfabric.emu.switchd import control_call, worker_name
 from gradfabric.net.udp import Address, EngineProtocol, open_engine
-from gradfabric.proto.actions import Deliver
-from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
+from gradfabric.proto.actions import Action, Deliver, Engine
+from gradfabric.proto.omni import OmniLayout, OmniWorker
+from gradfabric.proto.worker import HashedPool, Sharded, StaticSlots, WorkerConfig, WorkerEngine
 from gradfabric.wire.packet import Flag
 from gradfabric.wire.quant import block_exponents, block_scales
+
+SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
+
+
+def parse_address(text: str) -> Address:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("address", f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def switch_from_env() -> Address:
+    import os
+
+    env = os.environ.get(SWITCH_ENV)
+    if env is None:
+        raise ConfigError(SWITCH_ENV, "set it to the switch's HOST:CONTROL_PORT")
+    return parse_address(env)
 
 
 @dataclass(frozen=True)
@@ -55,42 +81,44 @@ class Ticket:
     window: int
     values_per_packet: int
     rto_ns: int
+    entry: str  # the engine at the daemon that this job's packets go to
+    kind: str = "ina"
+    streams: int = 16  # omni
+    push_bound: float = 0.0  # dlcp
+    pull_bound: float = 0.0
 
     @classmethod
-    def register(cls, control: Address, workers: int, timeout_s: float = 5.0) -> Ticket:
-        """Register a job of ``workers`` at the switch whose control port is ``control``."""
-        req = {"op": "register", "workers": workers}
+    def register(
+        cls, control: Address, workers: int, kind: str | None = None, timeout_s: float = 5.0,
+        **extra: Any,
+    ) -> Ticket:  # fmt: skip
+        """Register a job of ``workers`` at the daemon whose control port is ``control``."""
+        req = {"op": "register", "workers": workers} | ({"kind": kind} if kind else {}) | extra
         reply = asyncio.run(control_call(control, req, timeout_s))
-        return cls(control=control, **reply | {"switch": tuple(reply["switch"])})
+        known = {f.name for f in fields(cls)}
+        args = {k: v for k, v in reply.items() if k in known}
+        return cls(control=control, **args | {"switch": tuple(reply["switch"])})
 
 
-def parse_address(text: str) -> Address:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError("address", f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
+C = TypeVar("C", bound="Attached")
 
 
-SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
+class Attached:
+    """A worker engine on a UDP socket at a daemon, run by its own asyncio loop
+    in a background thread."""
 
+    ticket: Ticket
+    rank: int
+    timeout_s: float
 
-def switch_from_env() -> Address:
-    import os
-
-    env = os.environ.get(SWITCH_ENV)
-    if env is None:
-        raise ConfigError(SWITCH_ENV, "set it to the switch's HOST:CONTROL_PORT")
-    return parse_address(env)
-
-
-class InaClient:
-    """Rank ``rank`` of the job ``ticket`` describes."""
+    def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0, **kw: Any) -> None:
+        raise NotImplementedError  # each client builds its engine, then calls _attach
 
     @classmethod
     def join(
-        cls, control: Address | None = None, group: Any = None, timeout_s: float = 30.0,
-        priority: int = 0,
-    ) -> InaClient:  # fmt: skip
+        cls: type[C], control: Address | None = None, group: Any = None, timeout_s: float = 30.0,
+        **kw: Any,
+    ) -> C:  # fmt: skip
         """Every rank of a torch.distributed group calls this: rank 0 registers
         the job (at ``control``, or ``$GRADFABRIC_SWITCH``), the ticket goes to
         every rank over the group, and each rank opens its socket and says hello."""
@@ -98,63 +126,77 @@ class InaClient:
 
         control = control or switch_from_env()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        box: list[Ticket | None] = [Ticket.register(control, world) if rank == 0 else None]
+        box: list[Ticket | None] = [
+            Ticket.register(control, world, cls.KIND) if rank == 0 else None
+        ]
         dist.broadcast_object_list(box, src=0, group=group)
         assert box[0] is not None
-        client = cls(box[0], rank, timeout_s, priority)
+        client = cls(box[0], rank, timeout_s, **kw)
         dist.barrier(group)
         return client
 
-    def __init__(
-        self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
-        bind_host: str = "127.0.0.1",
+    KIND: str | None = None  # what ``join`` registers (None: the daemon's default)
+
+    def _attach(
+        self, ticket: Ticket, rank: int, timeout_s: float, engine: Engine,
+        on_deliver: Callable[[Deliver], None], bind_host: str = "127.0.0.1",
+        on_help: Callable[[Any], None] | None = None,
     ) -> None:  # fmt: skip
         if not 0 <= rank < ticket.workers:
             raise ConfigError("rank", f"must be in 0..{ticket.workers - 1}")
-        self.ticket, self.rank, self.timeout_s, self.priority = ticket, rank, timeout_s, priority
-        t = ticket
-        route: StaticSlots | HashedPool = (
-            StaticSlots(SWITCH, t.slot_base, t.window)
-            if t.policy == "switchml"
-            else HashedPool(SWITCH, t.job_id, t.pool_slots)
-        )
-        cfg = WorkerConfig(
-            job_id=t.job_id, worker_id=rank, fan_in=t.workers, window=t.window,
-            rto_ns=t.rto_ns, max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)),
-            values_per_packet=t.values_per_packet, ecn_window=t.policy != "switchml",
-        )  # fmt: skip
-        self.engine = WorkerEngine(worker_name(t.job_id, rank), cfg, route)
+        self.ticket, self.rank, self.timeout_s = ticket, rank, timeout_s
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self._call: _Call | None = None
-        self.proto: EngineProtocol = self._wait(self._open(bind_host))
 
-    async def _open(self, bind_host: str) -> EngineProtocol:
-        t = self.ticket
-        transport, proto = await open_engine(
-            self.engine, {SWITCH: t.switch}, (bind_host, 0), self._deliver, bytes.fromhex(t.token)
-        )
-        port = transport.get_extra_info("sockname")[1]
-        hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": self.rank}
-        await control_call(t.control, hello | {"port": port, "host": bind_host})
-        return proto
+        async def open_() -> EngineProtocol:
+            t = ticket
+            transport, proto = await open_engine(
+                engine, {t.entry: t.switch}, (bind_host, 0), on_deliver,
+                bytes.fromhex(t.token), on_help,
+            )  # fmt: skip
+            port = transport.get_extra_info("sockname")[1]
+            hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": rank}
+            await control_call(t.control, hello | {"port": port, "host": bind_host})
+            return proto
+
+        self.proto: EngineProtocol = self._wait(open_(), timeout_s)
 
     def _wait(self, coro: Any, timeout_s: float | None = None) -> Any:
         fut: CFuture[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return fut.result(timeout_s)
 
-    # -- collectives ------------------------------------------------------
-    def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
-        """Sum ``q`` over the job's workers through the switch (every rank
-        calls with the same length, in the same order)."""
-        call = _Call(len(q), self.ticket.values_per_packet)
-        self.loop.call_soon_threadsafe(self._start, call, np.ascontiguousarray(q, dtype=np.int32))
+    def _run(self, call: _Call, start: Callable[[], list[Action]]) -> npt.NDArray[np.int64]:
+        """Start a collective in the loop thread and wait for it."""
+
+        def begin() -> None:
+            if call.done.is_set():
+                return
+            self.proto.execute(start())
+            if self.proto.failed.done():
+                call.failed = True
+                call.done.set()
+
+        self.loop.call_soon_threadsafe(begin)
         if not call.done.wait(self.timeout_s) or call.failed:
-            raise self._blame(call.failed)
+            raise self._blame()
         if call.error is not None:
             raise call.error
         return call.result
+
+    def _blame(self) -> PeerTimeoutError:
+        """Whom the collective waits on, as the daemon sees it."""
+        t = self.ticket
+        req = {"op": "missing", "job_id": t.job_id, "token": t.token}
+        switch = f"switch {t.switch[0]}:{t.switch[1]}"
+        try:
+            missing = self._wait(control_call(t.control, req, 2.0), 5.0)["missing"]
+        except ConfigError:  # the switch no longer knows the job
+            return PeerTimeoutError(f"{switch} (job state lost)", self.timeout_s)
+        except (OSError, TimeoutError):
+            return PeerTimeoutError(switch, self.timeout_s)
+        who = ", ".join(f"rank {r}" for r in missing) if missing else switch
+        return PeerTimeoutError(who, self.timeout_s)
 
     def allreduce(self, x: npt.NDArray[np.float32], group: Any = None) -> npt.NDArray[np.float32]:
         """Sum float32 ``x`` over the job (see the module doc for the quantisation)."""
@@ -168,16 +210,51 @@ class InaClient:
         q = np.rint(x.astype(np.float64) * scale).astype(np.int32)
         return (self.allreduce_ints(q) / scale).astype(np.float32)
 
-    def _start(self, call: _Call, q: npt.NDArray[np.int32]) -> None:
-        self._call = call
+    def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+
+
+class InaClient(Attached):
+    """Rank ``rank`` of the job ``ticket`` describes, aggregating in the switch
+    (or at a ``ps`` daemon)."""
+
+    def __init__(
+        self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
+        bind_host: str = "127.0.0.1",
+    ) -> None:  # fmt: skip
+        t = ticket
+        route: StaticSlots | HashedPool | Sharded = (
+            StaticSlots(t.entry, t.slot_base, t.window)
+            if t.policy == "switchml"
+            else Sharded((t.entry,))
+            if t.policy == "ps"
+            else HashedPool(t.entry, t.job_id, t.pool_slots)
+        )
+        cfg = WorkerConfig(
+            job_id=t.job_id, worker_id=rank, fan_in=t.workers, window=t.window,
+            rto_ns=t.rto_ns, max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)),
+            values_per_packet=t.values_per_packet, ecn_window=t.policy in ("atp", "esa"),
+        )  # fmt: skip
+        self.priority = priority
+        self.engine = WorkerEngine(worker_name(t.job_id, rank), cfg, route)
+        self._call: _Call | None = None
+        self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
+
+    def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        """Sum ``q`` over the job's workers (every rank calls with the same
+        length, in the same order)."""
+        q = np.ascontiguousarray(q, dtype=np.int32)
+        call = self._call = _Call(len(q), self.ticket.values_per_packet)
         call.first = self.engine.next_seq
         if len(q) == 0:
-            call.finish()
-            return
-        self.proto.execute(self.engine.push(len(q), time.monotonic_ns(), q, priority=self.priority))
-        if self.proto.failed.done():
-            call.failed = True
-            call.done.set()
+            return call.result
+        return self._run(call, lambda: self.engine.push(len(q), time.monotonic_ns(), q,
+                                                        priority=self.priority))  # fmt: skip
 
     def _deliver(self, d: Deliver) -> None:
         call = self._call
@@ -190,28 +267,39 @@ class InaClient:
             lo = (d.seq - call.first) * call.vpp
             call.result[lo : lo + pkt.count] = pkt.payload
         if self.engine.idle:
-            call.finish()
+            call.done.set()
 
-    def _blame(self, failed: bool) -> PeerTimeoutError:
-        """Whom the collective waits on, as the switch sees it."""
-        t = self.ticket
-        req = {"op": "missing", "job_id": t.job_id, "token": t.token}
-        try:
-            missing = self._wait(control_call(t.control, req, 2.0), 5.0)["missing"]
-        except ConfigError:  # the switch no longer knows the job
-            return PeerTimeoutError(
-                f"switch {t.switch[0]}:{t.switch[1]} (job state lost)", self.timeout_s
-            )
-        except (OSError, TimeoutError):
-            return PeerTimeoutError(f"switch {t.switch[0]}:{t.switch[1]}", self.timeout_s)
-        if missing:
-            return PeerTimeoutError(", ".join(f"rank {r}" for r in missing), self.timeout_s)
-        return PeerTimeoutError(f"switch {t.switch[0]}:{t.switch[1]}", self.timeout_s)
 
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(5)
+class OmniClient(Attached):
+    """Rank ``rank`` of an OmniReduce job at an aggregator daemon (``omni``):
+    only non-zero blocks of ``values_per_packet`` values travel."""
+
+    def __init__(
+        self, ticket: Ticket, rank: int, timeout_s: float = 30.0, bind_host: str = "127.0.0.1"
+    ) -> None:
+        t = ticket
+        self.layout = OmniLayout([t.entry], t.streams, t.values_per_packet)
+        self.engine = OmniWorker(
+            worker_name(t.job_id, rank), t.job_id, rank, self.layout, t.rto_ns,
+            max(1, int(timeout_s * 1e9 / t.rto_ns)),
+        )  # fmt: skip
+        self.bucket = 0
+        self._call: _Call | None = None
+        self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
+
+    def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        q = np.ascontiguousarray(q, dtype=np.int32)
+        call = self._call = _Call(len(q), self.ticket.values_per_packet)
+        b, self.bucket = self.bucket, (self.bucket + 1) % 0x10000  # the header's bucket id
+        if len(q) == 0:
+            return call.result
+        return self._run(call, lambda: self.engine.start(b, len(q), time.monotonic_ns(), q))
+
+    def _deliver(self, d: Deliver) -> None:
+        call = self._call
+        if call is not None and d.pkt.payload is not None:
+            call.result[:] = d.pkt.payload
+            call.done.set()
 
 
 class _Call:
@@ -222,6 +310,3 @@ class _Call:
         self.done = threading.Event()
         self.failed = False
         self.error: Exception | None = None
-
-    def finish(self) -> None:
-        self.done.set()

@@ -17,7 +17,6 @@ the bounds. Reliable mode (bounds 0) is run side by side.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import socket
 import threading
@@ -29,10 +28,9 @@ import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.client import switch_from_env
+from gradfabric.emu.client import Attached, Ticket
 from gradfabric.emu.envelope import seal
-from gradfabric.emu.switchd import control_call, worker_name
-from gradfabric.net.udp import open_engine
+from gradfabric.emu.switchd import worker_name
 from gradfabric.proto.actions import Deliver
 from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
 from gradfabric.wire.packet import Packet, traffic_class
@@ -40,64 +38,27 @@ from gradfabric.wire.packet import Packet, traffic_class
 BACKGROUND_CLASS = traffic_class(1, 1)  # as in the simulator: the back layers' queue
 
 
-def register(control: tuple[str, int], workers: int, kind: str = "dlcp") -> dict[str, Any]:
-    req = {"op": "register", "workers": workers, "kind": kind}
-    return asyncio.run(control_call(control, req))
+class DlcpClient(Attached):
+    """Rank ``rank`` of a DLCP job (a ``dlcp`` ticket from a ``--policy dlcp`` switch)."""
 
+    KIND = "dlcp"
 
-class DlcpClient:
-    """Rank ``rank`` of a DLCP job (``reply``: the switch's registration answer)."""
-
-    @classmethod
-    def join(cls, control: tuple[str, int] | None = None, group: Any = None,
-             timeout_s: float = 30.0) -> DlcpClient:  # fmt: skip
-        """Every rank of a torch.distributed group calls this (as ``InaClient.join``)."""
-        import torch.distributed as dist
-
-        control = control or switch_from_env()
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        box: list[dict[str, Any] | None] = [register(control, world) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=group)
-        assert box[0] is not None
-        client = cls(box[0], control, rank, timeout_s)
-        dist.barrier(group)
-        return client
-
-    def __init__(self, reply: dict[str, Any], control: tuple[str, int], rank: int,
-                 timeout_s: float = 30.0) -> None:  # fmt: skip
-        self.reply, self.rank, self.timeout_s = reply, rank, timeout_s
-        job, server = int(reply["job_id"]), str(reply["server"])
-        name, rto, pp = (
-            worker_name(job, rank),
-            int(reply["rto_ns"]),
-            int(reply["values_per_packet"]),
-        )
+    def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0) -> None:
+        t = ticket
+        if t.kind != "dlcp":
+            raise ConfigError("kind", f"a DLCP client needs a dlcp job, got {t.kind!r}")
+        name, pp = worker_name(t.job_id, rank), t.values_per_packet
         self.endpoint = DlcpEndpoint(
             name,
-            DlcpReceiver(name, job, rank, [server], rto),
-            [DlcpSender(name, job, rank, server, pp, rto)],
+            DlcpReceiver(name, t.job_id, rank, [t.entry], t.rto_ns),
+            [DlcpSender(name, t.job_id, rank, t.entry, pp, t.rto_ns)],
         )
         self.next_tensor = 0
         self.buckets = 1  # DDP buckets seen (for dlcp_hook's layer order)
         self.results: dict[int, tuple[threading.Event, list[Any]]] = {}
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        switch = (str(reply["switch"][0]), int(reply["switch"][1]))
+        self._attach(ticket, rank, timeout_s, self.endpoint, self._deliver)
 
-        async def open_() -> Any:
-            transport, proto = await open_engine(
-                self.endpoint, {server: switch}, ("127.0.0.1", 0), self._deliver,
-                bytes.fromhex(reply["token"]),
-            )  # fmt: skip
-            port = transport.get_extra_info("sockname")[1]
-            hello = {"op": "hello", "job_id": job, "token": reply["token"], "rank": rank}
-            await control_call(control, hello | {"port": port, "host": "127.0.0.1"})
-            return proto
-
-        self.proto = asyncio.run_coroutine_threadsafe(open_(), self.loop).result(timeout_s)
-
-    def allreduce(
+    def allreduce(  # bounded loss on floats: no quantisation round
         self, x: npt.NDArray[np.float32], layer: int = 0, layers: int = 1
     ) -> npt.NDArray[np.float32]:
         """Sum ``x`` over the job within the bounds (every rank calls with the same
@@ -111,14 +72,14 @@ class DlcpClient:
         def start() -> None:
             now = time.monotonic_ns()
             ep = self.endpoint
-            ep.rx.expect(0, tensor, len(vals), float(self.reply["pull_bound"]), now)
+            ep.rx.expect(0, tensor, len(vals), self.ticket.pull_bound, now)
             self.proto.execute(
                 ep.tx[0].send(tensor, len(vals), layer, layers, values=vals, now_ns=now)
             )
 
         self.loop.call_soon_threadsafe(start)
         if not done[0].wait(self.timeout_s):
-            raise PeerTimeoutError(str(self.reply["server"]), self.timeout_s)
+            raise PeerTimeoutError(self.ticket.entry, self.timeout_s)
         del self.results[tensor]
         return np.asarray(done[1][0], dtype=np.float32)
 
@@ -131,22 +92,16 @@ class DlcpClient:
             hit[1].append(d.pkt.payload.copy())
             hit[0].set()
 
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
-
-def blast(reply: dict[str, Any], mbps: float, stop: threading.Event, seed: int = 0) -> int:
+def blast(ticket: Ticket, mbps: float, stop: threading.Event, seed: int = 0) -> int:
     """Send a background job's packets (1 KB each, class ``BACKGROUND_CLASS``)
     to the switch at ``mbps`` until ``stop``; returns how many."""
-    token = bytes.fromhex(reply["token"])
+    token = bytes.fromhex(ticket.token)
     vals = np.zeros(248, dtype=np.int32)
-    raw = seal(
-        token, Packet(int(reply["job_id"]), 0, 0, 0, 1, 1, 0, BACKGROUND_CLASS, 0, len(vals), vals)
-    )
+    raw = seal(token, Packet(ticket.job_id, 0, 0, 0, 1, 1, 0, BACKGROUND_CLASS, 0, len(vals), vals))
     gap = len(raw) * 8 / (mbps * 1e6)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    addr = (str(reply["switch"][0]), int(reply["switch"][1]))
+    addr = ticket.switch
     rng = random.Random(seed)
     sent, t = 0, time.monotonic()
     while not stop.is_set():
@@ -185,9 +140,9 @@ def run_emu_dlcp(cfg: DlcpEmuConfig, reliable: bool = False) -> dict[str, Any]:
                "--push-bound", str(push), "--pull-bound", str(pull),
                "--values-per-packet", "256", "--rto-ms", "5")  # fmt: skip
     with switch_daemon(*options) as sw:
-        job = register(sw.control, cfg.workers)
-        bg = register(sw.control, 1, "background")
-        clients = [DlcpClient(job, sw.control, r) for r in range(cfg.workers)]
+        job = Ticket.register(sw.control, cfg.workers, "dlcp")
+        bg = Ticket.register(sw.control, 1, "background")
+        clients = [DlcpClient(job, r) for r in range(cfg.workers)]
         rng = np.random.default_rng(cfg.seed)
         stop = threading.Event()
         blaster = threading.Thread(target=blast, args=(bg, cfg.background_mbps, stop, cfg.seed))

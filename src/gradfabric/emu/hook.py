@@ -38,7 +38,7 @@ def dlcp_hook(
     the job's loss bounds (lost values read as zero), then averaged."""
     buf = bucket.buffer()
     flat = buf.detach().to(torch.float32).reshape(-1).numpy()
-    world = int(state.reply["workers"])
+    world = state.ticket.workers
     # DDP's bucket 0 holds the model's last layers: DLCP serves front layers first
     state.buckets = max(state.buckets, bucket.index() + 1)
     layer = state.buckets - 1 - bucket.index()

@@ -78,9 +78,7 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
         if help:
             sa = {"lag_packets": cfg.lag_packets, "replicas": cfg.replicas,
                   "iteration_packets": cfg.iteration_packets}  # fmt: skip
-        req = {"op": "register", "workers": cfg.workers, "help": sa}
-        reply = asyncio.run(control_call(sw.control, req))
-        ticket = Ticket(control=sw.control, **reply | {"switch": tuple(reply["switch"])})
+        ticket = Ticket.register(sw.control, cfg.workers, help=sa)
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         for w in range(cfg.workers):

@@ -48,6 +48,7 @@ from gradfabric.emu.envelope import TOKEN_BYTES, drop_reason, job_of, seal, unse
 from gradfabric.net.udp import SOCKET_BUFFER_BYTES, Address
 from gradfabric.proto.actions import Action, Engine, Multicast, Send
 from gradfabric.proto.dlcp import DlcpServer
+from gradfabric.proto.omni import OmniAggregator
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
@@ -58,7 +59,8 @@ from gradfabric.wire.packet import MAX_FAN_IN, MAX_WIRE_VALUES, Packet
 SWITCH, PS = "sw", "ps"
 DRAIN_BATCH = 256  # datagrams read per wake-up
 BURST_S = 0.001  # the DLCP port's credit after idling: one timer tick
-POLICIES = ("switchml", "atp", "esa", "dlcp")
+POLICIES = ("switchml", "atp", "esa", "dlcp", "ps", "omni")
+SWITCH_POLICIES = ("switchml", "atp", "esa")  # the ones the switch engine runs
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class SwitchConfig:
     port_buffer_kb: int = 256
     push_bound: float = 0.1
     pull_bound: float = 0.02
+    omni_streams: int = 16  # omni: streams per job's aggregator
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -133,9 +136,10 @@ class SwitchDaemon:
     def __init__(self, cfg: SwitchConfig) -> None:
         self.cfg = cfg
         # DLCP jobs bypass the aggregation engine (an idle ATP pool there)
-        self.switch = SwitchEngine.build(SWITCH, "atp" if cfg.policy == "dlcp" else cfg.policy,
-                                         cfg.slots)  # fmt: skip
-        self.ps = ParameterServer(PS) if cfg.policy in ("atp", "esa") else None
+        self.switch = SwitchEngine.build(
+            SWITCH, cfg.policy if cfg.policy in SWITCH_POLICIES else "atp", cfg.slots
+        )
+        self.ps = ParameterServer(PS) if cfg.policy in ("atp", "esa", "ps") else None
         self.local: dict[str, Engine] = {SWITCH: self.switch}  # engines hosted here
         if self.ps is not None:
             self.local[PS] = self.ps
@@ -237,7 +241,13 @@ class SwitchDaemon:
         if job.kind == "background":
             self.counters["bg_delivered"] += 1
         else:
-            self._run(server_name(job.job_id) if job.kind == "dlcp" else SWITCH, pkt)
+            self._run(self._entry(job.job_id, job.kind), pkt)
+
+    def _entry(self, job_id: int, kind: str) -> str:
+        """The local engine a job's packets go to."""
+        if kind == "dlcp" or self.cfg.policy == "omni":
+            return server_name(job_id)
+        return PS if self.cfg.policy == "ps" else SWITCH
 
     # The DLCP port: strict-priority queues with WRED (``proto.qos``), served at
     # ``port_mbps`` in front of the jobs' servers. The event loop's timers are
@@ -408,6 +418,13 @@ class SwitchDaemon:
             )  # fmt: skip
         elif kind == "background":
             pass
+        elif cfg.policy == "omni":
+            self.local[server_name(job_id)] = OmniAggregator(
+                server_name(job_id), job_id, 0, list(names), cfg.omni_streams
+            )
+        elif cfg.policy == "ps":  # workers send here directly; results go straight back
+            assert self.ps is not None
+            self.ps.add_job(PsJob(job_id, names, window=4 * window))
         elif cfg.policy == "switchml":
             self.switch.add_job(SwitchJob(job_id, names, slot_base=base, slot_count=window))
         else:
@@ -430,8 +447,11 @@ class SwitchDaemon:
             "window": window,
             "values_per_packet": cfg.values_per_packet,
             "rto_ns": rto_ns,
-        } | ({"kind": kind, "server": server_name(job_id), "push_bound": cfg.push_bound,
-              "pull_bound": cfg.pull_bound} if cfg.policy == "dlcp" else {})  # fmt: skip
+            "entry": self._entry(job_id, kind),
+            "kind": kind,
+            "streams": cfg.omni_streams,
+        } | ({"push_bound": cfg.push_bound, "pull_bound": cfg.pull_bound}
+             if cfg.policy == "dlcp" else {})  # fmt: skip
 
     def _job(self, req: dict[str, Any]) -> _Job:
         job = self.jobs.get(int(req.get("job_id", -1)))
@@ -462,13 +482,17 @@ class SwitchDaemon:
             if isinstance(server, DlcpServer):
                 ranks = sorted({w for (w, _), t in server.rx.tensors.items() if not t.done})
                 return {"missing": ranks}
-            names = set(self.switch.missing_children(job.job_id))
+            names = set()
+            if isinstance(server, OmniAggregator):
+                names |= set(server.missing_workers())
+            if self.cfg.policy in SWITCH_POLICIES:
+                names |= set(self.switch.missing_children(job.job_id))
             if self.ps is not None:
                 names |= set(self.ps.missing_workers(job.job_id))
             ranks = sorted(r for r in range(job.workers) if worker_name(job.job_id, r) in names)
             return {"missing": ranks}
         if op == "unregister":
-            if job.kind == "ina":
+            if job.kind == "ina" and self.cfg.policy in SWITCH_POLICIES:
                 self.switch.remove_job(job.job_id)
             self.local.pop(server_name(job.job_id), None)
             for r in range(job.workers):

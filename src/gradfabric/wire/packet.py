@@ -127,6 +127,11 @@ def encode(pkt: Packet) -> bytes:
     payload: np.ndarray = np.zeros(0, dtype=want) if pkt.payload is None else pkt.payload
     if pkt.count != len(payload) or pkt.count > MAX_WIRE_VALUES:
         raise ValueError(f"count {pkt.count} does not match payload or exceeds {MAX_WIRE_VALUES}")
+    if payload.dtype.kind == "i" and want is np.int32 and payload.dtype != np.int32:
+        # an engine's wider integer sum (OmniReduce keeps int64): fine if it fits
+        if len(payload) and int(np.abs(payload).max()) > np.iinfo(np.int32).max:
+            raise ValueError("an integer payload does not fit int32")
+        payload = payload.astype(np.int32)
     if payload.dtype != want:
         raise ValueError(f"payload dtype {payload.dtype} does not match flags ({want})")
     head = HEADER.pack(
