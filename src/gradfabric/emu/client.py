@@ -48,6 +48,7 @@ from gradfabric.wire.packet import Flag
 from gradfabric.wire.quant import block_exponents, block_scales
 
 SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
+ANY_HOST = "0.0.0.0"
 
 
 def parse_address(text: str) -> Address:
@@ -139,12 +140,14 @@ class Attached:
 
     def _attach(
         self, ticket: Ticket, rank: int, timeout_s: float, engine: Engine,
-        on_deliver: Callable[[Deliver], None], bind_host: str = "127.0.0.1",
+        on_deliver: Callable[[Deliver], None], bind_host: str | None = None,
         on_help: Callable[[Any], None] | None = None,
     ) -> None:  # fmt: skip
         if not 0 <= rank < ticket.workers:
             raise ConfigError("rank", f"must be in 0..{ticket.workers - 1}")
         self.ticket, self.rank, self.timeout_s = ticket, rank, timeout_s
+        if bind_host is None:  # loopback for a local switch, else every interface
+            bind_host = "127.0.0.1" if ticket.switch[0].startswith("127.") else ANY_HOST
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -157,7 +160,9 @@ class Attached:
             )  # fmt: skip
             port = transport.get_extra_info("sockname")[1]
             hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": rank}
-            await control_call(t.control, hello | {"port": port, "host": bind_host})
+            if bind_host != ANY_HOST:  # else the switch answers where the hello came from
+                hello["host"] = bind_host
+            await control_call(t.control, hello | {"port": port})
             return proto
 
         self.proto: EngineProtocol = self._wait(open_(), timeout_s)
@@ -225,7 +230,7 @@ class InaClient(Attached):
 
     def __init__(
         self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
-        bind_host: str = "127.0.0.1",
+        bind_host: str | None = None,
     ) -> None:  # fmt: skip
         t = ticket
         route: StaticSlots | HashedPool | Sharded = (
@@ -275,7 +280,7 @@ class OmniClient(Attached):
     only non-zero blocks of ``values_per_packet`` values travel."""
 
     def __init__(
-        self, ticket: Ticket, rank: int, timeout_s: float = 30.0, bind_host: str = "127.0.0.1"
+        self, ticket: Ticket, rank: int, timeout_s: float = 30.0, bind_host: str | None = None
     ) -> None:
         t = ticket
         self.layout = OmniLayout([t.entry], t.streams, t.values_per_packet)

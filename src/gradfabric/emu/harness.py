@@ -15,6 +15,7 @@ from typing import Any
 
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.emu.client import parse_address
+from gradfabric.net.netns import NsHost
 from gradfabric.net.udp import Address
 
 
@@ -38,9 +39,14 @@ def _line(proc: subprocess.Popen[str], timeout_s: float) -> str:
     return proc.stdout.readline()
 
 
-def start_switch(*options: str, timeout_s: float = 30.0) -> RunningSwitch:
-    """``gradfabric switch serve --json *options`` in a new process."""
+def start_switch(
+    *options: str, timeout_s: float = 30.0, host: NsHost | None = None
+) -> RunningSwitch:
+    """``gradfabric switch serve --json *options`` in a new process (inside
+    ``host``'s network namespace, on its address, if given)."""
     cmd = [sys.executable, "-m", "gradfabric.cli", "switch", "serve", "--json", *options]
+    if host is not None:
+        cmd = ["ip", "netns", "exec", host.netns, *cmd, "--host", host.ip]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = _line(proc, timeout_s)
     if not line:
@@ -68,8 +74,8 @@ def stop_switch(sw: RunningSwitch, timeout_s: float = 10.0) -> None:
 
 
 @contextmanager
-def switch_daemon(*options: str) -> Iterator[RunningSwitch]:
-    sw = start_switch(*options)
+def switch_daemon(*options: str, host: NsHost | None = None) -> Iterator[RunningSwitch]:
+    sw = start_switch(*options, host=host)
     try:
         yield sw
     finally:

@@ -46,27 +46,49 @@ class EmuTrainConfig:
     loss: float = 0.0  # switch impairment: drop probability per datagram, each way
     timeout_s: float = 60.0
     port_mbps: float = 0.0  # dlcp: the port into the server (0: unshaped)
+    link_gbps: float | None = None  # namespaces on tbf-shaped links (root), else loopback
+    kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
 
     def __post_init__(self) -> None:
         if self.ranks < 2 or self.steps < 1 or self.batch < 1:
             raise ConfigError("ranks", "need >= 2 ranks, >= 1 step, batch >= 1")
 
 
+MODULE = "gradfabric.emu.train"
+
+
 def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
+    """On loopback, or with ``link_gbps`` each rank and the switch in their own
+    network namespaces on a star of tbf-shaped links (root only)."""
+    from contextlib import ExitStack
+
     from gradfabric.emu.harness import switch_daemon
-    from gradfabric.net.launch import run_ranks
+    from gradfabric.net.launch import run_on_hosts, run_ranks
 
     options = ["--policy", cfg.policy, "--loss", str(cfg.loss), "--seed", str(cfg.seed)]
     if cfg.policy == "dlcp":
         options += ["--port-mbps", str(cfg.port_mbps), "--values-per-packet", "256"]
-    with switch_daemon(*options) as sw, tempfile.TemporaryDirectory() as tmp:
+    args = [json.dumps(asdict(cfg))]
+    with ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
         out = os.path.join(tmp, "train.json")
-        run_ranks(
-            cfg.ranks, "gradfabric.emu.train", [json.dumps(asdict(cfg)), out],
-            timeout_s=cfg.timeout_s * 4, extra_env={SWITCH_ENV: sw.control_text},
-        )  # fmt: skip
+        if cfg.link_gbps is None:
+            sw = stack.enter_context(switch_daemon(*options))
+            env = {SWITCH_ENV: sw.control_text}
+            run_ranks(cfg.ranks, MODULE, [*args, out], timeout_s=cfg.timeout_s * 4, extra_env=env)
+        else:
+            from gradfabric.net.netns import drop_udp, shaped_star, udp_dropped
+
+            *hosts, at = stack.enter_context(shaped_star(cfg.ranks + 1, cfg.link_gbps))
+            if cfg.kernel_loss:
+                drop_udp(at, cfg.kernel_loss)
+            sw = stack.enter_context(switch_daemon(*options, host=at))
+            env = {SWITCH_ENV: sw.control_text}
+            run_on_hosts(hosts, MODULE, [*args, out], timeout_s=cfg.timeout_s * 4, extra_env=env)
         with open(out) as f:
             rec: dict[str, Any] = json.load(f)
+        if cfg.link_gbps is not None and cfg.kernel_loss:
+            rec["kernel_dropped"] = udp_dropped(at)
     rec["config"] = asdict(cfg)
     rec["switch"] = sw.final
     for k in ("default", "switch"):

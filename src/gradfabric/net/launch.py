@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.net.netns import NsHost
 
 
 def _free_port() -> int:
@@ -51,35 +52,43 @@ def run_ranks(
     ``link_gbps``: run each rank in its own network namespace behind a link
     shaped to that rate (root only; see ``gradfabric.net.netns``).
     """
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
-        **(extra_env or {}),
-    }
-    prog = ["-m", module, *args]
     if link_gbps is None:
         cmd = _torchrun(1, ranks, 0, "127.0.0.1", _free_port())
-        _wait([subprocess.Popen([*cmd, *prog], env=env)], timeout_s)
+        proc = subprocess.Popen([*cmd, "-m", module, *args], env=_env(ranks, extra_env))
+        _wait([proc], timeout_s)
         return
     from gradfabric.net.netns import shaped_star
 
     with shaped_star(ranks, link_gbps) as hosts:
-        port = 29400 + os.getpid() % 500
-        procs = [
-            subprocess.Popen(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    h.netns,
-                    *_torchrun(ranks, 1, r, hosts[0].ip, port),
-                    *prog,
-                ],
-                env={**env, "GLOO_SOCKET_IFNAME": h.ifname},
-            )
-            for r, h in enumerate(hosts)
-        ]
-        _wait(procs, timeout_s)
+        run_on_hosts(hosts, module, args, timeout_s, extra_env)
+
+
+def run_on_hosts(
+    hosts: list[NsHost],
+    module: str,
+    args: list[str],
+    timeout_s: float = 3600,
+    extra_env: dict[str, str] | None = None,
+) -> None:
+    """One torchrun per namespace host (rank ``r`` on ``hosts[r]``), rendezvous
+    at the first host's address; raise if any rank fails."""
+    ranks = len(hosts)
+    env = _env(ranks, extra_env)
+    prog = ["-m", module, *args]
+    port = 29400 + os.getpid() % 500
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", h.netns, *_torchrun(ranks, 1, r, hosts[0].ip, port), *prog],
+            env={**env, "GLOO_SOCKET_IFNAME": h.ifname},
+        )
+        for r, h in enumerate(hosts)
+    ]
+    _wait(procs, timeout_s)
+
+
+def _env(ranks: int, extra: dict[str, str] | None) -> dict[str, str]:
+    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    return {**os.environ, "OMP_NUM_THREADS": threads, **(extra or {})}
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:

@@ -3,7 +3,8 @@
 ``shaped_star(n, link_gbps)`` creates ``n`` host namespaces and a switch
 namespace holding a bridge; each host has a veth to the bridge shaped with
 ``tbf`` to ``link_gbps`` in both directions (the kernel has no netem here, so
-only rate is shaped). Host ``i`` gets ``10.77.<k>.<i+1>/24`` on ``gfh<i>``.
+only rate is shaped; ``drop_udp`` adds random loss with nftables). Host ``i``
+gets ``10.77.<k>.<i+1>/24`` on ``gfh<i>``.
 Everything is deleted on exit, also after an error. ``available()`` tells
 whether namespaces can be made at all (tests skip where not).
 """
@@ -11,12 +12,16 @@ whether namespaces can be made at all (tests skip where not).
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from gradfabric.core.errors import ConfigError
 
 MTU = "9000"
 
@@ -40,6 +45,40 @@ def available() -> bool:
         return False
     _ip("netns", "del", name)
     return True
+
+
+def nft_available() -> bool:
+    return shutil.which("nft") is not None
+
+
+def drop_udp(host: NsHost, share: float, table: str = "gf") -> None:
+    """Drop ``share`` of the UDP datagrams arriving in ``host``'s namespace, at
+    random (nftables ``numgen random``; the kernel's own loss, where the
+    emulator's user-space impairment is not wanted). TCP (control, gloo) is
+    left alone. Deleted with the namespace."""
+    if not 0 <= share < 1:
+        raise ConfigError("share", f"must be in [0, 1), got {share}")
+    if not nft_available():
+        raise ConfigError("nft", "nftables is not installed (apt-get install nftables)")
+    per_mille = round(share * 1000)
+    script = (
+        f"add table inet {table}\n"
+        f"add chain inet {table} in {{ type filter hook input priority 0; }}\n"
+        f"add rule inet {table} in meta l4proto udp numgen random mod 1000 < "
+        f"{per_mille} counter drop\n"
+    )
+    subprocess.run(["ip", "netns", "exec", host.netns, "nft", "-f", "-"], input=script.encode(),
+                   check=True, capture_output=True)  # fmt: skip
+
+
+def udp_dropped(host: NsHost, table: str = "gf") -> int:
+    """Datagrams ``drop_udp`` has dropped so far in ``host``'s namespace."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", host.netns, "nft", "list", "table", "inet", table],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    m = re.search(r"counter packets (\d+)", out)
+    return int(m.group(1)) if m else 0
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
