@@ -23,7 +23,7 @@ import pytest
 
 from gradfabric.cli import main
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.client import Attached, InaClient, OmniClient, Ticket
+from gradfabric.emu.client import Attached, InaClient, OmniClient, Ticket, parse_address
 from gradfabric.emu.envelope import TOKEN_BYTES
 from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
 from gradfabric.net import netns
@@ -399,3 +399,87 @@ def test_training_through_a_switch_in_its_own_namespace_with_kernel_loss() -> No
     assert rec["kernel_dropped"] > 0 and rec["max_loss_diff"] <= 1e-5
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert after == before
+
+
+@pytest.mark.parametrize(
+    ("scheme", "policy"),
+    [("switchml", "switchml"), ("atp", "atp"), ("ps", "ps"), ("omnireduce", "omni")],
+)
+def test_simulator_and_emulator_give_identical_aggregates(scheme: str, policy: str) -> None:
+    """One scenario (seed, tensor, 5% loss on every link / datagram) through the
+    simulator's values mode and through the daemon: the same sums, equal to the
+    int64 reference. (The loss *rate* is shared; the loss pattern is each
+    run's own draw.)"""
+    from gradfabric.sim.collective import Bucket, FabricConfig, run_collective, worker_input
+    from gradfabric.sim.network import LinkSpec
+
+    workers, values, seed = 3, 30_001, 21
+    fabric = FabricConfig(link=LinkSpec(loss=0.05))
+    sim = run_collective(scheme, workers, [Bucket(0, values)], fabric, seed=seed, values=True)
+    xs = [worker_input(seed, r, workers, values) for r in range(workers)]
+    with switch_daemon("--policy", policy, "--loss", "0.05", "--rto-ms", "10") as sw:
+        ticket = Ticket.register(sw.control, workers)
+        kind = OmniClient if policy == "omni" else InaClient
+        clients: list[Attached] = [kind(ticket, r) for r in range(workers)]
+        try:
+            emu = _allreduce_all(clients, xs)
+        finally:
+            for c in clients:
+                c.close()
+    assert sim.results is not None
+    ref = np.sum([x.astype(np.int64) for x in xs], axis=0)
+    for r in range(workers):
+        np.testing.assert_array_equal(emu[r], sim.results[r])
+        np.testing.assert_array_equal(emu[r], ref)
+
+
+def _ddp_rank_that_may_die(rank: int, world: int, port: int, control: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradfabric.emu.hook import ina_hook
+    from gradfabric.workloads.digits import digits_data, digits_mlp
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    client = InaClient.join(control=parse_address(control), timeout_s=3.0)
+    torch.manual_seed(0)
+    model = DDP(digits_mlp())
+    model.register_comm_hook(client, ina_hook)
+    x, y, _, _ = digits_data()
+    msg = "no error"
+    t0 = time.monotonic()
+    try:
+        for step in range(6):
+            if step == 3 and rank == 2:  # dies in the middle of its backward pass
+                next(model.parameters()).register_hook(lambda g: os._exit(0))
+            t0 = time.monotonic()
+            loss = torch.nn.functional.cross_entropy(model(x[:32]), y[:32])
+            loss.backward()
+    except PeerTimeoutError as e:
+        msg = f"{e.peer}|{e}"
+    with open(f"{out}/{rank}.txt", "w") as f:
+        f.write(f"{time.monotonic() - t0:.1f}|{msg}")
+
+
+def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
+    """DDP with ``ina_hook`` on 3 ranks; rank 2 exits inside its backward pass:
+    the others' step fails with an error naming rank 2 within the configured
+    3 s, whether it was waiting on gloo's exponent round or on the switch."""
+    import tempfile
+
+    import torch.multiprocessing as tmp_mp
+
+    with switch_daemon("--policy", "atp") as sw, tempfile.TemporaryDirectory() as tmp:
+        ctx = tmp_mp.spawn(
+            _ddp_rank_that_may_die, args=(3, _free_port(), sw.control_text, tmp), nprocs=3,
+            join=False,
+        )  # fmt: skip
+        for p in ctx.processes:
+            p.join(90)
+        for r in (0, 1):
+            with open(f"{tmp}/{r}.txt") as f:
+                took, peer, msg = f.read().split("|", 2)
+            assert peer == "rank 2", msg
+            assert float(took) < 3 + 5  # the timeout, plus the check-in or the switch query

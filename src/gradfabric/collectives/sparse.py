@@ -31,14 +31,13 @@ path's per-block host work (gather, sum, scatter), which matters where the
 host and not the wire is the bottleneck.
 """
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.collectives.peers import name_the_missing
 
 # The sparse path's block bookkeeping (gather, sum, scatter) costs host time the
 # dense ring does not; at 2 ranks the sharded exchange of a fully dense tensor
@@ -180,7 +179,7 @@ def sparse_allreduce(
         try:
             sent = _allreduce(flat, group, world, rank, block_size, threshold, state, dense_margin)
         except RuntimeError as e:  # gloo: a closed connection or the group's timeout
-            raise _name_the_missing(group, world, rank, call, peer_timeout_s, e) from e
+            raise name_the_missing("sparse", group, world, rank, call, peer_timeout_s, e) from e
     if state is not None:
         state.calls += 1
         state.bytes_dense += dense_bytes
@@ -236,29 +235,6 @@ def _allreduce(
         state.bytes_busiest_link += int(link.max())  # over ranks and directions, whole call
         state.sparse_calls += sparse > 0
     return sent
-
-
-def _name_the_missing(
-    group: Any, world: int, rank: int, call: int, wait_s: float, err: RuntimeError
-) -> PeerTimeoutError:
-    """After a failed call, every surviving rank checks in at the rendezvous
-    store (which does not depend on the broken gloo connections); the ranks
-    that have not checked in after ``wait_s`` are named."""
-    # (the default store is reached through a private accessor: there is no public one)
-    store = dist.distributed_c10d._get_default_store()
-    ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(world)]
-    key = f"gradfabric/sparse/{call}/"
-    store.set(key + str(ranks[rank]), "here")
-    deadline = time.monotonic() + wait_s
-    missing = list(ranks)
-    while missing and time.monotonic() < deadline:
-        missing = [r for r in missing if not store.check([key + str(r)])]
-        time.sleep(0.05)
-    names = ", ".join(f"rank {r}" for r in missing) or "no rank (all checked in)"
-    e = PeerTimeoutError(names, wait_s)
-    e.args = (f"sparse_allreduce failed ({str(err).splitlines()[0][:200]}); {names} did not "
-              f"report within {wait_s:g} s",)  # fmt: skip
-    return e
 
 
 # One gloo all_to_all of many megabytes moves at about half the link rate on

@@ -111,6 +111,7 @@ class Attached:
     ticket: Ticket
     rank: int
     timeout_s: float
+    calls = 0  # float all-reduces so far (keys the check-in after a gloo failure)
 
     def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0, **kw: Any) -> None:
         raise NotImplementedError  # each client builds its engine, then calls _attach
@@ -208,9 +209,18 @@ class Attached:
         import torch
         import torch.distributed as dist
 
+        from gradfabric.collectives.peers import name_the_missing
+
         vpp = self.ticket.values_per_packet
         e = torch.from_numpy(block_exponents(x, vpp))
-        dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
+        self.calls += 1
+        try:  # the exponent round: a rank gone here breaks gloo, not the switch
+            dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
+        except RuntimeError as err:
+            world = dist.get_world_size(group)
+            raise name_the_missing(
+                "emu", group, world, self.rank, self.calls, self.timeout_s, err
+            ) from err
         scale = np.repeat(block_scales(e.numpy(), self.ticket.workers), vpp)[: len(x)]
         q = np.rint(x.astype(np.float64) * scale).astype(np.int32)
         return (self.allreduce_ints(q) / scale).astype(np.float32)
