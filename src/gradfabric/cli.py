@@ -760,8 +760,11 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--tensor-mb", type=float, default=4.0)
     bw.add_argument("--iters", type=int, default=5)
     bw.add_argument("--policy", default="switchml", choices=["switchml", "atp", "esa"])
-    bw.add_argument("--job-slots", type=int, default=32, help="the workers' window")
-    bw.add_argument("--values-per-packet", type=int, default=2048)
+    bw.add_argument("--job-slots", type=int, default=8, help="the workers' window")
+    bw.add_argument(
+        "--values-per-packet", type=int, default=16_000,
+        help="values per datagram (16000: 64 KB, whole on loopback)",
+    )  # fmt: skip
     bw.add_argument("--json", action="store_true", help="one JSON object per row")
     bw.set_defaults(fn=cmd_bench_switch)
 

@@ -53,7 +53,9 @@ def _transfer(
             deadlines = [x for x in (rx.next_deadline(), tx.next_deadline()) if x is not None]
             now = max(now, min(deadlines))
             rounds += 1
-            assert rounds < 400, "the transfer never completed"
+            # a livelock guard: at 50% loss of data, requests and ACKs alike a
+            # reliable 22-packet transfer took 455 timer rounds (n=1345, seed 34549)
+            assert rounds < 2000, "the transfer never completed"
             for eng in (rx, tx):
                 if eng.next_deadline() is not None and eng.next_deadline() <= now:
                     wire += [a for a in eng.on_timer(now) if isinstance(a, Send)]

@@ -38,8 +38,8 @@ class SwitchBenchConfig:
     tensor_mb: float = 4.0
     iters: int = 5
     policy: str = "switchml"
-    job_slots: int = 32  # the workers' window (and SwitchML's slots per job)
-    values_per_packet: int = 2048
+    job_slots: int = 8  # the workers' window (and SwitchML's slots per job)
+    values_per_packet: int = 16_000  # 64 KB datagrams: loopback carries them whole
     seed: int = 0
 
     def __post_init__(self) -> None:

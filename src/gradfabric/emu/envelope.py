@@ -32,7 +32,7 @@ def drop_reason(e: ProtocolError) -> str:
 
 
 def seal(token: bytes, pkt: Packet) -> bytes:
-    return token + encode(pkt)
+    return encode(pkt, token)
 
 
 def job_of(data: bytes) -> int:

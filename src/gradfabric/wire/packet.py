@@ -33,7 +33,7 @@ VERSION = 1
 HEADER = struct.Struct("<HBBHHHHHHIIQ")
 HEADER_BYTES = HEADER.size
 MAX_FAN_IN = 64
-MAX_WIRE_VALUES = 2048
+MAX_WIRE_VALUES = 16_000  # 64 KB of values: one UDP datagram (loopback, jumbo)
 VALUE_BYTES = 4
 
 
@@ -118,8 +118,9 @@ class Packet:
         return bool(self.flags & flag)
 
 
-def encode(pkt: Packet) -> bytes:
-    """Serialise ``pkt``; raises ``ValueError`` for a packet we should never build."""
+def encode(pkt: Packet, prefix: bytes = b"") -> bytes:
+    """Serialise ``pkt`` (after ``prefix``, e.g. the emulator's token); raises
+    ``ValueError`` for a packet we should never build."""
     want = np.float32 if pkt.flags & Flag.FLOAT else np.int32
     if pkt.payload is None and pkt.count:
         raise ValueError("cannot encode a timing-only packet (payload is None)")
@@ -148,7 +149,8 @@ def encode(pkt: Packet) -> bytes:
         pkt.agg_index,
         pkt.bitmap,
     )
-    return head + payload.astype("<i4" if want is np.int32 else "<f4", copy=False).tobytes()
+    wire = np.ascontiguousarray(payload, dtype="<i4" if want is np.int32 else "<f4")
+    return b"".join((prefix, head, wire.data))  # one copy of the values
 
 
 def decode(data: bytes) -> Packet:
@@ -187,13 +189,15 @@ def decode(data: bytes) -> Packet:
         raise ProtocolError(f"length {len(data)} != header + {count} values")
     dtype = "<f4" if flags & Flag.FLOAT else "<i4"
     payload = np.frombuffer(data, dtype=dtype, count=count, offset=HEADER_BYTES)
+    # A read-only view of the datagram where the wire order is the machine's
+    # (engines never write into a packet's payload; they copy into their own).
     native: Payload
     if flags & Flag.FLOAT:
-        native = payload.astype(np.float32)
+        native = payload if payload.dtype == np.float32 else payload.astype(np.float32)
         if not np.all(np.isfinite(native)):
             raise ProtocolError("non-finite float payload")
     else:
-        native = payload.astype(np.int32)
+        native = payload if payload.dtype == np.int32 else payload.astype(np.int32)
     return Packet(
         job_id, worker_id, seq, agg_index, bitmap, fan_in, flags, priority, layer, count, native
     )
