@@ -859,6 +859,13 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[ss], add_help=False, conflict_handler="resolve",
     )  # fmt: skip
     pserve.set_defaults(fn=cmd_switch_serve, policy="ps")
+    om = sub.add_parser("omni", help="the OmniReduce aggregator daemon")
+    oms = om.add_subparsers(dest="omni", required=True)
+    oserve = oms.add_parser(
+        "serve", help="run an OmniReduce aggregator on UDP (switch serve --policy omni)",
+        parents=[ss], add_help=False, conflict_handler="resolve",
+    )  # fmt: skip
+    oserve.set_defaults(fn=cmd_switch_serve, policy="omni")
 
     st = sub.add_parser("stats", help="a running switch's counters")
     st.add_argument("--switch", required=True, help="HOST:CONTROL_PORT")
