@@ -393,7 +393,7 @@ def cmd_experiment_saatp_udp(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment_dlcp_udp(args: argparse.Namespace) -> int:
-    from gradfabric.emu.dlcp import DlcpEmuConfig, run_emu_dlcp
+    from gradfabric.emu.dlcp import DlcpEmuConfig, run_emu_dlcp, summary_row
 
     cfg = DlcpEmuConfig(
         workers=args.workers, rounds=args.rounds, port_mbps=args.port_mbps,
@@ -403,14 +403,7 @@ def cmd_experiment_dlcp_udp(args: argparse.Namespace) -> int:
     with _progress(2, args.json) as tick:
         for reliable in (True, False):
             tick("reliable" if reliable else "DLCP")
-            r = run_emu_dlcp(cfg, reliable)
-            port = r["port"]
-            rows.append(
-                {"scheme": r["scheme"], "round_ms": r["round_ms"], "lost_push": r["lost_push"],
-                 "lost_pull": r["lost_pull"], "wrong_share": r["wrong_share"]}
-                | {f"drop_rate_p{d}": port.get(f"queue_drop_precedence{d}", 0)
-                   / max(1, port.get(f"offered_precedence{d}", 0)) for d in range(4)}
-            )  # fmt: skip
+            rows.append(summary_row(run_emu_dlcp(cfg, reliable)))
     if args.json:
         for row in rows:
             print(json.dumps(row))

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,14 @@ import pytest
 
 from gradfabric.cli import main
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.client import Attached, InaClient, OmniClient, Ticket, parse_address
+from gradfabric.emu.client import (
+    Attached,
+    InaClient,
+    OmniClient,
+    Ticket,
+    parse_address,
+    together,
+)
 from gradfabric.emu.envelope import TOKEN_BYTES
 from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
 from gradfabric.net import netns
@@ -36,31 +42,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _together(fns: list[Callable[[], Any]]) -> list[Any]:
-    """Run ``fns`` in threads at once (each worker blocks in its collective);
-    re-raise the first error."""
-    out: list[Any] = [None] * len(fns)
-    errs: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:  # handed to the test thread
-            errs.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errs:
-        raise errs[0]
-    return out
-
-
 def _allreduce_all(clients: list[Any], xs: list[np.ndarray]) -> list[Any]:
     """Every client's ``allreduce_ints`` of its own ``xs`` entry, at once."""
-    return _together(
+    return together(
         [lambda c=c, x=x: c.allreduce_ints(x) for c, x in zip(clients, xs, strict=True)]
     )
 

@@ -61,13 +61,19 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         with open(out) as f:
             rec: dict[str, Any] = json.load(f)
     rec["config"] = asdict(cfg)
-    for k in ("default", "omnireduce"):
-        rec[f"{k}_ms"] = statistics.median(rec["times_s"][k][1:]) * 1e3  # step 0 warms up
+    compare_sides(rec, "default", "omnireduce")
     rec["speedup"] = rec["default_ms"] / rec["omnireduce_ms"]
-    rec["max_loss_diff"] = max(
-        abs(a - b) for a, b in zip(rec["loss"]["default"], rec["loss"]["omnireduce"], strict=True)
-    )
     return rec
+
+
+def compare_sides(rec: dict[str, Any], a: str, b: str) -> None:
+    """Two replicas trained side by side: each one's median step time (step 0
+    warms up) and the largest gap between their loss curves, into ``rec``."""
+    for k in (a, b):
+        rec[f"{k}_ms"] = statistics.median(rec["times_s"][k][1:]) * 1e3
+    rec["max_loss_diff"] = max(
+        abs(x - y) for x, y in zip(rec["loss"][a], rec["loss"][b], strict=True)
+    )
 
 
 def _rank_main(cfg: E2EConfig, out: str) -> None:

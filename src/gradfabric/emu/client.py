@@ -102,6 +102,29 @@ class Ticket:
 
 
 C = TypeVar("C", bound="Attached")
+R = TypeVar("R")
+
+
+def together(fns: list[Callable[[], R]]) -> list[R]:
+    """Run ``fns`` in threads at once (each worker blocks in its collective) and
+    return their results in order; re-raise the first error."""
+    out: list[Any] = [None] * len(fns)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # handed to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 class Attached:

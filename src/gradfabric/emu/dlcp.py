@@ -21,6 +21,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.client import Attached, Ticket
+from gradfabric.emu.client import Attached, Ticket, together
 from gradfabric.emu.envelope import seal
 from gradfabric.emu.switchd import worker_name
 from gradfabric.proto.actions import Deliver
@@ -131,6 +132,32 @@ class DlcpEmuConfig:
             raise ConfigError("workers", "need >= 2 workers, >= 1 tensor and round, a port rate")
 
 
+def _worker_round(
+    client: DlcpClient, xs: list[np.ndarray], tensors: int
+) -> Callable[[], list[np.ndarray]]:
+    """One worker's round: its tensors, back layers first (as backward makes them)."""
+
+    def run() -> list[np.ndarray]:
+        outs: list[np.ndarray] = [np.zeros(0)] * tensors
+        for t in reversed(range(tensors)):
+            outs[t] = client.allreduce(xs[t], t, tensors)
+        return outs
+
+    return run
+
+
+def summary_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One run as a table row: time, lost shares, the port's drop rate per precedence."""
+    port = r["port"]
+    rates = {
+        f"drop_rate_p{d}": port.get(f"queue_drop_precedence{d}", 0)
+        / max(1, port.get(f"offered_precedence{d}", 0))
+        for d in range(4)
+    }
+    keep = ("scheme", "round_ms", "lost_push", "lost_pull", "wrong_share")
+    return {k: r[k] for k in keep} | rates
+
+
 def run_emu_dlcp(cfg: DlcpEmuConfig, reliable: bool = False) -> dict[str, Any]:
     """One run; returns the round times, the lost shares and the port's counters."""
     from gradfabric.emu.harness import switch_daemon
@@ -155,7 +182,9 @@ def run_emu_dlcp(cfg: DlcpEmuConfig, reliable: bool = False) -> dict[str, Any]:
                     for _ in range(cfg.workers)
                 ]
                 t0 = time.perf_counter()
-                outs = _together(clients, xs, cfg.tensors)
+                outs = together(
+                    [_worker_round(c, x, cfg.tensors) for c, x in zip(clients, xs, strict=True)]
+                )
                 rounds.append(time.perf_counter() - t0)
                 for t in range(cfg.tensors):
                     ref = np.sum([xs[w][t].astype(np.float64) for w in range(cfg.workers)], axis=0)
@@ -184,27 +213,3 @@ def run_emu_dlcp(cfg: DlcpEmuConfig, reliable: bool = False) -> dict[str, Any]:
         "counters": counters,
         "config": asdict(cfg),
     }
-
-
-def _together(
-    clients: list[DlcpClient], xs: list[list[np.ndarray]], tensors: int
-) -> list[list[np.ndarray]]:
-    """Every worker sends its tensors (back layers first, as backward makes them)."""
-    outs: list[list[np.ndarray]] = [[np.zeros(0)] * tensors for _ in clients]
-    errors: list[BaseException] = []
-
-    def worker(w: int) -> None:
-        try:
-            for t in reversed(range(tensors)):
-                outs[w][t] = clients[w].allreduce(xs[w][t], t, tensors)
-        except BaseException as e:  # handed to the caller
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(len(clients))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
-    return outs

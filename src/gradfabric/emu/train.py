@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradfabric.collectives.e2e import compare_sides
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV, InaClient
 from gradfabric.emu.dlcp import DlcpClient
@@ -91,11 +91,7 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
             rec["kernel_dropped"] = udp_dropped(at)
     rec["config"] = asdict(cfg)
     rec["switch"] = sw.final
-    for k in ("default", "switch"):
-        rec[f"{k}_ms"] = statistics.median(rec["times_s"][k][1:]) * 1e3  # step 0 warms up
-    rec["max_loss_diff"] = max(
-        abs(a - b) for a, b in zip(rec["loss"]["default"], rec["loss"]["switch"], strict=True)
-    )
+    compare_sides(rec, "default", "switch")
     return rec
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
-from gradfabric.emu.dlcp import DlcpEmuConfig, run_emu_dlcp
+from gradfabric.emu.dlcp import DlcpEmuConfig, run_emu_dlcp, summary_row
 from gradfabric.emu.saatp import SaatpEmuConfig, run_emu_saatp
 from gradfabric.emu.train import EmuTrainConfig, run_emu_training
 from gradfabric.experiments import plots
@@ -107,13 +107,7 @@ class Emulator:
             tick("DLCP over UDP" + (", reliable" if reliable else ""))
             r = run_emu_dlcp(dl_cfg, reliable)
             dl[reliable] = r
-            port = r["port"]
-            res.rows.append(
-                {"scheme": f"{r['scheme']}-udp", "round_ms": r["round_ms"],
-                 "lost_push": r["lost_push"], "lost_pull": r["lost_pull"]}
-                | {f"drop_rate_p{d}": port.get(f"queue_drop_precedence{d}", 0)
-                   / max(1, port.get(f"offered_precedence{d}", 0)) for d in range(4)}
-            )  # fmt: skip
+            res.rows.append(summary_row(r) | {"scheme": f"{r['scheme']}-udp"})
         got = res.rows[-1]
         res.claims.append(
             Claim(
