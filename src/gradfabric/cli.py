@@ -667,6 +667,33 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _daemon_options(p: argparse.ArgumentParser) -> None:
+    """The options every daemon role shares (``switch``, ``ps`` and ``omni serve``)."""
+    p.add_argument("--slots", type=int, default=4096, help="aggregators in the pool")
+    p.add_argument(
+        "--job-slots", type=int, default=32, help="SwitchML: slots per job; ATP/ESA: the window"
+    )
+    p.add_argument("--values-per-packet", type=int, default=1024)
+    p.add_argument("--rto-ms", type=float, default=20.0, help="workers' retransmission timeout")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="data (UDP) port; 0 picks one")
+    p.add_argument("--control-port", type=int, default=0, help="control (TCP) port")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus text here")
+    p.add_argument("--loss", type=float, default=0.0, help="drop probability per datagram")
+    p.add_argument("--dup", type=float, default=0.0, help="duplication probability")
+    p.add_argument("--delay-us", type=float, default=0.0)
+    p.add_argument("--jitter-us", type=float, default=0.0, help="uniform extra delay (reorders)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--port-mbps", type=float, default=0.0,
+        help="dlcp: the rate of the port into the job servers (0: unshaped)",
+    )  # fmt: skip
+    p.add_argument("--port-buffer-kb", type=int, default=256, help="dlcp: that port's buffer")
+    p.add_argument("--push-bound", type=float, default=0.1, help="dlcp: loss bound, push")
+    p.add_argument("--pull-bound", type=float, default=0.02, help="dlcp: loss bound, pull")
+    p.add_argument("--json", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gradfabric", description=__doc__.splitlines()[0] if __doc__ else None
@@ -820,44 +847,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="the switch's aggregation (switchml, atp, esa), a DLCP server behind a "
         "priority port (dlcp), a parameter server (ps) or an OmniReduce aggregator (omni)",
     )  # fmt: skip
-    ss.add_argument("--slots", type=int, default=4096, help="aggregators in the pool")
-    ss.add_argument(
-        "--job-slots", type=int, default=32, help="SwitchML: slots per job; ATP/ESA: the window"
-    )
-    ss.add_argument("--values-per-packet", type=int, default=1024)
-    ss.add_argument("--rto-ms", type=float, default=20.0, help="workers' retransmission timeout")
-    ss.add_argument("--host", default="127.0.0.1")
-    ss.add_argument("--port", type=int, default=0, help="data (UDP) port; 0 picks one")
-    ss.add_argument("--control-port", type=int, default=0, help="control (TCP) port")
-    ss.add_argument("--metrics-port", type=int, help="serve Prometheus text here")
-    ss.add_argument("--loss", type=float, default=0.0, help="drop probability per datagram")
-    ss.add_argument("--dup", type=float, default=0.0, help="duplication probability")
-    ss.add_argument("--delay-us", type=float, default=0.0)
-    ss.add_argument("--jitter-us", type=float, default=0.0, help="uniform extra delay (reorders)")
-    ss.add_argument("--seed", type=int, default=0)
-    ss.add_argument(
-        "--port-mbps", type=float, default=0.0,
-        help="dlcp: the rate of the port into the job servers (0: unshaped)",
-    )  # fmt: skip
-    ss.add_argument("--port-buffer-kb", type=int, default=256, help="dlcp: that port's buffer")
-    ss.add_argument("--push-bound", type=float, default=0.1, help="dlcp: loss bound, push")
-    ss.add_argument("--pull-bound", type=float, default=0.02, help="dlcp: loss bound, pull")
-    ss.add_argument("--json", action="store_true")
+    _daemon_options(ss)
     ss.set_defaults(fn=cmd_switch_serve)
 
     ps = sub.add_parser("ps", help="the parameter server daemon")
     pss = ps.add_subparsers(dest="ps", required=True)
     pserve = pss.add_parser(
-        "serve", help="run a parameter server on UDP until SIGTERM (switch serve --policy ps)",
-        parents=[ss], add_help=False, conflict_handler="resolve",
-    )  # fmt: skip
+        "serve", help="run a parameter server on UDP until SIGTERM (switch serve --policy ps)"
+    )
+    _daemon_options(pserve)
     pserve.set_defaults(fn=cmd_switch_serve, policy="ps")
     om = sub.add_parser("omni", help="the OmniReduce aggregator daemon")
     oms = om.add_subparsers(dest="omni", required=True)
     oserve = oms.add_parser(
-        "serve", help="run an OmniReduce aggregator on UDP (switch serve --policy omni)",
-        parents=[ss], add_help=False, conflict_handler="resolve",
-    )  # fmt: skip
+        "serve", help="run an OmniReduce aggregator on UDP (switch serve --policy omni)"
+    )
+    _daemon_options(oserve)
     oserve.set_defaults(fn=cmd_switch_serve, policy="omni")
 
     st = sub.add_parser("stats", help="a running switch's counters")

@@ -467,3 +467,23 @@ def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
                 took, peer, msg = f.read().split("|", 2)
             assert peer == "rank 2", msg
             assert float(took) < 3 + 5  # the timeout, plus the check-in or the switch query
+
+
+@pytest.mark.parametrize(("role", "policy"), [("ps", "ps"), ("omni", "omni"), ("switch", "atp")])
+def test_each_daemon_serves_its_role_by_default(role: str, policy: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradfabric.cli", role, "serve", "--json"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        where = json.loads(proc.stdout.readline())
+        sw = RunningSwitch(proc, parse_address(where["data"]), parse_address(where["control"]))
+        assert _stats(sw)["policy"] == policy
+        ticket = Ticket.register(sw.control, 2)
+        assert ticket.policy == policy
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+        if proc.stdout is not None:
+            proc.stdout.close()
