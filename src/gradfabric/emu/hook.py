@@ -10,6 +10,7 @@ behind the switch (``DlcpClient.join()``; the switch runs ``--policy dlcp``).
 ``bucket`` annotation with ``dist.GradBucket`` itself, not its string.)
 """
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,12 +23,7 @@ def ina_hook(
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
 ) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
-    flat = buf.detach().to(torch.float32).reshape(-1).numpy()
-    avg = state.allreduce(flat) / state.ticket.workers
-    buf.copy_(torch.from_numpy(avg).reshape(buf.shape))
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+    return _written(buf, state.allreduce(_flat(buf)) / state.ticket.workers)
 
 
 def dlcp_hook(
@@ -37,12 +33,19 @@ def dlcp_hook(
     """Each bucket pushed to the job's DLCP server and the sum pulled, within
     the job's loss bounds (lost values read as zero), then averaged."""
     buf = bucket.buffer()
-    flat = buf.detach().to(torch.float32).reshape(-1).numpy()
-    world = state.ticket.workers
     # DDP's bucket 0 holds the model's last layers: DLCP serves front layers first
     state.buckets = max(state.buckets, bucket.index() + 1)
     layer = state.buckets - 1 - bucket.index()
-    avg = state.allreduce(flat, layer, state.buckets) / world
+    total = state.allreduce(_flat(buf), layer, state.buckets)
+    return _written(buf, total / state.ticket.workers)
+
+
+def _flat(buf: torch.Tensor) -> np.ndarray:
+    return buf.detach().to(torch.float32).reshape(-1).numpy()
+
+
+def _written(buf: torch.Tensor, avg: np.ndarray) -> torch.futures.Future[torch.Tensor]:
+    """``avg`` written into the bucket, as the completed future DDP waits on."""
     buf.copy_(torch.from_numpy(avg).reshape(buf.shape))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buf)

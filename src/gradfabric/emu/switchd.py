@@ -45,7 +45,7 @@ from typing import Any, cast
 from gradfabric.core.errors import ConfigError, ProtocolError
 from gradfabric.core.trace import Counters
 from gradfabric.emu.envelope import TOKEN_BYTES, drop_reason, job_of, seal, unseal
-from gradfabric.net.udp import SOCKET_BUFFER_BYTES, Address
+from gradfabric.net.udp import Address, size_buffers
 from gradfabric.proto.actions import Action, Engine, Multicast, Send
 from gradfabric.proto.dlcp import DlcpServer
 from gradfabric.proto.omni import OmniAggregator
@@ -168,8 +168,7 @@ class SwitchDaemon:
         # as the switch engine's work on it.
         self.sock = sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setblocking(False)
-        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):  # capped at rmem/wmem_max
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        size_buffers(sock)
         sock.bind((cfg.host, cfg.port))
         loop.add_reader(sock.fileno(), self._drain)
         control = await asyncio.start_server(self._control, cfg.host, cfg.control_port)

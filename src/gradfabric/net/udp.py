@@ -27,6 +27,13 @@ Address = tuple[str, int]
 SOCKET_BUFFER_BYTES = 4 * 2**20
 
 
+def size_buffers(sock: socket.socket) -> None:
+    """Socket buffers of SOCKET_BUFFER_BYTES each way (the kernel caps them at
+    rmem_max/wmem_max): a burst of a window's datagrams must fit."""
+    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+
+
 class EngineProtocol(asyncio.DatagramProtocol):
     def __init__(
         self,
@@ -114,7 +121,5 @@ async def open_engine(
     transport, proto = await loop.create_datagram_endpoint(
         lambda: EngineProtocol(engine, book, on_deliver, token, on_help), local_addr=bind
     )
-    sock = transport.get_extra_info("socket")
-    for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+    size_buffers(transport.get_extra_info("socket"))
     return transport, proto
