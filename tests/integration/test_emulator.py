@@ -474,7 +474,7 @@ def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
             with open(f"{tmp}/{r}.txt") as f:
                 took, peer, msg = f.read().split("|", 2)
             assert peer == "rank 2", msg
-            assert float(took) < 3 + 5, msg  # the timeout, plus the check-in or the switch query
+            assert float(took) < 3 + 1 + 5, msg  # the timeout and its grace, or the switch query
 
 
 @pytest.mark.parametrize(("role", "policy"), [("ps", "ps"), ("omni", "omni"), ("switch", "atp")])

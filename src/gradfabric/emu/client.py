@@ -134,7 +134,8 @@ class Attached:
     ticket: Ticket
     rank: int
     timeout_s: float
-    calls = 0  # float all-reduces so far (keys the check-in after a gloo failure)
+    calls = 0  # float all-reduces so far (keys the check-in after a failure)
+    _group: tuple[Any] | None = None  # the process group of the float all-reduces, once known
 
     def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0, **kw: Any) -> None:
         raise NotImplementedError  # each client builds its engine, then calls _attach
@@ -214,7 +215,18 @@ class Attached:
         return call.result
 
     def _blame(self) -> PeerTimeoutError:
-        """Whom the collective waits on, as the daemon sees it."""
+        """Whom the collective waits on, as the daemon sees it, less the ranks
+        that checked in at the rendezvous store after their own part of this
+        call failed (in gloo's exponent round, say: they never reached the
+        switch, but they are alive)."""
+        from gradfabric.collectives.peers import Roll
+
+        roll = None
+        if self._group is not None:
+            import torch.distributed as dist
+
+            group = self._group[0]
+            roll = Roll("emu", group, dist.get_world_size(group), self.rank, self.calls)
         t = self.ticket
         req = {"op": "missing", "job_id": t.job_id, "token": t.token}
         switch = f"switch {t.switch[0]}:{t.switch[1]}"
@@ -224,6 +236,8 @@ class Attached:
             return PeerTimeoutError(f"{switch} (job state lost)", self.timeout_s)
         except (OSError, TimeoutError):
             return PeerTimeoutError(switch, self.timeout_s)
+        if roll is not None:
+            missing = [r for r in missing if not roll.present(r)] or missing
         who = ", ".join(f"rank {r}" for r in missing) if missing else switch
         return PeerTimeoutError(who, self.timeout_s)
 
@@ -237,6 +251,7 @@ class Attached:
         vpp = self.ticket.values_per_packet
         e = torch.from_numpy(block_exponents(x, vpp))
         self.calls += 1
+        self._group = (group,)
         try:  # the exponent round: a rank gone here breaks gloo, not the switch
             dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
         except RuntimeError as err:
