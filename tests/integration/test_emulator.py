@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from gradfabric.cli import main
+from gradfabric.collectives.peers import GRACE_S
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.emu.client import (
     Attached,
@@ -457,8 +458,11 @@ def _ddp_rank_that_may_die(rank: int, world: int, port: int, control: str, out: 
 
 def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
     """DDP with ``ina_hook`` on 3 ranks; rank 2 exits inside its backward pass:
-    the others' step fails with an error naming rank 2 within the configured
-    3 s, whether it was waiting on gloo's exponent round or on the switch."""
+    the others' step fails with an error naming rank 2, whether it was waiting
+    on gloo's exponent round or on the switch. How soon: a rank that gloo
+    blocks behind another survivor (rank 0 waiting on rank 1, which waited on
+    rank 2) learns of the failure only when that survivor gives up and leaves,
+    so the bound is two rounds of the 3 s timeout and its grace."""
     import tempfile
 
     import torch.multiprocessing as tmp_mp
@@ -474,7 +478,7 @@ def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
             with open(f"{tmp}/{r}.txt") as f:
                 took, peer, msg = f.read().split("|", 2)
             assert peer == "rank 2", msg
-            assert float(took) < 3 + 1 + 5, msg  # the timeout and its grace, or the switch query
+            assert float(took) < 2 * (3 + GRACE_S) + 4, msg  # + forward, backward, the query
 
 
 @pytest.mark.parametrize(("role", "policy"), [("ps", "ps"), ("omni", "omni"), ("switch", "atp")])
