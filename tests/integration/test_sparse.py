@@ -53,6 +53,15 @@ def _faint(rank: int) -> torch.Tensor:
     return x.flatten()
 
 
+def _non_finite(rank: int, world: int) -> torch.Tensor:
+    """Zero but for a NaN in block 3 on rank 0 and an inf in block 9 on the
+    last rank, each alone in its block."""
+    x = torch.zeros(40 * 256)
+    x[3 * 256 + 5] = float("nan") if rank == 0 else 0.0
+    x[9 * 256] = float("inf") if rank == world - 1 else 0.0
+    return x
+
+
 def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> None:
     _init(rank, world, port)
     results = []
@@ -63,6 +72,8 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> Non
         results.append((got, st.sparse_calls, st.bytes_sent, st.bytes_dense))
     # a threshold: blocks of tiny values count as zero and are dropped, on every rank
     results.append(sparse_allreduce(_faint(rank), threshold=0.01))
+    for threshold in (0.0, 0.01):  # NaN and inf reach every rank's sum, as dense
+        results.append(sparse_allreduce(_non_finite(rank, world), threshold=threshold))
     torch.save(results, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
@@ -92,8 +103,12 @@ def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
         b = x.double().view(160, 256)
         ref_t += (b * (b.abs().amax(1, keepdim=True) > 0.01)).flatten()
     assert ref_t.view(160, 256)[::4].abs().max() == 0  # the faint blocks were dropped
+    non_finite = sum(_non_finite(r, world) for r in range(world))
     for r in range(world):
-        torch.testing.assert_close(per_rank[r][-1].double(), ref_t, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(per_rank[r][-3].double(), ref_t, rtol=1e-5, atol=1e-6)
+        for got in per_rank[r][-2:]:
+            torch.testing.assert_close(got, non_finite, equal_nan=True, rtol=0, atol=0)
+    assert non_finite.isnan().sum() == 1 and non_finite.isinf().sum() == 1
     for i, (n, density, dtype, op) in enumerate(CASES):
         ref = sum(_sparse_input(r, n, density, dtype, seed=n).double() for r in range(world))
         if op == "avg":

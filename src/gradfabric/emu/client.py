@@ -16,7 +16,9 @@ Floats reach the integer domain as SwitchML does it: per block of
 agreed over the job (the maximum over workers, found with one small
 ``MAX`` all-reduce of the exponents over the training process group), so
 the integer sum cannot overflow and is exact; the only error is the rounding
-at encode time (``wire.quant.BlockExponent``).
+at encode time (``wire.quant.BlockExponent``). Integers cannot carry a NaN or
+an infinity: a block holding one at any rank says so in the exponent round and
+comes back as NaN at every rank, so AMP's gradient scaler still sees it.
 
 A collective that does not finish within ``timeout_s`` raises
 ``PeerTimeoutError`` naming the ranks the switch still waits on (asked over
@@ -49,6 +51,10 @@ from gradfabric.wire.quant import block_exponents, block_scales
 
 SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
 ANY_HOST = "0.0.0.0"
+# An exponent no finite float32 has: the block holds a NaN or an infinity at
+# some rank, and comes back as NaN everywhere (as a dense all-reduce would make
+# AMP's scaler skip the step; which values were inf is not kept).
+NON_FINITE = 1 << 20
 
 
 def parse_address(text: str) -> Address:
@@ -249,7 +255,11 @@ class Attached:
         from gradfabric.collectives.peers import name_the_missing
 
         vpp = self.ticket.values_per_packet
+        bad = ~np.isfinite(x)
+        if bad.any():  # integers cannot carry NaN or inf: their blocks say so in the exponent
+            x = np.where(bad, np.float32(0), x)
         e = torch.from_numpy(block_exponents(x, vpp))
+        e[np.add.reduceat(bad, np.arange(0, len(x), vpp)) > 0] = NON_FINITE
         self.calls += 1
         self._group = (group,)
         try:  # the exponent round: a rank gone here breaks gloo, not the switch
@@ -259,9 +269,14 @@ class Attached:
             raise name_the_missing(
                 "emu", group, world, self.rank, self.calls, self.timeout_s, err
             ) from err
-        scale = np.repeat(block_scales(e.numpy(), self.ticket.workers), vpp)[: len(x)]
-        q = np.rint(x.astype(np.float64) * scale).astype(np.int32)
-        return (self.allreduce_ints(q) / scale).astype(np.float32)
+        lost_blocks = e.numpy() == NON_FINITE
+        lost = np.repeat(lost_blocks, vpp)[: len(x)]
+        agreed = np.where(lost_blocks, 0, e.numpy())
+        scale = np.repeat(block_scales(agreed, self.ticket.workers), vpp)[: len(x)]
+        q = np.rint(np.where(lost, 0.0, x.astype(np.float64) * scale)).astype(np.int32)
+        out = (self.allreduce_ints(q) / scale).astype(np.float32)
+        out[lost] = np.nan
+        return out
 
     def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
         raise NotImplementedError
