@@ -18,6 +18,11 @@ over its aggregators). Three exchanges:
 2. ``all_to_all_single``: each owner sends its summed union to every rank,
    which writes it in place.
 
+The values stay on their device (a GPU with nccl: every collective here moves
+device tensors); the bitmaps come to the host, where the plan is made, since
+the transfer sizes must be known there anyway. The tests run gloo on CPU; the
+GPU path has not been run yet.
+
 OmniReduce's switch/aggregator protocol announces the next non-zero index with
 each block because a switch cannot hold a bitmap per worker; between hosts the
 bitmap is cheaper (1 bit per block against 8 bytes per index), and its
@@ -102,7 +107,7 @@ _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 def _pack(mask: torch.Tensor) -> torch.Tensor:
     pad = (-len(mask)) % 8
     m = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
-    return (m.view(-1, 8).to(torch.uint8) * _BITS).sum(dim=1, dtype=torch.uint8)
+    return (m.view(-1, 8).to(torch.uint8) * _BITS.to(m.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def _unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
@@ -300,7 +305,9 @@ class _Chunk:
         self.blocks = blocks
         self.mask = occupancy(blocks, threshold)
         nbytes = -(-len(blocks) // 8)
-        self.gathered = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(world)]
+        self.gathered = [  # on the data's device: nccl moves only GPU tensors
+            torch.empty(nbytes, dtype=torch.uint8, device=blocks.device) for _ in range(world)
+        ]
         self.works = [dist.all_gather(self.gathered, _pack(self.mask), group=group, async_op=True)]
         self.plan: Plan | None = None
         self.got: Pieces = []
@@ -320,7 +327,9 @@ class _Chunk:
         self.wait()
         blocks = self.blocks
         world, (nb, bs), elem = len(self.gathered), blocks.shape, blocks.element_size()
-        plan = Plan.of(_unpack(torch.stack(self.gathered), nb))
+        # the plan is made on the host (one bit per block): it sets the transfer sizes
+        plan = Plan.of(_unpack(torch.stack(self.gathered).cpu(), nb))
+        on = blocks.device
         dense = int(2 * (world - 1) / world * blocks.numel() * elem)
         link = torch.stack(plan.link_vectors()) * (bs * elem)
         if int(link.max()) > dense_margin * dense:
@@ -332,7 +341,7 @@ class _Chunk:
         own_idx = torch.nonzero(plan.masks[rank]).flatten()
         self.from_r = [torch.nonzero(plan.masks[r] & mine).flatten() for r in range(world)]
         self.sends = [
-            blocks[self.from_r[rank]] if o == rank else blocks[own_idx[plan.owner[own_idx] == o]]
+            blocks[(self.from_r[rank] if o == rank else own_idx[plan.owner[own_idx] == o]).to(on)]
             for o in range(world)
         ]
         most1, self.most2 = plan.most_to_one_peer()
@@ -349,14 +358,15 @@ class _Chunk:
             return  # dense: its all-reduce is in flight
         self.wait()
         world = len(self.gathered)
+        on = self.blocks.device
         self.acc = acc = self.blocks.new_zeros(len(self.shard_union), self.blocks.shape[1])
-        acc.index_add_(0, torch.searchsorted(self.shard_union, self.from_r[rank]), self.sends[rank])
+        pos = [torch.searchsorted(self.shard_union, f).to(on) for f in self.from_r]
+        acc.index_add_(0, pos[rank], self.sends[rank])
         for r in range(world):
-            pos = torch.searchsorted(self.shard_union, self.from_r[r])
             for lo, piece in self.got[r]:
-                acc.index_add_(0, pos[lo : lo + len(piece)], piece)
+                acc.index_add_(0, pos[r][lo : lo + len(piece)], piece)
         self.unions = [
-            torch.nonzero(plan.union & (plan.owner == o)).flatten() for o in range(world)
+            torch.nonzero(plan.union & (plan.owner == o)).flatten().to(on) for o in range(world)
         ]
         rounds = -(-self.most2 // self.per_round)
         self.got, self.works = _exchange(
@@ -370,9 +380,9 @@ class _Chunk:
         if plan is None:
             return
         if zero_rest:  # blocks under the threshold were not sent: they read as zero
-            blocks.masked_fill_(~plan.union.unsqueeze(1), 0)
+            blocks.masked_fill_(~plan.union.unsqueeze(1).to(blocks.device), 0)
         # (with threshold 0 every block outside the union is zero already)
-        blocks.index_copy_(0, self.shard_union, self.acc)
+        blocks.index_copy_(0, self.shard_union.to(blocks.device), self.acc)
         for o, pieces in enumerate(self.got):
             for lo, piece in pieces:
                 blocks.index_copy_(0, self.unions[o][lo : lo + len(piece)], piece)
