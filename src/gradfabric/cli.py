@@ -156,13 +156,13 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
 
 
 OMNI_FLOOR = (
-    "floor = max over ranks r of max(S_r, R_r) * 8 / link rate, where, with "
-    "block b owned by rank b mod n, N_r the non-zero blocks of rank r, U_o the "
-    "blocks of owner o's shard non-zero at some rank, and B the bytes of a block: "
-    "S_r = B * (|N_r outside r's shard| + (n-1) |U_r|) (own blocks to their owners, "
-    "then r's summed shard to every other rank) and R_r = B * (sum over s != r of "
-    "|N_s in r's shard| + sum over o != r of |U_o|); on the dense path, the ring's "
-    "2(n-1)/n * 4N bytes"
+    "floor = max over ranks r of max(|N_r|, |U_-r|) * B * 8 / link rate, where N_r "
+    "are the non-zero blocks of rank r, U_-r the blocks non-zero at some rank other "
+    "than r, and B the bytes of a block: whatever the exchange, every rank sends each "
+    "of its non-zero blocks at least once and receives, for each block another rank "
+    "holds, at least one block of their sum (with 2 ranks the gather path moves "
+    "exactly this). path_ratio: bytes on the busiest link of the paths taken (gather, "
+    "sharded or dense, chosen per chunk) over the floor's bytes"
 )
 
 
@@ -189,6 +189,7 @@ def cmd_bench_omnireduce(args: argparse.Namespace) -> int:
                     "dense_ms",
                     "speedup",
                     "bytes_ratio",
+                    "path_ratio",
                     "floor_ratio",
                     "max_abs_diff",
                 ],

@@ -131,6 +131,7 @@ def test_bench_omnireduce_json_checks_results(capsys: pytest.CaptureFixture[str]
             "floor_ratio",
         } <= set(r)
     assert rows[0]["sparse_path"] and rows[0]["bytes_ratio"] < 0.2
+    assert rows[0]["path_ratio"] == 1.0  # 2 ranks: the gather path moves the floor's bytes
     assert not rows[1]["sparse_path"]  # dense input: the dense all-reduce is used
 
 

@@ -69,7 +69,8 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> Non
         x = _sparse_input(rank, n, density, dtype, seed=n)
         st = OmniState()
         got = sparse_allreduce(x.clone(), op=op, state=st)
-        results.append((got, st.sparse_calls, st.bytes_sent, st.bytes_dense))
+        results.append((got, st.sparse_calls, st.bytes_sent, st.bytes_dense, st.bytes_floor,
+                        st.chunks))  # fmt: skip
     # a threshold: blocks of tiny values count as zero and are dropped, on every rank
     results.append(sparse_allreduce(_faint(rank), threshold=0.01))
     for threshold in (0.0, 0.01):  # NaN and inf reach every rank's sum, as dense
@@ -84,6 +85,7 @@ CASES = [
     (70_001, 0.1, torch.int32, "sum"),
     (50_000, 0.05, torch.bfloat16, "sum"),
     (30_000, 0.9, torch.float32, "sum"),
+    (40_000, 0.5, torch.float32, "sum"),  # 3 ranks: the sharded exchange moves fewest
     (4096, 0.0, torch.float16, "sum"),
     (60_000, -0.05, torch.float32, "sum"),
     (20_480, 1.0, torch.float32, "avg"),
@@ -109,6 +111,7 @@ def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
         for got in per_rank[r][-2:]:
             torch.testing.assert_close(got, non_finite, equal_nan=True, rtol=0, atol=0)
     assert non_finite.isnan().sum() == 1 and non_finite.isinf().sum() == 1
+    paths: set[str] = set()
     for i, (n, density, dtype, op) in enumerate(CASES):
         ref = sum(_sparse_input(r, n, density, dtype, seed=n).double() for r in range(world))
         if op == "avg":
@@ -116,7 +119,8 @@ def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
         # float32 sums of <= 3 addends in another order: a few ulps; bf16/fp16: their ulp
         tol = {torch.float32: 1e-5, torch.int32: 0, torch.bfloat16: 2e-2, torch.float16: 2e-3}
         for r in range(world):
-            got, sparse_calls, sent, dense = per_rank[r][i]
+            got, sparse_calls, sent, dense, floor, chunks = per_rank[r][i]
+            paths |= set(chunks)
             assert got.dtype == dtype and got.shape == (n,)
             torch.testing.assert_close(got.double(), ref, rtol=tol[dtype], atol=tol[dtype])
             if density == 2.0:
@@ -124,23 +128,32 @@ def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
                 continue
             # the path taken is the one the byte rule picks, recomputed here block by block
             inputs = [_sparse_input(q, n, density, dtype, seed=n) for q in range(world)]
-            link = _link_bytes_brute_force(inputs, world, dtype)
+            link, least = _link_bytes_brute_force(inputs, world, dtype)
+            assert floor == least
             ring = 2 * (world - 1) / world * n * got.element_size()
             assert sparse_calls == (1 if link <= DENSE_MARGIN * ring else 0)
             assert dense == int(ring) and (sent < dense) == bool(sparse_calls)
         if density <= 0.05 and n >= 50_000:
             assert sparse_calls == 1  # clearly sparse, large enough: the sparse path ran
+    # every path ran (the sharded one only where 3 ranks share many blocks)
+    assert paths == ({"dense", "gather", "sharded"} if world == 3 else {"dense", "gather"})
 
 
-def _link_bytes_brute_force(inputs: list[torch.Tensor], world: int, dtype: torch.dtype) -> int:
-    """Bytes on the busiest rank's link in its busier direction, counted per block."""
+def _link_bytes_brute_force(
+    inputs: list[torch.Tensor], world: int, dtype: torch.dtype
+) -> tuple[int, int]:
+    """Counted block by block: the bytes on the busiest rank's link in its
+    busier direction on the path the byte rule prefers (the fewer of the
+    sharded and the gather exchange), and the floor: the most any rank must
+    send (its own non-zero blocks) or receive (a block for each block non-zero
+    at another rank)."""
     n = len(inputs[0])
     nz = [
         {b for b in range(-(-n // 256)) if bool(x[b * 256 : (b + 1) * 256].ne(0).any())}
         for x in inputs
     ]
     union = set().union(*nz)
-    worst = 0
+    sharded = gather = least = 0
     for r in range(world):
         send = sum(1 for b in nz[r] if b % world != r) + (world - 1) * sum(
             1 for b in union if b % world == r
@@ -148,8 +161,13 @@ def _link_bytes_brute_force(inputs: list[torch.Tensor], world: int, dtype: torch
         recv = sum(1 for s in range(world) if s != r for b in nz[s] if b % world == r) + sum(
             1 for b in union if b % world != r
         )
-        worst = max(worst, send, recv)
-    return worst * 256 * torch.empty(0, dtype=dtype).element_size()
+        sharded = max(sharded, send, recv)
+        others = [len(nz[s]) for s in range(world) if s != r]
+        gather = max(gather, (world - 1) * len(nz[r]), sum(others))
+        held_elsewhere = set().union(*(nz[s] for s in range(world) if s != r))
+        least = max(least, len(nz[r]), len(held_elsewhere))
+    block = 256 * torch.empty(0, dtype=dtype).element_size()
+    return min(sharded, gather) * block, least * block
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -88,6 +88,7 @@ def _worker(
                 "max_abs_diff": err,
                 "bytes_sent": state.bytes_sent,
                 "bytes_link": state.bytes_busiest_link,
+                "bytes_floor": state.bytes_floor,
                 "bytes_dense": state.bytes_dense,
                 "sparse_path": state.sparse_calls > 0,
             }
@@ -119,11 +120,11 @@ def run_bench(
         sparse = statistics.median(max(r[i]["sparse_s"][k] for r in per_rank) for k in range(iters))
         dense = statistics.median(max(r[i]["dense_s"][k] for r in per_rank) for k in range(iters))
         floor = None
-        if link_gbps is not None:
-            # The data-volume floor: the non-zero block values that must cross the
-            # busiest rank's link in its busier direction, over the link rate.
-            floor_bytes = per_rank[0][i]["bytes_link"]
-            floor = sparse / (floor_bytes * 8 / (link_gbps * 1e9)) if floor_bytes else None
+        # The data-volume floor: the fewest non-zero block bytes that must cross
+        # the busiest rank's link in its busier direction, over the link rate.
+        floor_bytes = per_rank[0][i]["bytes_floor"]
+        if link_gbps is not None and floor_bytes:
+            floor = sparse / (floor_bytes * 8 / (link_gbps * 1e9))
         out.append(
             {
                 "density": density,
@@ -133,6 +134,7 @@ def run_bench(
                 "dense_ms": dense * 1e3,
                 "speedup": dense / sparse,
                 "floor_ratio": floor,
+                "path_ratio": per_rank[0][i]["bytes_link"] / floor_bytes if floor_bytes else None,
                 "bytes_ratio": max(r[i]["bytes_sent"] for r in per_rank)
                 / max(1, per_rank[0][i]["bytes_dense"]),
                 "sparse_path": per_rank[0][i]["sparse_path"],

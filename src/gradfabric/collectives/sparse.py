@@ -28,12 +28,21 @@ each block because a switch cannot hold a bitmap per worker; between hosts the
 bitmap is cheaper (1 bit per block against 8 bytes per index), and its
 streaming form is simulated in ``gradfabric.proto.omni``.
 
-The decision: the sparse exchange runs when its busiest rank's link (the
-larger of the bytes it sends and receives) carries at most ``dense_margin``
-times what a ring all-reduce sends (``2(n-1)/n * N`` values per rank);
-otherwise the dense ``all_reduce`` runs. Below 1 the margin charges the sparse
-path's per-block host work (gather, sum, scatter), which matters where the
-host and not the wire is the bottleneck.
+When few ranks share few blocks, one exchange moves fewer bytes than two:
+every rank sends its non-zero blocks to every other rank, and each sums all
+of them itself, in rank order, so every rank adds the same floats in the same
+order and the replicas stay bitwise identical (the *gather* path; with 2 ranks
+it never moves more than the sharded one, and it meets the data-volume floor
+below). With ``|N_r|`` the non-zero blocks of rank ``r``, it sends ``(n-1)
+|N_r|`` and receives the others' ``|N_s|``; the sharded exchange sends ``r``'s
+blocks outside its shard plus ``(n-1)`` times its shard's union.
+
+The decision, per chunk, from the bitmaps alone: the path whose busiest rank's
+link (the larger of the bytes it sends and receives) carries fewer bytes; if
+even that is more than ``dense_margin`` times what a ring all-reduce sends
+(``2(n-1)/n * N`` values per rank), the dense ``all_reduce`` runs. Below 1
+the margin charges the sparse paths' per-block host work (gather, sum,
+scatter), which matters where the host and not the wire is the bottleneck.
 """
 
 from dataclasses import dataclass, field
@@ -66,8 +75,10 @@ class OmniState:
     bytes_sent: int = 0  # by this rank
     bytes_dense: int = 0  # a ring all-reduce would send per rank
     bytes_busiest_link: int = 0  # the busier direction of the busiest rank's link
+    bytes_floor: int = 0  # the fewest any exchange could put there (``Plan.floor_vectors``)
     calls: int = 0
     sparse_calls: int = 0
+    chunks: dict[str, int] = field(default_factory=dict)  # pipeline chunks by path taken
     density_seen: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -144,6 +155,20 @@ class Plan:
         send = self.share.sum(1) - own + (world - 1) * u
         recv = self.share.sum(0) - own + u.sum() - u
         return send, recv
+
+    def gather_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks each rank sends and receives on the gather path."""
+        counts = self.masks.sum(1)
+        return (self.masks.shape[0] - 1) * counts, counts.sum() - counts
+
+    def floor_vectors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fewest blocks each rank must send and receive, whatever the
+        exchange: every non-zero block of its own must leave it once, and it
+        must learn one block of others' sum for each block non-zero at some
+        other rank (``|N_r|`` and ``|U_{-r}|``)."""
+        held = self.masks.to(torch.int32)
+        others = held.sum(0) - held  # per rank and block: how many others hold it
+        return held.sum(1), (others > 0).sum(1)
 
     def most_to_one_peer(self) -> tuple[int, int]:
         """The most blocks any rank sends one peer in phase 1 and in phase 2."""
@@ -226,17 +251,18 @@ def _allreduce(
     blocks, nb = _blocks(flat, block_size)
     per_chunk = max(1, CHUNK_BYTES // (block_size * flat.element_size()))
     chunks: list[_Chunk] = []
-    sent = sparse = 0
+    sent = 0
     link = torch.zeros(2, world, dtype=torch.int64)
+    floor = torch.zeros(2, world, dtype=torch.int64)
     for k in range(-(-nb // per_chunk) + 2):
         lo = k * per_chunk
         if lo < nb:
             chunks.append(_Chunk(blocks[lo : lo + per_chunk], threshold, world, group))
         if 0 <= k - 1 < len(chunks):
-            s, lk, sp = chunks[k - 1].start_phase1(rank, group, dense_margin)
-            sent, link, sparse = sent + s, link + lk, sparse + sp
+            s, lk, fl = chunks[k - 1].start_phase1(rank, group, dense_margin)
+            sent, link, floor = sent + s, link + lk, floor + fl
         if 0 <= k - 2 < len(chunks):
-            chunks[k - 2].start_phase2(rank, group)
+            chunks[k - 2].start_phase2(rank, group, threshold > 0)
     for c in chunks:
         c.finish(threshold > 0)
     if blocks.data_ptr() != flat.data_ptr():
@@ -244,7 +270,10 @@ def _allreduce(
     if state is not None:
         state.density_seen.append(sum(int(c.mask.sum()) for c in chunks) / max(1, nb))
         state.bytes_busiest_link += int(link.max())  # over ranks and directions, whole call
-        state.sparse_calls += sparse > 0
+        state.bytes_floor += int(floor.max())
+        state.sparse_calls += any(c.path != "dense" for c in chunks)
+        for c in chunks:
+            state.chunks[c.path] = state.chunks.get(c.path, 0) + 1
     return sent
 
 
@@ -299,7 +328,8 @@ def _exchange(
 
 class _Chunk:
     """One chunk of blocks on its way through the pipeline: occupancy scan and
-    bitmap gather, then phase 1 (or a dense all-reduce), then phase 2."""
+    bitmap gather, then phase 1 (the one exchange of the gather path, or the
+    sharded path's first, or a dense all-reduce), then phase 2 (the sums)."""
 
     def __init__(self, blocks: torch.Tensor, threshold: float, world: int, group: Any) -> None:
         self.blocks = blocks
@@ -309,9 +339,8 @@ class _Chunk:
             torch.empty(nbytes, dtype=torch.uint8, device=blocks.device) for _ in range(world)
         ]
         self.works = [dist.all_gather(self.gathered, _pack(self.mask), group=group, async_op=True)]
-        self.plan: Plan | None = None
+        self.path = "dense"
         self.got: Pieces = []
-        self.acc = blocks[:0]
 
     def wait(self) -> None:
         for w in self.works:
@@ -320,22 +349,34 @@ class _Chunk:
 
     def start_phase1(
         self, rank: int, group: Any, dense_margin: float
-    ) -> tuple[int, torch.Tensor, int]:
-        """Plan the chunk and start phase 1, or its dense all-reduce. Returns
-        (bytes this rank sends, bytes each rank sends and receives [2 x world],
-        1 if sparse)."""
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Plan the chunk, choose its path and start it. Returns (bytes this
+        rank sends, bytes each rank sends and receives on that path, and the
+        fewest any path could: both 2 x world)."""
         self.wait()
         blocks = self.blocks
         world, (nb, bs), elem = len(self.gathered), blocks.shape, blocks.element_size()
         # the plan is made on the host (one bit per block): it sets the transfer sizes
-        plan = Plan.of(_unpack(torch.stack(self.gathered).cpu(), nb))
-        on = blocks.device
+        self.plan = plan = Plan.of(_unpack(torch.stack(self.gathered).cpu(), nb))
+        on, block_bytes = blocks.device, bs * elem
+        floor = torch.stack(plan.floor_vectors()) * block_bytes
+        sharded = torch.stack(plan.link_vectors()) * block_bytes
+        gather = torch.stack(plan.gather_vectors()) * block_bytes
+        link = gather if int(gather.max()) <= int(sharded.max()) else sharded
         dense = int(2 * (world - 1) / world * blocks.numel() * elem)
-        link = torch.stack(plan.link_vectors()) * (bs * elem)
         if int(link.max()) > dense_margin * dense:
             self.works = [dist.all_reduce(blocks, group=group, async_op=True)]
-            return dense, torch.full_like(link, dense), 0
-        self.plan = plan
+            return dense, torch.full_like(link, dense), floor
+        self.per_round = max(1, ROUND_BYTES // block_bytes)
+        if link is gather:
+            self.path = "gather"
+            self.held = [torch.nonzero(m).flatten() for m in plan.masks]
+            self.mine = blocks[self.held[rank].to(on)]
+            rows = [len(h) for h in self.held]
+            rounds = -(-max(rows) // self.per_round)
+            self.got, self.works = _exchange([self.mine] * world, rows, rounds, rank, group)
+            return int(gather[0, rank]), link, floor
+        self.path = "sharded"
         mine = plan.owner == rank
         self.shard_union = torch.nonzero(plan.union & mine).flatten()
         own_idx = torch.nonzero(plan.masks[rank]).flatten()
@@ -345,47 +386,60 @@ class _Chunk:
             for o in range(world)
         ]
         most1, self.most2 = plan.most_to_one_peer()
-        self.per_round = max(1, ROUND_BYTES // (bs * elem))
         rows = [len(f) for f in self.from_r]
         self.got, self.works = _exchange(self.sends, rows, -(-most1 // self.per_round), rank, group)
-        phase1 = int(plan.share[rank].sum() - plan.share[rank, rank])
-        return (phase1 + len(self.shard_union) * (world - 1)) * bs * elem, link, 1
+        return int(sharded[0, rank]), link, floor
 
-    def start_phase2(self, rank: int, group: Any) -> None:
-        """Sum what phase 1 brought into the shard's union; start sending it."""
-        plan = self.plan
-        if plan is None:
-            return  # dense: its all-reduce is in flight
+    def start_phase2(self, rank: int, group: Any, zero_rest: bool) -> None:
+        """Gather path: sum every rank's blocks, in rank order, and write the
+        sums. Sharded path: sum what phase 1 brought into the shard's union
+        and start sending it."""
+        if self.path == "dense":
+            return  # its all-reduce is in flight
         self.wait()
-        world = len(self.gathered)
-        on = self.blocks.device
-        self.acc = acc = self.blocks.new_zeros(len(self.shard_union), self.blocks.shape[1])
+        plan, on, width = self.plan, self.blocks.device, self.blocks.shape[1]
+        if self.path == "gather":
+            union = torch.nonzero(plan.union).flatten()
+            acc = self.blocks.new_zeros(len(union), width)
+            for r, held in enumerate(self.held):
+                at = torch.searchsorted(union, held).to(on)
+                if r == rank:
+                    acc.index_add_(0, at, self.mine)
+                for lo, piece in self.got[r]:
+                    acc.index_add_(0, at[lo : lo + len(piece)], piece)
+            self._write(union, acc, zero_rest)
+            self.got = []
+            return
+        self.acc = acc = self.blocks.new_zeros(len(self.shard_union), width)
         pos = [torch.searchsorted(self.shard_union, f).to(on) for f in self.from_r]
         acc.index_add_(0, pos[rank], self.sends[rank])
-        for r in range(world):
+        for r in range(len(self.from_r)):
             for lo, piece in self.got[r]:
                 acc.index_add_(0, pos[r][lo : lo + len(piece)], piece)
         self.unions = [
-            torch.nonzero(plan.union & (plan.owner == o)).flatten().to(on) for o in range(world)
+            torch.nonzero(plan.union & (plan.owner == o)).flatten().to(on)
+            for o in range(len(self.from_r))
         ]
         rounds = -(-self.most2 // self.per_round)
         self.got, self.works = _exchange(
-            [acc] * world, [len(u) for u in self.unions], rounds, rank, group
+            [acc] * len(self.from_r), [len(u) for u in self.unions], rounds, rank, group
         )
 
-    def finish(self, zero_rest: bool) -> None:
-        """Write the sums in place."""
-        self.wait()
-        plan, blocks = self.plan, self.blocks
-        if plan is None:
-            return
+    def _write(self, rows: torch.Tensor, sums: torch.Tensor, zero_rest: bool) -> None:
         if zero_rest:  # blocks under the threshold were not sent: they read as zero
-            blocks.masked_fill_(~plan.union.unsqueeze(1).to(blocks.device), 0)
+            self.blocks.masked_fill_(~self.plan.union.unsqueeze(1).to(self.blocks.device), 0)
         # (with threshold 0 every block outside the union is zero already)
-        blocks.index_copy_(0, self.shard_union.to(blocks.device), self.acc)
+        self.blocks.index_copy_(0, rows.to(self.blocks.device), sums)
+
+    def finish(self, zero_rest: bool) -> None:
+        """Write the sharded path's sums in place."""
+        self.wait()
+        if self.path != "sharded":
+            return
+        self._write(self.shard_union, self.acc, zero_rest)
         for o, pieces in enumerate(self.got):
             for lo, piece in pieces:
-                blocks.index_copy_(0, self.unions[o][lo : lo + len(piece)], piece)
+                self.blocks.index_copy_(0, self.unions[o][lo : lo + len(piece)], piece)
 
 
 def omnireduce_hook(
