@@ -4,19 +4,27 @@
 ``bucket`` annotation at runtime and wants the class itself.)
 
 The flat tensor is cut into blocks of ``block_size`` values; a block counts as
-zero when every value's magnitude is at most ``threshold``. Block ``b`` is
-owned by rank ``b % world`` (round-robin shards, as OmniReduce spreads blocks
-over its aggregators). Three exchanges:
+zero when every value's magnitude is at most ``threshold``. First an
+``all_gather`` of every rank's occupancy bitmap (one bit per block, 1/8192 of
+the dense bytes for float32 and 256-value blocks): from the bitmaps every rank
+knows every transfer size and the union of non-zero blocks, so no block
+indices travel and every rank picks the same path without another round trip.
+Then one of two sparse exchanges, or the dense all-reduce:
 
-0. ``all_gather`` of every rank's occupancy bitmap (one bit per block, 1/8192
-   of the dense bytes for float32 and 256-value blocks). From the bitmaps every
-   rank knows every transfer size and the union of non-zero blocks, so no
-   block indices travel and every rank takes the same dense/sparse decision
-   without another round trip;
-1. ``all_to_all_single``: each rank sends every owner only its own non-zero
-   blocks of that owner's shard; the owner sums them into its shard's union;
-2. ``all_to_all_single``: each owner sends its summed union to every rank,
-   which writes it in place.
+* *sharded* (OmniReduce's aggregators): block ``b`` is owned by rank
+  ``b % world``. One ``all_to_all_single`` takes each rank's non-zero blocks of
+  an owner's shard to that owner, which sums them into its shard's union; a
+  second sends each owner's summed union to every rank, which writes it in
+  place. Rank ``r`` sends its blocks outside its shard plus ``(n-1)`` times
+  its shard's union.
+* *gather*: one ``all_to_all_single`` sends every rank's non-zero blocks to
+  every other rank; each rank sums all of them itself, in rank order, so every
+  rank adds the same floats in the same order and the replicas stay bitwise
+  identical. With ``|N_r|`` the non-zero blocks of rank ``r``, it sends
+  ``(n-1) |N_r|`` and receives the others' ``|N_s|``: with 2 ranks never more
+  than the sharded path, and exactly the data-volume floor
+  (``Plan.floor_vectors``); with more ranks, fewer bytes while few blocks are
+  shared.
 
 The values stay on their device (a GPU with nccl: every collective here moves
 device tensors); the bitmaps come to the host, where the plan is made, since
@@ -27,15 +35,6 @@ OmniReduce's switch/aggregator protocol announces the next non-zero index with
 each block because a switch cannot hold a bitmap per worker; between hosts the
 bitmap is cheaper (1 bit per block against 8 bytes per index), and its
 streaming form is simulated in ``gradfabric.proto.omni``.
-
-When few ranks share few blocks, one exchange moves fewer bytes than two:
-every rank sends its non-zero blocks to every other rank, and each sums all
-of them itself, in rank order, so every rank adds the same floats in the same
-order and the replicas stay bitwise identical (the *gather* path; with 2 ranks
-it never moves more than the sharded one, and it meets the data-volume floor
-below). With ``|N_r|`` the non-zero blocks of rank ``r``, it sends ``(n-1)
-|N_r|`` and receives the others' ``|N_s|``; the sharded exchange sends ``r``'s
-blocks outside its shard plus ``(n-1)`` times its shard's union.
 
 The decision, per chunk, from the bitmaps alone: the path whose busiest rank's
 link (the larger of the bytes it sends and receives) carries fewer bytes; if
@@ -53,9 +52,9 @@ import torch.distributed as dist
 
 from gradfabric.collectives.peers import name_the_missing
 
-# The sparse path's block bookkeeping (gather, sum, scatter) costs host time the
-# dense ring does not; at 2 ranks the sharded exchange of a fully dense tensor
-# moves exactly the ring's bytes. A 25% byte saving is asked for before the
+# The sparse paths' block bookkeeping (gather, sum, scatter) costs host time the
+# dense ring does not; at 2 ranks either exchange of a fully dense tensor moves
+# exactly the ring's bytes. A 25% byte saving is asked for before the
 # sparse path runs; lower it on links fast enough for the host to be the limit.
 DENSE_MARGIN = 0.75
 
@@ -246,7 +245,7 @@ def _allreduce(
     ``CHUNK_BYTES``: while chunk k is scanned and its bitmap gathered, chunk
     k-1 runs phase 1 and chunk k-2 is summed and runs phase 2 (gloo works
     asynchronously; every rank starts the same operations in the same order).
-    Each chunk takes the sparse or the dense path on its own. Returns the
+    Each chunk takes its own path (gather, sharded or dense). Returns the
     bytes this rank sent."""
     blocks, nb = _blocks(flat, block_size)
     per_chunk = max(1, CHUNK_BYTES // (block_size * flat.element_size()))
