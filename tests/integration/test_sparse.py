@@ -73,6 +73,9 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> Non
                         st.chunks))  # fmt: skip
     # a threshold: blocks of tiny values count as zero and are dropped, on every rank
     results.append(sparse_allreduce(_faint(rank), threshold=0.01))
+    # a non-contiguous tensor is reduced in place too
+    results.append(sparse_allreduce(_sparse_input(rank, 30_000, 0.05, torch.float32, 5)
+                                    .view(100, 300).t()))  # fmt: skip
     for threshold in (0.0, 0.01):  # NaN and inf reach every rank's sum, as dense
         results.append(sparse_allreduce(_non_finite(rank, world), threshold=threshold))
     torch.save(results, f"{out}/{rank}.pt")
@@ -107,7 +110,9 @@ def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
     assert ref_t.view(160, 256)[::4].abs().max() == 0  # the faint blocks were dropped
     non_finite = sum(_non_finite(r, world) for r in range(world))
     for r in range(world):
-        torch.testing.assert_close(per_rank[r][-3].double(), ref_t, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(per_rank[r][-4].double(), ref_t, rtol=1e-5, atol=1e-6)
+        strided = sum(_sparse_input(q, 30_000, 0.05, torch.float32, 5) for q in range(world))
+        torch.testing.assert_close(per_rank[r][-3], strided.view(100, 300).t())  # float32 defaults
         for got in per_rank[r][-2:]:
             torch.testing.assert_close(got, non_finite, equal_nan=True, rtol=0, atol=0)
     assert non_finite.isnan().sum() == 1 and non_finite.isinf().sum() == 1
@@ -168,6 +173,42 @@ def _link_bytes_brute_force(
         least = max(least, len(nz[r]), len(held_elsewhere))
     block = 256 * torch.empty(0, dtype=dtype).element_size()
     return min(sharded, gather) * block, least * block
+
+
+def _dense_ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    _init(rank, world, port)
+    models = []
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
+        )  # fmt: skip
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = OmniState(dense_skip=2)
+        if hooked:
+            ddp.register_comm_hook(state, omnireduce_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(6):
+            opt.zero_grad()
+            ddp(torch.randn(16, 64, generator=g)).pow(2).mean().backward()
+            opt.step()
+        models.append([p.detach().clone() for p in model.parameters()])
+    torch.save((models, state.calls, state.skipped_scans), f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ddp_hook_skips_the_scan_of_a_dense_bucket_and_scans_it_again() -> None:
+    """Dense gradients in one bucket, 6 steps, ``dense_skip=2``: scan (dense),
+    skip, skip, scan, skip, skip; the weights follow the default hook's (float32
+    sums of two addends, then the same SGD steps)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dense_ddp_worker, args=(2, _port(), tmp), nprocs=2)
+        for r in range(2):
+            (plain, hooked), calls, skipped = torch.load(f"{tmp}/{r}.pt")
+            assert (calls, skipped) == (6, 4)
+            for a, b in zip(plain, hooked, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
