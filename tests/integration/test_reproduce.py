@@ -34,8 +34,12 @@ def test_reproduce_granularity(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # every experiment, quick: about 6 minutes on 2 cores
 def test_reproduce_quick_everything(tmp_path: Path) -> None:
+    from gradfabric.experiments.registry import EXPERIMENTS
+
     assert main(["reproduce", "--quick", "--out", str(tmp_path)]) == 0
-    res = _check_report(tmp_path, {"baselines", "granularity"})
+    res = _check_report(tmp_path, set(EXPERIMENTS.names()))  # every registered experiment
+    assert {"baselines", "saatp", "esa", "dlcp", "omnireduce", "planner", "emulator"} <= set(res)
     ratios = [c["ratio"] for c in res["baselines"]["claims"]]
     assert all(abs(r - 1) < 0.05 for r in ratios)
