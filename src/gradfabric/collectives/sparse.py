@@ -232,11 +232,10 @@ def sparse_allreduce(
                 state.skipped_scans += 1
                 dist.all_reduce(flat, group=group)
             else:
-                before = state.sparse_calls if state is not None else 0
-                sent = _allreduce(
+                sent, went_sparse = _allreduce(
                     flat, group, world, rank, block_size, threshold, state, dense_margin
                 )  # fmt: skip
-                if state is not None and key is not None and state.sparse_calls == before:
+                if state is not None and key is not None and not went_sparse:
                     state.skips_left[key] = state.dense_skip  # every chunk went dense
         except RuntimeError as e:  # gloo: a closed connection or the group's timeout
             raise name_the_missing("sparse", group, world, rank, call, peer_timeout_s, e) from e
@@ -267,13 +266,13 @@ def _allreduce(
     threshold: float,
     state: OmniState | None,
     dense_margin: float,
-) -> int:
+) -> tuple[int, bool]:
     """The collective part, as a three-stage software pipeline over chunks of
     ``CHUNK_BYTES``: while chunk k is scanned and its bitmap gathered, chunk
     k-1 runs phase 1 and chunk k-2 is summed and runs phase 2 (gloo works
     asynchronously; every rank starts the same operations in the same order).
     Each chunk takes its own path (gather, sharded or dense). Returns the
-    bytes this rank sent."""
+    bytes this rank sent and whether any chunk took a sparse path."""
     blocks, nb = _blocks(flat, block_size)
     per_chunk = max(1, CHUNK_BYTES // (block_size * flat.element_size()))
     chunks: list[_Chunk] = []
@@ -293,14 +292,15 @@ def _allreduce(
         c.finish(threshold > 0)
     if blocks.data_ptr() != flat.data_ptr():
         flat.copy_(blocks.reshape(-1)[: flat.numel()])
+    went_sparse = any(c.path != "dense" for c in chunks)
     if state is not None:
         state.density_seen.append(sum(int(c.mask.sum()) for c in chunks) / max(1, nb))
         state.bytes_busiest_link += int(link.max())  # over ranks and directions, whole call
         state.bytes_floor += int(floor.max())
-        state.sparse_calls += any(c.path != "dense" for c in chunks)
+        state.sparse_calls += went_sparse
         for c in chunks:
             state.chunks[c.path] = state.chunks.get(c.path, 0) + 1
-    return sent
+    return sent, went_sparse
 
 
 # One gloo all_to_all of many megabytes moves at about half the link rate on

@@ -256,10 +256,12 @@ class Attached:
 
         vpp = self.ticket.values_per_packet
         bad = ~np.isfinite(x)
-        if bad.any():  # integers cannot carry NaN or inf: their blocks say so in the exponent
+        any_bad = bool(bad.any())
+        if any_bad:  # integers cannot carry NaN or inf: their blocks say so in the exponent
             x = np.where(bad, np.float32(0), x)
         e = torch.from_numpy(block_exponents(x, vpp))
-        e[np.add.reduceat(bad, np.arange(0, len(x), vpp)) > 0] = NON_FINITE
+        if any_bad:
+            e[np.add.reduceat(bad, np.arange(0, len(x), vpp)) > 0] = NON_FINITE
         self.calls += 1
         self._group = (group,)
         try:  # the exponent round: a rank gone here breaks gloo, not the switch
@@ -270,12 +272,15 @@ class Attached:
                 "emu", group, world, self.rank, self.calls, self.timeout_s, err
             ) from err
         lost_blocks = e.numpy() == NON_FINITE
-        lost = np.repeat(lost_blocks, vpp)[: len(x)]
         agreed = np.where(lost_blocks, 0, e.numpy())
         scale = np.repeat(block_scales(agreed, self.ticket.workers), vpp)[: len(x)]
-        q = np.rint(np.where(lost, 0.0, x.astype(np.float64) * scale)).astype(np.int32)
-        out = (self.allreduce_ints(q) / scale).astype(np.float32)
-        out[lost] = np.nan
+        scaled = x.astype(np.float64) * scale
+        lost = np.repeat(lost_blocks, vpp)[: len(x)] if lost_blocks.any() else None
+        if lost is not None:
+            scaled[lost] = 0.0
+        out = (self.allreduce_ints(np.rint(scaled).astype(np.int32)) / scale).astype(np.float32)
+        if lost is not None:
+            out[lost] = np.nan
         return out
 
     def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
