@@ -37,18 +37,6 @@ from gradfabric.net import netns
 from gradfabric.wire.packet import Flag, Packet, encode
 
 
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _allreduce_all(clients: list[Any], xs: list[np.ndarray]) -> list[Any]:
     """Every client's ``allreduce_ints`` of its own ``xs`` entry, at once."""
     return together(
@@ -226,9 +214,9 @@ def _hellos(sw: RunningSwitch, ticket: Ticket) -> int:
 
 
 def test_switch_restart_fails_clearly_naming_the_switch() -> None:
-    port, control = _free_udp_port(), _free_tcp_port()
-    options = ("--policy", "switchml", "--port", str(port), "--control-port", str(control))
-    sw = start_switch(*options)
+    sw = start_switch("--policy", "switchml")  # ports the kernel hands out, kept on restart
+    options = ("--policy", "switchml", "--port", str(sw.data[1]),
+               "--control-port", str(sw.control[1]))  # fmt: skip
     ticket = Ticket.register(sw.control, 2)
     clients = [InaClient(ticket, r, timeout_s=2) for r in range(2)]
     try:
@@ -267,8 +255,9 @@ def test_two_jobs_share_the_switch_under_esa_with_preemptions() -> None:
 
 
 def test_daemon_cli_stats_metrics_and_sigterm(capsys: pytest.CaptureFixture[str]) -> None:
-    metrics = _free_tcp_port()
-    sw = start_switch("--policy", "switchml", "--metrics-port", str(metrics))
+    sw = start_switch("--policy", "switchml", "--metrics-port", "0")
+    assert sw.metrics is not None
+    metrics = sw.metrics[1]
     try:
         ticket = Ticket.register(sw.control, 2)
         clients = [InaClient(ticket, r) for r in range(2)]
@@ -424,16 +413,13 @@ def test_simulator_and_emulator_give_identical_aggregates(scheme: str, policy: s
         np.testing.assert_array_equal(emu[r], ref)
 
 
-def _ddp_rank_that_may_die(rank: int, world: int, port: int, control: str, out: str) -> None:
+def _ddp_rank_that_may_die(rank: int, world: int, control: str, out: str) -> None:
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gradfabric.emu.hook import ina_hook
     from gradfabric.workloads.digits import digits_data, digits_mlp
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     client = InaClient.join(control=parse_address(control), timeout_s=3.0)
     torch.manual_seed(0)
     model = DDP(digits_mlp())
@@ -465,15 +451,11 @@ def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
     so the bound is two rounds of the 3 s timeout and its grace."""
     import tempfile
 
-    import torch.multiprocessing as tmp_mp
+    from gradfabric.collectives.spawn import spawn
 
     with switch_daemon("--policy", "atp") as sw, tempfile.TemporaryDirectory() as tmp:
-        ctx = tmp_mp.spawn(
-            _ddp_rank_that_may_die, args=(3, _free_tcp_port(), sw.control_text, tmp), nprocs=3,
-            join=False,
-        )  # fmt: skip
-        for p in ctx.processes:
-            p.join(90)
+        spawn(_ddp_rank_that_may_die, 3, (sw.control_text, tmp), deadline_s=90,
+              barrier_at_exit=False)  # fmt: skip
         for r in (0, 1):
             with open(f"{tmp}/{r}.txt") as f:
                 took, peer, msg = f.read().split("|", 2)
@@ -501,17 +483,12 @@ def test_each_daemon_serves_its_role_by_default(role: str, policy: str) -> None:
             proc.stdout.close()
 
 
-def _float_rank(rank: int, world: int, port: int, control: str, out: str) -> None:
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _float_rank(rank: int, world: int, control: str, out: str) -> None:
     client = InaClient.join(control=parse_address(control), timeout_s=10.0)
     try:
         np.save(f"{out}/{rank}.npy", client.allreduce(_float_input(rank, client.ticket)))
     finally:
         client.close()
-        dist.destroy_process_group()
 
 
 def _float_input(rank: int, ticket: Ticket) -> np.ndarray:
@@ -538,14 +515,12 @@ def test_float_allreduce_through_the_switch_carries_nan_and_inf_as_nan() -> None
     rounding of the result, under 1.2e-7 of it."""
     import tempfile
 
-    import torch.multiprocessing as tmp_mp
+    from gradfabric.collectives.spawn import spawn
 
     with switch_daemon("--policy", "atp", "--loss", "0.05", "--rto-ms", "10") as sw:
         ticket_probe = Ticket.register(sw.control, 2)
         with tempfile.TemporaryDirectory() as tmp:
-            tmp_mp.spawn(
-                _float_rank, args=(2, _free_tcp_port(), sw.control_text, tmp), nprocs=2
-            )  # fmt: skip
+            spawn(_float_rank, 2, (sw.control_text, tmp))
             got = [np.load(f"{tmp}/{r}.npy") for r in range(2)]
     vpp = ticket_probe.values_per_packet
     xs = [_float_input(r, ticket_probe) for r in range(2)]

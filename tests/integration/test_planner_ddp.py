@@ -3,15 +3,12 @@ full-batch gradient (float64 reference), and runs on throttled ranks."""
 
 from __future__ import annotations
 
-import os
-import socket
 import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradfabric.collectives.spawn import spawn
 from gradfabric.planner.cost import split
 from gradfabric.planner.runtime import UnevenConfig, loss_weight, run_uneven
 
@@ -33,9 +30,7 @@ def _model() -> torch.nn.Module:
     ).double()
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, out: str) -> None:
     x, y = _data()
     lo = sum(SHARES[:rank])
     xs, ys = x[lo : lo + SHARES[rank]], y[lo : lo + SHARES[rank]]
@@ -43,15 +38,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     loss = torch.nn.functional.mse_loss(ddp(xs), ys)
     (loss * loss_weight(len(xs), len(x), world)).backward()
     torch.save([p.grad for p in ddp.module.parameters()], f"{out}/{rank}.pt")
-    dist.destroy_process_group()
 
 
 def test_uneven_batches_give_the_full_batch_gradient() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(len(SHARES), port, tmp), nprocs=len(SHARES))
+        spawn(_worker, len(SHARES), (tmp,))
         got = [torch.load(f"{tmp}/{r}.pt") for r in range(len(SHARES))]
     x, y = _data()
     model = _model()

@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gradfabric.collectives import OmniState, omnireduce_hook, sparse_allreduce
 from gradfabric.collectives.bench import block_sparse
 from gradfabric.collectives.sparse import DENSE_MARGIN
+from gradfabric.collectives.spawn import spawn
 from gradfabric.core.errors import PeerTimeoutError
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def _sparse_input(rank: int, n: int, density: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -62,8 +48,7 @@ def _non_finite(rank: int, world: int) -> torch.Tensor:
     return x
 
 
-def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> None:
-    _init(rank, world, port)
+def _worker(rank: int, world: int, out: str, cases: list[Any]) -> None:
     results = []
     for n, density, dtype, op in cases:
         x = _sparse_input(rank, n, density, dtype, seed=n)
@@ -79,7 +64,6 @@ def _worker(rank: int, world: int, port: int, out: str, cases: list[Any]) -> Non
     for threshold in (0.0, 0.01):  # NaN and inf reach every rank's sum, as dense
         results.append(sparse_allreduce(_non_finite(rank, world), threshold=threshold))
     torch.save(results, f"{out}/{rank}.pt")
-    dist.destroy_process_group()
 
 
 CASES = [
@@ -100,7 +84,7 @@ CASES = [
 @pytest.mark.parametrize("world", [2, 3])
 def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, _port(), tmp, CASES), nprocs=world)
+        spawn(_worker, world, (tmp, CASES))
         per_rank = [torch.load(f"{tmp}/{r}.pt") for r in range(world)]
     faint = [_faint(r).view(-1) for r in range(world)]
     ref_t = torch.zeros(160 * 256, dtype=torch.float64)
@@ -175,8 +159,7 @@ def _link_bytes_brute_force(
     return min(sharded, gather) * block, least * block
 
 
-def _dense_ddp_worker(rank: int, world: int, port: int, out: str) -> None:
-    _init(rank, world, port)
+def _dense_ddp_worker(rank: int, world: int, out: str) -> None:
     models = []
     for hooked in (False, True):
         torch.manual_seed(0)
@@ -195,7 +178,6 @@ def _dense_ddp_worker(rank: int, world: int, port: int, out: str) -> None:
             opt.step()
         models.append([p.detach().clone() for p in model.parameters()])
     torch.save((models, state.calls, state.skipped_scans), f"{out}/{rank}.pt")
-    dist.destroy_process_group()
 
 
 def test_ddp_hook_skips_the_scan_of_a_dense_bucket_and_scans_it_again() -> None:
@@ -203,7 +185,7 @@ def test_ddp_hook_skips_the_scan_of_a_dense_bucket_and_scans_it_again() -> None:
     skip, skip, scan, skip, skip; the weights follow the default hook's (float32
     sums of two addends, then the same SGD steps)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_dense_ddp_worker, args=(2, _port(), tmp), nprocs=2)
+        spawn(_dense_ddp_worker, 2, (tmp,))
         for r in range(2):
             (plain, hooked), calls, skipped = torch.load(f"{tmp}/{r}.pt")
             assert (calls, skipped) == (6, 4)
@@ -211,8 +193,7 @@ def test_ddp_hook_skips_the_scan_of_a_dense_bucket_and_scans_it_again() -> None:
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
-    _init(rank, world, port)
+def _ddp_worker(rank: int, world: int, out: str) -> None:
     torch.manual_seed(0)
     grads = []
     for hooked in (False, True):
@@ -229,12 +210,11 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         ddp(ids).pow(2).mean().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     torch.save((grads, state.sparse_calls, state.bytes_sent, state.bytes_dense), f"{out}/{rank}.pt")
-    dist.destroy_process_group()
 
 
 def test_ddp_hook_matches_default_allreduce() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_ddp_worker, args=(2, _port(), tmp), nprocs=2)
+        spawn(_ddp_worker, 2, (tmp,))
         for r in range(2):
             (plain, hooked), sparse_calls, sent, dense = torch.load(f"{tmp}/{r}.pt")
             # the same float32 sums in another order (2 addends) and a division by 2
@@ -243,9 +223,7 @@ def test_ddp_hook_matches_default_allreduce() -> None:
             assert sparse_calls >= 1 and sent < dense
 
 
-def _dying_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
+def _dying_worker(rank: int, world: int, out: str) -> None:
     x = block_sparse(rank, 100_000, 0.05)
     sparse_allreduce(x.clone())  # all alive: fine
     if rank == 2:
@@ -262,9 +240,8 @@ def _dying_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_a_rank_that_dies_is_named_not_waited_for() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_dying_worker, args=(3, _port(), tmp), nprocs=3, join=False)
-        for p in ctx.processes:
-            p.join(60)
+        # (a group timeout of 20 s: the survivors' own wait must end first)
+        spawn(_dying_worker, 3, (tmp,), timeout_s=20, deadline_s=60, barrier_at_exit=False)
         for r in (0, 1):
             with open(f"{tmp}/{r}.txt") as f:
                 took, peer, msg = f.read().split("|", 2)

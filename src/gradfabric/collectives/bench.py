@@ -14,7 +14,6 @@ over the data-volume floor (its formula: ``gradfabric bench omnireduce --help``)
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,9 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from gradfabric.collectives.sparse import OmniState, sparse_allreduce
+from gradfabric.collectives.spawn import spawn
 
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01)
 
@@ -46,21 +45,10 @@ def block_sparse(
     return vals * mask.to(vals.dtype)
 
 
-def _worker(
-    rank: int,
-    ranks: int,
-    port: int,
-    out: str,
-    values: int,
-    densities: list[float],
-    iters: int,
-    master: str = "127.0.0.1",
+def _measure(
+    rank: int, ranks: int, out: str, values: int, densities: list[float], iters: int
 ) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master, str(port)
-    # Ranks share the host's cores: one intra-op thread each, or they spin
-    # against each other (both paths are timed under the same setting).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    """One rank's timings, in a process group that is already up."""
     rows = []
     for density in densities:
         x = block_sparse(1234 + rank, values, density)
@@ -94,7 +82,6 @@ def _worker(
             }
         )
     torch.save(rows, f"{out}/{rank}.pt")
-    dist.destroy_process_group()
 
 
 def run_bench(
@@ -105,12 +92,9 @@ def run_bench(
     values = int(size_mb * 2**20) // 4
     with tempfile.TemporaryDirectory() as tmp:
         if link_gbps is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.spawn(  # type: ignore[no-untyped-call,attr-defined]
-                _worker, args=(ranks, port, tmp, values, densities, iters), nprocs=ranks
-            )
+            # Ranks share the host's cores: one intra-op thread each, or they
+            # spin against each other (both paths are timed under the same setting).
+            spawn(_measure, ranks, (tmp, values, densities, iters), threads=_threads(ranks))
         else:
             _run_in_namespaces(ranks, link_gbps, tmp, values, densities, iters)
         per_rank = [torch.load(f"{tmp}/{r}.pt") for r in range(ranks)]
@@ -177,15 +161,16 @@ def _run_in_namespaces(
             raise RuntimeError(f"benchmark ranks exited with {codes}")
 
 
+def _threads(ranks: int) -> int:
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 if __name__ == "__main__":  # one rank, inside a network namespace
     a = sys.argv[1:]
-    _worker(
-        int(a[0]),
-        int(a[1]),
-        int(a[3]),
-        a[4],
-        int(a[5]),
-        [float(x) for x in a[6].split(",")],
-        int(a[7]),
-        master=a[2],
-    )
+    rank, ranks = int(a[0]), int(a[1])
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = a[2], a[3]
+    torch.set_num_threads(_threads(ranks))
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    _measure(rank, ranks, a[4], int(a[5]), [float(x) for x in a[6].split(",")], int(a[7]))
+    dist.barrier()
+    dist.destroy_process_group()

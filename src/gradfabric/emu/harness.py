@@ -24,6 +24,7 @@ class RunningSwitch:
     proc: subprocess.Popen[str]
     data: Address
     control: Address
+    metrics: Address | None = None  # where Prometheus text is served, if asked for
     final: dict[str, Any] = field(default_factory=dict)  # stats after SIGTERM
 
     @property
@@ -53,7 +54,10 @@ def start_switch(
         proc.wait(5)
         raise RuntimeError(f"switch daemon exited with {proc.returncode} before serving")
     where = json.loads(line)
-    return RunningSwitch(proc, parse_address(where["data"]), parse_address(where["control"]))
+    metrics = parse_address(where["metrics"]) if "metrics" in where else None
+    return RunningSwitch(
+        proc, parse_address(where["data"]), parse_address(where["control"]), metrics
+    )
 
 
 def stop_switch(sw: RunningSwitch, timeout_s: float = 10.0) -> None:

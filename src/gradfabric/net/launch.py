@@ -11,7 +11,6 @@ torchrun launch.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -19,24 +18,22 @@ from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.net.netns import NsHost
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _torchrun(nproc: int, *where: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            "--max-restarts=0", *where]  # fmt: skip
 
 
-def _torchrun(nnodes: int, nproc: int, node_rank: int, master: str, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={nnodes}",
-        f"--nproc-per-node={nproc}",
-        f"--node-rank={node_rank}",
-        f"--master-addr={master}",
-        f"--master-port={port}",
-        "--max-restarts=0",
-    ]
+# One host: torchrun's standalone rendezvous binds port 0 itself and hands the
+# same store to the ranks, so no port is chosen here and released (a race with
+# any other process on the host).
+STANDALONE = ("--standalone", "--nnodes=1")
+
+
+def _on_node(nnodes: int, node_rank: int, master: str, port: int) -> tuple[str, ...]:
+    """Rendezvous at ``master:port`` (another namespace's address, where no
+    other process can hold the port)."""
+    return (f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master}",
+            f"--master-port={port}")  # fmt: skip
 
 
 def run_ranks(
@@ -53,7 +50,7 @@ def run_ranks(
     shaped to that rate (root only; see ``gradfabric.net.netns``).
     """
     if link_gbps is None:
-        cmd = _torchrun(1, ranks, 0, "127.0.0.1", _free_port())
+        cmd = _torchrun(ranks, *STANDALONE)
         proc = subprocess.Popen([*cmd, "-m", module, *args], env=_env(ranks, extra_env))
         _wait([proc], timeout_s)
         return
@@ -78,7 +75,14 @@ def run_on_hosts(
     port = 29400 + os.getpid() % 500
     procs = [
         subprocess.Popen(
-            ["ip", "netns", "exec", h.netns, *_torchrun(ranks, 1, r, hosts[0].ip, port), *prog],
+            [
+                "ip",
+                "netns",
+                "exec",
+                h.netns,
+                *_torchrun(1, *_on_node(ranks, r, hosts[0].ip, port)),
+                *prog,
+            ],
             env={**env, "GLOO_SOCKET_IFNAME": h.ifname},
         )
         for r, h in enumerate(hosts)
