@@ -10,16 +10,29 @@
   nominal finish times; static: re-planned only when devices join or leave.
 
 The baselines see nominal speeds, not the current ones: they do not measure
-contention, and they use every device whatever it costs.
+contention. ``best_subset`` gives a rule the planner's freedom over which
+devices to use: the rule is applied to every device subset the planner's
+search visits (``search.subsets``, by class counts) and the fastest result
+kept, so a comparison is between rules, not between device counts.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from gradfabric.core.registry import Registry
-from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, split
-from gradfabric.planner.search import _stages, dp_cuts, shares
+from gradfabric.planner.cost import (
+    Device,
+    Estimate,
+    Group,
+    Plan,
+    Stage,
+    Workload,
+    evaluate,
+    split,
+)
+from gradfabric.planner.search import _stages, dp_cuts, shares, subsets
 
 Baseline = Callable[[Workload, list[Device]], Plan]
 BASELINES: Registry[Baseline] = Registry("baseline")
@@ -74,3 +87,27 @@ for _name, _fn in (
     ("hetpipe", hetpipe),
 ):
     BASELINES.add(_name, _fn)
+
+
+def best_subset(
+    rule: Baseline, w: Workload, devs: list[Device], lat: float = 5e-6
+) -> tuple[Plan, Estimate]:
+    """``rule`` on the device subset where it is fastest, among those the
+    planner's search visits (least compute bound first; a subset whose bound
+    reaches the best time so far cannot win, and ends the scan). Raises
+    ``ValueError`` if the rule fits no subset."""
+    best: tuple[Plan, Estimate] | None = None
+    for bound, use in subsets(w, devs):
+        if best is not None and bound >= best[1].batch_time_s:
+            break
+        keep = set(use)
+        sub = [d if d.index in keep else Device(d.index, d.type, 0.0) for d in devs]
+        p = rule(w, sub)
+        if not p.groups:
+            continue
+        e = evaluate(w, devs, p, lat)
+        if e.feasible and (best is None or e.batch_time_s < best[1].batch_time_s):
+            best = (p, e)
+    if best is None or math.isinf(best[1].batch_time_s):
+        raise ValueError("the rule fits no subset of these devices")
+    return best

@@ -23,9 +23,11 @@ micro-batches 1F1B keeps in flight); a single-stage group accumulates
 gradients over as many micro-batches as it needs to fit (same compute time).
 A plan that does not fit is infeasible (infinite time).
 
-Gradient synchronisation across ``k`` groups: each device all-reduces the
-parameters it holds with their ``k - 1`` replicas in a ring,
-``2 (k-1)/k * 4 P_d`` bytes over its NIC; the slowest device sets
+Gradient synchronisation across ``k`` groups: each layer's ``k`` replicas
+(one device per group) all-reduce its gradient in a ring, ``2 (k-1)/k * 4 P_l``
+bytes through every member, at the slowest member's NIC rate (a ring moves no
+faster than its slowest link); a device serves the rings of all the layers it
+holds over its one NIC, one after another, and the slowest device sets
 ``sync``. Batch time ``= max_g T_g + sync``. Cost: the price per hour of
 the devices used.
 """
@@ -193,6 +195,30 @@ def fits(w: Workload, devs: list[Device], g: Group) -> str | None:
     return None
 
 
+def sync_time(w: Workload, devs: list[Device], plan: Plan) -> float:
+    """Seconds to all-reduce gradients across the plan's groups (see the module
+    doc): layer ``l``'s replicas form a ring that runs at its slowest member's
+    NIC; a device serves the rings of all the layers it holds over its one NIC,
+    one after another; the slowest device sets the time."""
+    k = len(plan.groups)
+    if k < 2:
+        return 0.0
+    owners = []  # per group: the device holding each layer
+    for g in plan.groups:
+        row = [0] * w.layers
+        for st in g.stages:
+            row[st.first : st.end] = [st.device] * (st.end - st.first)
+        owners.append(row)
+    busy: dict[int, float] = {}
+    for layer, params in enumerate(w.params):
+        ring = [row[layer] for row in owners]
+        rate = min(devs[d].type.nic_gbps for d in ring) * 1e9 / 8
+        t = 2 * (k - 1) / k * 4 * params / rate
+        for d in ring:
+            busy[d] = busy.get(d, 0.0) + t
+    return max(busy.values())
+
+
 def evaluate(w: Workload, devs: list[Device], plan: Plan, latency_s: float = 5e-6) -> Estimate:
     """The batch time and price of ``plan``; see the module doc."""
     why: list[str] = []
@@ -203,14 +229,7 @@ def evaluate(w: Workload, devs: list[Device], plan: Plan, latency_s: float = 5e-
             why.append(problem)
         per_sample, fixed = stage_costs(w, devs, g.stages, latency_s)
         times.append(pipeline_time(per_sample, fixed, g.batch, g.micro_batches) if g.batch else 0.0)
-    k = len(plan.groups)
-    sync = 0.0
-    if k > 1:
-        for g in plan.groups:
-            for st in g.stages:
-                d = devs[st.device]
-                nbytes = 2 * (k - 1) / k * 4 * sum(w.params[st.first : st.end])
-                sync = max(sync, nbytes / (d.type.nic_gbps * 1e9 / 8))
+    sync = sync_time(w, devs, plan)
     covered = sum(g.batch for g in plan.groups)
     if abs(covered - w.batch) > 1e-6 * max(1, w.batch):
         why.append(f"batch shares sum to {covered:g}, not {w.batch}")

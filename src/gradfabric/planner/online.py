@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.planner.baselines import BASELINES, nominal
+from gradfabric.planner.baselines import BASELINES, best_subset, nominal
 from gradfabric.planner.cost import Device, Plan, Workload, evaluate
 from gradfabric.planner.search import plan
 from gradfabric.planner.spec import DeviceType
@@ -165,8 +165,7 @@ def run_online(
     res = OnlineResult([])
     q = 0.0
     current: Plan | None = None
-    static: Plan | None = None
-    members: set[int] = set()
+    fixed: dict[tuple[str, frozenset[int]], Plan] = {}
     memo: dict[tuple[tuple[int, float], ...], Plan | None] = {}
     names = BASELINES.names() if baselines else []
     res.baselines = {n: [] for n in names}
@@ -197,14 +196,12 @@ def run_online(
         )  # fmt: skip
         q = max(q + est.cost_per_hour - budget_per_hour, 0.0)
         current = chosen
+        alive = frozenset(d.index for d in devs if d.speed > 0)
         for n in names:
-            if n == "hetpipe":  # re-planned when devices join or leave, blind to speed
-                alive = {d.index for d in devs if d.speed > 0}
-                if static is None or alive != members:
-                    static, members = BASELINES.get(n)(w, nominal(devs)), alive
-                p = static
-            else:
-                p = BASELINES.get(n)(w, nominal(devs))
-            e = evaluate(w, devs, p)
+            # blind to speed: re-planned when devices join or leave, each rule on
+            # its best device subset at nominal speeds (the planner's freedom)
+            if (n, alive) not in fixed:
+                fixed[n, alive] = best_subset(BASELINES.get(n), w, nominal(devs))[0]
+            e = evaluate(w, devs, fixed[n, alive])
             res.baselines[n].append(e.batch_time_s if e.feasible else float("inf"))
     return res

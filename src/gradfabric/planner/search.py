@@ -11,13 +11,28 @@
   a negative share are dropped), then are rounded to whole samples.
 - **Groups**: for up to ``EXHAUSTIVE_MAX`` devices every subset of devices and
   every partition of it into groups is tried, each group in every distinct
-  order of its device types; for more, a tentative search over pipeline depths
-  ``1, 2, 3, 4, 6, 8`` with groups built from the speed-sorted device list (mixed
-  speeds per group, as HetPipe's virtual workers, or alike speeds), each also
-  without its slowest devices.
+  order of its device types. For more, a tentative search over *subsets by
+  class* (a class: devices of one type at one speed, interchangeable): every
+  count vector ``u`` with ``u_c`` on ``COUNT_GRID`` and at most the class's
+  size, and for each, pipeline depths ``1, 2, 3, 4, 6, 8`` with groups built
+  from the speed-sorted devices (mixed speeds per group, as HetPipe's virtual
+  workers, or alike speeds).
+- **Monotone by construction**: the candidates depend only on the count
+  vector, and a cluster with more devices has every count vector a smaller one
+  has (the grid is fixed), so adding devices never makes the plan slower
+  (``tests/property/test_planner.py``). The search also reaches any single
+  tier, so a fast tier is never dragged down by slow ones.
+- **Pruned exactly**: the groups' compute alone takes at least
+  ``3 F B / sum(flops)`` (every sample's three forwards over all the FLOP/s in
+  use), so count vectors are visited by that bound, and the search stops once
+  the bound reaches the best plan found: nothing faster is skipped.
 
-``brute_force`` is the reference the tests hold the planner to: every subset,
-partition, device order and combination of cut points.
+``brute_force`` is the reference the tests hold the planner to on small
+clusters: every subset, partition, device order and combination of cut
+points. ``exact`` is the same optimum where devices of a class are
+interchangeable: every sub-multiset of classes, every multiset partition of it
+into groups, every distinct class order and every cut of each group; it
+reaches 7-12 devices, where the tentative search is measured against it.
 """
 
 from __future__ import annotations
@@ -27,6 +42,8 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from gradfabric.planner.cost import (
     MICRO_PER_STAGE,
@@ -38,6 +55,7 @@ from gradfabric.planner.cost import (
     Workload,
     evaluate,
     fits,
+    link_bytes_per_s,
     stage_costs,
     whole,
 )
@@ -76,7 +94,7 @@ class PlanResult:
             lines.append(
                 "  unused: "
                 + ", ".join(f"{devs[d].type.name}#{d}" for d in unused)
-                + " (adding them would not shorten the step)"
+                + " (no plan the search tried with them was faster)"
             )
         lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
@@ -103,29 +121,27 @@ def dp_cuts(
     n, s = w.layers, len(order)
     if s > n:
         return ()
-    cum = [0.0, *itertools.accumulate(w.fwd_flops)]
-
-    def cost(j: int, a: int, b: int) -> float:
-        d = devs[order[j]]
-        c = 3 * (cum[b] - cum[a]) / d.flops
-        if j + 1 < s:
-            nxt = devs[order[j + 1]]
-            c += 2 * w.activation_bytes[b - 1] / (min(d.type.nic_gbps, nxt.type.nic_gbps) * 1e9 / 8)
-        return c
-
-    inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(s + 1)]
-    back = [[0] * (n + 1) for _ in range(s + 1)]
+    cum = np.array([0.0, *itertools.accumulate(w.fwd_flops)])
+    act = np.array([0.0, *w.activation_bytes])  # act[b]: the output of layer b - 1
+    # best[j][i]: the least bottleneck of layers [0, i) on the first j devices,
+    # where device j - 1 runs [k, i) at 3 (cum[i] - cum[k]) / flops plus sending
+    # its output on (not the last device); a vector over i, minimised over k
+    best = np.full((s + 1, n + 1), math.inf)
+    back = np.zeros((s + 1, n + 1), dtype=np.int64)
     best[0][0] = 0.0
     for j in range(1, s + 1):
+        d = devs[order[j - 1]]
+        send = 0.0
+        if j < s:
+            send = 2 / link_bytes_per_s(d.type, devs[order[j]].type)
         for i in range(j, n - (s - j) + 1):
-            for k in range(j - 1, i):
-                v = max(best[j - 1][k], cost(j - 1, k, i))
-                if v < best[j][i]:
-                    best[j][i], back[j][i] = v, k
+            ks = np.arange(j - 1, i)
+            v = np.maximum(best[j - 1][ks], 3 * (cum[i] - cum[ks]) / d.flops + send * act[i])
+            at = int(np.argmin(v))
+            best[j][i], back[j][i] = v[at], ks[at]
     edges = [n]
     for j in range(s, 0, -1):
-        edges.append(back[j][edges[-1]])
+        edges.append(int(back[j][edges[-1]]))
     edges.reverse()
     # refine on the true step rate: move single cuts while it improves
     rate = _rate(w, devs, _stages(order, edges), lat)
@@ -188,6 +204,7 @@ def partitions(items: list[int]) -> Iterator[list[list[int]]]:
 
 
 BRUTE = -1  # ``distinct_upto`` for brute force: every permutation and every cut
+BRUTE_DISTINCT = -2  # every cut, and every order that differs in (type, speed)
 
 
 def _orders(devs: list[Device], group: list[int], distinct_upto: int) -> list[tuple[int, ...]]:
@@ -196,7 +213,7 @@ def _orders(devs: list[Device], group: list[int], distinct_upto: int) -> list[tu
     (devices alike are interchangeable); fastest first and fastest last beyond."""
     if distinct_upto == BRUTE:
         return list(itertools.permutations(group))
-    if len(group) <= distinct_upto:
+    if len(group) <= distinct_upto or distinct_upto == BRUTE_DISTINCT:
         seen: dict[tuple[tuple[str, float], ...], tuple[int, ...]] = {}
         for order in itertools.permutations(group):
             seen.setdefault(tuple((devs[d].type.name, devs[d].speed) for d in order), order)
@@ -215,7 +232,7 @@ def _best_pipeline(
     hit = memo.get(key)
     if hit is None:
         best: tuple[float, tuple[Stage, ...]] = (math.inf, ())
-        brute = distinct_upto == BRUTE
+        brute = distinct_upto in (BRUTE, BRUTE_DISTINCT)
         for order in _orders(devs, group, distinct_upto):
             cands = all_cuts(w, devs, order) if brute else [dp_cuts(w, devs, order, lat)]
             for st in cands:
@@ -252,16 +269,23 @@ def _evaluate_partition(
     return (plan, est) if est.feasible else None
 
 
+Candidates = Iterator[tuple[float, list[list[int]]]]  # (lower bound on batch time, partition)
+
+
 def _best_of(
-    w: Workload, devs: list[Device], parts: Iterator[list[list[int]]], lat: float,
-    distinct_upto: int,
-) -> PlanResult:  # fmt: skip
-    """The fastest feasible plan over candidate partitions."""
+    w: Workload, devs: list[Device], parts: Candidates, lat: float, distinct_upto: int
+) -> PlanResult:
+    """The fastest feasible plan over candidate partitions, visited in order of
+    their lower bounds: the first bound at or above the best plan ends the search."""
     t0 = time.perf_counter()
     memo: dict[tuple[tuple[str, float], ...], tuple[tuple[int, ...], list[int]]] = {}
     best: tuple[Plan, Estimate] | None = None
     n = 0
-    for part in parts:
+    for bound, part in parts:
+        if best is not None and bound >= best[1].batch_time_s:
+            break
+        if best is not None and partition_bound(w, devs, part) >= best[1].batch_time_s:
+            continue
         n += 1
         got = _evaluate_partition(w, devs, part, lat, distinct_upto, memo)
         if got and (best is None or got[1].batch_time_s < best[1].batch_time_s):
@@ -271,11 +295,12 @@ def _best_of(
     return PlanResult(best[0], best[1], time.perf_counter() - t0, n)
 
 
-def _every_partition(devs: list[Device]) -> Iterator[list[list[int]]]:
+def _every_partition(devs: list[Device]) -> Candidates:
     ids = [d.index for d in devs if d.speed > 0]
     for size in range(1, len(ids) + 1):
         for subset in itertools.combinations(ids, size):
-            yield from partitions(list(subset))
+            for part in partitions(list(subset)):
+                yield 0.0, part
 
 
 def brute_force(w: Workload, devs: list[Device], lat: float = 5e-6) -> PlanResult:
@@ -283,17 +308,142 @@ def brute_force(w: Workload, devs: list[Device], lat: float = 5e-6) -> PlanResul
     return _best_of(w, devs, _every_partition(devs), lat, BRUTE)
 
 
-def _tentative_partitions(w: Workload, devs: list[Device]) -> Iterator[list[list[int]]]:
-    ranked = sorted((d.index for d in devs if d.speed > 0), key=lambda d: -devs[d].flops)
-    for depth in (1, 2, 3, 4, 6, 8):
-        for drop in range(0, max(1, len(ranked) // 4) + 1, max(1, len(ranked) // 16)):
-            use = ranked[: len(ranked) - drop]
+# The counts of one class the tentative search uses: every count up to 6, then
+# steps of about 1.25-1.5x. A fixed grid: a class with more devices offers every
+# count a smaller one did (that is what makes the search monotone).
+COUNT_GRID = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+DEPTHS = (1, 2, 3, 4, 6, 8)
+
+
+def _grid(n: int) -> list[int]:
+    out = [c for c in COUNT_GRID if c <= n]
+    step = COUNT_GRID[-1]
+    while out[-1] * 2 <= n:  # past the table: doubling
+        out.append(min(out[-1] + step, out[-1] * 2))
+        step = out[-1]
+    return out
+
+
+MAX_COUNT_VECTORS = 2048  # past this, the tentative search's classes are types alone
+
+
+def classes(devs: list[Device], by_speed: bool = True) -> list[list[int]]:
+    """Available devices grouped by (type, speed) (or by type alone), fastest
+    class first (ties by name), each class fastest first, then by index."""
+    by: dict[tuple[str, float], list[int]] = {}
+    for d in devs:
+        if d.speed > 0:
+            by.setdefault((d.type.name, d.speed if by_speed else 0.0), []).append(d.index)
+    for members in by.values():
+        members.sort(key=lambda i: (-devs[i].flops, i))
+    order = sorted(by, key=lambda k: (-devs[by[k][0]].flops, k))
+    return [by[k] for k in order]
+
+
+def _search_classes(devs: list[Device]) -> list[list[int]]:
+    """The tentative search's classes: (type, speed), or types alone where
+    per-device speeds (contention) make too many classes to count over; the
+    search is monotone in added devices while the classes are (type, speed)."""
+    cls = classes(devs)
+    if math.prod(len(_grid(len(c))) for c in cls) > MAX_COUNT_VECTORS:
+        cls = classes(devs, by_speed=False)
+    return cls
+
+
+def compute_bound(w: Workload, devs: list[Device], use: list[int]) -> float:
+    """The least time the groups' compute can take on devices ``use``: three
+    forwards per sample, spread perfectly over their FLOP/s."""
+    return 3 * sum(w.fwd_flops) * w.batch / sum(devs[d].flops for d in use)
+
+
+def partition_bound(w: Workload, devs: list[Device], part: list[list[int]]) -> float:
+    """A lower bound on the batch time of any plan on groups ``part`` (the
+    share solve may drop some): if ``k'`` groups stay, their compute takes at
+    least ``3 F B`` over the ``k'`` largest groups' FLOP/s, and their gradient
+    sync at least ``8 (k'-1)/k' P`` bytes over the largest group NIC total
+    (some device of each group holds ``P_d / nic_d >= P / sum(nic)``)."""
+    flops = sorted((sum(devs[d].flops for d in g) for g in part), reverse=True)
+    nic = max(sum(devs[d].type.nic_gbps for d in g) for g in part) * 1e9 / 8
+    work, grads = 3 * sum(w.fwd_flops) * w.batch, 8 * sum(w.params) / nic
+    best, total = math.inf, 0.0
+    for k, f in enumerate(flops, 1):
+        total += f
+        best = min(best, work / total + grads * (k - 1) / k)
+    return best
+
+
+def subsets(w: Workload, devs: list[Device]) -> Iterator[tuple[float, list[int]]]:
+    """Device subsets by class counts on ``COUNT_GRID`` (each class's first
+    devices), fastest-first, with their compute bound, least bound first."""
+    cls = _search_classes(devs)
+    out = []
+    for u in itertools.product(*(_grid(len(c)) for c in cls)):
+        use = [d for c, k in zip(cls, u, strict=True) for d in c[:k]]
+        if use:
+            out.append((compute_bound(w, devs, use), u, use))
+    out.sort(key=lambda x: (x[0], x[1]))
+    for bound, _, use in out:
+        yield bound, use
+
+
+def _tentative_partitions(w: Workload, devs: list[Device]) -> Candidates:
+    for bound, use in subsets(w, devs):
+        for depth in DEPTHS:
             k = len(use) // depth
             if k == 0 or depth > w.layers:
                 continue
-            use = use[: k * depth]
-            yield [use[i::k] for i in range(k)]  # mixed: one of each speed tier per group
-            yield [use[i * depth : (i + 1) * depth] for i in range(k)]  # alike
+            kept = use[: k * depth]  # (the slowest left over: another subset drops them)
+            yield bound, [kept[i::k] for i in range(k)]  # mixed: one of each speed tier per group
+            if depth > 1:
+                yield bound, [kept[i * depth : (i + 1) * depth] for i in range(k)]  # alike
+
+
+# --------------------------------------------------------------- exact (symmetric)
+
+
+def _multiset_partitions(
+    rem: tuple[int, ...], top: tuple[int, ...]
+) -> Iterator[list[tuple[int, ...]]]:
+    """Every partition of the multiset with counts ``rem`` into parts (count
+    vectors), each once: parts in non-increasing order, none above ``top``."""
+    if not any(rem):
+        yield []
+        return
+    for v in itertools.product(*(range(r + 1) for r in rem)):
+        if any(v) and v <= top:
+            rest = tuple(a - b for a, b in zip(rem, v, strict=True))
+            for tail in _multiset_partitions(rest, v):
+                yield [v, *tail]
+
+
+def _exact_partitions(w: Workload, devs: list[Device]) -> Candidates:
+    cls = classes(devs)
+    counts = [u for u in itertools.product(*(range(len(c) + 1) for c in cls)) if any(u)]
+    bounds = {
+        u: compute_bound(w, devs, [d for c, k in zip(cls, u, strict=True) for d in c[:k]])
+        for u in counts
+    }
+    for u in sorted(counts, key=lambda u: (bounds[u], u)):
+        for parts in _multiset_partitions(u, u):
+            taken = [0] * len(cls)
+            groups = []
+            for v in parts:
+                g = []
+                for i, k in enumerate(v):
+                    g += cls[i][taken[i] : taken[i] + k]
+                    taken[i] += k
+                groups.append(g)
+            yield bounds[u], groups
+
+
+def exact(w: Workload, devs: list[Device], lat: float = 5e-6) -> PlanResult:
+    """The optimum over every subset, partition, device order and cut, with
+    devices of one class interchangeable (see the module doc). Exponential in
+    the number of classes and devices: 7-12 devices of 2-3 classes on a model
+    of up to about 12 layers take seconds to minutes."""
+    res = _best_of(w, devs, _exact_partitions(w, devs), lat, BRUTE_DISTINCT)
+    res.notes.append("exact over device classes' sub-multisets, partitions, orders and cuts")
+    return res
 
 
 def plan(
@@ -307,5 +457,8 @@ def plan(
         res.notes.append("exhaustive over device subsets and partitions")
     else:
         res = _best_of(w, devs, _tentative_partitions(w, devs), lat, TENTATIVE_ORDERS_UPTO)
-        res.notes.append("tentative search over pipeline depths 1-8, mixed or alike groups")
+        res.notes.append(
+            "tentative search over device subsets by class and pipeline depths 1-8, "
+            "mixed or alike groups"
+        )
     return res
