@@ -213,13 +213,37 @@ def _orders(devs: list[Device], group: list[int], distinct_upto: int) -> list[tu
     (devices alike are interchangeable); fastest first and fastest last beyond."""
     if distinct_upto == BRUTE:
         return list(itertools.permutations(group))
-    if len(group) <= distinct_upto or distinct_upto == BRUTE_DISTINCT:
+    if distinct_upto == BRUTE_DISTINCT:
+        return list(_distinct_orders(devs, group))
+    if len(group) <= distinct_upto:
         seen: dict[tuple[tuple[str, float], ...], tuple[int, ...]] = {}
         for order in itertools.permutations(group):
             seen.setdefault(tuple((devs[d].type.name, devs[d].speed) for d in order), order)
         return list(seen.values())
     fast = tuple(sorted(group, key=lambda d: -devs[d].flops))
     return [fast, fast[::-1]]
+
+
+def _distinct_orders(devs: list[Device], group: list[int]) -> Iterator[tuple[int, ...]]:
+    """One order per distinct sequence of (type, speed), built class by class
+    (``len(group)!`` permutations would be visited otherwise)."""
+    pools: dict[tuple[str, float], list[int]] = {}
+    for d in group:
+        pools.setdefault((devs[d].type.name, devs[d].speed), []).append(d)
+    keys = list(pools)
+    left = {k: len(v) for k, v in pools.items()}
+
+    def extend(prefix: list[int]) -> Iterator[tuple[int, ...]]:
+        if len(prefix) == len(group):
+            yield tuple(prefix)
+            return
+        for k in keys:
+            if left[k]:
+                left[k] -= 1
+                yield from extend([*prefix, pools[k][left[k]]])
+                left[k] += 1
+
+    return extend([])
 
 
 def _best_pipeline(
