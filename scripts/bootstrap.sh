@@ -12,3 +12,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[dev]'
   touch "$stamp"
 fi
+
+# The emulator's kernel-loss links drop packets with nftables (this kernel's tc
+# has no netem and no gact). Installed where we are root on a Debian-like host;
+# elsewhere the tests that need it skip and say why.
+if ! command -v nft >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "bootstrap: installing nftables (kernel packet loss for the namespace tests)" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables; } >/dev/null 2>&1 \
+    || echo "bootstrap: could not install nftables; the kernel-loss test will skip" >&2
+fi

@@ -31,7 +31,10 @@ def test_simulate_json_and_resolved_config(
     assert {r["scheme"] for r in res["rows"]} == {"switchml", "ring"}
     for key in ("iteration_ms", "goodput_gbps", "mem_util", "ps_fallback"):
         assert all(key in r for r in res["rows"])
-    assert code == (0 if all(c["within_5pct"] for c in res["checks"]) else 1)
+    # the simulator meets its analytic bounds (ring: 2(n-1)/n S/B plus hop
+    # latencies; SwitchML: min(line rate, W payload / RTT)), so the exit is 0
+    assert res["checks"] and all(c["within_5pct"] for c in res["checks"])
+    assert code == 0
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["workers"] == 4 and resolved["ina"]["switchml_slots"] == 128
     assert json.loads((out / "results.json").read_text()) == res
@@ -138,8 +141,7 @@ def test_bench_omnireduce_json_checks_results(capsys: pytest.CaptureFixture[str]
 def test_plan_json_for_a_yaml_cluster_and_an_online_trace(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from gradfabric.planner.cost import Device, Workload
-    from gradfabric.planner.search import plan
+    from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evaluate
     from gradfabric.planner.spec import load_cluster
     from gradfabric.workloads.catalog import model_spec
 
@@ -151,10 +153,18 @@ def test_plan_json_for_a_yaml_cluster_and_an_online_trace(
     assert {b["name"] for b in got["baselines"]} == {
         "even-dp", "proportional-dp", "even-pipeline", "hetpipe",
     }  # fmt: skip
-    # the command reports the planner's own estimate for that cluster
-    devs = [Device(i, t) for i, t in enumerate(load_cluster(yaml_file).expand())]
-    ref = plan(Workload.of(model_spec("resnet50"), 256), devs)
-    assert got["batch_time_s"] == pytest.approx(ref.estimate.batch_time_s)
+    # the plan printed is the plan timed: its groups, re-read from the JSON and
+    # costed by the model, give the reported time; no baseline beats it
+    cluster = load_cluster(yaml_file)
+    devs = [Device(i, t) for i, t in enumerate(cluster.expand())]
+    printed = Plan(tuple(
+        Group(tuple(Stage(*s) for s in g["stages"]), g["batch"]) for g in got["groups"]
+    ))  # fmt: skip
+    w = Workload.of(model_spec("resnet50"), 256)
+    est = evaluate(w, devs, printed, cluster.link_latency_us * 1e-6)
+    assert got["batch_time_s"] == pytest.approx(est.batch_time_s, rel=1e-12)
+    assert sum(g["batch"] for g in got["groups"]) == 256
+    assert all(got["batch_time_s"] <= b["batch_time_s"] for b in got["baselines"])
     assert got["online"]["slots"] == 4 and (tmp_path / "plan_batch_time.png").exists()
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml_file.read_text().replace("type: v100", "type: p100"))

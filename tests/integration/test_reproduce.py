@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from gradfabric.cli import main
+from gradfabric.wire.packet import HEADER_BYTES
 
 
 def _check_report(out: Path, experiments: set[str]) -> dict:
@@ -27,8 +28,15 @@ def _check_report(out: Path, experiments: set[str]) -> dict:
 def test_reproduce_granularity(tmp_path: Path) -> None:
     assert main(["reproduce", "--quick", "--only", "granularity", "--out", str(tmp_path)]) == 0
     res = _check_report(tmp_path, {"granularity"})["granularity"]
-    errors = [r["rel_error"] for r in res["rows"] if r.get("workers") == 64]
-    assert errors[0] == 0.0 and all(abs(e) < 0.05 for e in errors)
+    rows = [r for r in res["rows"] if r.get("workers") == 64]
+    # the packet-level run against the physical floor: every worker's packets
+    # (256 int32 values and a header each) through its 100 Gbit/s link, once
+    packets = -(-rows[0]["values"] // 256)
+    floor_ms = packets * (256 * 4 + HEADER_BYTES) * 8 / 100e9 * 1e3
+    assert rows[0]["train_packets"] == 1
+    assert floor_ms <= rows[0]["comm_ms"] <= 1.05 * floor_ms
+    # trains against the packet-level run: within 5%
+    assert all(abs(r["comm_ms"] / rows[0]["comm_ms"] - 1) < 0.05 for r in rows[1:])
     big = next(r for r in res["rows"] if r.get("workers") == 1024)
     assert big["iteration_ms"] > 0 and big["events"] > 1_000_000
 
