@@ -50,12 +50,21 @@ class ClickLog:
 
 
 class NeuMF(nn.Module):
-    def __init__(self, users: int, items: int, dim: int = 32, hidden: tuple[int, ...] = (64, 32)):
+    def __init__(
+        self,
+        users: int,
+        items: int,
+        dim: int = 32,
+        hidden: tuple[int, ...] = (64, 32),
+        sparse: bool = False,
+    ):
+        """``sparse``: embeddings with sparse gradients (``nn.Embedding(sparse=True)``),
+        the rows a batch touched only, which DDP all-reduces as sparse tensors."""
         super().__init__()
-        self.gmf_user = nn.Embedding(users, dim)
-        self.gmf_item = nn.Embedding(items, dim)
-        self.mlp_user = nn.Embedding(users, dim)
-        self.mlp_item = nn.Embedding(items, dim)
+        self.gmf_user = nn.Embedding(users, dim, sparse=sparse)
+        self.gmf_item = nn.Embedding(items, dim, sparse=sparse)
+        self.mlp_user = nn.Embedding(users, dim, sparse=sparse)
+        self.mlp_item = nn.Embedding(items, dim, sparse=sparse)
         for e in (self.gmf_user, self.gmf_item, self.mlp_user, self.mlp_item):
             nn.init.normal_(e.weight, std=0.01)
         layers: list[nn.Module] = []
