@@ -8,8 +8,10 @@ instant is ``(busy_until - now) * rate``, which gives tail drop at
 at one event per packet per hop (its arrival at the far end).
 
 A simulated packet may stand for a train of real packets (coarse
-granularity): it occupies the link for the whole train but reaches the next
-hop when the train's first packet does, as the real packets would pipeline.
+granularity): it occupies the link for the whole train. A switch starts on it
+when the train's first packet is in, as the real packets would pipeline
+through it (forwarding and per-packet aggregation alike); a host's engine
+gets it when its last packet is in, since it has the train's data only then.
 
 Loss, duplication and reordering (a uniform extra delay up to ``jitter_ns``)
 draw from the network's one seeded RNG.
@@ -37,6 +39,7 @@ from gradfabric.proto.actions import (
     Send,
 )
 from gradfabric.proto.qos import PortQueues
+from gradfabric.proto.switch import SwitchEngine
 from gradfabric.sim.loop import EventLoop
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Flag, Packet
 
@@ -140,8 +143,8 @@ class Link:
         finish = start + int(size * ps_per_byte)
         self.busy_until_ps = finish
         self.bytes_sent += size
-        if count > vpp:
-            # A train: its packets pipeline through every hop, so the next node
+        if count > vpp and (dst != self.dst.name or self.dst.cut_through):
+            # A train into a switch: its packets pipeline through it, so the switch
             # starts on it when its first packet is in (cut-through of the train),
             # while this link stays busy for the whole train.
             finish = start + int((HEADER_BYTES + vpp * VALUE_BYTES) * ps_per_byte)
@@ -215,6 +218,7 @@ class Node:
     others are forwarded along ``routes`` (several links = ECMP, hashed per flow)."""
 
     __slots__ = (
+        "cut_through",
         "direct",
         "engine",
         "grow_only",
@@ -240,6 +244,7 @@ class Node:
         self.timer_at: int | None = None
         self.timed = False
         self.grow_only = False
+        self.cut_through = False  # a switch: trains pipeline through it
 
     def arrive(self, arg: tuple[str, Packet]) -> None:
         dst, pkt = arg
@@ -333,6 +338,7 @@ class Network:
     def bind(self, name: str, engine: Engine) -> None:
         node = self.node(name)
         node.engine = engine
+        node.cut_through = isinstance(engine, SwitchEngine)
         node.timed = not isinstance(engine, NoTimers)
         # An engine whose new deadlines are never earlier than its pending ones
         # (a constant RTO) needs no re-arming while a timer is pending.
