@@ -71,7 +71,12 @@ def test_saatp_exact_under_random_stragglers_loss_and_duplication(
 
 def test_help_happens_and_the_straggler_catches_up() -> None:
     slow = StragglerConfig(model="fixed", workers=(2,), slowdown=4.0)
-    kw = dict(workers=6, stragglers=slow, **BASE)
+    # The straggler's batch prefetched into the helper's device memory (10
+    # Tbit/s, a device copy): 16384 MLP samples load in 41 us. This light MLP
+    # computes a sample in well under the 12.5 us it takes to read one at the
+    # default 2 Gbit/s, so reading from storage would leave nothing to help with
+    # (the next test).
+    kw = dict(workers=6, stragglers=slow, load_gbps=10_000.0, **BASE)
     atp = run_training(TrainingConfig(scheme="atp", **kw), values=True)  # type: ignore[arg-type]
     sa = run_training(TrainingConfig(scheme="saatp", **kw), values=True)  # type: ignore[arg-type]
     _exact(sa)
@@ -79,6 +84,20 @@ def test_help_happens_and_the_straggler_catches_up() -> None:
     assert sa.counters["rx_help"] > 0  # help packets reached the switch
     assert sa.counters.get("host.results_ahead", 0) > 0  # the straggler skipped helped work
     assert sa.mean_iteration_ms < 0.8 * atp.mean_iteration_ms
+    # the load was paid: 16384 samples of 3136 bytes at 10 Tbit/s per help
+    assert sa.help_load_ns == sa.helps_started * int(16384 * 3136 * 8 / 10_000.0)
+
+
+def test_a_slow_replica_load_makes_help_too_late_to_pay() -> None:
+    """At the default 2 Gbit/s the same batch takes 205 ms to load, longer than
+    the straggler's whole iteration: help starts, computes nothing in time, and
+    the iteration time is ATP's."""
+    slow = StragglerConfig(model="fixed", workers=(2,), slowdown=4.0)
+    kw = dict(workers=6, stragglers=slow, **BASE)
+    atp = run_training(TrainingConfig(scheme="atp", **kw))  # type: ignore[arg-type]
+    sa = run_training(TrainingConfig(scheme="saatp", **kw))  # type: ignore[arg-type]
+    assert sa.helps_started >= 1 and sa.help_compute_ns == 0
+    assert sa.mean_iteration_ms >= 0.99 * atp.mean_iteration_ms
 
 
 def test_no_straggler_no_help_and_same_time_as_atp() -> None:

@@ -37,7 +37,7 @@ from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.collective import SCHEMES, Bucket, FabricConfig, _Run
 from gradfabric.sim.stragglers import StragglerConfig, factors
-from gradfabric.workloads.catalog import check_model, model_spec
+from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, check_model, model_spec
 from gradfabric.workloads.compute import device, timeline
 
 # How much of a straggler's iteration a helper takes over, decided when the
@@ -85,6 +85,11 @@ class TrainingConfig:
     bucket_mb: float = 25.0
     seed: int = 0
     shard_gb: float = 17.5  # one worker's data shard (ImageNet's 140 GB over 8): a replica's cost
+    # Before it computes, a helper loads the straggler's batch from its replica:
+    # ``batch`` samples of the model's dataset (``STORED_SAMPLE_BYTES``: an
+    # ImageNet JPEG averages ~110 KB) read and decoded at ``load_gbps``
+    # (2 Gbit/s: about 2,300 ImageNet images/s on the helper's host)
+    load_gbps: float = 2.0
     takeover: str = "all"
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     help: HelpConfig = field(default_factory=HelpConfig)
@@ -98,6 +103,8 @@ class TrainingConfig:
         device(self.device)
         if self.iterations < 1 or self.workers < 1:
             raise ConfigError("iterations", "iterations and workers must be >= 1")
+        if self.load_gbps <= 0:
+            raise ConfigError("load_gbps", f"must be > 0, got {self.load_gbps}")
 
 
 @dataclass
@@ -111,6 +118,7 @@ class TrainingResult:
     helps_started: int = 0
     helps_declined: int = 0
     help_compute_ns: int = 0
+    help_load_ns: int = 0
     replica_gb_per_worker: float = 0.0
     results: list[np.ndarray] | None = None
     inputs: list[np.ndarray] | None = None
@@ -127,6 +135,7 @@ class TrainingResult:
             "helps_started": self.helps_started,
             "helps_declined": self.helps_declined,
             "help_compute_ms": self.help_compute_ns / 1e6,
+            "help_load_ms": self.help_load_ns / 1e6,
             "replica_gb_per_worker": self.replica_gb_per_worker,
             "wall_s": self.wall_s,
         }
@@ -159,6 +168,7 @@ class _Trainer:
         self.helps_declined = 0
         self.iter_start = [0] * n
         self.help_compute_ns = 0
+        self.help_load_ns = 0
         if cfg.stragglers.nic:
             self.nic_links = {w: self._nic_links(w) for w in range(n)}
         for w, name in enumerate(run.workers):
@@ -257,7 +267,11 @@ class _Trainer:
             return
         g_start = bisect.bisect_right(run.first_seq, start_seq) - 1
         shadow.skip_to(start_seq)
-        t0 = run.loop.now
+        # the straggler's batch is read from the replica first; then compute
+        sample = STORED_SAMPLE_BYTES[self.cfg.model]
+        load_ns = int(self.cfg.batch * sample * 8 / self.cfg.load_gbps)
+        self.help_load_ns += load_ns
+        t0 = run.loop.now + load_ns
         sigma = 1.0 if self.cfg.stragglers.nic else float(self.factors[it, h])
         self.device_free[h] = t0 + int(sigma * self.tl.compute_ns)
         self.helping[h] = (it, t0)
@@ -315,6 +329,7 @@ def run_training(
         helps_started=tr.helps_started,
         helps_declined=tr.helps_declined,
         help_compute_ns=tr.help_compute_ns,
+        help_load_ns=tr.help_load_ns,
         replica_gb_per_worker=cfg.shard_gb * cfg.help.replicas if cfg.scheme == "saatp" else 0.0,
         results=run.results,
         inputs=run.inputs,

@@ -36,6 +36,24 @@ MODEL_NAMES = (
 )
 
 
+# One training sample as stored in its dataset (what a worker reads and
+# decodes before computing on it): an ImageNet JPEG averages ~110 KB; a
+# tokenised sequence is its token ids (int32); a click record a few ids; an
+# MNIST-like row 784 floats.
+STORED_SAMPLE_BYTES = {
+    "resnet50": 110_000,
+    "resnet152": 110_000,
+    "vgg16": 110_000,
+    "vgg19": 110_000,
+    "bert-base": 512 * 4,
+    "bert-large": 512 * 4,
+    "gpt2": 1024 * 4,
+    "lstm": 35 * 4,
+    "ncf": 3 * 4,
+    "mlp": 784 * 4,
+}
+
+
 @dataclass(frozen=True)
 class Layer:
     name: str
