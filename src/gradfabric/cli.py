@@ -561,10 +561,12 @@ def cmd_experiment_esa(args: argparse.Namespace) -> int:
     given = {
         "pool_slots": _csv(args.pools, int),
         "loads": _csv(args.loads, float),
+        "jitters_us": _csv(args.jitters_us, float),
         "jobs": args.jobs,
+        "train": args.train_packets,
     }
     grid = replace(grid, **{k: v for k, v in given.items() if v})
-    steps = len(grid.pool_slots) * len(grid.loads) * len(grid.schemes)
+    steps = len(grid.pool_slots) * len(grid.loads) * len(grid.jitters_us) * len(grid.schemes)
     return _grid_command(
         args,
         "esa",
@@ -580,6 +582,7 @@ def cmd_experiment_esa(args: argparse.Namespace) -> int:
                     "scheme",
                     "pool_slots",
                     "load",
+                    "jitter_us",
                     "jobs",
                     "avg_jct_s",
                     "p99_jct_s",
@@ -590,7 +593,14 @@ def cmd_experiment_esa(args: argparse.Namespace) -> int:
             (
                 "cmp",
                 "ESA vs ATP",
-                ["pool_slots", "load", "atp_avg_jct_s", "esa_avg_jct_s", "improvement"],
+                [
+                    "pool_slots",
+                    "load",
+                    "jitter_us",
+                    "atp_avg_jct_s",
+                    "esa_avg_jct_s",
+                    "improvement",
+                ],
             ),
         ],
     )
@@ -764,10 +774,16 @@ def build_parser() -> argparse.ArgumentParser:
     es.set_defaults(fn=cmd_experiment_saatp)
 
     ee = esub.add_parser("esa", help="ESA vs ATP vs SwitchML: JCT against pool size and load")
-    ee.add_argument("--quick", action="store_true", help="two pool sizes, one load, 8 jobs")
+    ee.add_argument("--quick", action="store_true", help="one pool size, one load, 6 jobs")
     ee.add_argument("--pools", help="comma-separated pool sizes in aggregators, e.g. 512,4096")
     ee.add_argument("--loads", help="comma-separated offered loads, e.g. 0.5,0.9")
     ee.add_argument("--jobs", type=int, help="jobs per trace")
+    ee.add_argument(
+        "--jitters-us",
+        help="comma-separated per-iteration start jitter of workers in us (0: lockstep), "
+        "e.g. 0,200; with any, packets also get 2 us of jitter per link",
+    )
+    ee.add_argument("--train-packets", type=int, help="real packets per simulated one (16)")
     ee.add_argument("--out", help="results directory (default: results/esa-<time>)")
     ee.add_argument("--json", action="store_true", help="one JSON object per row")
     ee.set_defaults(fn=cmd_experiment_esa)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +65,24 @@ class TenancyConfig:
     bucket_mb: float = 25.0
     trace_file: str = ""
     seed: int = 0
+    # ATP's fallback parameter server: sharded by sequence over this many PS
+    # hosts per job (0: one per worker, as ATP deploys it, BytePS style; 1: a
+    # single PS), each merging partial aggregates at ``ps_merge_gbps``
+    ps_shards: int = 0
+    ps_merge_gbps: float = 80.0
+    # Workers out of lockstep: each iteration's compute starts up to this late
+    # (uniform, per worker), and every packet crosses each link up to
+    # ``packet_jitter_ns`` late, so aggregators are held partly filled
+    iteration_jitter_us: float = 0.0
+    packet_jitter_ns: int = 0
     fabric: FabricConfig = field(default_factory=FabricConfig)
     ina: InaConfig = field(default_factory=lambda: InaConfig(train_packets=64))
 
     def __post_init__(self) -> None:
+        if self.ps_shards < 0 or self.ps_merge_gbps <= 0:
+            raise ConfigError("ps_shards", "ps_shards must be >= 0 and ps_merge_gbps > 0")
+        if self.iteration_jitter_us < 0 or self.packet_jitter_ns < 0:
+            raise ConfigError("iteration_jitter_us", "jitter must be >= 0")
         if self.scheme not in TENANCY_SCHEMES:
             raise ConfigError(
                 "scheme", f"unknown {self.scheme!r}; valid: {', '.join(TENANCY_SCHEMES)}"
@@ -119,6 +133,11 @@ def job_trace(cfg: TenancyConfig) -> list[JobSpec]:
 
 def _iteration_ns(tl: Timeline, params: int, gbps: float) -> float:
     return max(tl.compute_ns, tl.forward_ns + params * 32 / gbps)
+
+
+def _ps_names(job: JobSpec, cfg: TenancyConfig) -> list[str]:
+    n = cfg.ps_shards or job.workers
+    return [f"ps{job.job_id}"] if n == 1 else [f"ps{job.job_id}.{k}" for k in range(n)]
 
 
 def _trace_file(path: Path) -> list[JobSpec]:
@@ -205,15 +224,20 @@ class _Tenancy:
         self.loop = EventLoop()
         self.net = Network(self.loop, random.Random(cfg.seed), cfg.ina.values_per_packet)
         racks = [[f"h{r * cfg.hosts + i}" for i in range(cfg.hosts)] for r in range(cfg.racks)]
-        # job j's PS sits in rack (j - 1) mod racks, wherever the job itself lands
+        # job j's PS shards sit in rack (j - 1) mod racks, wherever the job lands
+        self.shards = {j.job_id: _ps_names(j, cfg) for j in jobs}
         for j in jobs:
-            racks[(j.job_id - 1) % cfg.racks].append(f"ps{j.job_id}")
+            racks[(j.job_id - 1) % cfg.racks] += self.shards[j.job_id]
+        link = replace(cfg.fabric.link, jitter_ns=cfg.packet_jitter_ns or cfg.fabric.link.jitter_ns)
         if cfg.racks == 1:
-            topo = star(self.net, racks[0], cfg.fabric.link)
+            topo = star(self.net, racks[0], link)
         else:
-            topo = leaf_spine(
-                self.net, racks, cfg.fabric.spines, cfg.fabric.link, cfg.fabric.fabric_link
-            )
+            topo = leaf_spine(self.net, racks, cfg.fabric.spines, link, cfg.fabric.fabric_link)
+        if cfg.scheme != "switchml":
+            for names in self.shards.values():
+                for name in names:
+                    self.net.serve_at(name, cfg.ps_merge_gbps)
+        self.jitter_rng = random.Random(cfg.seed * 7919 + 17)
         ina = cfg.ina
         self.pool = max(1, cfg.pool_slots // ina.train_packets)  # simulated aggregators
         self.window = ina.windowed(ina.atp_window)
@@ -270,7 +294,7 @@ class _Tenancy:
         job.rack = rack
         job.hosts = [rack.free.pop(0) for _ in range(spec.workers)]
         job.start_ns = self.loop.now
-        ps = f"ps{spec.job_id}"
+        shards = self.shards[spec.job_id]
         if cfg.scheme == "switchml":
             base = job.partition * 2 * self.sml_slots
             rack.switch.add_job(
@@ -280,21 +304,13 @@ class _Tenancy:
         else:
             window = self.window
             keep = 2 * sum(job.npk[: job.J])
-            rack.switch.add_job(SwitchJob(spec.job_id, tuple(job.hosts), parent=ps, window=window))
-            self.net.bind(
-                ps,
-                ParameterServer(
-                    ps,
-                    (
-                        PsJob(
-                            spec.job_id,
-                            tuple(job.hosts),
-                            via=rack.switch.name,
-                            window=max(window, keep),
-                        ),
-                    ),
-                ),
+            rack.switch.add_job(
+                SwitchJob(spec.job_id, tuple(job.hosts), window=window, ps_shards=tuple(shards))
             )
+            for ps in shards:
+                ps_job = PsJob(spec.job_id, tuple(job.hosts), via=rack.switch.name,
+                               window=max(window, keep))  # fmt: skip
+                self.net.bind(ps, ParameterServer(ps, (ps_job,)))
         for i, h in enumerate(job.hosts):
             wc = WorkerConfig(
                 job_id=spec.job_id,
@@ -328,6 +344,8 @@ class _Tenancy:
 
     def begin(self, job: _Job, w: int, it: int) -> None:
         t0 = self.loop.now
+        if self.cfg.iteration_jitter_us:
+            t0 += int(self.jitter_rng.uniform(0, self.cfg.iteration_jitter_us * 1e3))
         prio = self.priority(job, it)
         for j, b in enumerate(job.tl.buckets):
             self.loop.at(t0 + b.ready_ns, self._push, (job, w, it * job.J + j, prio))

@@ -228,6 +228,8 @@ class Node:
         "on_deliver",
         "on_help",
         "routes",
+        "serve_free_ps",
+        "serve_ps_per_byte",
         "timed",
         "timer_at",
     )
@@ -245,6 +247,10 @@ class Node:
         self.timed = False
         self.grow_only = False
         self.cut_through = False  # a switch: trains pipeline through it
+        # a host whose engine works through its packets' bytes at a finite rate
+        # (a PS merging on its CPU): packets wait their turn (FIFO) first
+        self.serve_ps_per_byte = 0.0
+        self.serve_free_ps = 0
 
     def arrive(self, arg: tuple[str, Packet]) -> None:
         dst, pkt = arg
@@ -255,7 +261,17 @@ class Node:
         if eng is None:
             self.net.counters["drop_no_engine"] += 1
             return
+        if self.serve_ps_per_byte:
+            now_ps = self.loop.now * PS_PER_NS
+            start = max(now_ps, self.serve_free_ps)
+            self.serve_free_ps = start + int(pkt.count * VALUE_BYTES * self.serve_ps_per_byte)
+            self.loop.at(-(-self.serve_free_ps // PS_PER_NS), self._served, pkt)
+            return
         self.execute(eng.on_packet(pkt, self.loop.now))
+
+    def _served(self, pkt: Packet) -> None:
+        if self.engine is not None:
+            self.execute(self.engine.on_packet(pkt, self.loop.now))
 
     def link_to(self, dst: str, pkt: Packet) -> Link:
         links = self.routes.get(dst)
@@ -343,6 +359,11 @@ class Network:
         # An engine whose new deadlines are never earlier than its pending ones
         # (a constant RTO) needs no re-arming while a timer is pending.
         node.grow_only = bool(getattr(engine, "deadlines_only_grow", False))
+
+    def serve_at(self, name: str, gbps: float) -> None:
+        """Node ``name``'s engine takes its packets' values at ``gbps`` (one at a
+        time, in arrival order): the cost of work a host does per byte."""
+        self.node(name).serve_ps_per_byte = 8e12 / (gbps * 1e9)
 
     def kick(self, name: str, actions: list[Action]) -> None:
         """Execute actions an engine returned outside a packet event (e.g. a push)."""

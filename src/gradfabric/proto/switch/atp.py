@@ -105,7 +105,7 @@ class ATPPolicy:
         return bits
 
     def on_gradient(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
-        ps = job.parent
+        ps = job.ps_for(pkt.seq)
         if ps is None or pkt.agg_index >= len(self.pool):
             self.counters["drop_bad_slot"] += 1
             return []

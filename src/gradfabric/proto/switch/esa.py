@@ -42,10 +42,11 @@ class ESAPolicy(ATPPolicy):
             return []
         if a.state == AGGREGATING and pkt.priority > a.priority and a.owner is not None:
             owner = a.owner
-            if owner.parent is None:
+            ps = owner.ps_for(a.seq)
+            if ps is None:
                 return None
             self.counters["preemptions"] += 1
-            evict = Send(owner.parent, self._aggregate(owner, a, Flag.PARTIAL))
+            evict = Send(ps, self._aggregate(owner, a, Flag.PARTIAL))
             self._free(a, now_ns)
             return [evict]
         return None

@@ -15,7 +15,9 @@ class SwitchJob:
     ``children`` are the addresses below this switch (workers, or leaf switches
     at a spine); child ``i`` owns bit ``i``. ``parent`` is where a complete
     aggregate goes next: the next switch up (SwitchML hierarchy) or the
-    parameter server (ATP); None makes this switch the root.
+    parameter server (ATP); None makes this switch the root. ``ps_shards``:
+    the PS sharded by sequence (BytePS style, ATP's deployment): sequence
+    ``s`` goes to ``ps_shards[s % len(ps_shards)]`` instead of ``parent``.
     """
 
     job_id: int
@@ -26,6 +28,7 @@ class SwitchJob:
     slot_base: int = 0
     slot_count: int = 0
     window: int = 0
+    ps_shards: tuple[str, ...] = ()
     fan_in: int = field(init=False)
     full: int = field(init=False)
 
@@ -38,3 +41,9 @@ class SwitchJob:
             )
         if not 0 <= self.index_at_parent < self.parent_fan_in <= MAX_FAN_IN:
             raise ConfigError("index_at_parent", "must satisfy 0 <= index < parent_fan_in <= 64")
+
+    def ps_for(self, seq: int) -> str | None:
+        """Where sequence ``seq``'s fallback traffic goes (see the class doc)."""
+        if self.ps_shards:
+            return self.ps_shards[seq % len(self.ps_shards)]
+        return self.parent
