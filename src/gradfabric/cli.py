@@ -774,7 +774,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.set_defaults(fn=cmd_experiment_saatp)
 
     ee = esub.add_parser("esa", help="ESA vs ATP vs SwitchML: JCT against pool size and load")
-    ee.add_argument("--quick", action="store_true", help="one pool size, one load, 6 jobs")
+    ee.add_argument(
+        "--quick", action="store_true", help="one pool size, one load, 200 us jitter, 4 jobs"
+    )
     ee.add_argument("--pools", help="comma-separated pool sizes in aggregators, e.g. 512,4096")
     ee.add_argument("--loads", help="comma-separated offered loads, e.g. 0.5,0.9")
     ee.add_argument("--jobs", type=int, help="jobs per trace")

@@ -95,6 +95,10 @@ def test_experiment_esa_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[
             "0.7",
             "--jobs",
             "2",
+            "--jitters-us",
+            "0,200",
+            "--train-packets",
+            "64",
             "--json",
             "--out",
             str(tmp_path),
@@ -103,6 +107,7 @@ def test_experiment_esa_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["scheme"] for r in rows} == {"esa", "atp", "switchml"}
+    assert {r["jitter_us"] for r in rows} == {0.0, 200.0}
     for r in rows:
         assert {
             "scheme",
