@@ -39,7 +39,7 @@ class EsaGrid:
     schemes: tuple[str, ...] = TENANCY_SCHEMES
     jobs: int = 8
     train: int = 4
-    error_trains: tuple[int, ...] = (16, 4, 1)  # the last (packet level) is the reference
+    error_trains: tuple[int, ...] = (64, 16, 4, 2, 1)  # the last (packet level): the reference
     error_jobs: int = 3
     seed: int = 0
 
