@@ -85,7 +85,6 @@ def compare_sides(rec: dict[str, Any], a: str, b: str) -> None:
 
 
 def _rank_main(cfg: E2EConfig, out: str) -> None:
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     log = ClickLog(ClickLogConfig(users=cfg.users, items=cfg.items, seed=cfg.seed))
     replicas = {}
@@ -141,9 +140,9 @@ def _rank_main(cfg: E2EConfig, out: str) -> None:
         }
         with open(out, "w") as f:
             json.dump(rec, f)
-    dist.barrier()  # nobody tears gloo down while a peer still uses it
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # one rank, started by torchrun
-    _rank_main(E2EConfig(**json.loads(sys.argv[1])), sys.argv[2])
+    from gradfabric.net.launch import run_rank
+
+    run_rank(_rank_main, E2EConfig(**json.loads(sys.argv[1])), sys.argv[2])

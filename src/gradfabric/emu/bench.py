@@ -76,7 +76,6 @@ def run_switch_bench(cfg: SwitchBenchConfig) -> dict[str, Any]:
 
 
 def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     n = int(cfg.tensor_mb * 1e6 / 4)
     x = np.random.default_rng(cfg.seed + rank).standard_normal(n).astype(np.float32)
@@ -106,8 +105,6 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
             json.dump({"switch_s": times["switch"], "gloo_s": times["gloo"],
                        "max_error": max_error, "switch_cpu_s": cpu[1] - cpu[0]}, f)  # fmt: skip
     client.close()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _switch_cpu(client: InaClient) -> float:
@@ -119,4 +116,6 @@ def _switch_cpu(client: InaClient) -> float:
 
 
 if __name__ == "__main__":  # one rank, started by torchrun
-    _rank_main(SwitchBenchConfig(**json.loads(sys.argv[1])), sys.argv[2])
+    from gradfabric.net.launch import run_rank
+
+    run_rank(_rank_main, SwitchBenchConfig(**json.loads(sys.argv[1])), sys.argv[2])

@@ -96,7 +96,6 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
 
 
 def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     xtr, ytr, xte, yte = digits_data()
     client: InaClient | DlcpClient = (
@@ -158,9 +157,9 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
                  "replica_spread": float(spread), "accuracy": acc},
                 f,
             )  # fmt: skip
-    dist.barrier()  # nobody tears gloo down while a peer still uses it
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # one rank, started by torchrun
-    _rank_main(EmuTrainConfig(**json.loads(sys.argv[1])), sys.argv[2])
+    from gradfabric.net.launch import run_rank
+
+    run_rank(_rank_main, EmuTrainConfig(**json.loads(sys.argv[1])), sys.argv[2])

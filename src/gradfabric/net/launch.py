@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.net.netns import NsHost
@@ -34,6 +35,23 @@ def _on_node(nnodes: int, node_rank: int, master: str, port: int) -> tuple[str, 
     other process can hold the port)."""
     return (f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master}",
             f"--master-port={port}")  # fmt: skip
+
+
+def run_rank(fn: Callable[..., None], *args: object) -> None:
+    """One torchrun rank: join the group (gloo, from torchrun's environment),
+    run ``fn(*args)`` to its end, then tear down while the interpreter is
+    whole. ``fn`` returning frees its locals (a DDP module holds the C++
+    group; left to interpreter exit, gloo's threads die with SIGABRT); the
+    barrier keeps a rank from leaving while a peer still talks to it."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    fn(*args)
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def run_ranks(

@@ -61,7 +61,6 @@ def run_uneven(cfg: UnevenConfig) -> dict[str, Any]:
 
 
 def _rank_main(cfg: UnevenConfig, out: str) -> None:
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     speed = cfg.speeds[rank]
     shares = {
@@ -99,9 +98,9 @@ def _rank_main(cfg: UnevenConfig, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"times_s": times, "shares": shares, "config": asdict(cfg)}, f)
-    dist.barrier()  # nobody tears gloo down while a peer still uses it
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # one rank, started by torchrun
-    _rank_main(UnevenConfig(**json.loads(sys.argv[1])), sys.argv[2])
+    from gradfabric.net.launch import run_rank
+
+    run_rank(_rank_main, UnevenConfig(**json.loads(sys.argv[1])), sys.argv[2])
