@@ -26,7 +26,6 @@ Functions that kill a rank on purpose pass ``barrier_at_exit=False``.
 
 from __future__ import annotations
 
-import gc
 import os
 import tempfile
 import time
@@ -38,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.net.launch import end_group
 
 RankFn = Callable[..., None]  # fn(rank, world, *args)
 
@@ -65,10 +65,7 @@ def _entry(
         timeout=timedelta(seconds=timeout_s),
     )
     fn(rank, world, *args)
-    if barrier_at_exit:
-        dist.barrier()
-    gc.collect()  # whatever of fn's objects still holds the group goes first
-    dist.destroy_process_group()
+    end_group(barrier_at_exit)
 
 
 def spawn(

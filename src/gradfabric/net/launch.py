@@ -43,13 +43,23 @@ def run_rank(fn: Callable[..., None], *args: object) -> None:
     whole. ``fn`` returning frees its locals (a DDP module holds the C++
     group; left to interpreter exit, gloo's threads die with SIGABRT); the
     barrier keeps a rank from leaving while a peer still talks to it."""
-    import gc
-
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     fn(*args)
-    dist.barrier()
+    end_group()
+
+
+def end_group(barrier: bool = True) -> None:
+    """Leave the default process group once a rank's work has returned: wait
+    for the peers (unless some may be dead), collect what still holds the group,
+    destroy it."""
+    import gc
+
+    import torch.distributed as dist
+
+    if barrier:
+        dist.barrier()
     gc.collect()
     dist.destroy_process_group()
 
