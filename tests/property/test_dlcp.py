@@ -172,3 +172,18 @@ def test_simulated_ring_meets_the_analytic_ring_time() -> None:
     hop_ns = 500 + (256 * 4 + 32) * 8 / 10
     lo = 2 * (n - 1) * wire_ns / 1e6
     assert lo <= r.mean_comm_ms <= lo + 2 * (n - 1) * 4 * hop_ns / 1e6
+
+
+def test_convergence_study_learns_but_never_beats_the_bayes_rate() -> None:
+    """One lossless epoch on the teacher task: the student learns (well above
+    the 10% of chance) and stays below the best accuracy any model can
+    reach on it (the teacher's own, known in closed form), up to the
+    binomial spread of 20,000 test examples."""
+    from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, train
+
+    cfg = replace(ConvergenceConfig(), epochs=1)
+    run = train(cfg, "none", 0.0, 0)
+    bayes = cfg.task.bayes_accuracy
+    spread = 3 * (bayes * (1 - bayes) / cfg.task.test) ** 0.5
+    assert 0.5 < run.accuracy <= bayes + spread
+    assert run.curve and run.steps_to(0.0) == cfg.eval_every

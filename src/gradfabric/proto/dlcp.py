@@ -150,7 +150,9 @@ class DlcpReceiver:
         t = self.tensors[(sender, tensor)]
         return 1 - t.received / max(1, t.count)
 
-    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+    def _incoming(self, pkt: Packet, now_ns: int) -> _Incoming | None:
+        """The tensor a data packet belongs to (announced by it on a server),
+        or None for a foreign packet (counted)."""
         key = (pkt.worker_id, pkt.layer)
         t = self.tensors.get(key)
         if (
@@ -166,10 +168,29 @@ class DlcpReceiver:
             t = self.tensors[key]
         if pkt.job_id != self.job_id or t is None or pkt.flags & (Flag.RESEND | Flag.ACK):
             self.counters["drop_foreign"] += 1
-            return []
-        lo, hi = pkt.agg_index, pkt.agg_index + pkt.count
-        if hi > t.count:
+            return None
+        if pkt.agg_index + pkt.count > t.count:
             self.counters["drop_malformed"] += 1
+            return None
+        return t
+
+    def _store(self, pkt: Packet, t: _Incoming) -> bool:
+        """Write the packet's values the tensor does not have yet; False for a duplicate."""
+        lo, hi = pkt.agg_index, pkt.agg_index + pkt.count
+        fresh = ~t.have[lo:hi]
+        n_new = int(fresh.sum())
+        if t.done or n_new == 0:
+            self.counters["duplicate"] += 1
+            return False
+        if t.values is not None and pkt.payload is not None:
+            t.values[lo:hi][fresh] = pkt.payload[fresh]
+        t.have[lo:hi] = True
+        t.received += n_new
+        return True
+
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+        t = self._incoming(pkt, now_ns)
+        if t is None:
             return []
         t.started = True
         if pkt.seq == PROBE:  # "what do you miss?": answer at once
@@ -179,19 +200,10 @@ class DlcpReceiver:
             return self._request(pkt.worker_id, pkt.layer, t)
         self.heard[pkt.worker_id] = now_ns
         self.backoff[pkt.worker_id] = 1
-        if t.done:
-            self.counters["duplicate"] += 1
+        if not self._store(pkt, t):
             return []
-        fresh = ~t.have[lo:hi]
-        n_new = int(fresh.sum())
-        if n_new == 0:
-            self.counters["duplicate"] += 1
-            return []
-        if t.values is not None and pkt.payload is not None:
-            t.values[lo:hi][fresh] = pkt.payload[fresh]
-        t.have[lo:hi] = True
-        t.received += n_new
-        return self._maybe_done(pkt.worker_id, pkt.layer, t)
+        done = self._complete(pkt.worker_id, pkt.layer, t)
+        return [] if done is None else [done, self._ack(pkt.worker_id, pkt.layer)]
 
     def _ack(self, sender: int, tensor: int) -> Send:
         return Send(
@@ -199,9 +211,10 @@ class DlcpReceiver:
             Packet(self.job_id, self.rank, sender, 0, 0, 1, Flag.ACK, 0, tensor, 0, None),
         )
 
-    def _maybe_done(self, sender: int, tensor: int, t: _Incoming) -> list[Action]:
+    def _complete(self, sender: int, tensor: int, t: _Incoming) -> Deliver | None:
+        """Deliver the tensor once its bound is met (once)."""
         if t.done or t.received < (1 - t.bound) * t.count - 1e-9:
-            return []
+            return None
         t.done = True
         self.counters["completed"] += 1
         if self.accept_bound is not None:  # a server: forget old tensors
@@ -212,7 +225,7 @@ class DlcpReceiver:
                 self.tensors.pop(old, None)
         self.counters["values_lost"] += t.count - t.received
         res = Packet(self.job_id, sender, tensor, 0, 0, 1, 0, 0, tensor, t.count, t.values)
-        return [Deliver(tensor, res), self._ack(sender, tensor)]
+        return Deliver(tensor, res)
 
     def _request(self, sender: int, tensor: int, t: _Incoming) -> list[Action]:
         """Ask ``sender`` for the missing ranges of ``tensor``, one RESEND packet
@@ -285,6 +298,18 @@ class DlcpSender:
              now_ns: int = 0) -> list[Action]:  # fmt: skip
         """Send a whole tensor; its packets carry their priority class (from
         the values, or from given packet norms in timing-only runs)."""
+        order = self._register(tensor, count, layer, layers, values, norms, now_ns)
+        if self.tick is None:
+            self.tick = now_ns + self.rto_ns
+        pp = self.per_packet
+        return [self._packet(tensor, i * pp, min(count, (i + 1) * pp)) for i in order]
+
+    def _register(self, tensor: int, count: int, layer: int, layers: int,
+                  values: np.ndarray | None, norms: np.ndarray | None,
+                  now_ns: int) -> list[int]:  # fmt: skip
+        """Keep the tensor until it is ACKed; its packets' indices, most
+        important first (a tensor completed early at its bound misses its
+        tail, and the tail is the least important packets)."""
         pp = self.per_packet
         if norms is None and values is not None:
             norms = packet_norms(values, pp)
@@ -293,18 +318,12 @@ class DlcpSender:
         else:
             prio = np.full(-(-count // pp), traffic_class(0, MAG_CLASSES // 2), dtype=np.int64)
         self.tensors[tensor] = _Outgoing(values, count, prio, now_ns)
-        if self.tick is None:
-            self.tick = now_ns + self.rto_ns
-        # most important first: a tensor completed early at its bound misses its tail,
-        # and the tail is the least important packets
-        order = np.argsort(prio, kind="stable").tolist()
-        return [self._packet(tensor, i * pp, min(count, (i + 1) * pp)) for i in order]
+        return np.argsort(prio, kind="stable").tolist()  # type: ignore[no-any-return]
 
-    def _packet(self, tensor: int, lo: int, hi: int, probe: bool = False) -> Send:
+    def _packet(self, tensor: int, lo: int, hi: int, seq: int = 0) -> Send:
         t = self.tensors[tensor]
         vals = None if t.values is None else t.values[lo:hi]
         prio = int(t.priority[lo // self.per_packet])
-        seq = PROBE if probe else 0
         pkt = Packet(self.job_id, self.rank, seq, lo, t.count, MAX_FAN_IN, Flag.FLOAT, prio,
                      tensor, hi - lo, vals)  # fmt: skip
         self.counters["packets"] += 1
@@ -333,7 +352,7 @@ class DlcpSender:
                 t.backoff = min(MAX_BACKOFF, 2 * t.backoff)
                 self.counters["probes"] += 1
                 last = (t.count - 1) // self.per_packet * self.per_packet
-                out.append(self._packet(tensor, last, t.count, probe=True))
+                out.append(self._packet(tensor, last, t.count, seq=PROBE))
         if self.tensors:
             self.tick = now_ns + self.rto_ns
         return out

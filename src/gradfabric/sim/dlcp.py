@@ -39,6 +39,7 @@ import numpy as np
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Send
+from gradfabric.proto.dctcp import DctcpReceiver, DctcpSender
 from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import LinkSpec, Network
@@ -47,6 +48,10 @@ from gradfabric.wire.packet import Packet, traffic_class
 
 JOB = 1
 BG_JOB = 9
+TRANSPORTS: dict[str, tuple[type[DlcpReceiver], type[DlcpSender]]] = {
+    "dlcp": (DlcpReceiver, DlcpSender),
+    "dctcp": (DctcpReceiver, DctcpSender),
+}
 # Other traffic shares the queue of DLCP's back layers (its front layers go
 # ahead of it), at the drop precedence of DLCP's second-largest quartile.
 BG_CLASS = traffic_class(1, 1)
@@ -70,6 +75,11 @@ class DlcpConfig:
     compute_ms: float = 2.0
     per_packet: int = 256
     rto_us: float = 500.0
+    # "dlcp", or "dctcp": the reliable, windowed baseline (proto.dctcp), which
+    # ignores the loss bounds and priorities and is not paced
+    transport: str = "dlcp"
+    # switches mark ECN above this backlog: DCTCP's K for 10 Gbit/s, 65 packets
+    ecn_bytes: int = 65 * (32 + 256 * 4)
     seed: int = 0
     horizon_s: float = 2.0  # simulated; a run still unfinished by then is an error
 
@@ -78,6 +88,8 @@ class DlcpConfig:
             raise ConfigError("workers", "need >= 2 workers, >= 1 tensor, >= 1 iteration")
         if self.collective not in ("ps", "allreduce"):
             raise ConfigError("collective", f"ps or allreduce, got {self.collective!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError("transport", f"one of {sorted(TRANSPORTS)}, got {self.transport!r}")
         if not 0 <= self.load < 1:
             raise ConfigError("load", f"must be in [0, 1), got {self.load}")
 
@@ -143,8 +155,12 @@ class _Job:
         self.workers = [f"w{i}" for i in range(n)]
         bg = [[f"bg{r}_{i}" for i in range(cfg.background_hosts)] for r in range(2)]
         racks = [self.workers[: n // 2] + bg[0], self.workers[n // 2 :] + ["ps"] + bg[1]]
-        link = LinkSpec(link_gbps=cfg.link_gbps, queue_bytes=cfg.queue_bytes)
+        link = LinkSpec(link_gbps=cfg.link_gbps, queue_bytes=cfg.queue_bytes,
+                        ecn_bytes=cfg.ecn_bytes)  # fmt: skip
         leaf_spine(net, racks, cfg.spines, link)
+        for h in [*self.workers, "ps"]:  # ACKs are not stuck behind a host's data
+            (nic,) = net.node(h).routes["*"]
+            nic.control_first = True
         self.sources: list[_Background] = []
         for r in range(2):
             for h in bg[r]:
@@ -157,6 +173,7 @@ class _Job:
         # per-packet gradient norms (lognormal, as gradient magnitudes are) for priority classes
         self.norms = [nrng.lognormal(0, 1, -(-c // cfg.per_packet)) for c in cfg.tensors]
         self.layers = len(cfg.tensors)
+        self.rx_cls, self.tx_cls = TRANSPORTS[cfg.transport]
         self.started: dict[tuple[int, int, int], int] = {}
         self.comm: list[int] = []
         self.iter_of = [0] * n
@@ -225,22 +242,22 @@ class _PsJob(_Job):
         # congestion-controlled transport converges to); without it the push is an
         # n-to-1 incast that no transport survives without a window.
         fair = cfg.link_gbps / n
-        for w in self.workers:
+        for w in self.workers if cfg.transport == "dlcp" else ():  # DCTCP finds its share
             (uplink,) = net.node(w).routes["*"]
             uplink.ps_per_byte = 8e12 / (fair * 1e9)
         rto = int(cfg.rto_us * 1000)
         self.wk = [
             DlcpEndpoint(
                 w,
-                DlcpReceiver(w, JOB, i, ["ps"], rto),
-                [DlcpSender(w, JOB, i, "ps", cfg.per_packet, rto)],
+                self.rx_cls(w, JOB, i, ["ps"], rto),
+                [self.tx_cls(w, JOB, i, "ps", cfg.per_packet, rto)],
             )
             for i, w in enumerate(self.workers)
         ]
         self.ps = DlcpEndpoint(
             "ps",
-            DlcpReceiver("ps", JOB, 0, self.workers, rto),
-            [DlcpSender("ps", JOB, 0, w, cfg.per_packet, rto) for w in self.workers],
+            self.rx_cls("ps", JOB, 0, self.workers, rto),
+            [self.tx_cls("ps", JOB, 0, w, cfg.per_packet, rto) for w in self.workers],
         )
         net.bind("ps", self.ps)
         net.nodes["ps"].on_deliver = self.ps_deliver
@@ -316,8 +333,8 @@ class _RingJob(_Job):
         self.hosts = [
             DlcpEndpoint(
                 w,
-                DlcpReceiver(w, JOB, 0, [ws[(i - 1) % n]], rto),
-                [DlcpSender(w, JOB, 0, ws[(i + 1) % n], pp, rto)],
+                self.rx_cls(w, JOB, 0, [ws[(i - 1) % n]], rto),
+                [self.tx_cls(w, JOB, 0, ws[(i + 1) % n], pp, rto)],
             )
             for i, w in enumerate(ws)
         ]
@@ -404,36 +421,43 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "dlcp-ecmp": {"spray": False},
     "bounded-loss-only": {"priority": False, "spray": False},
     "reliable+spray": {"push_bound": 0.0, "pull_bound": 0.0, "priority": False},
+    "dctcp": {"transport": "dctcp", "priority": False, "spray": False},
+    "dctcp+spray": {"transport": "dctcp", "priority": False},
 }
+# the reliable baselines (every value, exactly); a headline is against their best
+RELIABLE = ("reliable", "reliable+spray", "dctcp", "dctcp+spray")
 
 
 def run_grid(
     bases: list[DlcpConfig],
     loads: tuple[float, ...],
+    seeds: tuple[int, ...] = (0,),
     tick: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every scheme at every background load, for each base config (a
-    collective), side by side on the same seed. ``baseline`` names the
+    """Every scheme at every background load and seed, for each base config
+    (a collective), side by side on the same seeds. ``baseline`` names the
     collective DLCP carries (``ps`` or ``allreduce``)."""
     rows: list[dict[str, Any]] = []
     for base in bases:
         for load in loads:
-            for scheme, over in SCHEMES.items():
-                if tick is not None:
-                    tick(f"{base.collective}: {scheme}, load {load:g}")
-                r = run_dlcp(replace(base, load=load, **over))
-                rows.append(
-                    {
-                        "scheme": scheme,
-                        "baseline": base.collective,
-                        "load": load,
-                        "iter_time_ms": r.iteration_ms,
-                        "p99_comm_ms": r.p99_comm_ms,
-                        "mean_comm_ms": r.mean_comm_ms,
-                        "lost": r.lost,
-                        "queue_drops": r.queue_drops,
-                    }
-                )
+            for seed in seeds:
+                for scheme, over in SCHEMES.items():
+                    if tick is not None:
+                        tick(f"{base.collective}: {scheme}, load {load:g}, seed {seed}")
+                    r = run_dlcp(replace(base, load=load, seed=seed, **over))
+                    rows.append(
+                        {
+                            "scheme": scheme,
+                            "baseline": base.collective,
+                            "load": load,
+                            "seed": seed,
+                            "iter_time_ms": r.iteration_ms,
+                            "p99_comm_ms": r.p99_comm_ms,
+                            "mean_comm_ms": r.mean_comm_ms,
+                            "lost": r.lost,
+                            "queue_drops": r.queue_drops,
+                        }
+                    )
     return rows
 
 

@@ -83,6 +83,7 @@ class Link:
         "arrive",
         "busy_until_ps",
         "bytes_sent",
+        "control_first",
         "counters",
         "dst",
         "dup",
@@ -109,6 +110,9 @@ class Link:
         self.ps_per_byte = 8e12 / (spec.link_gbps * 1e9)
         self.busy_until_ps = 0
         self.bytes_sent = 0
+        # A host NIC whose scheduler (fq, or a priority band) sends control
+        # packets (no values: ACKs, requests) ahead of the data queued before them.
+        self.control_first = False
         self.counters = net.counters
         # Hot-path copies of the spec (attribute chains cost on every packet).
         self.loop, self.rng, self.vpp = net.loop, net.rng, net.values_per_packet
@@ -131,7 +135,9 @@ class Link:
         ps_per_byte = self.ps_per_byte
         now_ps = loop.now * PS_PER_NS
         start = self.busy_until_ps
-        if start > now_ps:
+        if not count and self.control_first:
+            start = now_ps  # ahead of the queue; the data behind it is not delayed
+        elif start > now_ps:
             backlog = (start - now_ps) / ps_per_byte
             if self.queue_bytes and backlog + size > self.queue_bytes:
                 self.counters["queue_drop"] += 1
@@ -141,7 +147,8 @@ class Link:
         else:
             start = now_ps
         finish = start + int(size * ps_per_byte)
-        self.busy_until_ps = finish
+        if finish > self.busy_until_ps:
+            self.busy_until_ps = finish
         self.bytes_sent += size
         if count > vpp and (dst != self.dst.name or self.dst.cut_through):
             # A train into a switch: its packets pipeline through it, so the switch

@@ -1,0 +1,59 @@
+"""Means with 95% confidence intervals, for studies that repeat a run over seeds."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom 1..30
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+_Z975 = 1.960
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (the
+    normal's beyond 30: within 2% of the exact value)."""
+    if df < 1:
+        raise ValueError("an interval needs at least two samples")
+    return _T975[df - 1] if df <= len(_T975) else _Z975
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A sample mean and the half-width of its 95% t-interval."""
+
+    mean: float
+    half: float
+    n: int
+
+    @property
+    def lo(self) -> float:
+        return self.mean - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.mean + self.half
+
+    def excludes(self, value: float) -> bool:
+        """Whether ``value`` lies outside the interval (the difference is resolved)."""
+        return not self.lo <= value <= self.hi
+
+    def fmt(self, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+        return f"{self.mean * scale:.{digits}f} ± {self.half * scale:.{digits}f}{unit}"
+
+
+def mean_ci(xs: Sequence[float]) -> Estimate:
+    """Mean and 95% interval half-width of ``xs`` (half-width 0 for one sample)."""
+    n = len(xs)
+    if n == 0:
+        raise ValueError("no samples")
+    m = math.fsum(xs) / n
+    if n == 1:
+        return Estimate(m, 0.0, 1)
+    var = math.fsum((x - m) ** 2 for x in xs) / (n - 1)
+    return Estimate(m, t975(n - 1) * math.sqrt(var / n), n)
