@@ -28,7 +28,9 @@ in. What it adds is what a datacenter TCP does:
   flight from a window of one.
 
 Every re-send gets a new sequence number, so an ACK always names the copy
-that arrived (no retransmission ambiguity for RTT samples).
+that arrived (no retransmission ambiguity for RTT samples). An ACK that
+names no copy still unACKed (a duplicate, a stale or a forged one) is a
+counted drop.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class DctcpSender(DlcpSender):
         super().__init__(name, job_id, rank, receiver, per_packet, rto_ns)
         self.queue: deque[tuple[int, int, bool]] = deque()  # (tensor, lo, a re-send)
         self.flight: dict[int, _Sent] = {}  # seq -> packet, in sending order
+        self.lost: dict[int, tuple[int, int]] = {}  # seq -> (tensor, offset): declared lost
         self.unacked: dict[int, set[int]] = {}  # tensor -> offsets of packets not ACKed
         self.seq = 0  # last sequence number used
         self.cwnd = float(INITIAL_WINDOW)
@@ -119,9 +122,9 @@ class DctcpSender(DlcpSender):
 
     def _requeue(self, seqs: list[int]) -> None:
         """Put lost packets back at the head of the queue, oldest first."""
-        self.queue.extendleft(
-            (f.tensor, f.lo, True) for f in reversed([self.flight.pop(s) for s in seqs])
-        )
+        gone = [self.flight.pop(s) for s in seqs]
+        self.lost.update((s, (f.tensor, f.lo)) for s, f in zip(seqs, gone, strict=True))
+        self.queue.extendleft((f.tensor, f.lo, True) for f in reversed(gone))
 
     def _cut(self, factor: float) -> None:
         """Shrink the window by ``factor``, once per window of data."""
@@ -133,16 +136,22 @@ class DctcpSender(DlcpSender):
         if pkt.job_id != self.job_id or not pkt.flags & Flag.ACK:
             self.counters["drop_foreign"] += 1
             return []
-        left = self.unacked.get(pkt.layer)
-        if left is not None:
-            left.discard(pkt.agg_index)
-            if not left:  # the whole tensor is in: forget it and its spurious re-sends
-                del self.unacked[pkt.layer], self.tensors[pkt.layer]
-                for seq in [s for s, f in self.flight.items() if f.tensor == pkt.layer]:
-                    if seq != pkt.seq:
-                        del self.flight[seq]
         sent = self.flight.pop(pkt.seq, None)
-        if sent is None:  # an ACK of a copy already declared lost, or a duplicate
+        copy = (sent.tensor, sent.lo) if sent is not None else self.lost.pop(pkt.seq, None)
+        if copy != (pkt.layer, pkt.agg_index):  # names no packet of ours still unACKed
+            if sent is not None:
+                self.flight[pkt.seq] = sent
+            self.counters["drop_stale_ack"] += 1
+            return []
+        left = self.unacked[pkt.layer]
+        left.discard(pkt.agg_index)
+        if not left:  # the whole tensor is in: forget it and its spurious re-sends
+            del self.unacked[pkt.layer], self.tensors[pkt.layer]
+            for seq in [q for q, f in self.flight.items() if f.tensor == pkt.layer]:
+                del self.flight[seq]
+            for seq in [q for q, (t, _) in self.lost.items() if t == pkt.layer]:
+                del self.lost[seq]
+        if sent is None:  # the ACK of a copy already declared lost: reordering, not loss
             self.counters["late_acks"] += 1
             if pkt.seq > self.widened_at:  # the reordering was deeper than the window
                 self.reorder_steps += 1

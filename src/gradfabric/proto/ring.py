@@ -12,11 +12,18 @@ The ring rides on the same ``Packet`` as everything else; its fields mean:
 ``layer`` = bucket id, ``seq`` = step, ``agg_index`` = packet index within the
 chunk, ``bitmap`` = chunk id, ``worker_id`` = sending rank. It assumes a
 lossless network (as a TCP or RDMA ring would provide).
+
+Input is untrusted: a packet that is not the next hop of this ring (another
+job, a sender other than the predecessor, a step, chunk or index outside the
+bucket, a length or payload that does not match, a duplicate) is a counted
+drop, never an exception or a corrupted sum. Packets of a bucket not started
+here yet wait, up to ``MAX_EARLY_BUCKETS`` buckets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 
@@ -32,6 +39,11 @@ class _Bucket:
     own: np.ndarray | None
     final: np.ndarray | None
     remaining: int
+    seen: set[tuple[int, int]] = field(default_factory=set)  # (step, index) received
+
+
+MAX_EARLY_BUCKETS: Final = 64
+KEEP_DONE: Final = 1024  # finished buckets remembered, so late duplicates are dropped
 
 
 class RingEngine(NoTimers):
@@ -47,6 +59,7 @@ class RingEngine(NoTimers):
         self.counters = Counters()
         self.buckets: dict[int, _Bucket] = {}
         self.early: dict[int, list[Packet]] = {}  # packets of buckets not started here yet
+        self.done: dict[int, None] = {}  # recently finished buckets, oldest first
 
     def _npk(self, length: int) -> int:
         return max(1, -(-length // self.vpp))
@@ -61,6 +74,7 @@ class RingEngine(NoTimers):
     ) -> list[Action]:
         if b in self.buckets:
             raise ValueError(f"bucket {b} already started")
+        self.done.pop(b, None)
         edges = np.linspace(0, count, self.n + 1).astype(np.int64)
         bounds = [(int(edges[c]), int(edges[c + 1])) for c in range(self.n)]
         total = sum(self._npk(hi - lo) for lo, hi in bounds)
@@ -80,18 +94,36 @@ class RingEngine(NoTimers):
             out += self.on_packet(pkt, now_ns)
         return out
 
+    def _drop(self, reason: str) -> list[Action]:
+        self.counters[f"drop_{reason}"] += 1
+        return []
+
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
-        if pkt.job_id != self.job_id:
-            self.counters["drop_foreign"] += 1
-            return []
+        n = self.n
+        pred = (self.rank - 1) % n
+        if pkt.job_id != self.job_id or pkt.worker_id != pred or n == 1:
+            return self._drop("foreign")
         b, s, j, c = pkt.layer, pkt.seq, pkt.agg_index, pkt.bitmap
+        # the predecessor forwards chunk (pred - s) mod n at step s, in both phases
+        if not 0 <= s <= 2 * n - 3 or c != (pred - s) % n:
+            return self._drop("malformed")
         bk = self.buckets.get(b)
         if bk is None:
+            if b in self.done:
+                return self._drop("duplicate")
+            if b not in self.early and len(self.early) >= MAX_EARLY_BUCKETS:
+                return self._drop("early_overflow")
             self.early.setdefault(b, []).append(pkt)
             return []
+        if not 0 <= j < self._npk(bk.bounds[c][1] - bk.bounds[c][0]):
+            return self._drop("malformed")
         lo, hi = self._slice(bk, c, j)
         vals = pkt.payload
-        n = self.n
+        if pkt.count != hi - lo or (vals is not None and len(vals) != hi - lo):
+            return self._drop("malformed")
+        if (s, j) in bk.seen:
+            return self._drop("duplicate")
+        bk.seen.add((s, j))
         out: list[Action] = []
         if s <= n - 2:
             if vals is not None and bk.own is not None:
@@ -123,4 +155,7 @@ class RingEngine(NoTimers):
     def _deliver(self, b: int, bk: _Bucket) -> Deliver:
         final = bk.own if self.n == 1 else bk.final
         self.buckets.pop(b)
+        self.done[b] = None
+        if len(self.done) > KEEP_DONE:
+            del self.done[next(iter(self.done))]
         return Deliver(b, Packet(self.job_id, self.rank, b, 0, 0, self.n, 0, 0, b, bk.count, final))
