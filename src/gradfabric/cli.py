@@ -19,9 +19,16 @@ from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
+from gradfabric.core.cells import default_processes
 from gradfabric.core.errors import ConfigError
 
 err = Console(stderr=True)
@@ -41,6 +48,8 @@ def _progress(total: int, quiet: bool) -> Iterator[Callable[[str], None]]:
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         console=err,
         transient=True,
         disable=quiet or not err.is_terminal,
@@ -357,7 +366,7 @@ def cmd_experiment_dlcp(args: argparse.Namespace) -> int:
     steps = len(nets) * len(loads) * len(seeds) * len(SCHEMES)
     steps += (1 + len(cfg.policies) * len(cfg.bounds)) if convergence else 0
     with _progress(steps, args.json) as tick:
-        transport = run_grid(nets, loads, seeds, tick)
+        transport = run_grid(nets, loads, seeds, tick, args.processes or default_processes())
         rows = run_convergence(cfg, tick) if convergence else []
     summary = summarise(transport)
     headline = [g for n in nets for ld in loads for g in gains(transport, n.collective, ld)]
@@ -506,23 +515,28 @@ def _grid_command(
     run: Callable[[Any, Callable[[str], None]], list[dict[str, Any]]],
     compare: Callable[[list[dict[str, Any]]], list[dict[str, Any]]],
     tables: list[tuple[str, str, list[str]]],
+    extra: dict[str, Callable[[Any, Callable[[str], None]], list[dict[str, Any]]]] | None = None,
 ) -> int:
-    """Run an experiment grid; write results next to the resolved grid; print
-    one JSON object per row (``--json``) or the tables (``rows``/``cmp``)."""
+    """Run an experiment grid (and any ``extra`` studies, each a named set of
+    rows); write results next to the resolved grid; print one JSON object per
+    row (``--json``) or the tables (``rows``/``cmp``/an extra's name)."""
     from gradfabric.experiments.config import dump
 
     dest = _results_dir(args.out, name)
     (dest / "config.yaml").write_text(yaml.safe_dump(dump(grid), sort_keys=False))
     with _progress(steps, args.json) as tick:
         rows = run(grid, tick)
-    data = {"rows": rows, "cmp": compare(rows)}
+        data = {"rows": rows, "cmp": compare(rows)}
+        for key, study in (extra or {}).items():
+            data[key] = study(grid, tick)
     (dest / "results.json").write_text(json.dumps(data, indent=1))
     if args.json:
-        for r in rows:
+        for r in [*rows, *(r for key in extra or {} for r in data[key])]:
             print(json.dumps(r))
         return 0
     for key, title, cols in tables:
-        out.print(_table(data[key], title, cols))
+        if data.get(key):
+            out.print(_table(data[key], title, cols))
     out.print(f"results and resolved config: {dest}")
     return 0
 
@@ -573,55 +587,47 @@ def cmd_experiment_saatp(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment_esa(args: argparse.Namespace) -> int:
-    from gradfabric.experiments.esa import EsaGrid, compare, run_grid
+    from gradfabric.experiments.esa import EsaGrid, compare, run_grid, train_error
 
     grid = EsaGrid.quick() if args.quick else EsaGrid()
     given = {
         "pool_slots": _csv(args.pools, int),
         "loads": _csv(args.loads, float),
         "jitters_us": _csv(args.jitters_us, float),
+        "schemes": _csv(args.schemes, str),
         "jobs": args.jobs,
         "train": args.train_packets,
+        "seeds": tuple(range(args.seeds)) if args.seeds else None,
+        "error_trains": _csv(args.train_error, int),
     }
     grid = replace(grid, **{k: v for k, v in given.items() if v})
-    steps = len(grid.pool_slots) * len(grid.loads) * len(grid.jitters_us) * len(grid.schemes)
+    cells = len(grid.pool_slots) * len(grid.loads) * len(grid.jitters_us) * len(grid.seeds)
+    studies: dict[str, Callable[[Any, Callable[[str], None]], list[dict[str, Any]]]] = (
+        {"train_error": lambda g, tick: train_error(g, tick, args.processes or default_processes())}
+        if args.train_error
+        else {}
+    )
+    steps = cells * len(grid.schemes) + (2 * len(grid.error_trains) if studies else 0)
     return _grid_command(
         args,
         "esa",
         grid,
         steps,
-        run_grid,
+        lambda g, tick: run_grid(g, tick, args.processes or default_processes()),
         compare,
         [
-            (
-                "rows",
-                "ESA vs ATP vs SwitchML",
-                [
-                    "scheme",
-                    "pool_slots",
-                    "load",
-                    "jitter_us",
-                    "jobs",
-                    "avg_jct_s",
-                    "p99_jct_s",
-                    "mem_util",
-                    "mem_held",
-                ],
-            ),
-            (
-                "cmp",
-                "ESA vs ATP",
-                [
-                    "pool_slots",
-                    "load",
-                    "jitter_us",
-                    "atp_avg_jct_s",
-                    "esa_avg_jct_s",
-                    "improvement",
-                ],
-            ),
+            ("rows", "ESA vs ATP vs SwitchML",
+             ["scheme", "pool_slots", "load", "jitter_us", "seed", "jobs", "avg_jct_s",
+              "p99_jct_s", "mem_util", "mem_held"]),
+            ("cmp", "ESA vs ATP (gain: ATP's average JCT over ESA's, paired by seed, "
+             "mean ± 95% interval)",
+             ["pool_slots", "load", "jitter_us", "seeds", "atp_avg_jct_s", "esa_avg_jct_s",
+              "improvement", "improvement_ci"]),
+            ("train_error", "Train-size error: average JCT against the finest train",
+             ["error_scheme", "train", "jitter_us", "error_avg_jct_s", "train_error"]),
         ],
-    )
+        studies,
+    )  # fmt: skip
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -803,7 +809,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated per-iteration start jitter of workers in us (0: lockstep), "
         "e.g. 0,200; with any, packets also get 2 us of jitter per link",
     )
-    ee.add_argument("--train-packets", type=int, help="real packets per simulated one (16)")
+    ee.add_argument("--train-packets", type=int, help="real packets per simulated one (4)")
+    ee.add_argument("--schemes", help="comma-separated: switchml,atp,esa")
+    ee.add_argument("--seeds", type=int, help="traces per cell (seeds 0..N-1; default 1)")
+    ee.add_argument(
+        "--train-error",
+        help="also the train-size error study at these trains, finest last, e.g. 16,4,1",
+    )
+    ee.add_argument("-p", "--processes", type=int, help="cells run at once (default: one per core)")
     ee.add_argument("--out", help="results directory (default: results/esa-<time>)")
     ee.add_argument("--json", action="store_true", help="one JSON object per row")
     ee.set_defaults(fn=cmd_experiment_esa)
@@ -877,6 +890,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ed.add_argument("--seeds", type=int, help="seeds per cell (default 5, quick 3; convergence 10)")
     ed.add_argument("--no-convergence", action="store_true", help="the transport grid only")
+    ed.add_argument(
+        "-p", "--processes", type=int, help="grid cells run at once (default: one per core)"
+    )
     ed.add_argument("--policies", help="comma-separated: magnitude,random,largest")
     ed.add_argument("--bounds", help="comma-separated loss bounds, e.g. 0.05,0.1,0.3")
     ed.add_argument("--json", action="store_true", help="one JSON object per row")

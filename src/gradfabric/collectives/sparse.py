@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradfabric.collectives.peers import name_the_missing
+from gradfabric.collectives.peers import keep_alive, name_the_missing
 
 # The sparse paths' block bookkeeping (gather, sum, scatter) costs host time the
 # dense ring does not; at 2 ranks either exchange of a fully dense tensor moves
@@ -226,6 +226,7 @@ def sparse_allreduce(
     if world > 1:
         members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         call = _CALLS[members] = _CALLS.get(members, -1) + 1
+        keep_alive()
         try:
             if state is not None and key is not None and state.skips_left.get(key, 0) > 0:
                 state.skips_left[key] -= 1

@@ -252,7 +252,7 @@ class Attached:
         import torch
         import torch.distributed as dist
 
-        from gradfabric.collectives.peers import name_the_missing
+        from gradfabric.collectives.peers import keep_alive, name_the_missing
 
         vpp = self.ticket.values_per_packet
         bad = ~np.isfinite(x)
@@ -264,6 +264,7 @@ class Attached:
             e[np.add.reduceat(bad, np.arange(0, len(x), vpp)) > 0] = NON_FINITE
         self.calls += 1
         self._group = (group,)
+        keep_alive()
         try:  # the exponent round: a rank gone here breaks gloo, not the switch
             dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
         except RuntimeError as err:

@@ -18,10 +18,13 @@ finest.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gradfabric.core.cells import default_processes, run_cells
+from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
 from gradfabric.experiments.config import dump
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
@@ -41,7 +44,7 @@ class EsaGrid:
     train: int = 4
     error_trains: tuple[int, ...] = (64, 16, 4, 2, 1)  # the last (packet level): the reference
     error_jobs: int = 3
-    seed: int = 0
+    seeds: tuple[int, ...] = (0,)  # a trace per seed; the gain is paired by seed
 
     @classmethod
     def quick(cls) -> EsaGrid:
@@ -51,53 +54,66 @@ class EsaGrid:
                    error_trains=())  # fmt: skip
 
 
-def _config(grid: EsaGrid, scheme: str, pool: int, load: float, jitter_us: float,
-            train: int, jobs: int) -> TenancyConfig:  # fmt: skip
+def _config(scheme: str, pool: int, load: float, jitter_us: float, train: int, jobs: int,
+            seed: int) -> TenancyConfig:  # fmt: skip
     return TenancyConfig(
-        scheme=scheme, pool_slots=pool, load=load, jobs=jobs, seed=grid.seed,
+        scheme=scheme, pool_slots=pool, load=load, jobs=jobs, seed=seed,
         iteration_jitter_us=jitter_us, packet_jitter_ns=PACKET_JITTER_NS if jitter_us else 0,
         ina=InaConfig(train_packets=train),
     )  # fmt: skip
 
 
-def train_error(grid: EsaGrid, tick: Tick) -> list[dict[str, Any]]:
+def train_error(grid: EsaGrid, tick: Tick, processes: int = 1) -> list[dict[str, Any]]:
     """ATP's and ESA's average JCT at each train size against the finest, on a
     short trace (``error_jobs`` jobs of 2 iterations) under contention."""
+    jitter = grid.jitters_us[-1]
+    cells = [
+        replace(_config(scheme, grid.pool_slots[0], grid.loads[-1], jitter, train,
+                        grid.error_jobs, grid.seeds[0]), iterations_range=(2, 2))
+        for scheme in ("atp", "esa")
+        for train in grid.error_trains
+    ]  # fmt: skip
+    jct = run_cells(_avg_jct, cells, processes, tick, lambda c: f"train error: {_label(c)}")
     rows: list[dict[str, Any]] = []
-    if not grid.error_trains:
-        return rows
-    for jitter in grid.jitters_us[-1:]:
-        for scheme in ("atp", "esa"):
-            jct = {}
-            for train in grid.error_trains:
-                tick(f"train error: {scheme}, train {train}")
-                cfg = replace(_config(grid, scheme, grid.pool_slots[0], grid.loads[-1], jitter,
-                                      train, grid.error_jobs), iterations_range=(2, 2))  # fmt: skip
-                jct[train] = run_tenancy(cfg).avg_jct_s
-            ref = jct[grid.error_trains[-1]]
-            rows += [
-                {
-                    "error_scheme": scheme,
-                    "train": t,
-                    "jitter_us": jitter,
-                    "error_avg_jct_s": v,
-                    "train_error": v / ref - 1,
-                }
-                for t, v in jct.items()
-            ]
+    n = len(grid.error_trains)
+    for k, scheme in enumerate(("atp", "esa")):
+        mine = jct[k * n : (k + 1) * n]
+        rows += [
+            {
+                "error_scheme": scheme,
+                "train": t,
+                "jitter_us": jitter,
+                "error_avg_jct_s": v,
+                "train_error": v / mine[-1] - 1,
+            }
+            for t, v in zip(grid.error_trains, mine, strict=True)
+        ]
     return rows
 
 
-def run_grid(grid: EsaGrid, tick: Tick) -> list[dict[str, Any]]:
-    rows = []
-    for pool in grid.pool_slots:
-        for load in grid.loads:
-            for jitter in grid.jitters_us:
-                for scheme in grid.schemes:
-                    tick(f"pool {pool}, load {load:g}, jitter {jitter:g} us, {scheme}")
-                    cfg = _config(grid, scheme, pool, load, jitter, grid.train, grid.jobs)
-                    rows.append(_row(run_tenancy(cfg), cfg))
-    return rows
+def _avg_jct(cfg: TenancyConfig) -> float:
+    return run_tenancy(cfg).avg_jct_s
+
+
+def _label(cfg: TenancyConfig) -> str:
+    return (f"pool {cfg.pool_slots}, load {cfg.load:g}, jitter "
+            f"{cfg.iteration_jitter_us:g} us, {cfg.scheme}, seed {cfg.seed}")  # fmt: skip
+
+
+def run_cell(cfg: TenancyConfig) -> dict[str, Any]:
+    return _row(run_tenancy(cfg), cfg)
+
+
+def run_grid(grid: EsaGrid, tick: Tick, processes: int = 1) -> list[dict[str, Any]]:
+    cells = [
+        _config(scheme, pool, load, jitter, grid.train, grid.jobs, seed)
+        for pool in grid.pool_slots
+        for load in grid.loads
+        for jitter in grid.jitters_us
+        for seed in grid.seeds
+        for scheme in grid.schemes
+    ]
+    return run_cells(run_cell, cells, processes, tick, _label)
 
 
 def _row(r: Any, cfg: TenancyConfig) -> dict[str, Any]:
@@ -106,6 +122,7 @@ def _row(r: Any, cfg: TenancyConfig) -> dict[str, Any]:
         "pool_slots": cfg.pool_slots,
         "load": cfg.load,
         "jitter_us": cfg.iteration_jitter_us,
+        "seed": cfg.seed,
         "jobs": len(r.jobs),
         "avg_jct_s": r.avg_jct_s,
         "p99_jct_s": r.p99_jct_s,
@@ -118,32 +135,40 @@ def _row(r: Any, cfg: TenancyConfig) -> dict[str, Any]:
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ESA against ATP per pool, load and jitter: average JCTs (mean over
+    seeds) and ESA's gain, the ratio of ATP's JCT to ESA's paired by seed
+    (mean and 95% interval)."""
+
     def key(r: dict[str, Any]) -> tuple[Any, ...]:
         return r["pool_slots"], r["load"], r["jitter_us"]
 
-    atp = {key(r): r for r in rows if r["scheme"] == "atp"}
-    out = []
+    atp = {(*key(r), r["seed"]): r for r in rows if r["scheme"] == "atp"}
+    cells: dict[tuple[Any, ...], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     for r in rows:
-        base = atp.get(key(r))
+        base = atp.get((*key(r), r["seed"]))
         if r["scheme"] == "esa" and base is not None:
-            out.append(
-                {
-                    "pool_slots": r["pool_slots"],
-                    "load": r["load"],
-                    "jitter_us": r["jitter_us"],
-                    "atp_avg_jct_s": base["avg_jct_s"],
-                    "esa_avg_jct_s": r["avg_jct_s"],
-                    "improvement": base["avg_jct_s"] / r["avg_jct_s"],
-                    "atp_p99_jct_s": base["p99_jct_s"],
-                    "esa_p99_jct_s": r["p99_jct_s"],
-                }
-            )
+            cells.setdefault(key(r), []).append((base, r))
+    out = []
+    for (pool, load, jitter), pairs in cells.items():
+        gain = mean_ci([a["avg_jct_s"] / e["avg_jct_s"] for a, e in pairs])
+        out.append(
+            {
+                "pool_slots": pool,
+                "load": load,
+                "jitter_us": jitter,
+                "seeds": len(pairs),
+                "atp_avg_jct_s": statistics.fmean(a["avg_jct_s"] for a, _ in pairs),
+                "esa_avg_jct_s": statistics.fmean(e["avg_jct_s"] for _, e in pairs),
+                "improvement": gain.mean,
+                "improvement_ci": gain.half,
+                "atp_p99_jct_s": statistics.fmean(a["p99_jct_s"] for a, _ in pairs),
+                "esa_p99_jct_s": statistics.fmean(e["p99_jct_s"] for _, e in pairs),
+            }
+        )
     return out
 
 
 def _median(cmp: list[dict[str, Any]]) -> float:
-    import statistics
-
     return float(statistics.median(float(c["improvement"]) for c in cmp))
 
 
@@ -153,9 +178,10 @@ class Esa:
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         grid = EsaGrid.quick() if quick else EsaGrid()
-        rows = run_grid(grid, tick)
+        processes = default_processes()
+        rows = run_grid(grid, tick, processes)
         cmp = compare(rows)
-        err = train_error(grid, tick)
+        err = train_error(grid, tick, processes)
         r = ExperimentResult(
             self.name,
             self.title,
@@ -178,11 +204,11 @@ class Esa:
                 "ESA",
                 "average JCT better than ATP (PS sharded per worker, merge charged) by up to",
                 "1.35x",
-                f"{best['improvement']:.2f}x",
+                f"{best['improvement']:.2f}x ± {best['improvement_ci']:.2f}",
                 best["improvement"] / 1.35,
                 where.format(**best)
-                + f"; {len(cmp)} settings, median {_median(cmp):.3f}x; trains of "
-                f"{grid.train} packets ({accuracy})",
+                + f", {best['seeds']} seed(s), 95% interval; {len(cmp)} settings, median "
+                f"{_median(cmp):.3f}x; trains of {grid.train} packets ({accuracy})",
             )
         )
         r.claims.append(
@@ -190,7 +216,7 @@ class Esa:
                 "ESA",
                 "never worse than ATP by more than 3% (avg JCT)",
                 ">= 0.97x",
-                f"{worst['improvement']:.3f}x",
+                f"{worst['improvement']:.3f}x ± {worst['improvement_ci']:.3f}",
                 worst["improvement"] / 0.97,
                 where.format(**worst),
             )
@@ -199,7 +225,7 @@ class Esa:
         pools = [float(p) for p in grid.pool_slots]
         series = {
             s: [
-                next(
+                statistics.fmean(
                     x["avg_jct_s"]
                     for x in rows
                     if x["scheme"] == s

@@ -50,14 +50,21 @@ def run_rank(fn: Callable[..., None], *args: object) -> None:
     end_group()
 
 
+# Called before a rank leaves its group (heartbeats that use the group's store
+# stop here, while the store still stands).
+BEFORE_END: list[Callable[[], None]] = []
+
+
 def end_group(barrier: bool = True) -> None:
     """Leave the default process group once a rank's work has returned: wait
-    for the peers (unless some may be dead), collect what still holds the group,
-    destroy it."""
+    for the peers (unless some may be dead), stop what uses the group
+    (``BEFORE_END``), collect what still holds it, destroy it."""
     import gc
 
     import torch.distributed as dist
 
+    for stop in BEFORE_END:
+        stop()
     if barrier:
         dist.barrier()
     gc.collect()

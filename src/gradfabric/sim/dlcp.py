@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from gradfabric.core.cells import run_cells
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Send
@@ -428,37 +429,52 @@ SCHEMES: dict[str, dict[str, Any]] = {
 RELIABLE = ("reliable", "reliable+spray", "dctcp", "dctcp+spray")
 
 
+@dataclass(frozen=True)
+class GridCell:
+    """One run of the grid: a scheme and its whole config (seed included)."""
+
+    scheme: str
+    cfg: DlcpConfig
+
+    def __str__(self) -> str:
+        c = self.cfg
+        return f"{c.collective}: {self.scheme}, load {c.load:g}, seed {c.seed}"
+
+
+def run_cell(cell: GridCell) -> dict[str, Any]:
+    cfg = cell.cfg
+    r = run_dlcp(cfg)
+    return {
+        "scheme": cell.scheme,
+        "baseline": cfg.collective,
+        "load": cfg.load,
+        "seed": cfg.seed,
+        "iter_time_ms": r.iteration_ms,
+        "p99_comm_ms": r.p99_comm_ms,
+        "mean_comm_ms": r.mean_comm_ms,
+        "lost": r.lost,
+        "queue_drops": r.queue_drops,
+    }
+
+
 def run_grid(
     bases: list[DlcpConfig],
     loads: tuple[float, ...],
     seeds: tuple[int, ...] = (0,),
     tick: Callable[[str], None] | None = None,
+    processes: int = 1,
 ) -> list[dict[str, Any]]:
     """Every scheme at every background load and seed, for each base config
-    (a collective), side by side on the same seeds. ``baseline`` names the
-    collective DLCP carries (``ps`` or ``allreduce``)."""
-    rows: list[dict[str, Any]] = []
-    for base in bases:
-        for load in loads:
-            for seed in seeds:
-                for scheme, over in SCHEMES.items():
-                    if tick is not None:
-                        tick(f"{base.collective}: {scheme}, load {load:g}, seed {seed}")
-                    r = run_dlcp(replace(base, load=load, seed=seed, **over))
-                    rows.append(
-                        {
-                            "scheme": scheme,
-                            "baseline": base.collective,
-                            "load": load,
-                            "seed": seed,
-                            "iter_time_ms": r.iteration_ms,
-                            "p99_comm_ms": r.p99_comm_ms,
-                            "mean_comm_ms": r.mean_comm_ms,
-                            "lost": r.lost,
-                            "queue_drops": r.queue_drops,
-                        }
-                    )
-    return rows
+    (a collective), side by side on the same seeds (``processes`` at a time).
+    ``baseline`` names the collective DLCP carries (``ps`` or ``allreduce``)."""
+    cells = [
+        GridCell(scheme, replace(base, load=load, seed=seed, **over))
+        for base in bases
+        for load in loads
+        for seed in seeds
+        for scheme, over in SCHEMES.items()
+    ]
+    return run_cells(run_cell, cells, processes, tick)
 
 
 def experiment_configs(quick: bool) -> list[DlcpConfig]:
