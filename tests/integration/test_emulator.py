@@ -254,6 +254,36 @@ def test_two_jobs_share_the_switch_under_esa_with_preemptions() -> None:
     assert counters["preemptions"] > 0
 
 
+def _parse_exposition(
+    text: str,
+) -> tuple[dict[str, dict[str, str]], dict[tuple[str, frozenset[tuple[str, str]]], float]]:
+    """Prometheus's text format, read by the rules of its specification:
+    ``# HELP name text`` and ``# TYPE name kind`` per family, then samples
+    ``name{label="value",...} number``; every sample needs its family's HELP
+    and TYPE, and a counter's samples end in ``_total``."""
+    import re
+
+    meta: dict[str, dict[str, str]] = {}
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, doc = line[7:].split(" ", 1)
+            meta.setdefault(name, {})["help"] = doc
+        elif line.startswith("# TYPE "):
+            name, kind = line[7:].split(" ")
+            meta.setdefault(name, {})["type"] = kind
+        elif line and not line.startswith("#"):
+            m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)", line)
+            assert m, line
+            name, labels = m.group(1), m.group(2) or ""
+            family = name if name in meta else name.removesuffix("_total")
+            assert family in meta, f"{name} has no HELP/TYPE"
+            assert (meta[family]["type"] == "counter") == name.endswith("_total"), line
+            pairs = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels))
+            samples[(name, pairs)] = float(m.group(3))
+    return meta, samples
+
+
 def test_daemon_cli_stats_metrics_and_sigterm(capsys: pytest.CaptureFixture[str]) -> None:
     sw = start_switch("--policy", "switchml", "--metrics-port", "0")
     assert sw.metrics is not None
@@ -267,8 +297,30 @@ def test_daemon_cli_stats_metrics_and_sigterm(capsys: pytest.CaptureFixture[str]
         assert main(["stats", "--switch", sw.control_text, "--json"]) == 0
         st = json.loads(capsys.readouterr().out)
         assert st["policy"] == "switchml" and st["counters"]["rx_gradient"] == 2 * 3
-        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read()
-        assert b"gradfabric_switch_rx_gradient_total 6" in body.splitlines()
+        # a datagram under the job's id with a wrong token, and one naming no job
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"\0" * TOKEN_BYTES + encode(Packet(ticket.job_id, 0, 0)), sw.data)
+            s.sendto(b"\0" * TOKEN_BYTES + encode(Packet(999, 0, 0)), sw.data)
+        deadline = time.monotonic() + 5
+        while True:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/m", timeout=5).read()
+            meta, samples = _parse_exposition(body.decode())
+            if samples.get(("gradfabric_switch_dropped_datagrams_total",
+                            frozenset({("job", ""), ("reason", "unknown_job")}))):  # fmt: skip
+                break
+            assert time.monotonic() < deadline, body
+        job = str(ticket.job_id)
+        events = ("gradfabric_switch_events_total", frozenset({("event", "rx_gradient")}))
+        assert samples[events] == 6
+        assert samples[("gradfabric_switch_datagrams_received_total",
+                        frozenset({("job", job)}))] == 6  # fmt: skip
+        assert samples[("gradfabric_switch_dropped_datagrams_total",
+                        frozenset({("job", job), ("reason", "bad_token")}))] == 1  # fmt: skip
+        assert samples[("gradfabric_switch_job_workers", frozenset({("job", job)}))] == 2
+        for family, kind in (("gradfabric_switch_events_total", "counter"),
+                             ("gradfabric_switch_dropped_datagrams_total", "counter"),
+                             ("gradfabric_switch_slots_occupied", "gauge")):  # fmt: skip
+            assert meta[family]["type"] == kind and meta[family]["help"]
         with pytest.raises(ConfigError, match="workers"):
             Ticket.register(sw.control, 0)
     finally:

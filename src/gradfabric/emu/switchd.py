@@ -23,7 +23,8 @@ independently lost with ``loss``, duplicated with ``dup`` and held for
 ``delay_us`` plus a uniform ``jitter_us`` (which reorders), from one seeded
 generator.
 
-Counters are also served as Prometheus text on ``metrics_port`` (any path).
+Counters are also served on ``metrics_port`` (any path) in Prometheus's
+exposition format, through ``prometheus_client`` (see ``_Metrics``).
 SIGTERM or SIGINT stops the daemon cleanly (sockets closed, final counters
 printed by the CLI).
 """
@@ -38,9 +39,13 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from gradfabric.core.errors import ConfigError, ProtocolError
 from gradfabric.core.trace import Counters
@@ -122,6 +127,7 @@ class _Job:
     slot_base: int
     kind: str = "ina"  # or "dlcp" (a DLCP job), "background" (traffic for the port)
     addrs: dict[int, Address] = field(default_factory=dict)
+    counters: Counters = field(default_factory=Counters)  # datagrams that named this job
 
 
 def worker_name(job_id: int, rank: int) -> str:
@@ -145,6 +151,8 @@ class SwitchDaemon:
             self.local[PS] = self.ps
         self.timers: dict[str, tuple[int, asyncio.TimerHandle]] = {}
         self.counters = Counters()
+        self.metrics = CollectorRegistry(auto_describe=False)
+        self.metrics.register(_Metrics(self))
         self.port: PortQueues[tuple[_Job, Packet]] = PortQueues(
             cfg.port_buffer_kb * 1024, self.counters
         )
@@ -222,6 +230,7 @@ class SwitchDaemon:
         if imp.loss and self.rng.random() < imp.loss:
             self.counters["impair_loss"] += 1
             return
+        job = None
         try:
             job = self.jobs.get(job_of(data))
             if job is None:
@@ -229,8 +238,9 @@ class SwitchDaemon:
                 return
             pkt = unseal(data, job.token)
         except ProtocolError as e:
-            self.counters[drop_reason(e)] += 1
+            (self.counters if job is None else job.counters)[drop_reason(e)] += 1
             return
+        job.counters["rx_datagrams"] += 1
         if job.kind != "ina" and self.cfg.port_mbps > 0:
             self._port_offer(job, pkt, len(data))
         else:
@@ -531,8 +541,10 @@ class SwitchDaemon:
         for e in self.local.values():
             for k, v in e.counters.items():
                 merged[k] += v
-        for k, v in self.counters.items():
-            merged[k] += v
+        for c in (self.counters, *(j.counters for j in self.jobs.values())):
+            for k, v in c.items():
+                merged[k] += v
+        merged["rx_datagrams"] -= sum(j.counters["rx_datagrams"] for j in self.jobs.values())
         return {
             "policy": self.cfg.policy,
             "uptime_s": (time.monotonic_ns() - self.started_ns) / 1e9,
@@ -550,16 +562,9 @@ class SwitchDaemon:
     async def _metrics(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await reader.readline()
-            st = self.stats()
-            lines = [f"gradfabric_switch_{k}_total {v}" for k, v in st["counters"].items()]
-            lines += [
-                f"gradfabric_switch_slots {st['slots']}",
-                f"gradfabric_switch_slots_occupied {st['occupied']}",
-                f"gradfabric_switch_jobs {len(st['jobs'])}",
-            ]
-            body = ("\n".join(lines) + "\n").encode()
+            body = generate_latest(self.metrics)
             writer.write(
-                b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                f"HTTP/1.0 200 OK\r\nContent-Type: {CONTENT_TYPE_LATEST}\r\n".encode()
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body
             )
@@ -568,6 +573,63 @@ class SwitchDaemon:
             pass
         finally:
             writer.close()
+
+
+class _Metrics:
+    """The daemon's counters in Prometheus's exposition format, read when
+    scraped (``prometheus_client``'s custom-collector protocol). Counters get
+    the ``_total`` suffix; drops carry their reason and, where the datagram
+    named a registered job, the job; the engines' own counters (per reason,
+    not per job) are ``events``."""
+
+    def __init__(self, daemon: SwitchDaemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.daemon
+        rx = CounterMetricFamily(
+            "gradfabric_switch_datagrams_received", "Datagrams accepted for a job", labels=["job"]
+        )
+        drops = CounterMetricFamily(
+            "gradfabric_switch_dropped_datagrams",
+            "Datagrams dropped, by reason; job is the registered job the datagram named, "
+            "empty where it named none",
+            labels=["job", "reason"],
+        )
+        events = CounterMetricFamily(
+            "gradfabric_switch_events",
+            "Events counted by the daemon and its engines (drops inside an engine included)",
+            labels=["event"],
+        )
+        workers = GaugeMetricFamily(
+            "gradfabric_switch_job_workers", "Workers of each registered job", labels=["job"]
+        )
+        for job in d.jobs.values():
+            name = str(job.job_id)
+            rx.add_metric([name], job.counters.get("rx_datagrams", 0))
+            workers.add_metric([name], job.workers)
+            for k, v in job.counters.items():
+                if k.startswith("drop_"):
+                    drops.add_metric([name, k.removeprefix("drop_")], v)
+        for k, v in d.counters.items():
+            if k.startswith("drop_"):
+                drops.add_metric(["", k.removeprefix("drop_")], v)
+        for eng in d.local.values():
+            for k, v in eng.counters.items():
+                events.add_metric([k], v)
+        yield rx
+        yield drops
+        yield events
+        yield workers
+        yield GaugeMetricFamily("gradfabric_switch_jobs", "Registered jobs", value=len(d.jobs))
+        yield GaugeMetricFamily("gradfabric_switch_slots", "Aggregator slots", value=d.cfg.slots)
+        yield GaugeMetricFamily(
+            "gradfabric_switch_slots_occupied", "Aggregator slots held by jobs",
+            value=d.occupancy(),
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "gradfabric_switch_datagrams_sent", "Datagrams sent", value=d.counters["tx_datagrams"]
+        )
 
 
 async def control_call(
