@@ -80,8 +80,8 @@ def _table(rows: list[dict[str, Any]], title: str, cols: Sequence[str]) -> Table
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from gradfabric.core.config import dump, load_yaml
     from gradfabric.experiments.baselines import builtin_config
-    from gradfabric.experiments.config import dump, load_yaml
     from gradfabric.experiments.simulate import SimulateConfig, run_simulate
 
     cfg = load_yaml(SimulateConfig, Path(args.config)) if args.config else builtin_config()
@@ -520,7 +520,7 @@ def _grid_command(
     """Run an experiment grid (and any ``extra`` studies, each a named set of
     rows); write results next to the resolved grid; print one JSON object per
     row (``--json``) or the tables (``rows``/``cmp``/an extra's name)."""
-    from gradfabric.experiments.config import dump
+    from gradfabric.core.config import dump
 
     dest = _results_dir(args.out, name)
     (dest / "config.yaml").write_text(yaml.safe_dump(dump(grid), sort_keys=False))

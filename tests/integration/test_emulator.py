@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from gradfabric.cli import main
-from gradfabric.collectives.peers import GRACE_S
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.emu.client import (
     Attached,
@@ -31,9 +30,10 @@ from gradfabric.emu.client import (
     parse_address,
     together,
 )
-from gradfabric.emu.envelope import TOKEN_BYTES
 from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
 from gradfabric.net import netns
+from gradfabric.net.peers import GRACE_S
+from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import Flag, Packet, encode
 
 
@@ -338,7 +338,7 @@ def test_switch_serve_rejects_a_bad_policy() -> None:
 
 
 def test_envelope_layout() -> None:
-    from gradfabric.emu.envelope import BadTokenError, job_of, seal, unseal
+    from gradfabric.wire.envelope import BadTokenError, job_of, seal, unseal
 
     pkt = Packet(513, 1, 7, 0, 2, 2, Flag.NONE, 0, 0, 2, np.array([1, 2], dtype=np.int32))
     token = bytes(range(TOKEN_BYTES))
@@ -442,7 +442,8 @@ def test_simulator_and_emulator_give_identical_aggregates(scheme: str, policy: s
     simulator's values mode and through the daemon: the same sums, equal to the
     int64 reference. (The loss *rate* is shared; the loss pattern is each
     run's own draw.)"""
-    from gradfabric.sim.collective import Bucket, FabricConfig, run_collective, worker_input
+    from gradfabric.proto.jobs import worker_input
+    from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
     from gradfabric.sim.network import LinkSpec
 
     workers, values, seed = 3, 30_001, 21

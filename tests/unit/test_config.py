@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from gradfabric.core.config import dump, load, load_yaml
 from gradfabric.core.errors import ConfigError
 from gradfabric.experiments.baselines import builtin_config
-from gradfabric.experiments.config import dump, load, load_yaml
 from gradfabric.experiments.simulate import SimulateConfig
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.collectives.sparse import OmniState, omnireduce_hook
+from gradfabric.core.records import compare_sides, loss_gap, median_ms
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 
 
@@ -64,28 +65,11 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
             rec: dict[str, Any] = json.load(f)
     rec["config"] = asdict(cfg)
     compare_sides(rec, "default", "omnireduce")
-    rec["sparse-embedding_ms"] = _median_ms(rec, "sparse-embedding")
-    rec["sparse_embedding_loss_diff"] = _loss_gap(rec, "default", "sparse-embedding")
+    rec["sparse-embedding_ms"] = median_ms(rec, "sparse-embedding")
+    rec["sparse_embedding_loss_diff"] = loss_gap(rec, "default", "sparse-embedding")
     rec["speedup"] = rec["default_ms"] / rec["omnireduce_ms"]
     rec["speedup_vs_sparse_embedding"] = rec["sparse-embedding_ms"] / rec["omnireduce_ms"]
     return rec
-
-
-def compare_sides(rec: dict[str, Any], a: str, b: str) -> None:
-    """Two replicas trained side by side: each one's median step time (step 0
-    warms up) and the largest gap between their loss curves, into ``rec``."""
-    for k in (a, b):
-        rec[f"{k}_ms"] = _median_ms(rec, k)
-    rec["max_loss_diff"] = _loss_gap(rec, a, b)
-
-
-def _median_ms(rec: dict[str, Any], side: str) -> float:
-    return float(statistics.median(rec["times_s"][side][1:])) * 1e3
-
-
-def _loss_gap(rec: dict[str, Any], a: str, b: str) -> float:
-    pairs = zip(rec["loss"][a], rec["loss"][b], strict=True)
-    return max(abs(float(x) - float(y)) for x, y in pairs)
 
 
 def _rank_main(cfg: E2EConfig, out: str) -> None:

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradfabric.collectives.peers import keep_alive, name_the_missing
+from gradfabric.net.peers import keep_alive, name_the_missing
 
 # The sparse paths' block bookkeeping (gather, sum, scatter) costs host time the
 # dense ring does not; at 2 ranks either exchange of a fully dense tensor moves

@@ -3,7 +3,7 @@
 Every client owns one sans-I/O engine (the same the simulator runs) on a UDP
 socket, driven by an asyncio loop in a background thread, so a training step
 can call a collective synchronously. Everything crossing the socket carries
-the job's token (``emu.envelope``).
+the job's token (``wire.envelope``).
 
 * ``InaClient``: a ``WorkerEngine`` aggregating through the switch (SwitchML,
   ATP, ESA) or a parameter server daemon (``ps``).
@@ -225,7 +225,7 @@ class Attached:
         that checked in at the rendezvous store after their own part of this
         call failed (in gloo's exponent round, say: they never reached the
         switch, but they are alive)."""
-        from gradfabric.collectives.peers import Roll
+        from gradfabric.net.peers import Roll
 
         roll = None
         if self._group is not None:
@@ -252,7 +252,7 @@ class Attached:
         import torch
         import torch.distributed as dist
 
-        from gradfabric.collectives.peers import keep_alive, name_the_missing
+        from gradfabric.net.peers import keep_alive, name_the_missing
 
         vpp = self.ticket.values_per_packet
         bad = ~np.isfinite(x)

@@ -30,10 +30,10 @@ import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.emu.client import Attached, Ticket, together
-from gradfabric.emu.envelope import seal
 from gradfabric.emu.switchd import worker_name
 from gradfabric.proto.actions import Deliver
 from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
+from gradfabric.wire.envelope import seal
 from gradfabric.wire.packet import Packet, traffic_class
 
 BACKGROUND_CLASS = traffic_class(1, 1)  # as in the simulator: the back layers' queue

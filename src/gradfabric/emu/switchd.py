@@ -5,7 +5,7 @@ or ``esa``) for any number of jobs and, for ATP and ESA, the parameter server
 those policies fall back to (in the same process: its traffic to and from
 the switch is a function call, not a datagram). It has two ports:
 
-* data (UDP): ``emu.envelope`` datagrams. A datagram is checked before any
+* data (UDP): ``wire.envelope`` datagrams. A datagram is checked before any
   engine sees it: the job it names must be registered and its token must be
   that job's (else ``drop_unknown_job`` / ``drop_bad_token``), its packet must
   decode (else ``drop_malformed``); the switch engine then checks worker
@@ -49,7 +49,6 @@ from prometheus_client.metrics_core import Metric
 
 from gradfabric.core.errors import ConfigError, ProtocolError
 from gradfabric.core.trace import Counters
-from gradfabric.emu.envelope import TOKEN_BYTES, drop_reason, job_of, seal, unseal
 from gradfabric.net.udp import Address, size_buffers
 from gradfabric.proto.actions import Action, Engine, Multicast, Send
 from gradfabric.proto.dlcp import DlcpServer
@@ -59,6 +58,7 @@ from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
 from gradfabric.proto.switch.atp import FREE
 from gradfabric.proto.switch.straggler import HelpConfig
+from gradfabric.wire.envelope import TOKEN_BYTES, drop_reason, job_of, seal, unseal
 from gradfabric.wire.packet import MAX_FAN_IN, MAX_WIRE_VALUES, Packet
 
 SWITCH, PS = "sw", "ps"

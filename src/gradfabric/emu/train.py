@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradfabric.collectives.e2e import compare_sides
 from gradfabric.core.errors import ConfigError
+from gradfabric.core.records import compare_sides
 from gradfabric.emu.client import SWITCH_ENV, InaClient
 from gradfabric.emu.dlcp import DlcpClient
 from gradfabric.emu.hook import dlcp_hook, ina_hook

@@ -5,8 +5,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from gradfabric.core.config import dump, load_yaml
 from gradfabric.experiments import plots
-from gradfabric.experiments.config import dump, load_yaml
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.experiments.simulate import SimulateConfig, run_simulate
 

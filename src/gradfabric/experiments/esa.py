@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from gradfabric.core.cells import default_processes, run_cells
+from gradfabric.core.config import dump
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
-from gradfabric.experiments.config import dump
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.proto.jobs import InaConfig
 from gradfabric.sim.multijob import TENANCY_SCHEMES, TenancyConfig, run_tenancy

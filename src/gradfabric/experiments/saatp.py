@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradfabric.core.config import dump
 from gradfabric.experiments import plots
-from gradfabric.experiments.config import dump
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.proto.jobs import InaConfig
 from gradfabric.sim.stragglers import StragglerConfig

@@ -3,7 +3,7 @@
 Every process builds the job's engines with the same builder the simulator
 uses (``proto.jobs``) and keeps its own; it binds a UDP socket on an
 ephemeral port, reports the port, receives the address book, and runs. The
-workers push their seeded input (``sim.collective.worker_input``, the same
+workers push their seeded input (``proto.jobs.worker_input``, the same
 data the simulator's values mode uses) and send back what they received.
 """
 
@@ -22,9 +22,8 @@ import numpy as np
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver, Engine
-from gradfabric.proto.jobs import InaConfig, atp_engines, switchml_engines
+from gradfabric.proto.jobs import InaConfig, atp_engines, switchml_engines, worker_input
 from gradfabric.proto.worker import WorkerEngine
-from gradfabric.sim.collective import worker_input
 
 # A Python switch process on a shared host: a window that keeps the switch's
 # socket buffer from overflowing (loopback drops what does not fit, and the

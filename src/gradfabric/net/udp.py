@@ -6,7 +6,7 @@ The driver owns everything the engine may not: the socket, the clock
 engine names (``"w0"``, ``"sw0"``) into ``(host, port)``. Datagrams that do
 not decode are a ``ProtocolError``: counted in ``counters['drop_malformed']``
 and otherwise ignored, never a crash. With a ``token`` (the emulator's job
-secret, ``emu.envelope``) every datagram carries it, and one that carries
+secret, ``wire.envelope``) every datagram carries it, and one that carries
 another is counted in ``counters['drop_bad_token']``.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import cast
 
 from gradfabric.core.errors import ProtocolError
-from gradfabric.emu.envelope import drop_reason, seal, unseal
 from gradfabric.proto.actions import Action, Deliver, Engine, Fail, HelpRequest, Multicast, Send
+from gradfabric.wire.envelope import drop_reason, seal, unseal
 from gradfabric.wire.packet import Packet, decode, encode
 
 Address = tuple[str, int]

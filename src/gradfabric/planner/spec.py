@@ -2,7 +2,7 @@
 
 A cluster is a list of device types (peak TFLOPS, memory, price, NIC) and how
 many of each; links between devices run at the slower NIC's rate with one
-latency. Loaded with ``experiments.config.load``: every error names its field.
+latency. Loaded with ``core.config.load``: every error names its field.
 
     device_types:
       - {name: h100, peak_tflops: 989, mem_gb: 80, cost_per_hour: 6.0, nic_gbps: 200}
@@ -89,6 +89,6 @@ def example_cluster(h100: int = 4, a100: int = 6, v100: int = 6) -> ClusterSpec:
 
 
 def load_cluster(path: Path) -> ClusterSpec:
-    from gradfabric.experiments.config import load_yaml
+    from gradfabric.core.config import load_yaml
 
     return load_yaml(ClusterSpec, path)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from gradfabric.core.errors import ConfigError
 from gradfabric.proto.actions import Engine
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
 from gradfabric.proto.worker import HashedPool, Sharded, StaticSlots, WorkerConfig, WorkerEngine
+from gradfabric.wire.quant import INT32_MAX
 
 JOB_ID = 1
 
@@ -145,3 +148,11 @@ def ps_engines(servers: list[str], workers: list[str], ina: InaConfig) -> dict[s
             w, _worker(w, i, len(workers), window, ina), Sharded(tuple(servers))
         )
     return engines
+
+
+def worker_input(seed: int, rank: int, workers: int, values: int) -> np.ndarray:
+    """Worker ``rank``'s int32 data for a seeded run: uniform in the range that
+    keeps the sum of ``workers`` contributions inside int32. The simulator and
+    the UDP driver draw from this same function."""
+    lim = INT32_MAX // workers
+    return np.random.default_rng((seed, rank)).integers(-lim, lim, values, dtype=np.int32)

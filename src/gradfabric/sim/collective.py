@@ -30,7 +30,7 @@ from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Deliver, Engine
 from gradfabric.proto.host import HostEngine
-from gradfabric.proto.jobs import JOB_ID, atp_engines, ps_engines, switchml_engines
+from gradfabric.proto.jobs import JOB_ID, atp_engines, ps_engines, switchml_engines, worker_input
 from gradfabric.proto.jobs import InaConfig as InaConfig
 from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
 from gradfabric.proto.ps import ParameterServer
@@ -41,7 +41,6 @@ from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import LinkSpec, Network
 from gradfabric.sim.topology import Topology, leaf_spine, star
-from gradfabric.wire.quant import INT32_MAX
 
 TOPOLOGIES = ("star", "leaf_spine")
 
@@ -130,14 +129,6 @@ def deliver_into(
     if left[b] < 0:
         raise RuntimeError(f"bucket {b} was delivered more than once")
     return b if left[b] == 0 else None
-
-
-def worker_input(seed: int, rank: int, workers: int, values: int) -> np.ndarray:
-    """Worker ``rank``'s int32 data for a seeded run: uniform in the range that
-    keeps the sum of ``workers`` contributions inside int32. The simulator and
-    the UDP driver draw from this same function."""
-    lim = INT32_MAX // workers
-    return np.random.default_rng((seed, rank)).integers(-lim, lim, values, dtype=np.int32)
 
 
 class _Run:

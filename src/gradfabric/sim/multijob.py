@@ -23,12 +23,12 @@ import numpy as np
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.jobs import InaConfig, worker_input
 from gradfabric.proto.priority import PRIORITIES
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.switch import PoolStats, SwitchEngine, SwitchJob
 from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
-from gradfabric.sim.collective import FabricConfig, deliver_into, worker_input
+from gradfabric.sim.collective import FabricConfig, deliver_into
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import Network
 from gradfabric.sim.topology import leaf_spine, star
