@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -370,6 +370,12 @@ def cmd_experiment_dlcp(args: argparse.Namespace) -> int:
         rows = run_convergence(cfg, tick) if convergence else []
     summary = summarise(transport)
     headline = [g for n in nets for ld in loads for g in gains(transport, n.collective, ld)]
+    dest = _results_dir(args.out, "dlcp")
+    resolved = {"transport": [asdict(n) for n in nets], "loads": loads, "seeds": seeds,
+                "convergence": asdict(cfg) if convergence else None}  # fmt: skip
+    (dest / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(resolved))))
+    results = {"rows": transport, "summary": summary, "gains": headline, "convergence": rows}
+    (dest / "results.json").write_text(json.dumps(results, indent=1))
     if args.json:
         for r in [*transport, *headline, *rows]:
             print(json.dumps(r))
@@ -393,6 +399,7 @@ def cmd_experiment_dlcp(args: argparse.Namespace) -> int:
                    ["policy", "loss_bound", "accuracy", "accuracy_ci", "delta_pp", "delta_ci_pp",
                     "steps_to_target", "steps_to_target_ci", "reached"])
         )  # fmt: skip
+    out.print(f"results and resolved config: {dest}")
     return 0
 
 
@@ -890,6 +897,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ed.add_argument("--seeds", type=int, help="seeds per cell (default 5, quick 3; convergence 10)")
     ed.add_argument("--no-convergence", action="store_true", help="the transport grid only")
+    ed.add_argument("--out", help="results directory (default: results/dlcp-<time>)")
     ed.add_argument(
         "-p", "--processes", type=int, help="grid cells run at once (default: one per core)"
     )

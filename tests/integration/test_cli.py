@@ -178,8 +178,11 @@ def test_plan_json_for_a_yaml_cluster_and_an_online_trace(
     assert "devices[2].type" in capsys.readouterr().err
 
 
-def test_experiment_dlcp_json_rows_and_bad_collective(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["experiment", "dlcp", "--quick", "--json", "--loads", "0.8", "--seeds", "2"]
+def test_experiment_dlcp_json_rows_and_bad_collective(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["experiment", "dlcp", "--quick", "--json", "--loads", "0.8", "--seeds", "2",
+            "--out", str(tmp_path)]  # fmt: skip
     code = main([*args, "--collectives", "allreduce", "--no-convergence"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     transport = [r for r in rows if "scheme" in r]
@@ -195,4 +198,6 @@ def test_experiment_dlcp_json_rows_and_bad_collective(capsys: pytest.CaptureFixt
         mean = {s: sum(r["iter_time_ms"] for r in transport if r["scheme"] == s) for s in same}
         assert g["best"] == min(mean, key=mean.__getitem__)
     assert {r["routing"] for r in rows if "routing" in r} == {"spray", "ECMP"}
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["rows"] == transport and (tmp_path / "config.yaml").exists()
     assert main([*args, "--collectives", "tree"]) == 2
