@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -124,35 +124,64 @@ def _fire(
 UNAUTHENTICATED_DROPS = ("drop_unknown_job", "drop_bad_token", "drop_malformed")
 
 
-def _fuzz_while_training(fuzz_packets: int) -> None:
+def _fuzz_while_training(fuzz_packets: int, jobs: int = 1) -> dict[str, int]:
+    """``jobs`` jobs of 3 workers train exact rounds through one ATP switch
+    while ``fuzz_packets`` datagrams aimed at them (random bytes, their
+    packets under guessed tokens) arrive; returns the switch's counters."""
     with switch_daemon("--policy", "atp") as sw:
-        victim = Ticket.register(sw.control, 3)
-        clients = [InaClient(victim, r, timeout_s=60) for r in range(3)]
-        firing = threading.Thread(target=_fire, args=(sw.data, fuzz_packets, victim.job_id, 7))
+        victims = [Ticket.register(sw.control, 3) for _ in range(jobs)]
+        clients = [[InaClient(v, r, timeout_s=60) for r in range(3)] for v in victims]
+        firing = [
+            threading.Thread(target=_fire, args=(sw.data, fuzz_packets // jobs, v.job_id, 7 + k))
+            for k, v in enumerate(victims)
+        ]
+        errors: list[BaseException] = []
+        rounds = [0] * jobs
+
+        def train(k: int) -> None:
+            try:
+                rng = np.random.default_rng(2 + k)
+                while rounds[k] < 2 or any(f.is_alive() for f in firing):
+                    _exact_rounds(clients[k], 1, rng, (5000, 20_000))
+                    rounds[k] += 1
+            except BaseException as e:  # re-raised below, in the test's thread
+                errors.append(e)
+
+        trainers = [threading.Thread(target=train, args=(k,)) for k in range(jobs)]
         try:
-            firing.start()
-            while firing.is_alive():
-                _exact_rounds(clients, 1, np.random.default_rng(2), (5000, 20_000))
-            firing.join()
+            for t in firing + trainers:
+                t.start()
+            for t in firing + trainers:
+                t.join()
             st = _stats(sw)
         finally:
-            for c in clients:
-                c.close()
+            for cs in clients:
+                for c in cs:
+                    c.close()
+    if errors:
+        raise errors[0]
+    assert min(rounds) >= 2  # every job summed exactly while the fuzz arrived
     c = st["counters"]
     unauth = sum(c.get(k, 0) for k in UNAUTHENTICATED_DROPS)
     # every datagram is either a counted drop or a victim packet the switch accepted
     assert c["rx_datagrams"] == unauth + c["rx_gradient"] + c.get("drop_bad_worker", 0)
     assert unauth >= 0.5 * fuzz_packets  # most of the fuzz arrived, and all of that was dropped
     assert c.get("drop_bad_token", 0) > 0 and c.get("drop_malformed", 0) > 0
+    return cast(dict[str, int], c)
 
 
 def test_random_and_forged_packets_are_counted_drops_while_a_job_runs_exactly() -> None:
     _fuzz_while_training(30_000)
 
 
+def test_eight_jobs_stay_exact_under_fuzz_aimed_at_all_of_them() -> None:
+    _fuzz_while_training(40_000, jobs=8)
+
+
 @pytest.mark.slow
-def test_a_million_random_and_forged_packets() -> None:
-    _fuzz_while_training(1_000_000)
+def test_a_million_random_and_forged_packets_at_eight_jobs() -> None:
+    c = _fuzz_while_training(1_000_000, jobs=8)
+    print("counters:", json.dumps({k: v for k, v in c.items() if v}, sort_keys=True))
 
 
 def test_mutated_packets_of_another_job_never_touch_this_one() -> None:
