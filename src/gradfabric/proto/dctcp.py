@@ -136,13 +136,16 @@ class DctcpSender(DlcpSender):
         if pkt.job_id != self.job_id or not pkt.flags & Flag.ACK:
             self.counters["drop_foreign"] += 1
             return []
-        sent = self.flight.pop(pkt.seq, None)
-        copy = (sent.tensor, sent.lo) if sent is not None else self.lost.pop(pkt.seq, None)
+        sent = self.flight.get(pkt.seq)
+        copy = (sent.tensor, sent.lo) if sent is not None else self.lost.get(pkt.seq)
         if copy != (pkt.layer, pkt.agg_index):  # names no packet of ours still unACKed
-            if sent is not None:
-                self.flight[pkt.seq] = sent
             self.counters["drop_stale_ack"] += 1
             return []
+        # (looked up first, removed only now: re-inserting would break the sending order)
+        if sent is not None:
+            del self.flight[pkt.seq]
+        else:
+            del self.lost[pkt.seq]
         left = self.unacked[pkt.layer]
         left.discard(pkt.agg_index)
         if not left:  # the whole tensor is in: forget it and its spurious re-sends
