@@ -127,7 +127,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_sim(args: argparse.Namespace) -> int:
-    from gradfabric.proto.jobs import InaConfig
+    from gradfabric.proto.schemes import InaConfig
     from gradfabric.sim.collective import Bucket, run_collective
     from gradfabric.workloads.catalog import model_spec
     from gradfabric.workloads.compute import device, timeline
@@ -661,11 +661,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_switch_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from gradfabric.emu.switchd import Impairment, SwitchConfig, SwitchDaemon
+    from gradfabric.emu.impair import Impairment
+    from gradfabric.emu.switchd import SwitchConfig, SwitchDaemon
 
     cfg = SwitchConfig(
         policy=args.policy, slots=args.slots, job_slots=args.job_slots,
-        values_per_packet=args.values_per_packet, rto_ms=args.rto_ms, host=args.host,
+        values_per_packet=args.values_per_packet, rto_ns=int(args.rto_ms * 1e6), host=args.host,
         port=args.port, control_port=args.control_port, metrics_port=args.metrics_port,
         impair=Impairment(args.loss, args.dup, args.delay_us, args.jitter_us, args.seed),
         port_mbps=args.port_mbps, port_buffer_kb=args.port_buffer_kb,

@@ -6,7 +6,7 @@ import pytest
 
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.experiments.simulate import ring_bound_ns, switchml_bound_gbps
-from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
 from gradfabric.sim.network import LinkSpec
 

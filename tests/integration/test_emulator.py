@@ -471,7 +471,7 @@ def test_simulator_and_emulator_give_identical_aggregates(scheme: str, policy: s
     simulator's values mode and through the daemon: the same sums, equal to the
     int64 reference. (The loss *rate* is shared; the loss pattern is each
     run's own draw.)"""
-    from gradfabric.proto.jobs import worker_input
+    from gradfabric.proto.schemes import worker_input
     from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
     from gradfabric.sim.network import LinkSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import FabricConfig
 from gradfabric.sim.multijob import JobSpec, TenancyConfig, run_tenancy
 from gradfabric.sim.network import LinkSpec

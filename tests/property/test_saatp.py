@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import FabricConfig
 from gradfabric.sim.network import LinkSpec
 from gradfabric.sim.stragglers import StragglerConfig

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradfabric.core.errors import PeerTimeoutError
-from gradfabric.proto.jobs import InaConfig
 from gradfabric.proto.omni import NONE, OmniAggregator, OmniLayout, block_mask
+from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, CollectiveResult, FabricConfig, run_collective
 from gradfabric.sim.network import LinkSpec
 from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, decode, encode

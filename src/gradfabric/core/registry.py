@@ -20,6 +20,7 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._aliases: dict[str, str] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
         def deco(obj: T) -> T:
@@ -33,7 +34,12 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._items[name] = obj
 
+    def alias(self, name: str, target: str) -> None:
+        """``name`` is another name for ``target`` (not listed among the names)."""
+        self._aliases[name] = target
+
     def get(self, name: str) -> T:
+        name = self._aliases.get(name, name)
         try:
             return self._items[name]
         except KeyError:
@@ -45,7 +51,7 @@ class Registry(Generic[T]):
         return sorted(self._items)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return name in self._items or name in self._aliases
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

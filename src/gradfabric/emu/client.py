@@ -41,11 +41,13 @@ import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError, ProtocolError
+from gradfabric.core.registry import Registry
 from gradfabric.emu.switchd import control_call, worker_name
 from gradfabric.net.udp import Address, EngineProtocol, open_engine
 from gradfabric.proto.actions import Action, Deliver, Engine
-from gradfabric.proto.omni import OmniLayout, OmniWorker
-from gradfabric.proto.worker import HashedPool, Sharded, StaticSlots, WorkerConfig, WorkerEngine
+from gradfabric.proto.omni import OmniWorker
+from gradfabric.proto.schemes import SCHEMES, Placement
+from gradfabric.proto.worker import WorkerEngine
 from gradfabric.wire.packet import Flag
 from gradfabric.wire.quant import block_exponents, block_scales
 
@@ -105,6 +107,20 @@ class Ticket:
         known = {f.name for f in fields(cls)}
         args = {k: v for k, v in reply.items() if k in known}
         return cls(control=control, **args | {"switch": tuple(reply["switch"])})
+
+
+def scheme_worker(ticket: Ticket, rank: int, timeout_s: float) -> Engine:
+    """Rank ``rank``'s engine for the ticket's job, from the scheme registry
+    (retrying each packet for up to ``timeout_s``)."""
+    t = ticket
+    names = tuple(worker_name(t.job_id, r) for r in range(t.workers))
+    p = Placement(
+        t.job_id, names, {t.entry: names}, servers=(t.entry,), window=t.window,
+        pool_slots=t.pool_slots, slot_base=t.slot_base, rto_ns=t.rto_ns,
+        values_per_packet=t.values_per_packet, streams=t.streams,
+        max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)),
+    )  # fmt: skip
+    return SCHEMES.get(t.policy).worker(p, rank)
 
 
 C = TypeVar("C", bound="Attached")
@@ -168,6 +184,7 @@ class Attached:
         return client
 
     KIND: str | None = None  # what ``join`` registers (None: the daemon's default)
+    DAEMON_OPTIONS: tuple[str, ...] = ()  # switch-serve flags a job of this client wants
 
     def _attach(
         self, ticket: Ticket, rank: int, timeout_s: float, engine: Engine,
@@ -209,7 +226,7 @@ class Attached:
             if call.done.is_set():
                 return
             self.proto.execute(start())
-            if self.proto.failed.done():
+            if self.proto.gave_up.done():
                 call.failed = True
                 call.done.set()
 
@@ -301,21 +318,10 @@ class InaClient(Attached):
         self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
         bind_host: str | None = None,
     ) -> None:  # fmt: skip
-        t = ticket
-        route: StaticSlots | HashedPool | Sharded = (
-            StaticSlots(t.entry, t.slot_base, t.window)
-            if t.policy == "switchml"
-            else Sharded((t.entry,))
-            if t.policy == "ps"
-            else HashedPool(t.entry, t.job_id, t.pool_slots)
-        )
-        cfg = WorkerConfig(
-            job_id=t.job_id, worker_id=rank, fan_in=t.workers, window=t.window,
-            rto_ns=t.rto_ns, max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)),
-            values_per_packet=t.values_per_packet, ecn_window=t.policy in ("atp", "esa"),
-        )  # fmt: skip
+        engine = scheme_worker(ticket, rank, timeout_s)
+        assert isinstance(engine, WorkerEngine)
         self.priority = priority
-        self.engine = WorkerEngine(worker_name(t.job_id, rank), cfg, route)
+        self.engine = engine
         self._call: _Call | None = None
         self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
 
@@ -351,12 +357,9 @@ class OmniClient(Attached):
     def __init__(
         self, ticket: Ticket, rank: int, timeout_s: float = 30.0, bind_host: str | None = None
     ) -> None:
-        t = ticket
-        self.layout = OmniLayout([t.entry], t.streams, t.values_per_packet)
-        self.engine = OmniWorker(
-            worker_name(t.job_id, rank), t.job_id, rank, self.layout, t.rto_ns,
-            max(1, int(timeout_s * 1e9 / t.rto_ns)),
-        )  # fmt: skip
+        engine = scheme_worker(ticket, rank, timeout_s)
+        assert isinstance(engine, OmniWorker)
+        self.engine = engine
         self.bucket = 0
         self._call: _Call | None = None
         self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
@@ -384,3 +387,11 @@ class _Call:
         self.done = threading.Event()
         self.failed = False
         self.error: Exception | None = None
+
+
+# The client class of each scheme a daemon hosts (``emu.dlcp`` adds DLCP's).
+CLIENTS: Registry[type[Attached]] = Registry("client")
+for _name in ("switchml", "atp", "esa", "saatp", "ps"):
+    CLIENTS.add(_name, InaClient)
+CLIENTS.add("omnireduce", OmniClient)
+CLIENTS.alias("omni", "omnireduce")

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.client import Attached, Ticket, together
+from gradfabric.emu.client import CLIENTS, Attached, Ticket, together
 from gradfabric.emu.switchd import worker_name
 from gradfabric.proto.actions import Deliver
 from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
@@ -43,6 +43,7 @@ class DlcpClient(Attached):
     """Rank ``rank`` of a DLCP job (a ``dlcp`` ticket from a ``--policy dlcp`` switch)."""
 
     KIND = "dlcp"
+    DAEMON_OPTIONS = ("--values-per-packet", "256")  # DLCP's loss bound counts 256-value packets
 
     def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0) -> None:
         t = ticket
@@ -213,3 +214,6 @@ def run_emu_dlcp(cfg: DlcpEmuConfig, reliable: bool = False) -> dict[str, Any]:
         "counters": counters,
         "config": asdict(cfg),
     }
+
+
+CLIENTS.add("dlcp", DlcpClient)

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradfabric.emu.client import InaClient
+from gradfabric.emu.client import Attached
 from gradfabric.emu.dlcp import DlcpClient
 
 
 def ina_hook(
-    state: InaClient,
+    state: Attached,
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
 ) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()

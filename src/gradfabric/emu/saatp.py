@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.client import Ticket
-from gradfabric.emu.switchd import SWITCH, control_call, worker_name
+from gradfabric.emu.client import Ticket, scheme_worker
+from gradfabric.emu.switchd import SWITCH, control_call
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver, HelpRequest
 from gradfabric.proto.host import HostEngine
-from gradfabric.proto.worker import HashedPool, WorkerConfig, WorkerEngine
+from gradfabric.proto.worker import WorkerEngine
 
 
 @dataclass(frozen=True)
@@ -133,14 +133,8 @@ class _Worker:
     def __init__(self, cfg: SaatpEmuConfig, ticket: Ticket, rank: int, conn: Connection) -> None:
         self.cfg, self.ticket, self.rank, self.conn = cfg, ticket, rank, conn
         t = ticket
-        wcfg = WorkerConfig(
-            job_id=t.job_id, worker_id=rank, fan_in=t.workers, window=t.window,
-            rto_ns=t.rto_ns, max_retries=max(1, int(cfg.timeout_s * 1e9 / t.rto_ns)),
-            values_per_packet=t.values_per_packet, ecn_window=True,
-        )  # fmt: skip
-        own = WorkerEngine(
-            worker_name(t.job_id, rank), wcfg, HashedPool(SWITCH, t.job_id, t.pool_slots)
-        )
+        own = scheme_worker(t, rank, cfg.timeout_s)
+        assert isinstance(own, WorkerEngine)
         self.host = HostEngine(own)
         self.P, self.vpp = cfg.iteration_packets, t.values_per_packet
         self.got = [0] * cfg.iterations  # results in, per iteration

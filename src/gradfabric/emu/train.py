@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.records import compare_sides
-from gradfabric.emu.client import SWITCH_ENV, InaClient
+from gradfabric.emu.client import CLIENTS, SWITCH_ENV
 from gradfabric.emu.dlcp import DlcpClient
 from gradfabric.emu.hook import dlcp_hook, ina_hook
 from gradfabric.workloads.digits import digits_data, digits_mlp
@@ -50,6 +50,7 @@ class EmuTrainConfig:
     kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
 
     def __post_init__(self) -> None:
+        CLIENTS.get(self.policy)
         if self.ranks < 2 or self.steps < 1 or self.batch < 1:
             raise ConfigError("ranks", "need >= 2 ranks, >= 1 step, batch >= 1")
 
@@ -65,9 +66,10 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
     from gradfabric.emu.harness import switch_daemon
     from gradfabric.net.launch import run_on_hosts, run_ranks
 
-    options = ["--policy", cfg.policy, "--loss", str(cfg.loss), "--seed", str(cfg.seed)]
-    if cfg.policy == "dlcp":
-        options += ["--port-mbps", str(cfg.port_mbps), "--values-per-packet", "256"]
+    options = [
+        *("--policy", cfg.policy, "--loss", str(cfg.loss), "--seed", str(cfg.seed)),
+        *("--port-mbps", str(cfg.port_mbps), *CLIENTS.get(cfg.policy).DAEMON_OPTIONS),
+    ]
     args = [json.dumps(asdict(cfg))]
     with ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -98,11 +100,7 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
 def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     xtr, ytr, xte, yte = digits_data()
-    client: InaClient | DlcpClient = (
-        DlcpClient.join(timeout_s=cfg.timeout_s)
-        if cfg.policy == "dlcp"
-        else InaClient.join(timeout_s=cfg.timeout_s)
-    )
+    client = CLIENTS.get(cfg.policy).join(timeout_s=cfg.timeout_s)
     replicas = {}
     for name in ("default", "switch"):
         torch.manual_seed(cfg.seed)

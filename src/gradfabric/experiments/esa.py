@@ -28,7 +28,7 @@ from gradfabric.core.config import dump
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
-from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.multijob import TENANCY_SCHEMES, TenancyConfig, run_tenancy
 
 PACKET_JITTER_NS = 2000  # per link, with any iteration jitter

@@ -15,7 +15,7 @@ from typing import Any
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
-from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
 from gradfabric.sim.network import LinkSpec
 from gradfabric.workloads.catalog import model_spec

@@ -16,7 +16,7 @@ from typing import Any
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
-from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.stragglers import StragglerConfig
 from gradfabric.sim.training import TrainingConfig, run_training
 

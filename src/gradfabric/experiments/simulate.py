@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gradfabric.core.errors import ConfigError
+from gradfabric.proto.schemes import COLLECTIVES
 from gradfabric.sim.collective import (
-    SCHEMES,
     Bucket,
     CollectiveResult,
     FabricConfig,
@@ -50,8 +50,10 @@ class SimulateConfig:
         for m in self.models:
             check_model(m, "models")
         for s in self.schemes:
-            if s not in SCHEMES:
-                raise ConfigError("schemes", f"unknown scheme {s!r}; valid: {', '.join(SCHEMES)}")
+            if s not in COLLECTIVES:
+                raise ConfigError(
+                    "schemes", f"unknown scheme {s!r}; valid: {', '.join(COLLECTIVES)}"
+                )
         device(self.device)
         if self.workers < 1 or self.batch < 1:
             raise ConfigError("workers", "workers and batch must be >= 1")
@@ -116,22 +118,10 @@ def run_simulate(cfg: SimulateConfig, tick: Tick | None = None) -> dict[str, Any
             rows.append(_row(model, scheme, it, comm, tl.compute_ns))
             if not cfg.check_bounds:
                 continue
-            if scheme == "ring":
-                bound = ring_bound_ns(cfg.workers, spec.params, cfg.ina, cfg.fabric)
-                checks.append(
-                    _check(model, "ring time vs 2(n-1)/n*S/B + latency", comm.comm_ns, bound, "ns")
-                )
-            if scheme == "switchml" and cfg.fabric.topology == "star":
-                w = cfg.ina.switchml_slots
-                checks.append(
-                    _check(
-                        model,
-                        f"switchml goodput vs min(line, W*payload/RTT), W={w}",
-                        comm.goodput_gbps,
-                        switchml_bound_gbps(cfg.ina, cfg.fabric, w),
-                        "Gbit/s",
-                    )
-                )
+            bound = BOUNDS.get(scheme)
+            check = None if bound is None else bound(model, spec.params, comm, cfg)
+            if check is not None:
+                checks.append(check)
     if cfg.check_bounds and "switchml" in cfg.schemes and cfg.fabric.topology == "star":
         # The window-limited regime: a window too small to fill the pipe, at
         # packet granularity whatever the config says (a train would blur RTT).
@@ -151,6 +141,36 @@ def run_simulate(cfg: SimulateConfig, tick: Tick | None = None) -> dict[str, Any
             )
         )
     return {"rows": rows, "checks": checks}
+
+
+def _ring_check(
+    model: str, params: int, comm: CollectiveResult, cfg: SimulateConfig
+) -> Check | None:
+    bound = ring_bound_ns(cfg.workers, params, cfg.ina, cfg.fabric)
+    return _check(model, "ring time vs 2(n-1)/n*S/B + latency", comm.comm_ns, bound, "ns")
+
+
+def _switchml_check(
+    model: str, params: int, comm: CollectiveResult, cfg: SimulateConfig
+) -> Check | None:
+    if cfg.fabric.topology != "star":  # the bound is a single switch's
+        return None
+    w = cfg.ina.switchml_slots
+    return _check(
+        model,
+        f"switchml goodput vs min(line, W*payload/RTT), W={w}",
+        comm.goodput_gbps,
+        switchml_bound_gbps(cfg.ina, cfg.fabric, w),
+        "Gbit/s",
+    )
+
+
+Check = dict[str, Any]
+# The analytic bound each scheme's time is checked against (SwitchML's on a star).
+BOUNDS: dict[str, Callable[[str, int, CollectiveResult, SimulateConfig], Check | None]] = {
+    "ring": _ring_check,
+    "switchml": _switchml_check,
+}
 
 
 def _check(subject: str, what: str, measured: float, bound: float, unit: str) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """Run one all-reduce over real UDP on loopback: one process per node.
 
-Every process builds the job's engines with the same builder the simulator
-uses (``proto.jobs``) and keeps its own; it binds a UDP socket on an
-ephemeral port, reports the port, receives the address book, and runs. The
-workers push their seeded input (``proto.jobs.worker_input``, the same
-data the simulator's values mode uses) and send back what they received.
+Every process builds the job's engines through the scheme registry
+(``proto.schemes``, as the simulator does) and keeps its own; it binds a UDP
+socket on an ephemeral port, reports the port, receives the address book,
+and runs. The workers start their seeded input (``proto.schemes.worker_input``,
+the same data the simulator's values mode uses) as one bucket and send back
+what they received. Every scheme the simulator runs runs here
+(``COLLECTIVES``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,32 +23,36 @@ import numpy as np
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver, Engine
-from gradfabric.proto.jobs import InaConfig, atp_engines, switchml_engines, worker_input
-from gradfabric.proto.worker import WorkerEngine
+from gradfabric.proto.schemes import COLLECTIVES, JOB_ID, InaConfig, Placement, worker_input
+from gradfabric.proto.schemes import SCHEMES as REGISTRY
+from gradfabric.proto.switch.straggler import HelpConfig
 
-# A Python switch process on a shared host: a window that keeps the switch's
+# A Python switch process on a shared host: windows that keep the switch's
 # socket buffer from overflowing (loopback drops what does not fit, and the
 # retransmissions cost more than the window gains) and a longer RTO than a
 # hardware switch needs.
-UDP_DEFAULTS = InaConfig(switchml_slots=8, atp_window=8, rto_ns=100_000_000)
+UDP_DEFAULTS = InaConfig(switchml_slots=8, atp_window=8, ps_window=8, rto_ns=100_000_000)
+SCHEMES = COLLECTIVES
 
 
-_BUILDERS: dict[str, Callable[[list[str], InaConfig], dict[str, Engine]]] = {
-    "switchml": lambda names, ina: switchml_engines({"sw0": names}, None, ina),
-    "atp": lambda names, ina: atp_engines("sw0", names, ina),
-}
-
-
-SCHEMES = tuple(_BUILDERS)
-
-
-def job_engines(scheme: str, workers: int, ina: InaConfig) -> dict[str, Engine]:
-    build = _BUILDERS.get(scheme)
-    if build is None:
+def placement(scheme: str, workers: int, values: int, ina: InaConfig) -> Placement:
+    """The job's layout: workers ``w0..`` under one switch ``sw0``, the
+    scheme's servers beside them; SA-ATP counts the one bucket as its iteration."""
+    if scheme not in COLLECTIVES:
         raise ConfigError(
             "scheme", f"unknown scheme {scheme!r} for the UDP driver; valid: {', '.join(SCHEMES)}"
         )
-    return build([f"w{i}" for i in range(workers)], ina)
+    s = REGISTRY.get(scheme)
+    names = tuple(f"w{i}" for i in range(workers))
+    per_iteration = max(1, -(-values // ina.values_per_sim_packet))
+    return s.place(
+        names, {"sw0": names}, ina, servers=s.servers(JOB_ID, workers, ina),
+        help=HelpConfig(iteration_packets=per_iteration),
+    )  # fmt: skip
+
+
+def job_engines(scheme: str, workers: int, ina: InaConfig, values: int = 1) -> dict[str, Engine]:
+    return REGISTRY.get(scheme).engines(placement(scheme, workers, values, ina), ina)
 
 
 @dataclass
@@ -84,35 +89,38 @@ async def _recv(conn: Connection) -> Any:
 async def _node(spec: _NodeSpec, conn: Connection) -> None:
     scheme, name, workers, ina = spec.scheme, spec.name, spec.workers, spec.ina
     seed, values, timeout_s = spec.seed, spec.values, spec.timeout_s
-    engine = job_engines(scheme, workers, ina)[name]
+    p = placement(scheme, workers, values, ina)
+    kind = REGISTRY.get(scheme)
+    engine = kind.engines(p, ina)[name]
     result = np.zeros(values, dtype=np.int64)
     vpp = ina.values_per_sim_packet
+    left = [1 if kind.per_bucket else max(1, -(-values // vpp))]  # deliveries to come
     done = asyncio.get_running_loop().create_future()
 
     def on_deliver(d: Deliver) -> None:
         if d.pkt.payload is not None:
-            result[d.seq * vpp : d.seq * vpp + d.pkt.count] = d.pkt.payload
-        if isinstance(engine, WorkerEngine) and engine.idle and not done.done():
+            lo = 0 if kind.per_bucket else d.seq * vpp
+            result[lo : lo + d.pkt.count] = d.pkt.payload
+        left[0] -= 1
+        if left[0] == 0 and not done.done():
             done.set_result(None)
 
     transport, proto = await open_engine(engine, {}, ("127.0.0.1", 0), on_deliver)
     try:
         conn.send(("port", transport.get_extra_info("sockname")[1]))
         proto.book.update(await _recv(conn))
-        if isinstance(engine, WorkerEngine):
+        if name in p.workers:
             await _recv(conn)  # "go": every node has its address book
-            rank = int(name[1:])
-            proto.execute(
-                engine.push(values, time.monotonic_ns(), worker_input(seed, rank, workers, values))
-            )
+            rank = p.workers.index(name)
+            data = worker_input(seed, rank, workers, values)
+            proto.execute(kind.start(engine, 0, values, time.monotonic_ns(), data, 0))
             await asyncio.wait(
-                {done, proto.failed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+                {done, proto.gave_up}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
             if not done.done():
-                if proto.failed.done():
-                    fail = proto.failed.result()
-                    raise PeerTimeoutError(fail.peer, fail.waited_ns / 1e9)
-                raise PeerTimeoutError("sw0", timeout_s)
+                if proto.gave_up.done():
+                    raise proto.gave_up.result()
+                raise PeerTimeoutError(kind.entry(p), timeout_s)
             conn.send(("result", result, dict(engine.counters)))
         else:
             await _recv(conn)  # "stop"
@@ -131,7 +139,7 @@ def udp_allreduce(
 ) -> UdpResult:
     """All-reduce ``values`` int32 per worker through a switch process on loopback."""
     ina = ina or UDP_DEFAULTS
-    names = list(job_engines(scheme, workers, ina))
+    names = list(job_engines(scheme, workers, ina, values))
     ctx = mp.get_context("spawn")
     procs, conns = {}, {}
     for name in names:
@@ -148,7 +156,7 @@ def udp_allreduce(
         for name in names:
             conns[name].send(book)
         t0 = time.perf_counter()
-        wnames = [n for n in names if n.startswith("w")]
+        wnames = [n for n in names if n.startswith("w")]  # the workers, w0..
         for name in wnames:
             conns[name].send("go")
         results, counters = [], {}

@@ -2,7 +2,7 @@
 
 The driver owns everything the engine may not: the socket, the clock
 (``time.monotonic_ns``, the same clock as ``loop.time()``), the single timer
-(armed at the engine's ``next_deadline``) and the address book that turns
+(kept by the shared dispatcher, ``proto.dispatch``) and the address book that turns
 engine names (``"w0"``, ``"sw0"``) into ``(host, port)``. Datagrams that do
 not decode are a ``ProtocolError``: counted in ``counters['drop_malformed']``
 and otherwise ignored, never a crash. With a ``token`` (the emulator's job
@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from gradfabric.core.errors import ProtocolError
-from gradfabric.proto.actions import Action, Deliver, Engine, Fail, HelpRequest, Multicast, Send
+from gradfabric.core.errors import PeerTimeoutError, ProtocolError
+from gradfabric.proto.actions import Deliver, Engine, Fail, HelpRequest
+from gradfabric.proto.dispatch import Port, timeout_error
 from gradfabric.wire.envelope import drop_reason, seal, unseal
 from gradfabric.wire.packet import Packet, decode, encode
 
@@ -34,7 +35,11 @@ def size_buffers(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
 
 
-class EngineProtocol(asyncio.DatagramProtocol):
+class EngineProtocol(asyncio.DatagramProtocol, Port):
+    """One engine on one socket; its actions go through the shared dispatcher
+    (``proto.dispatch.Port``). ``Fail`` completes ``gave_up`` with a
+    ``PeerTimeoutError`` naming the peer, for whoever waits on the job."""
+
     def __init__(
         self,
         engine: Engine,
@@ -43,15 +48,14 @@ class EngineProtocol(asyncio.DatagramProtocol):
         token: bytes | None = None,
         on_help: Callable[[HelpRequest], None] | None = None,
     ) -> None:
-        self.engine = engine
+        Port.__init__(self, engine)
+        self.engine: Engine = engine
         self.token = token
         self.on_help = on_help
         self.book = book
         self.on_deliver = on_deliver
         self.transport: asyncio.DatagramTransport | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.timer_at: int | None = None
-        self.failed: asyncio.Future[Fail] = asyncio.get_running_loop().create_future()
+        self.gave_up: asyncio.Future[PeerTimeoutError] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
@@ -70,43 +74,31 @@ class EngineProtocol(asyncio.DatagramProtocol):
     def error_received(self, exc: Exception) -> None:
         self.engine.counters["socket_error"] += 1
 
-    def execute(self, actions: list[Action]) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                self._send(a.dst, self._encode(a.pkt))
-            elif isinstance(a, Multicast):
-                raw = self._encode(a.pkt)
-                for d in a.dsts:
-                    self._send(d, raw)
-            elif isinstance(a, Deliver):
-                if self.on_deliver is not None:
-                    self.on_deliver(a)
-            elif isinstance(a, Fail) and not self.failed.done():
-                self.failed.set_result(a)
-            elif isinstance(a, HelpRequest) and self.on_help is not None:
-                self.on_help(a)
-        self._arm()
+    # -- the dispatcher's driver side ------------------------------------
+    def send(self, dst: str, pkt: Packet) -> None:
+        self._sendto(dst, self._encode(pkt))
 
-    def _send(self, dst: str, raw: bytes) -> None:
+    def multicast(self, dsts: tuple[str, ...], pkt: Packet) -> None:
+        raw = self._encode(pkt)  # one encoding for every destination
+        for d in dsts:
+            self._sendto(d, raw)
+
+    def schedule(self, deadline_ns: int) -> None:
+        asyncio.get_running_loop().call_at(deadline_ns / 1e9, self.fire, deadline_ns)
+
+    def now(self) -> int:
+        return time.monotonic_ns()
+
+    def on_fail(self, fail: Fail) -> None:
+        if not self.gave_up.done():
+            self.gave_up.set_result(timeout_error(fail))
+
+    def _sendto(self, dst: str, raw: bytes) -> None:
         addr = self.book.get(dst)
         if addr is None or self.transport is None:
             self.engine.counters["drop_no_address"] += 1
             return
         self.transport.sendto(raw, addr)
-
-    def _arm(self) -> None:
-        d = self.engine.next_deadline()
-        if d is None or d == self.timer_at:
-            return
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer_at = d
-        self.timer = asyncio.get_running_loop().call_at(d / 1e9, self._fire)
-
-    def _fire(self) -> None:
-        self.timer = None
-        self.timer_at = None
-        self.execute(self.engine.on_timer(time.monotonic_ns()))
 
 
 async def open_engine(

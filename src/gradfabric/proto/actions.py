@@ -10,7 +10,7 @@ event count at the packets themselves. Drops are counted in the engine's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gradfabric.core.trace import Counters
 from gradfabric.wire.packet import Packet
@@ -68,6 +68,15 @@ class Engine(Protocol):
     def on_timer(self, now_ns: int) -> list[Action]: ...
 
     def next_deadline(self) -> int | None: ...
+
+
+@runtime_checkable
+class Aggregator(Engine, Protocol):
+    """An engine that merges contributions and can say whom it waits on
+    (switches, parameter servers, aggregators): drivers ask it to name the
+    peers behind a stalled collective."""
+
+    def missing_peers(self, job_id: int | None = None) -> list[str]: ...
 
 
 class NoTimers:

@@ -63,8 +63,6 @@ class DctcpSender(DlcpSender):
     """Sends tensors in order within a congestion window; see the module
     docstring for the window, ECN, fast retransmit and timeout rules."""
 
-    deadlines_only_grow = False  # the RTO restarts earlier after a backed-off one
-
     def __init__(
         self, name: str, job_id: int, rank: int, receiver: str, per_packet: int = 256,
         rto_ns: int = 200_000,
@@ -215,8 +213,6 @@ class DctcpReceiver(DlcpReceiver):
     """Assembles tensors exactly (every value) and ACKs every data packet,
     echoing its sequence number, offset and ECN mark. Recovery is the
     sender's: the receiver never asks."""
-
-    deadlines_only_grow = True
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         t = self._incoming(pkt, now_ns)

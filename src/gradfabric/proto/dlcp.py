@@ -115,8 +115,6 @@ class DlcpReceiver:
     pkt.worker_id=sender)``) once at least ``(1 - bound) count`` values are
     in, zeros elsewhere."""
 
-    deadlines_only_grow = True
-
     def __init__(
         self, name: str, job_id: int, rank: int, senders: list[str], rto_ns: int = 200_000,
         accept_bound: float | None = None, keep_done: int = 4096,
@@ -281,8 +279,6 @@ class DlcpSender:
     important first, answers ``RESEND`` requests for ranges, and probes tensors whose ACK has
     not come."""
 
-    deadlines_only_grow = True
-
     def __init__(
         self, name: str, job_id: int, rank: int, receiver: str, per_packet: int = 256,
         rto_ns: int = 200_000,
@@ -366,8 +362,6 @@ class DlcpEndpoint:
     requests go to the sender they name (``worker_id`` of the peer that sent
     them); data goes to the receiver."""
 
-    deadlines_only_grow = False  # the senders' and the receiver's ticks interleave
-
     def __init__(self, name: str, rx: DlcpReceiver, tx: list[DlcpSender]) -> None:
         self.name, self.rx, self.tx = name, rx, tx
         self.counters = Counters()
@@ -423,6 +417,13 @@ class DlcpServer(DlcpEndpoint):
             else:
                 out.append(a)
         return out
+
+    def missing_peers(self, job_id: int | None = None) -> list[str]:
+        """Workers whose copy of some tensor is still incomplete here."""
+        if job_id not in (None, self.rx.job_id):
+            return []
+        ranks = sorted({w for (w, _), t in self.rx.tensors.items() if not t.done})
+        return [self.rx.senders[r] for r in ranks]
 
     def _merge(self, d: Deliver, now_ns: int) -> list[Action]:
         tensor, w, vals = d.seq, d.pkt.worker_id, d.pkt.payload

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from gradfabric.proto.actions import Action, Deliver, HelpRequest
 from gradfabric.proto.worker import WorkerEngine
 from gradfabric.wire.packet import Flag, Packet
 
 
 class HostEngine:
-    deadlines_only_grow = True  # every stream uses the same constant RTO
-
     def __init__(self, own: WorkerEngine) -> None:
         self.name = own.name
         self.own = own
@@ -38,6 +38,17 @@ class HostEngine:
             # wait on the host) and would only wait out retransmission budgets.
             sh.cap = self.own
         return sh
+
+    @property
+    def next_seq(self) -> int:
+        return self.own.next_seq
+
+    def push(
+        self, count: int, now_ns: int, payload: np.ndarray | None = None, layer: int = 0,
+        priority: int = 0, at_seq: int | None = None,
+    ) -> list[Action]:  # fmt: skip
+        """The host's own share (``WorkerEngine.push``)."""
+        return self.own.push(count, now_ns, payload, layer, priority, at_seq)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         if pkt.flags & Flag.NOTIFY:

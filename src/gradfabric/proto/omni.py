@@ -111,6 +111,10 @@ class OmniAggregator(NoTimers):
         self.counters = Counters()
         self.streams: dict[tuple[int, int], _AggStream] = {}
 
+    def missing_peers(self, job_id: int | None = None) -> list[str]:
+        """Workers some open stream waits on (this aggregator serves one job)."""
+        return self.missing_workers() if job_id in (None, self.job_id) else []
+
     def missing_workers(self) -> list[str]:
         """Workers some open stream waits on."""
         return sorted({self.workers[w] for st in self.streams.values() for w in st.waiting})
@@ -219,8 +223,6 @@ class _OBucket:
 
 class OmniWorker:
     """One worker's side of OmniReduce streaming aggregation."""
-
-    deadlines_only_grow = True  # one periodic tick, re-armed rto_ns after it fires
 
     def __init__(
         self,

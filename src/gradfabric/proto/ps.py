@@ -137,6 +137,11 @@ class ParameterServer(NoTimers):
             return [Send(job.via, result)]
         return [Multicast(job.workers, result)]
 
+    def missing_peers(self, job_id: int | None = None) -> list[str]:
+        """Workers partly merged sequences wait on, of ``job_id`` or of every job."""
+        jobs = self.jobs if job_id is None else [j for j in (job_id,) if j in self.jobs]
+        return [w for j in jobs for w in self.missing_workers(j)]
+
     def missing_workers(self, job_id: int) -> list[str]:
         """Workers that partly merged sequences of ``job_id`` still wait on."""
         job = self.jobs[job_id]

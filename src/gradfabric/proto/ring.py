@@ -18,10 +18,15 @@ job, a sender other than the predecessor, a step, chunk or index outside the
 bucket, a length or payload that does not match, a duplicate) is a counted
 drop, never an exception or a corrupted sum. Packets of a bucket not started
 here yet wait, up to ``MAX_EARLY_BUCKETS`` buckets.
+
+A rank runs one bucket at a time, in the order they are started (a ring is one
+communicator, as NCCL's): a bucket started while another is in flight here
+waits, and begins the moment that one is delivered.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -60,6 +65,7 @@ class RingEngine(NoTimers):
         self.buckets: dict[int, _Bucket] = {}
         self.early: dict[int, list[Packet]] = {}  # packets of buckets not started here yet
         self.done: dict[int, None] = {}  # recently finished buckets, oldest first
+        self.queued: deque[tuple[int, int, np.ndarray | None]] = deque()
 
     def _npk(self, length: int) -> int:
         return max(1, -(-length // self.vpp))
@@ -72,8 +78,14 @@ class RingEngine(NoTimers):
     def start(
         self, b: int, count: int, now_ns: int, payload: np.ndarray | None = None
     ) -> list[Action]:
-        if b in self.buckets:
+        if b in self.buckets or any(q[0] == b for q in self.queued):
             raise ValueError(f"bucket {b} already started")
+        if self.buckets:
+            self.queued.append((b, count, payload))
+            return []
+        return self._begin(b, count, now_ns, payload)
+
+    def _begin(self, b: int, count: int, now_ns: int, payload: np.ndarray | None) -> list[Action]:
         self.done.pop(b, None)
         edges = np.linspace(0, count, self.n + 1).astype(np.int64)
         bounds = [(int(edges[c]), int(edges[c + 1])) for c in range(self.n)]
@@ -83,7 +95,7 @@ class RingEngine(NoTimers):
             bk.own = payload.astype(np.int64)
             bk.final = np.zeros(count, dtype=np.int64)
         if self.n == 1:
-            return [self._deliver(b, bk)]
+            return [self._deliver(b, bk), *self._next(now_ns)]
         c = self.rank
         out: list[Action] = []
         for j in range(self._npk(bk.bounds[c][1] - bk.bounds[c][0])):
@@ -137,7 +149,15 @@ class RingEngine(NoTimers):
                 out.append(self._send(b, s + 1, j, c, hi - lo, vals))
         if bk.remaining == 0:
             out.append(self._deliver(b, bk))
+            out += self._next(now_ns)
         return out
+
+    def _next(self, now_ns: int) -> list[Action]:
+        """The bucket queued behind the one just delivered, if any."""
+        if not self.queued:
+            return []
+        b, count, payload = self.queued.popleft()
+        return self._begin(b, count, now_ns, payload)
 
     def _keep(self, bk: _Bucket, lo: int, hi: int, vals: np.ndarray | None) -> None:
         bk.remaining -= 1

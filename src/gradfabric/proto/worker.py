@@ -25,72 +25,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Fail, Send
-from gradfabric.proto.switch.atp import atp_index
+from gradfabric.proto.routes import HashedPool as HashedPool
+from gradfabric.proto.routes import Route
+from gradfabric.proto.routes import Sharded as Sharded
+from gradfabric.proto.routes import StaticSlots as StaticSlots
 from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
-
-
-class Route(Protocol):
-    """Where sequence ``seq`` goes and which aggregator it names."""
-
-    @property
-    def resend_flag(self) -> bool: ...
-
-    def dst(self, seq: int) -> str: ...
-
-    def agg_index(self, seq: int) -> int: ...
-
-
-@dataclass(frozen=True)
-class StaticSlots:
-    """SwitchML: the job's own slot range at its first-hop switch."""
-
-    switch: str
-    slot_base: int
-    slot_count: int
-    resend_flag: bool = False
-
-    def dst(self, seq: int) -> str:
-        return self.switch
-
-    def agg_index(self, seq: int) -> int:
-        return self.slot_base + seq % self.slot_count
-
-
-@dataclass(frozen=True)
-class HashedPool:
-    """ATP: the shared pool, indexed by ``atp_index(job, seq)``."""
-
-    switch: str
-    job_id: int
-    pool_slots: int
-    resend_flag: bool = True
-
-    def dst(self, seq: int) -> str:
-        return self.switch
-
-    def agg_index(self, seq: int) -> int:
-        return atp_index(self.job_id, seq, self.pool_slots)
-
-
-@dataclass(frozen=True)
-class Sharded:
-    """BytePS-style PS: packets round-robin over the server shards."""
-
-    servers: tuple[str, ...]
-    resend_flag: bool = False
-
-    def dst(self, seq: int) -> str:
-        return self.servers[seq % len(self.servers)]
-
-    def agg_index(self, seq: int) -> int:
-        return 0
 
 
 @dataclass(frozen=True)
@@ -128,14 +74,12 @@ _PKT, _DEADLINE, _TRIES = range(3)
 
 
 class WorkerEngine:
-    deadlines_only_grow = True  # every deadline is now + the constant rto_ns
-
     def __init__(self, name: str, cfg: WorkerConfig, route: Route) -> None:
-        if isinstance(route, StaticSlots) and cfg.window > route.slot_count:
+        if cfg.window > route.max_window:
             raise ConfigError(
                 "window",
-                f"{cfg.window} > slot_count {route.slot_count}: a "
-                "SwitchML window cannot exceed the job's slots",
+                f"{cfg.window} > {route.max_window}: a window cannot exceed the "
+                "slots the route reuses (SwitchML's static range)",
             )
         self.name = name
         self.cfg = cfg

@@ -1,7 +1,7 @@
 """Run one collective (all-reduce of a sequence of buckets) on a simulated fabric.
 
-``run_collective`` builds the topology, binds engines to nodes by scheme
-(``SCHEMES``: switchml, atp, saatp, ps, ring, omnireduce), releases each bucket at its ready
+``run_collective`` builds the topology, builds the job's engines through the
+scheme registry (``proto.schemes``), binds them to nodes, releases each bucket at its ready
 time (as DDP's backward pass does) and runs to completion. In values mode
 every worker's data is seeded int32 and every delivered result is kept, so
 callers can check each sum; in timing mode packets carry only a count.
@@ -26,15 +26,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
-from gradfabric.proto.actions import Deliver, Engine
+from gradfabric.proto.actions import Aggregator, Deliver
 from gradfabric.proto.host import HostEngine
-from gradfabric.proto.jobs import JOB_ID, atp_engines, ps_engines, switchml_engines, worker_input
-from gradfabric.proto.jobs import InaConfig as InaConfig
-from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
-from gradfabric.proto.ps import ParameterServer
-from gradfabric.proto.ring import RingEngine
+from gradfabric.proto.schemes import COLLECTIVES, JOB_ID, SCHEMES, worker_input
+from gradfabric.proto.schemes import InaConfig as InaConfig
 from gradfabric.proto.switch import PoolStats, SwitchEngine
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import WorkerEngine
@@ -131,8 +127,8 @@ def deliver_into(
     return b if left[b] == 0 else None
 
 
-class _Run:
-    """Shared state of one run; scheme setups bind engines and return a starter."""
+class CollectiveRun:
+    """Shared state of one run (the training simulator drives one too)."""
 
     def __init__(
         self,
@@ -225,9 +221,7 @@ class _Run:
 
         return on_deliver
 
-    def bucket_deliverer(
-        self, w: int, then: Callable[[int], None] | None = None
-    ) -> Callable[[Deliver], None]:
+    def bucket_deliverer(self, w: int) -> Callable[[Deliver], None]:
         """For engines that deliver whole buckets (``seq`` = bucket, as the
         ring and OmniReduce do): keep the result, mark the bucket done."""
 
@@ -236,162 +230,67 @@ class _Run:
             if self.results is not None and d.pkt.payload is not None:
                 self.results[w][self.offsets[b] : self.offsets[b + 1]] = d.pkt.payload
             self.bucket_done(w, b)
-            if then is not None:
-                then(w)
 
         return on_deliver
 
-    def bind_engines(self, engines: dict[str, Engine]) -> Callable[[int, int], None]:
-        """Bind a job's engines to their nodes; returns the bucket starter."""
+    def build(self) -> Callable[[int, int], None]:
+        """Lay the job out on the fabric, build its engines through the scheme
+        registry and bind them; returns the bucket starter ``start(w, b)``."""
+        scheme = SCHEMES.get(self.scheme)
+        link = self.fabric.link
+        if scheme.lossless and (link.loss or link.dup):
+            raise ConfigError(
+                "link.loss",
+                f"{scheme.name} assumes a lossless, duplicate-free network "
+                "(loss and dup must be 0)",
+            )
+        servers = scheme.servers(JOB_ID, self.n, self.ina)
+        topo = self.topology(list(servers))
+        racks: dict[str, list[str]] = {}
+        for name in self.workers:
+            racks.setdefault(topo.first_hop[name], []).append(name)
+        per_iteration = sum(self.npk[: self.iteration_buckets])
+        p = scheme.place(
+            tuple(self.workers), {k: tuple(v) for k, v in racks.items()}, self.ina,
+            root=topo.spines[0] if topo.spines else None, servers=servers,
+            help=replace(self.help, iteration_packets=per_iteration),
+        )  # fmt: skip
+        engines = scheme.engines(p, self.ina)
         for name, eng in engines.items():
             self.net.bind(name, eng)
             if isinstance(eng, SwitchEngine):
                 self.switches.append(eng)
-        for w, name in enumerate(self.workers):
-            eng = engines[name]
+        workers = [engines[n] for n in self.workers]
+        for w, eng in enumerate(workers):
             if isinstance(eng, HostEngine):
                 self.hosts.append(eng)
                 eng = eng.own
-            assert isinstance(eng, WorkerEngine)
-            self.worker_engines.append(eng)
-            self.net.nodes[name].on_deliver = self.seq_deliverer(w)
+            if isinstance(eng, WorkerEngine):
+                self.worker_engines.append(eng)
+            node = self.net.nodes[self.workers[w]]
+            node.on_deliver = (
+                self.bucket_deliverer(w) if scheme.per_bucket else self.seq_deliverer(w)
+            )
             self.left[w] = list(self.npk)
 
         def start(w: int, b: int) -> None:
-            acts = self.worker_engines[w].push(
-                self.buckets[b].count, self.loop.now, self.payload(w, b), at_seq=self.first_seq[b]
-            )
+            acts = scheme.start(
+                workers[w], b, self.buckets[b].count, self.loop.now, self.payload(w, b),
+                self.first_seq[b], self.masks[w][b],
+            )  # fmt: skip
             self.net.kick(self.workers[w], acts)
 
         return start
 
 
-Setup = Callable[[_Run], Callable[[int, int], None]]
-SCHEMES: Registry[Setup] = Registry("scheme")
-
-
-@SCHEMES.register("switchml")
-def _switchml(run: _Run) -> Callable[[int, int], None]:
-    topo = run.topology([])
-    racks: dict[str, list[str]] = {}
-    for w in run.workers:
-        racks.setdefault(topo.first_hop[w], []).append(w)
-    root = topo.spines[0] if topo.spines else None
-    return run.bind_engines(switchml_engines(racks, root, run.ina))
-
-
-def _atp_engines(run: _Run, keep_results: int = 0) -> tuple[str, dict[str, Engine]]:
-    topo = run.topology(["ps0"])
-    sws = {topo.first_hop[w] for w in run.workers}
-    if len(sws) != 1 or run.n > 64:
-        raise ConfigError(
-            "topology",
-            "ATP here aggregates at one switch (<= 64 workers in one "
-            "rack); use a star or a smaller job",
-        )
-    sw = sws.pop()
-    return sw, atp_engines(sw, run.workers, run.ina, keep_results=keep_results)
-
-
-@SCHEMES.register("atp")
-def _atp(run: _Run) -> Callable[[int, int], None]:
-    return run.bind_engines(_atp_engines(run)[1])
-
-
-@SCHEMES.register("saatp")
-def _saatp(run: _Run) -> Callable[[int, int], None]:
-    """ATP plus straggler help: the switch watches progress, hosts run shadows."""
-    per_iteration = sum(run.npk[: run.iteration_buckets])
-    # Helped, the others may finish iterations while a straggler still waits
-    # on an old result: the PS keeps two iterations of results to answer it.
-    sw, engines = _atp_engines(run, keep_results=2 * per_iteration)
-    switch = engines[sw]
-    assert isinstance(switch, SwitchEngine)
-    lag = run.ina.windowed(run.help.lag_packets)  # in simulated packets (trains)
-    switch.watch(JOB_ID, replace(run.help, iteration_packets=per_iteration, lag_packets=lag))
-    for w in run.workers:
-        own = engines[w]
-        assert isinstance(own, WorkerEngine)
-        engines[w] = HostEngine(own)
-    return run.bind_engines(engines)
-
-
-@SCHEMES.register("ps")
-def _ps(run: _Run) -> Callable[[int, int], None]:
-    servers = [f"ps{i}" for i in range(run.ina.ps_servers or run.n)]
-    run.topology(servers)
-    return run.bind_engines(ps_engines(servers, run.workers, run.ina))
-
-
-@SCHEMES.register("ring")
-def _ring(run: _Run) -> Callable[[int, int], None]:
-    link = run.fabric.link
-    if link.loss or link.dup:
-        raise ConfigError(
-            "link.loss",
-            "the ring baseline assumes a lossless, duplicate-free network (loss and dup must be 0)",
-        )
-    run.topology([])
-    engines = [
-        RingEngine(w, 1, i, run.n, run.workers[(i + 1) % run.n], run.vpp)
-        for i, w in enumerate(run.workers)
-    ]
-    ready = [[False] * len(run.buckets) for _ in run.workers]
-    nxt = [0] * run.n
-
-    def try_start(w: int) -> None:
-        b = nxt[w]
-        if b < len(run.buckets) and ready[w][b] and (b == 0 or run.done[w][b - 1] >= 0):
-            nxt[w] += 1
-            run.net.kick(
-                run.workers[w],
-                engines[w].start(b, run.buckets[b].count, run.loop.now, run.payload(w, b)),
-            )
-
-    for w, eng in enumerate(engines):
-        run.net.bind(run.workers[w], eng)
-        run.net.nodes[run.workers[w]].on_deliver = run.bucket_deliverer(w, try_start)
-
-    def start(w: int, b: int) -> None:
-        ready[w][b] = True
-        try_start(w)
-
-    return start
-
-
-@SCHEMES.register("omnireduce")
-def _omnireduce(run: _Run) -> Callable[[int, int], None]:
-    """OmniReduce: one aggregator per worker (or ``omni_aggregators``) on the
-    same fabric, streaming only non-zero blocks (``gradfabric.proto.omni``)."""
-    if run.ina.train_packets != 1:
-        raise ConfigError("train_packets", "OmniReduce streams real packets: use 1")
-    aggs = [f"agg{i}" for i in range(run.ina.omni_aggregators or run.n)]
-    run.topology(aggs)
-    layout = OmniLayout(aggs, run.ina.omni_streams, run.ina.values_per_packet)
-    for i, a in enumerate(aggs):
-        run.net.bind(a, OmniAggregator(a, JOB_ID, i, run.workers, layout.streams))
-    engines = [OmniWorker(w, JOB_ID, i, layout, run.ina.rto_ns) for i, w in enumerate(run.workers)]
-    for w, eng in enumerate(engines):
-        run.net.bind(run.workers[w], eng)
-        run.net.nodes[run.workers[w]].on_deliver = run.bucket_deliverer(w)
-
-    def start(w: int, b: int) -> None:
-        acts = engines[w].start(
-            b, run.buckets[b].count, run.loop.now, run.payload(w, b), run.masks[w][b]
-        )
-        run.net.kick(run.workers[w], acts)
-
-    return start
-
-
-def _blame(run: _Run, e: PeerTimeoutError) -> PeerTimeoutError:
+def _blame(run: CollectiveRun, e: PeerTimeoutError) -> PeerTimeoutError:
     """Name the workers a stalled switch still waits on, if it knows them."""
-    missing = {c for sw in run.switches for job in sw.jobs for c in sw.missing_children(job)}
-    for node in run.net.nodes.values():
-        if isinstance(node.engine, ParameterServer):
-            missing.update(w for job in node.engine.jobs for w in node.engine.missing_workers(job))
-        elif isinstance(node.engine, OmniAggregator):
-            missing.update(node.engine.missing_workers())
+    missing = {
+        peer
+        for node in run.net.nodes.values()
+        if isinstance(node.engine, Aggregator)
+        for peer in node.engine.missing_peers()
+    }
     missing &= set(run.workers)  # a leaf's own bit at the root is not a worker
     missing_list = sorted(missing, key=lambda w: int(w[1:]))
     if not missing_list:
@@ -424,7 +323,9 @@ def run_collective(
         raise ConfigError("buckets", "need at least one bucket")
     if not 0 <= density <= 1:
         raise ConfigError("density", f"must be in [0, 1], got {density}")
-    run = _Run(
+    if scheme not in COLLECTIVES:
+        raise ConfigError("scheme", f"unknown {scheme!r}; valid: {', '.join(COLLECTIVES)}")
+    run = CollectiveRun(
         scheme,
         workers,
         buckets,
@@ -434,7 +335,7 @@ def run_collective(
         values,
         density,
     )
-    start = SCHEMES.get(scheme)(run)
+    start = run.build()
     for b, bk in enumerate(buckets):
         for w in range(workers):
             if w not in dead_workers:  # a dead worker never contributes
@@ -462,7 +363,7 @@ def run_collective(
             )
     sent = sum(e.next_seq for e in run.worker_engines) if run.worker_engines else 0
     fallback = sum(counters.get(k, 0) for k in ("ps_collision", "ps_overflow", "ps_resend"))
-    if scheme == "ps":
+    if SCHEMES.get(scheme).server_only:
         fallback = sent
     start_ns = min(b.ready_ns for b in buckets)
     return CollectiveResult(

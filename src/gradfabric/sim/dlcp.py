@@ -98,8 +98,6 @@ class DlcpConfig:
 class _Background:
     """A host sending fixed-size packets to random hosts of the other rack."""
 
-    deadlines_only_grow = True
-
     def __init__(self, name: str, peers: list[str], rate_gbps: float, rng: random.Random):
         self.name, self.peers, self.rng = name, peers, rng
         self.counters = Counters()
@@ -169,7 +167,7 @@ class _Job:
                 src = _Background(h, bg[1 - r], bg_rate, random.Random(rng.random()))
                 self.sources.append(src)
                 net.bind(h, src)
-                net.node(h).arm_timer()
+                net.node(h).rearm()
         nrng = np.random.default_rng(cfg.seed)
         # per-packet gradient norms (lognormal, as gradient magnitudes are) for priority classes
         self.norms = [nrng.lognormal(0, 1, -(-c // cfg.per_packet)) for c in cfg.tensors]

@@ -23,11 +23,10 @@ import numpy as np
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.proto.jobs import InaConfig, worker_input
 from gradfabric.proto.priority import PRIORITIES
-from gradfabric.proto.ps import ParameterServer, PsJob
-from gradfabric.proto.switch import PoolStats, SwitchEngine, SwitchJob
-from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
+from gradfabric.proto.schemes import SCHEMES, InaConfig, Placement, worker_input
+from gradfabric.proto.switch import PoolStats, SwitchEngine
+from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.collective import FabricConfig, deliver_into
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import Network
@@ -181,6 +180,7 @@ class _Job:
         self.end_ns = -1
         self.partition = -1
         self.rack: _Rack | None = None
+        self.placement: Placement | None = None
         self.inputs: list[np.ndarray] | None = None
         self.results: list[np.ndarray] | None = None
         if values:
@@ -233,16 +233,16 @@ class _Tenancy:
             topo = star(self.net, racks[0], link)
         else:
             topo = leaf_spine(self.net, racks, cfg.fabric.spines, link, cfg.fabric.fabric_link)
-        if cfg.scheme != "switchml":
-            for names in self.shards.values():
-                for name in names:
-                    self.net.serve_at(name, cfg.ps_merge_gbps)
+        for names in self.shards.values():  # idle hosts where the scheme needs no PS
+            for name in names:
+                self.net.serve_at(name, cfg.ps_merge_gbps)
         self.jitter_rng = random.Random(cfg.seed * 7919 + 17)
         ina = cfg.ina
         self.pool = max(1, cfg.pool_slots // ina.train_packets)  # simulated aggregators
-        self.window = ina.windowed(ina.atp_window)
-        self.sml_slots = ina.windowed(ina.switchml_slots)
-        policy = "atp" if cfg.scheme == "atp" else cfg.scheme
+        self.scheme = scheme = SCHEMES.get(cfg.scheme)
+        self.window = scheme.window(ina)
+        policy = scheme.policy
+        assert policy is not None  # TENANCY_SCHEMES all keep state at the switch
         # One pool per rack switch; SwitchML splits it into static partitions of
         # 2 x window (the shadow copies).
         self.racks: list[_Rack] = []
@@ -254,10 +254,10 @@ class _Tenancy:
                 _Rack(
                     sw,
                     [h for h in hosts if h.startswith("h")],
-                    [True] * (self.pool // (2 * self.sml_slots)),
+                    [True] * (self.pool // (2 * self.window)),
                 )
             )
-        if cfg.scheme == "switchml" and not self.racks[0].partitions:
+        if scheme.static_slots and not self.racks[0].partitions:
             raise ConfigError("pool_slots", "too small for one SwitchML partition")
         self.waiting: list[_Job] = []
         self.jobs = {j.job_id: _Job(j, cfg, values) for j in jobs}
@@ -272,7 +272,7 @@ class _Tenancy:
     def admit(self) -> None:
         while self.waiting:  # first come, first served; first rack that fits
             job = self.waiting[0]
-            sml = self.cfg.scheme == "switchml"
+            sml = self.scheme.static_slots
             rack = next(
                 (
                     r
@@ -290,43 +290,23 @@ class _Tenancy:
             self.start(job, rack)
 
     def start(self, job: _Job, rack: _Rack) -> None:
-        spec, cfg, ina = job.spec, self.cfg, self.cfg.ina
+        spec, ina = job.spec, self.cfg.ina
         job.rack = rack
         job.hosts = [rack.free.pop(0) for _ in range(spec.workers)]
         job.start_ns = self.loop.now
-        shards = self.shards[spec.job_id]
-        if cfg.scheme == "switchml":
-            base = job.partition * 2 * self.sml_slots
-            rack.switch.add_job(
-                SwitchJob(spec.job_id, tuple(job.hosts), slot_base=base, slot_count=self.sml_slots)
-            )
-            window = self.sml_slots
-        else:
-            window = self.window
-            keep = 2 * sum(job.npk[: job.J])
-            rack.switch.add_job(
-                SwitchJob(spec.job_id, tuple(job.hosts), window=window, ps_shards=tuple(shards))
-            )
-            for ps in shards:
-                ps_job = PsJob(spec.job_id, tuple(job.hosts), via=rack.switch.name,
-                               window=max(window, keep))  # fmt: skip
-                self.net.bind(ps, ParameterServer(ps, (ps_job,)))
+        scheme = self.scheme
+        p = job.placement = Placement(
+            spec.job_id, tuple(job.hosts), {rack.switch.name: tuple(job.hosts)},
+            servers=tuple(self.shards[spec.job_id]),
+            window=self.window, pool_slots=self.pool,
+            slot_base=max(0, job.partition) * 2 * self.window,
+            keep_results=2 * sum(job.npk[: job.J]), rto_ns=ina.rto_ns, values_per_packet=job.vpp,
+        )  # fmt: skip
+        for ps, engine in scheme.attach(p, rack.switch).items():
+            self.net.bind(ps, engine)
         for i, h in enumerate(job.hosts):
-            wc = WorkerConfig(
-                job_id=spec.job_id,
-                worker_id=i,
-                fan_in=spec.workers,
-                window=window,
-                rto_ns=ina.rto_ns,
-                values_per_packet=job.vpp,
-                ecn_window=cfg.scheme != "switchml",
-            )
-            route = (
-                StaticSlots(rack.switch.name, job.partition * 2 * self.sml_slots, self.sml_slots)
-                if cfg.scheme == "switchml"
-                else HashedPool(rack.switch.name, spec.job_id, self.pool)
-            )
-            eng = WorkerEngine(h, wc, route)
+            eng = scheme.worker(p, i)
+            assert isinstance(eng, WorkerEngine)
             job.engines.append(eng)
             self.net.bind(h, eng)
             node = self.net.nodes[h]
@@ -385,7 +365,8 @@ class _Tenancy:
         self.finished += 1
         rack = job.rack
         assert rack is not None
-        rack.switch.remove_job(job.spec.job_id)
+        assert job.placement is not None
+        self.scheme.detach(job.placement, rack.switch)
         rack.free += job.hosts
         if job.partition >= 0:
             rack.partitions[job.partition] = True
@@ -410,8 +391,8 @@ def run_tenancy(
     makespan = max(j.end_ns for j in ten.jobs.values()) - min(j.arrival_ns for j in jobs)
     pool = PoolStats.total(r.switch.policy.stats for r in ten.racks)
     held = pool.held_ns
-    if cfg.scheme == "switchml":  # a static partition is held for the job's whole life
-        held = sum((j.end_ns - j.start_ns) * 2 * ten.sml_slots for j in ten.jobs.values())
+    if ten.scheme.static_slots:  # a static partition is held for the job's whole life
+        held = sum((j.end_ns - j.start_ns) * 2 * ten.window for j in ten.jobs.values())
     counters = Counters()
     for r in ten.racks:
         counters.update(r.switch.counters)

@@ -21,23 +21,14 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from heapq import heappush
 
-from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.proto.actions import (
-    Action,
-    Deliver,
-    Engine,
-    Fail,
-    HelpRequest,
-    Multicast,
-    NoTimers,
-    Send,
-)
+from gradfabric.proto.actions import Action, Engine
+from gradfabric.proto.dispatch import Port
 from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.switch import SwitchEngine
 from gradfabric.sim.loop import EventLoop
@@ -122,6 +113,10 @@ class Link:
             spec.ecn_bytes,
             spec.prop_delay_ns,
         )
+
+    def slow_down(self, factor: float) -> None:
+        """Serialise at the spec's rate divided by ``factor`` (a straggling NIC)."""
+        self.ps_per_byte = 8e12 / (self.spec.link_gbps * 1e9) * factor
 
     def send(self, dst: str, pkt: Packet) -> None:
         # The simulator's hottest function: locals instead of attribute chains.
@@ -220,39 +215,30 @@ class PriorityLink(Link):
             self._start(dst, pkt, size, self.busy_until_ps)
 
 
-class Node:
+class Node(Port):
     """A host or switch. Packets addressed to it go to its engine (if any);
-    others are forwarded along ``routes`` (several links = ECMP, hashed per flow)."""
+    others are forwarded along ``routes`` (several links = ECMP, hashed per
+    flow). Its engine's actions go through the shared dispatcher (``Port``):
+    ``Fail`` raises ``PeerTimeoutError`` out of the run."""
 
     __slots__ = (
         "cut_through",
         "direct",
-        "engine",
-        "grow_only",
         "loop",
         "name",
         "net",
-        "on_deliver",
-        "on_help",
         "routes",
         "serve_free_ps",
         "serve_ps_per_byte",
-        "timed",
-        "timer_at",
     )
 
     def __init__(self, net: Network, name: str) -> None:
+        super().__init__()
         self.net = net
         self.loop = net.loop
         self.name = name
-        self.engine: Engine | None = None
         self.routes: dict[str, list[Link]] = {}
         self.direct: dict[str, Link] = {}
-        self.on_deliver: Callable[[Deliver], None] | None = None
-        self.on_help: Callable[[HelpRequest], None] | None = None
-        self.timer_at: int | None = None
-        self.timed = False
-        self.grow_only = False
         self.cut_through = False  # a switch: trains pipeline through it
         # a host whose engine works through its packets' bytes at a finite rate
         # (a PS merging on its CPU): packets wait their turn (FIFO) first
@@ -293,41 +279,15 @@ class Node:
             return links[self.net.rng.randrange(len(links))]
         return links[(pkt.job_id * 40503 + pkt.worker_id * 9973 + _name_hash(dst)) % len(links)]
 
-    def execute(self, actions: list[Action]) -> None:
-        direct = self.direct  # dst -> its one link, learnt by link_to (not ECMP)
-        for a in actions:
-            if type(a) is Send:
-                link = direct.get(a.dst)
-                (link or self.link_to(a.dst, a.pkt)).send(a.dst, a.pkt)
-            elif type(a) is Multicast:
-                for d in a.dsts:
-                    p = a.pkt.clone()
-                    link = direct.get(d)
-                    (link or self.link_to(d, p)).send(d, p)
-            elif type(a) is Deliver:
-                if self.on_deliver is not None:
-                    self.on_deliver(a)
-            elif type(a) is Fail:
-                raise PeerTimeoutError(a.peer, a.waited_ns / 1e9)
-            elif type(a) is HelpRequest and self.on_help is not None:
-                self.on_help(a)
-        if self.timed and (self.timer_at is None or not self.grow_only):
-            self.arm_timer()
+    def send(self, dst: str, pkt: Packet) -> None:
+        # ``direct``: dst -> its one link, learnt by link_to (not ECMP)
+        (self.direct.get(dst) or self.link_to(dst, pkt)).send(dst, pkt)
 
-    def arm_timer(self) -> None:
-        eng = self.engine
-        if eng is None:
-            return
-        d = eng.next_deadline()
-        if d is not None and (self.timer_at is None or d < self.timer_at):
-            self.timer_at = d
-            self.net.loop.at(d, self.fire, d)
+    def schedule(self, deadline_ns: int) -> None:
+        self.loop.at(deadline_ns, self.fire, deadline_ns)
 
-    def fire(self, when: int) -> None:
-        if when != self.timer_at or self.engine is None:
-            return
-        self.timer_at = None
-        self.execute(self.engine.on_timer(self.net.loop.now))
+    def now(self) -> int:
+        return self.loop.now
 
 
 @dataclass
@@ -362,10 +322,6 @@ class Network:
         node = self.node(name)
         node.engine = engine
         node.cut_through = isinstance(engine, SwitchEngine)
-        node.timed = not isinstance(engine, NoTimers)
-        # An engine whose new deadlines are never earlier than its pending ones
-        # (a constant RTO) needs no re-arming while a timer is pending.
-        node.grow_only = bool(getattr(engine, "deadlines_only_grow", False))
 
     def serve_at(self, name: str, gbps: float) -> None:
         """Node ``name``'s engine takes its packets' values at ``gbps`` (one at a

@@ -32,10 +32,10 @@ from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import HelpRequest
 from gradfabric.proto.host import HostEngine
-from gradfabric.proto.jobs import InaConfig
+from gradfabric.proto.schemes import COLLECTIVES, SCHEMES, InaConfig
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import WorkerEngine
-from gradfabric.sim.collective import SCHEMES, Bucket, FabricConfig, _Run
+from gradfabric.sim.collective import Bucket, CollectiveRun, FabricConfig
 from gradfabric.sim.stragglers import StragglerConfig, factors
 from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, check_model, model_spec
 from gradfabric.workloads.compute import device, timeline
@@ -97,7 +97,8 @@ class TrainingConfig:
     ina: InaConfig = field(default_factory=InaConfig)
 
     def __post_init__(self) -> None:
-        SCHEMES.get(self.scheme)
+        if self.scheme not in COLLECTIVES:
+            raise ConfigError("scheme", f"unknown {self.scheme!r}; valid: {', '.join(COLLECTIVES)}")
         TAKEOVER.get(self.takeover)
         check_model(self.model)
         device(self.device)
@@ -150,13 +151,13 @@ class _Trainer:
         self.J = len(self.tl.buckets)
         self.offsets = [b.ready_ns for b in self.tl.buckets]  # from the iteration's start
         buckets = [Bucket(0, b.values) for _ in range(cfg.iterations) for b in self.tl.buckets]
-        self.run = run = _Run(
+        self.run = run = CollectiveRun(
             cfg.scheme, cfg.workers, buckets, cfg.fabric, cfg.ina, cfg.seed, values
         )
         run.iteration_buckets = self.J
         run.help = cfg.help
         run.bucket_hook = self.bucket_done
-        self.start = SCHEMES.get(cfg.scheme)(run)
+        self.start = run.build()
         self.factors = factors(cfg.stragglers, cfg.iterations, cfg.workers, cfg.seed)
         n = cfg.workers
         self.current = [0] * n
@@ -184,7 +185,7 @@ class _Trainer:
             for d, links in node.routes.items()
             if d == name and len(links) == 1
         ]
-        return [(link, link.ps_per_byte) for link in [*up, *down]]
+        return [*up, *down]
 
     def begin(self, w: int, it: int) -> None:
         loop = self.run.loop
@@ -192,8 +193,8 @@ class _Trainer:
         sigma = float(self.factors[it, w])
         compute = sigma
         if self.cfg.stragglers.nic:
-            for link, base in self.nic_links[w]:
-                link.ps_per_byte = base * sigma
+            for link in self.nic_links[w]:
+                link.slow_down(sigma)
             compute = 1.0
         self.current[w] = it
         self.iter_start[w] = t0
@@ -330,7 +331,9 @@ def run_training(
         helps_declined=tr.helps_declined,
         help_compute_ns=tr.help_compute_ns,
         help_load_ns=tr.help_load_ns,
-        replica_gb_per_worker=cfg.shard_gb * cfg.help.replicas if cfg.scheme == "saatp" else 0.0,
+        replica_gb_per_worker=cfg.shard_gb * cfg.help.replicas
+        if SCHEMES.get(cfg.scheme).helps
+        else 0.0,
         results=run.results,
         inputs=run.inputs,
     )

@@ -30,19 +30,12 @@ import numpy as np
 
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Multicast, Send
+from gradfabric.proto.routes import atp_index as atp_index
 from gradfabric.proto.switch.engine import POLICIES, PoolStats
 from gradfabric.proto.switch.job import SwitchJob
 from gradfabric.wire.packet import Flag, Packet
 
 FREE, AGGREGATING, COMPLETE = range(3)
-
-
-def atp_index(job_id: int, seq: int, pool_slots: int) -> int:
-    """Aggregator of ``(job, seq)``: consecutive sequences of one job take
-    consecutive aggregators from a per-job offset (Knuth's multiplicative
-    hash of the job id), so a job never collides with itself while its window
-    is at most the pool, and different jobs overlap as hashed."""
-    return (seq + job_id * 2654435761) % pool_slots
 
 
 class _Agg:

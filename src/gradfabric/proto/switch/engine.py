@@ -157,6 +157,12 @@ class SwitchEngine(NoTimers):
                 actions += mon.observe(pkt)
         return actions
 
+    def missing_peers(self, job_id: int | None = None) -> list[str]:
+        """Children some partly filled aggregator waits on, of ``job_id`` or
+        of every job."""
+        jobs = self.jobs if job_id is None else [j for j in (job_id,) if j in self.jobs]
+        return [c for j in jobs for c in self.missing_children(j)]
+
     def missing_children(self, job_id: int) -> list[str]:
         """Children that partly filled aggregators of ``job_id`` still wait on
         (who to blame when a collective stalls)."""

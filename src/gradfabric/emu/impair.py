@@ -1,0 +1,55 @@
+"""Impairments of the switch daemon's datagrams (this kernel has no netem).
+
+Every datagram in and out is independently lost with ``loss``, duplicated
+with ``dup`` and held for ``delay_us`` plus a uniform ``jitter_us`` (which
+reorders), all drawn from one seeded generator, so a run's impairments
+repeat with its seed.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.core.trace import Counters
+
+
+@dataclass(frozen=True)
+class Impairment:
+    loss: float = 0.0
+    dup: float = 0.0
+    delay_us: float = 0.0
+    jitter_us: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("loss", "dup"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.delay_us < 0 or self.jitter_us < 0:
+            raise ConfigError("delay_us", "delays must be >= 0")
+
+
+class Impairer:
+    """Draws each datagram's fate (counted in ``counters``)."""
+
+    def __init__(self, imp: Impairment, counters: Counters) -> None:
+        self.imp = imp
+        self.rng = random.Random(imp.seed)
+        self.counters = counters
+
+    def lost(self) -> bool:
+        if self.imp.loss and self.rng.random() < self.imp.loss:
+            self.counters["impair_loss"] += 1
+            return True
+        return False
+
+    def delays_s(self) -> list[float]:
+        """The delay of each copy of an outgoing datagram (none if it is lost)."""
+        imp, rng = self.imp, self.rng
+        if self.lost():
+            return []
+        copies = 2 if imp.dup and rng.random() < imp.dup else 1
+        self.counters["impair_dup"] += copies - 1
+        return [(imp.delay_us + rng.random() * imp.jitter_us) / 1e6 for _ in range(copies)]
