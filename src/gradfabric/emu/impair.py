@@ -1,7 +1,7 @@
 """Impairments of the switch daemon's datagrams (this kernel has no netem).
 
 Every datagram in and out is independently lost with ``loss``, duplicated
-with ``dup`` and held for ``delay_us`` plus a uniform ``jitter_us`` (which
+with ``dup`` and held for ``delay_ns`` plus a uniform ``jitter_ns`` (which
 reorders), all drawn from one seeded generator, so a run's impairments
 repeat with its seed.
 """
@@ -9,7 +9,7 @@ repeat with its seed.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
@@ -17,18 +17,18 @@ from gradfabric.core.trace import Counters
 
 @dataclass(frozen=True)
 class Impairment:
-    loss: float = 0.0
-    dup: float = 0.0
-    delay_us: float = 0.0
-    jitter_us: float = 0.0
-    seed: int = 0
+    loss: float = field(default=0.0, metadata={"help": "drop probability per datagram"})
+    dup: float = field(default=0.0, metadata={"help": "duplication probability"})
+    delay_ns: int = field(default=0, metadata={"help": "delay of every datagram"})
+    jitter_ns: int = field(default=0, metadata={"help": "uniform extra delay (reorders)"})
+    seed: int = field(default=0, metadata={"help": "seed of the impairments"})
 
     def __post_init__(self) -> None:
         for name in ("loss", "dup"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
-        if self.delay_us < 0 or self.jitter_us < 0:
-            raise ConfigError("delay_us", "delays must be >= 0")
+        if self.delay_ns < 0 or self.jitter_ns < 0:
+            raise ConfigError("delay_ns", "delays must be >= 0")
 
 
 class Impairer:
@@ -52,4 +52,4 @@ class Impairer:
             return []
         copies = 2 if imp.dup and rng.random() < imp.dup else 1
         self.counters["impair_dup"] += copies - 1
-        return [(imp.delay_us + rng.random() * imp.jitter_us) / 1e6 for _ in range(copies)]
+        return [(imp.delay_ns + rng.random() * imp.jitter_ns) / 1e9 for _ in range(copies)]

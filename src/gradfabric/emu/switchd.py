@@ -61,24 +61,36 @@ BURST_S: Final = 0.001  # the DLCP port's credit after idling: one timer tick
 POLICIES: Final = ("switchml", "atp", "esa", "dlcp", "ps", "omni")  # schemes a daemon hosts
 
 
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with the help (and choices) its command-line flag shows."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class SwitchConfig:
-    policy: str = "atp"  # the scheme (``proto.schemes``); ``omni`` is OmniReduce
-    slots: int = 4096  # aggregators (SwitchML: cut into per-job ranges of job_slots)
-    job_slots: int = 32  # SwitchML: each job's slot range; ATP/ESA: the workers' window
-    values_per_packet: int = 1024
-    rto_ns: int = 20_000_000
-    host: str = "127.0.0.1"
-    port: int = 0
-    control_port: int = 0
-    metrics_port: int | None = None
+    """The daemon's settings; ``gradfabric switch serve`` derives its flags
+    from these fields (``rto_ns`` is given in ms there)."""
+
+    policy: str = _opt(
+        "atp",
+        "the switch's aggregation (switchml, atp, esa), a DLCP server behind a priority "
+        "port (dlcp), a parameter server (ps) or an OmniReduce aggregator (omni)",
+        POLICIES,
+    )
+    slots: int = _opt(4096, "aggregators in the pool")
+    job_slots: int = _opt(32, "SwitchML: slots per job; ATP/ESA: the window")
+    values_per_packet: int = _opt(1024, "values per datagram")
+    rto_ns: int = _opt(20_000_000, "workers' retransmission timeout")
+    host: str = _opt("127.0.0.1", "address to serve on")
+    port: int = _opt(0, "data (UDP) port; 0 picks one")
+    control_port: int = _opt(0, "control (TCP) port; 0 picks one")
+    metrics_port: int | None = _opt(None, "serve Prometheus text here")
     impair: Impairment = field(default_factory=Impairment)
-    # DLCP: the port into the job's server (0: unshaped) and the loss bounds
-    port_mbps: float = 0.0
-    port_buffer_kb: int = 256
-    push_bound: float = 0.1
-    pull_bound: float = 0.02
-    omni_streams: int = 16  # omni: streams per job's aggregator
+    port_mbps: float = _opt(0.0, "dlcp: the rate of the port into the job servers (0: unshaped)")
+    port_buffer_kb: int = _opt(256, "dlcp: that port's buffer")
+    push_bound: float = _opt(0.1, "dlcp: loss bound, push")
+    pull_bound: float = _opt(0.02, "dlcp: loss bound, pull")
+    omni_streams: int = _opt(16, "omni: streams per job's aggregator")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -1,0 +1,41 @@
+"""The ``gradfabric`` command line: one module per command, listed here in
+the order ``--help`` shows them.
+
+Exit codes: 0 success; 1 the run finished but a check it makes failed (an
+analytic bound missed, an experiment raised); 2 bad usage or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from gradfabric.cli import bench, daemon, experiment, models, plan, reproduce, simulate
+from gradfabric.cli.common import err
+from gradfabric.core.errors import ConfigError
+
+# In help order: the main job first, then studies, tools, daemons, reference.
+COMMANDS = (reproduce, simulate, experiment, plan, bench, daemon, models)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gradfabric",
+        description="Distributed DNN training that communicates less and waits less.",
+    )
+    p.add_argument("--version", action="version", version="gradfabric 0.1.0")
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        err.print(f"[red]config error:[/red] {e}")
+        return 2
+    except KeyboardInterrupt:
+        return 130

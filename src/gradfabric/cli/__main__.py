@@ -1,0 +1,3 @@
+from gradfabric.cli import main
+
+raise SystemExit(main())

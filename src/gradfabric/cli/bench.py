@@ -1,0 +1,158 @@
+"""``gradfabric bench``: speed, measured side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+from gradfabric.cli.common import Sub, add_output, csv, progress, report
+from gradfabric.core.errors import ConfigError
+
+OMNI_FLOOR = (
+    "floor = max over ranks r of max(|N_r|, |U_-r|) * B * 8 / link rate, where N_r "
+    "are the non-zero blocks of rank r, U_-r the blocks non-zero at some rank other "
+    "than r, and B the bytes of a block: whatever the exchange, every rank sends each "
+    "of its non-zero blocks at least once and receives, for each block another rank "
+    "holds, at least one block of their sum (with 2 ranks the gather path moves "
+    "exactly this). path_ratio: bytes on the busiest link of the paths taken (gather, "
+    "sharded or dense, chosen per chunk) over the floor's bytes"
+)
+
+
+def add(sub: Sub) -> None:
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bs = bsub.add_parser("sim", help="simulator speed: packet events per wall second")
+    bs.add_argument("--scheme", default="atp")
+    bs.add_argument("--model", default="resnet50")
+    bs.add_argument("--workers", type=int, default=8)
+    bs.add_argument("--repeats", type=int, default=3)
+    add_output(bs, "bench-sim", "print the result as one JSON object")
+    bs.set_defaults(fn=sim)
+
+    bo = bsub.add_parser(
+        "omnireduce",
+        help="sparse vs dense all-reduce on gloo (loopback or shaped links)",
+        description="Sparse (OmniReduce-style) vs torch.distributed.all_reduce "
+        "on gloo ranks, medians of --iters timed calls after a warm-up, side by "
+        "side in one run. On loopback, or with --link-gbps each rank in a network "
+        "namespace behind a tbf-shaped link (root). bytes_ratio: bytes the busiest "
+        "rank sends on the sparse path over a dense ring's 2(n-1)/n*N*4. "
+        "floor_ratio (shaped links only): measured time over the data-volume "
+        f"floor; {OMNI_FLOOR}.",
+    )
+    bo.add_argument("--ranks", type=int, default=2)
+    bo.add_argument("--size-mb", type=float, default=100.0)
+    bo.add_argument("--densities", help="comma-separated, default 1,.8,.4,.2,.1,.08,.04,.02,.01")
+    bo.add_argument("--iters", type=int, default=10)
+    bo.add_argument("--link-gbps", type=float, help="shape links in network namespaces (root)")
+    add_output(bo, "bench-omnireduce")
+    bo.set_defaults(fn=omnireduce)
+
+    bw = bsub.add_parser(
+        "switch",
+        help="the software switch vs gloo all-reduce on loopback",
+        description="For each worker count: a switch daemon and that many gloo ranks "
+        "(torchrun) sum the same float32 tensor through the switch (what ina_hook does: "
+        "block-exponent round, quantisation, packets, decoding) and with "
+        "torch.distributed.all_reduce, alternating, medians of --iters after a warm-up. "
+        "goodput_gbps: tensor bits per second of switch time; switch_cpu_gbps: the same "
+        "per second of the switch process's CPU time (what one switch core sustains).",
+    )
+    bw.add_argument("--workers", default="2,4", help="comma-separated worker counts")
+    bw.add_argument("--tensor-mb", type=float, default=4.0)
+    bw.add_argument("--iters", type=int, default=5)
+    bw.add_argument("--policy", default="switchml", choices=["switchml", "atp", "esa"])
+    bw.add_argument("--job-slots", type=int, default=8, help="the workers' window")
+    bw.add_argument(
+        "--values-per-packet", type=int, default=16_000,
+        help="values per datagram (16000: 64 KB, whole on loopback)",
+    )  # fmt: skip
+    add_output(bw, "bench-switch")
+    bw.set_defaults(fn=switch)
+
+
+def sim(args: argparse.Namespace) -> int:
+    from gradfabric.proto.schemes import InaConfig
+    from gradfabric.sim.collective import Bucket, run_collective
+    from gradfabric.workloads.catalog import model_spec
+    from gradfabric.workloads.compute import device, timeline
+
+    spec = model_spec(args.model)
+    tl = timeline(spec, 32, device("v100"))
+    buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
+    runs = []
+    with progress(args.repeats, args.json) as tick:
+        for i in range(args.repeats):
+            tick(f"run {i + 1}")
+            r = run_collective(args.scheme, args.workers, buckets, ina=InaConfig(train_packets=1))
+            runs.append(
+                {"events": r.events, "wall_s": r.wall_s, "events_per_s": r.events / r.wall_s}
+            )
+    res: dict[str, Any] = {
+        "scheme": args.scheme,
+        "model": args.model,
+        "workers": args.workers,
+        "granularity": "packet",
+        "repeats": args.repeats,
+        "events_per_s": statistics.median(x["events_per_s"] for x in runs),
+        "events": runs[0]["events"],
+        "wall_s": [x["wall_s"] for x in runs],
+    }
+    footer = (
+        f"{args.scheme} {args.model}, {args.workers} workers, packet granularity: "
+        f"{res['events']} events; median {res['events_per_s']:,.0f} events/s over "
+        f"{args.repeats} runs (wall s: {', '.join(f'{w:.2f}' for w in res['wall_s'])})"
+    )
+    config = {k: vars(args)[k] for k in ("scheme", "model", "workers", "repeats")}
+    report(args, "bench-sim", config, res, json_keys=None, footer=footer)
+    return 0
+
+
+def omnireduce(args: argparse.Namespace) -> int:
+    from gradfabric.collectives.bench import DENSITIES, run_bench
+
+    densities = list(csv(args.densities, float) or DENSITIES)
+    if args.ranks < 2 or args.iters < 1 or args.size_mb <= 0:
+        raise ConfigError("ranks", "need --ranks >= 2, --iters >= 1 and --size-mb > 0")
+    rows = run_bench(args.ranks, args.size_mb, densities, args.iters, args.link_gbps)
+    where = f"{args.link_gbps:g} Gbit/s shaped links" if args.link_gbps else "loopback"
+    config = {"ranks": args.ranks, "size_mb": args.size_mb, "densities": densities,
+              "iters": args.iters, "link_gbps": args.link_gbps}  # fmt: skip
+    report(
+        args, "bench-omnireduce", config, {"rows": rows},
+        tables=[("rows", f"sparse vs dense all-reduce, {args.size_mb:g} MB, {args.ranks} gloo "
+                 f"ranks, {where} (medians of {args.iters})",
+                 ["density", "gradfabric_ms", "dense_ms", "speedup", "bytes_ratio",
+                  "path_ratio", "floor_ratio", "max_abs_diff"])],
+        footer=OMNI_FLOOR if args.link_gbps else "",
+    )  # fmt: skip
+    return 0 if all(r["max_abs_diff"] < 1e-3 for r in rows) else 1
+
+
+def switch(args: argparse.Namespace) -> int:
+    from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
+
+    cfgs = [
+        SwitchBenchConfig(workers=w, tensor_mb=args.tensor_mb, iters=args.iters,
+                          policy=args.policy, job_slots=args.job_slots,
+                          values_per_packet=args.values_per_packet)
+        for w in csv(args.workers, int) or (2, 4)
+    ]  # fmt: skip
+    rows = []
+    with progress(len(cfgs), args.json) as tick:
+        for c in cfgs:
+            tick(f"{c.workers} workers")
+            rows.append(run_switch_bench(c))
+    shown = [{k: v for k, v in r.items() if k != "switch_counters"} for r in rows]
+    report(
+        args, "bench-switch", {"runs": [asdict(c) for c in cfgs]}, {"rows": shown, "full": rows},
+        tables=[("rows", f"software switch ({args.policy}) vs gloo all-reduce, loopback "
+                 f"(medians of {args.iters})",
+                 ["workers", "tensor_mb", "switch_ms", "gloo_ms", "goodput_gbps",
+                  "switch_cpu_gbps", "max_error"])],
+    )  # fmt: skip
+    # both sum float32; the switch adds only block quantisation (~1e-8 of a block's peak)
+    return 0 if all(r["max_error"] < 1e-4 for r in rows) else 1

@@ -1,0 +1,218 @@
+"""``gradfabric experiment``: one experiment's grid, rows and comparisons."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from typing import Any
+
+from gradfabric.cli import udp
+from gradfabric.cli.common import Rows, Sub, TableSpec, Tick, add_output, csv, progress, report
+from gradfabric.core.cells import default_processes
+from gradfabric.core.errors import ConfigError
+
+Study = Callable[[Any, Tick], Rows]
+
+
+def add(sub: Sub) -> None:
+    e = sub.add_parser("experiment", help="run one experiment's grid and print its rows")
+    esub = e.add_subparsers(dest="experiment", required=True)
+
+    es = esub.add_parser("saatp", help="SA-ATP vs ATP, SwitchML and ring under stragglers")
+    es.add_argument("--quick", action="store_true", help="ResNet-50, 8 workers, one straggler")
+    es.add_argument("--models", help="comma-separated, e.g. resnet50,vgg16,bert-base")
+    es.add_argument("--workers", help="comma-separated worker counts, e.g. 8,32")
+    es.add_argument("--stragglers", help="comma-separated straggler counts, e.g. 1,2")
+    es.add_argument("--slowdowns", help="comma-separated factors, e.g. 1,1.25,2,4")
+    es.add_argument("--iterations", type=int, help="iterations per run (default 3)")
+    add_output(es, "saatp")
+    es.set_defaults(fn=saatp)
+
+    ee = esub.add_parser("esa", help="ESA vs ATP vs SwitchML: JCT against pool size and load")
+    ee.add_argument(
+        "--quick", action="store_true", help="one pool size, one load, 200 us jitter, 4 jobs"
+    )
+    ee.add_argument("--pools", help="comma-separated pool sizes in aggregators, e.g. 512,4096")
+    ee.add_argument("--loads", help="comma-separated offered loads, e.g. 0.5,0.9")
+    ee.add_argument("--jobs", type=int, help="jobs per trace")
+    ee.add_argument(
+        "--jitters-us",
+        help="comma-separated per-iteration start jitter of workers in us (0: lockstep), "
+        "e.g. 0,200; with any, packets also get 2 us of jitter per link",
+    )
+    ee.add_argument("--train-packets", type=int, help="real packets per simulated one (4)")
+    ee.add_argument("--schemes", help="comma-separated: switchml,atp,esa")
+    ee.add_argument("--seeds", type=int, help="traces per cell (seeds 0..N-1; default 1)")
+    ee.add_argument(
+        "--train-error",
+        help="also the train-size error study at these trains, finest last, e.g. 16,4,1",
+    )
+    _processes(ee)
+    add_output(ee, "esa")
+    ee.set_defaults(fn=esa)
+
+    ed = esub.add_parser(
+        "dlcp",
+        help="DLCP: transport vs reliable under load, and the convergence study",
+        description="Transport rows (scheme, baseline, load, iter_time_ms, p99_comm_ms): "
+        "8 workers on a simulated leaf-spine with background traffic, either pushing to and "
+        "pulling from a PS (baseline ps) or in a ring all-reduce (baseline allreduce); DLCP "
+        "(bounded loss, strict-priority queues with WRED, spraying) and its ablations "
+        "against reliable transport; lost is the share of gradient values that never "
+        "reached the sum. The reliable transports: open-loop paced with receiver NACKs "
+        "(reliable) and windowed, ECN-reactive with fast retransmit (dctcp), each with ECMP "
+        "or spraying; DLCP's gain is stated against the best of them under the same routing. "
+        "Convergence rows: a student MLP on a seeded teacher task (20,000 test examples) "
+        "with 4 data-parallel workers whose gradient packets are lost up to a bound under a "
+        "drop policy (magnitude: DLCP's priorities; random; largest), against lossless "
+        "training on the same seeds: accuracy and its paired difference with 95% intervals, "
+        "and steps to a target accuracy.",
+    )
+    ed.add_argument("--quick", action="store_true", help="smaller tensors, fewer bounds/seeds")
+    ed.add_argument("--loads", help="comma-separated background loads, e.g. 0,0.5,0.8")
+    ed.add_argument(
+        "--collectives",
+        default="ps,allreduce",
+        help="comma-separated: ps,allreduce (empty: no transport grid)",
+    )
+    ed.add_argument("--seeds", type=int, help="seeds per cell (default 5, quick 3; convergence 10)")
+    ed.add_argument("--no-convergence", action="store_true", help="the transport grid only")
+    _processes(ed)
+    ed.add_argument("--policies", help="comma-separated: magnitude,random,largest")
+    ed.add_argument("--bounds", help="comma-separated loss bounds, e.g. 0.05,0.1,0.3")
+    add_output(ed, "dlcp")
+    ed.set_defaults(fn=dlcp)
+
+    udp.add(esub)
+
+
+def _processes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-p", "--processes", type=int, help="cells run at once (default: one per core)")
+
+
+def _grid(
+    args: argparse.Namespace,
+    name: str,
+    grid: Any,
+    steps: int,
+    run: Study,
+    compare: Callable[[Rows], Rows],
+    tables: list[TableSpec],
+    extra: dict[str, Study] | None = None,
+) -> int:
+    """Run an experiment grid (and any ``extra`` studies, each a named set of
+    rows) and report it: ``rows``, ``cmp`` and each extra's rows."""
+    with progress(steps, args.json) as tick:
+        rows = run(grid, tick)
+        data = {"rows": rows, "cmp": compare(rows)}
+        for key, study in (extra or {}).items():
+            data[key] = study(grid, tick)
+    report(args, name, grid, data, tables, json_keys=["rows", *(extra or {})])
+    return 0
+
+
+def saatp(args: argparse.Namespace) -> int:
+    from gradfabric.experiments.saatp import SaatpGrid, compare, run_grid
+
+    grid = SaatpGrid.quick() if args.quick else SaatpGrid()
+    given = {
+        "models": csv(args.models, str),
+        "workers": csv(args.workers, int),
+        "slowdowns": csv(args.slowdowns, float),
+        "stragglers": csv(args.stragglers, int),
+        "iterations": args.iterations,
+    }
+    grid = replace(grid, **{k: v for k, v in given.items() if v})
+    steps = len(grid.models) * len(grid.workers) * len(grid.stragglers) * len(grid.slowdowns)
+    return _grid(
+        args, "saatp", grid, steps * len(grid.schemes), run_grid, compare,
+        [("cmp", "SA-ATP vs ATP", ["model", "workers", "stragglers", "slowdown", "atp_ms",
+                                   "saatp_ms", "reduction", "speedup"])],
+    )  # fmt: skip
+
+
+def esa(args: argparse.Namespace) -> int:
+    from gradfabric.experiments.esa import EsaGrid, compare, run_grid, train_error
+
+    grid = EsaGrid.quick() if args.quick else EsaGrid()
+    given = {
+        "pool_slots": csv(args.pools, int),
+        "loads": csv(args.loads, float),
+        "jitters_us": csv(args.jitters_us, float),
+        "schemes": csv(args.schemes, str),
+        "jobs": args.jobs,
+        "train": args.train_packets,
+        "seeds": tuple(range(args.seeds)) if args.seeds else None,
+        "error_trains": csv(args.train_error, int),
+    }
+    grid = replace(grid, **{k: v for k, v in given.items() if v})
+    processes = args.processes or default_processes()
+    cells = len(grid.pool_slots) * len(grid.loads) * len(grid.jitters_us) * len(grid.seeds)
+    studies: dict[str, Study] = (
+        {"train_error": lambda g, tick: train_error(g, tick, processes)} if args.train_error else {}
+    )
+    steps = cells * len(grid.schemes) + (2 * len(grid.error_trains) if studies else 0)
+    return _grid(
+        args, "esa", grid, steps, lambda g, tick: run_grid(g, tick, processes), compare,
+        [
+            ("rows", "ESA vs ATP vs SwitchML",
+             ["scheme", "pool_slots", "load", "jitter_us", "seed", "jobs", "avg_jct_s",
+              "p99_jct_s", "mem_util", "mem_held"]),
+            ("cmp", "ESA vs ATP (gain: ATP's average JCT over ESA's, paired by seed, "
+             "mean ± 95% interval)",
+             ["pool_slots", "load", "jitter_us", "seeds", "atp_avg_jct_s", "esa_avg_jct_s",
+              "improvement", "improvement_ci"]),
+            ("train_error", "Train-size error: average JCT against the finest train",
+             ["error_scheme", "train", "jitter_us", "error_avg_jct_s", "train_error"]),
+        ],
+        studies,
+    )  # fmt: skip
+
+
+def dlcp(args: argparse.Namespace) -> int:
+    from gradfabric.experiments.dlcp import LOADS, QUICK_SEEDS, SEEDS, gains, summarise
+    from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, run_convergence
+    from gradfabric.sim.dlcp import SCHEMES, experiment_configs, run_grid
+
+    cfg = ConvergenceConfig.quick() if args.quick else ConvergenceConfig()
+    if args.policies:
+        cfg = replace(cfg, policies=tuple(args.policies.split(",")))
+    if args.bounds:
+        cfg = replace(cfg, bounds=tuple(float(b) for b in args.bounds.split(",")))
+    if args.seeds:
+        cfg = replace(cfg, seeds=tuple(range(args.seeds)))
+    seeds = tuple(range(args.seeds)) if args.seeds else QUICK_SEEDS if args.quick else SEEDS
+    loads = tuple(float(x) for x in args.loads.split(",")) if args.loads else LOADS
+    wanted = args.collectives.split(",") if args.collectives else []
+    nets = [n for n in experiment_configs(args.quick) if n.collective in wanted]
+    if len(nets) != len(wanted):
+        raise ConfigError("collectives", f"each of ps, allreduce; got {args.collectives!r}")
+    convergence = not args.no_convergence
+    steps = len(nets) * len(loads) * len(seeds) * len(SCHEMES)
+    steps += (1 + len(cfg.policies) * len(cfg.bounds)) if convergence else 0
+    with progress(steps, args.json) as tick:
+        transport = run_grid(nets, loads, seeds, tick, args.processes or default_processes())
+        rows = run_convergence(cfg, tick) if convergence else []
+    headline = [g for n in nets for ld in loads for g in gains(transport, n.collective, ld)]
+    resolved = {"transport": [asdict(n) for n in nets], "loads": loads, "seeds": seeds,
+                "convergence": asdict(cfg) if convergence else None}  # fmt: skip
+    results = {"rows": transport, "summary": summarise(transport), "gains": headline,
+               "convergence": rows}  # fmt: skip
+    report(
+        args, "dlcp", resolved, results, json_keys=["rows", "gains", "convergence"],
+        tables=[
+            ("summary", f"DLCP vs reliable transports on a leaf-spine (simulated), "
+             f"mean ± 95% interval over {len(seeds)} seeds",
+             ["scheme", "baseline", "load", "iter_time_ms", "iter_ci_ms", "p99_comm_ms",
+              "p99_ci_ms", "lost"]),
+            ("gains", "DLCP's gain in iteration time over the best reliable transport "
+             "under the same routing (paired by seed)",
+             ["baseline", "load", "routing", "dlcp", "best", "gain", "gain_ci"]),
+            ("convergence", f"DLCP convergence (teacher task, 4 workers, {len(cfg.seeds)} "
+             "seeds; delta paired by seed; steps to the target accuracy)",
+             ["policy", "loss_bound", "accuracy", "accuracy_ci", "delta_pp", "delta_ci_pp",
+              "steps_to_target", "steps_to_target_ci", "reached"]),
+        ],
+    )  # fmt: skip
+    return 0

@@ -1,0 +1,144 @@
+"""``gradfabric plan``: joint data/model parallelism on a heterogeneous
+cluster, static and under a Lyapunov online controller."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from gradfabric.cli.common import Sub, add_output, out, progress, report, results_dir
+from gradfabric.core.errors import ConfigError
+
+
+def add(sub: Sub) -> None:
+    pl = sub.add_parser(
+        "plan",
+        help="plan joint data/model parallelism on a heterogeneous cluster",
+        description="Choose device groups, pipeline cut points and batch shares for a model "
+        "on a cluster (YAML; default: 16 devices of three GPU generations), next to the "
+        "baselines under the same cost model. With --trace or --slots, re-plan each slot "
+        "under changing device speeds with a Lyapunov controller that keeps the average "
+        "price under --budget.",
+    )
+    pl.add_argument("cluster", nargs="?", help="cluster YAML (device_types, devices)")
+    pl.add_argument("--model", default="resnet50")
+    pl.add_argument("--batch", type=int, default=512)
+    pl.add_argument("--trace", help="CSV with slot,device,speed rows")
+    pl.add_argument("--slots", type=int, help="a random trace of this many slots")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--budget", type=float, help="$ per hour (default: the static plan's price)")
+    pl.add_argument("--v", type=float, default=1000.0, help="time-vs-cost trade-off V")
+    add_output(pl, "plan", "print the plan as one JSON object")
+    pl.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradfabric.experiments import plots
+    from gradfabric.planner.baselines import BASELINES, best_subset
+    from gradfabric.planner.cost import Device, Workload
+    from gradfabric.planner.online import load_trace, random_trace, run_online
+    from gradfabric.planner.search import plan
+    from gradfabric.planner.spec import example_cluster, load_cluster
+    from gradfabric.workloads.catalog import model_spec
+
+    cluster = load_cluster(Path(args.cluster)) if args.cluster else example_cluster()
+    if args.batch < 1:
+        raise ConfigError("batch", "must be >= 1")
+    w = Workload.of(model_spec(args.model), args.batch)
+    types = cluster.expand()
+    devs = [Device(i, t) for i, t in enumerate(types)]
+    lat = cluster.link_latency_us * 1e-6
+    res = plan(w, devs, lat)
+    est = res.estimate
+    out_obj: dict[str, Any] = {
+        "model": args.model,
+        "batch": args.batch,
+        "devices": len(devs),
+        "batch_time_s": est.batch_time_s,
+        "cost_per_hour": est.cost_per_hour,
+        "plan_time_s": res.plan_time_s,
+        "devices_used": len(res.plan.devices()),
+        "groups": [
+            {"batch": g.batch, "stages": [[s.device, s.first, s.end] for s in g.stages]}
+            for g in res.plan.groups
+        ],
+        "baselines": [],
+    }
+    for name in BASELINES.names():  # each rule on its own best device subset
+        bp, e = best_subset(BASELINES.get(name), w, devs, lat)
+        out_obj["baselines"].append(
+            {
+                "name": name,
+                "batch_time_s": e.batch_time_s,
+                "cost_per_hour": e.cost_per_hour,
+                "devices_used": len(bp.devices()),
+            }
+        )
+    if args.trace or args.slots:
+        trace = (
+            load_trace(Path(args.trace), len(types))
+            if args.trace
+            else random_trace(len(types), args.slots, args.seed)
+        )
+        budget = args.budget if args.budget is not None else est.cost_per_hour
+        with progress(len(trace), args.json) as tick:
+            on = run_online(w, types, trace, budget, args.v, tick=tick)
+        dest = results_dir(args.out, "plan")  # the plots go next to the results
+        slots = [float(r.slot) for r in on.slots]
+        plots.lines(
+            slots,
+            {"gradfabric": [r.batch_time_s * 1e3 for r in on.slots]}
+            | {n: [t * 1e3 for t in ts] for n, ts in on.baselines.items()},
+            "slot",
+            "batch time (ms)",
+            f"{args.model}, batch {args.batch}: batch time per slot",
+            dest / "plan_batch_time.png",
+        )
+        plots.lines(
+            slots,
+            {"price": [r.price_per_hour for r in on.slots], "budget": [budget] * len(slots)},
+            "slot",
+            "$ per hour",
+            f"price per slot (V = {args.v:g})",
+            dest / "plan_cost.png",
+        )
+        out_obj["online"] = {
+            "slots": len(trace),
+            "budget_per_hour": budget,
+            "v": args.v,
+            "mean_batch_time_s": on.mean_batch_time_s,
+            "mean_cost_per_hour": on.mean_price,
+            "max_plan_time_s": on.max_plan_time_s,
+            "baselines": [
+                {"name": n, "mean_batch_time_s": statistics.fmean(ts)}
+                for n, ts in on.baselines.items()
+            ],
+            "plots": str(dest),
+        }
+    if not args.json:
+        out.print(res.explain(devs, w), markup=False)
+    footer = ""
+    if "online" in out_obj:
+        on_obj = out_obj["online"]
+        footer = (
+            f"online over {on_obj['slots']} slots: mean batch time "
+            f"{on_obj['mean_batch_time_s'] * 1e3:.1f} ms at ${on_obj['mean_cost_per_hour']:.2f}/h "
+            f"(budget ${on_obj['budget_per_hour']:.2f}/h); plots in {on_obj['plots']}"
+        )
+        out_obj["online_baselines"] = on_obj["baselines"]
+    config = {"cluster": asdict(cluster), "model": args.model, "batch": args.batch,
+              "trace": args.trace, "slots": args.slots, "seed": args.seed,
+              "budget": args.budget, "v": args.v}  # fmt: skip
+    report(
+        args, "plan", config, out_obj, json_keys=None, footer=footer,
+        tables=[
+            ("baselines", "baselines (same cost model, each on its best device subset)",
+             ["name", "batch_time_s", "cost_per_hour", "devices_used"]),
+            ("online_baselines", "baselines under the same trace",
+             ["name", "mean_batch_time_s"]),
+        ],
+    )  # fmt: skip
+    return 0

@@ -1,0 +1,71 @@
+"""``gradfabric reproduce``: every experiment, its claims and the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.table import Table
+
+from gradfabric.cli.common import Sub, err, out, progress, results_dir
+
+
+def add(sub: Sub) -> None:
+    r = sub.add_parser("reproduce", help="run the reproduction suite and write its report")
+    r.add_argument("--quick", action="store_true", help="minutes, not hours")
+    r.add_argument("--only", help="comma-separated experiment names")
+    r.add_argument("--out", help="results directory (default: results/reproduce-<time>)")
+    r.add_argument("--json", action="store_true", help="the claims as one JSON object")
+    r.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradfabric.experiments import (  # noqa: F401
+        baselines,
+        dlcp,
+        emulator,
+        esa,
+        granularity,
+        omnireduce,
+        planner,
+        saatp,
+    )
+    from gradfabric.experiments.registry import EXPERIMENTS
+    from gradfabric.experiments.report import write_report
+
+    names = args.only.split(",") if args.only else EXPERIMENTS.names()
+    exps = [EXPERIMENTS.get(n) for n in names]
+    dest = results_dir(args.out, "reproduce")
+    results = []
+    failed = []
+    for exp in exps:
+        err.print(f"[bold]{exp.title}[/bold]")
+        with progress(8, args.json) as tick:
+            try:
+                results.append(exp.run(args.quick, dest, tick))
+            except Exception as e:  # one broken experiment must not hide the others
+                failed.append(f"{exp.name}: {e!r}")
+                err.print(f"[red]{exp.name} failed: {e!r}[/red]")
+    report = write_report(results, dest, args.quick)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "report": str(report),
+                    "failed": failed,
+                    "claims": [c.__dict__ for r in results for c in r.claims],
+                }
+            )
+        )
+    else:
+        t = Table(title="claims")
+        for col in ("system", "claim", "paper", "ours", "ratio"):
+            t.add_column(col)
+        for r in results:
+            for c in r.claims:
+                t.add_row(
+                    c.system, c.claim, c.paper, c.ours, "" if c.ratio is None else f"{c.ratio:.3f}"
+                )
+        out.print(t)
+        out.print(f"report: {report}")
+    return 1 if failed else 0
