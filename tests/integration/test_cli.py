@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from gradfabric.cli import main
-from gradfabric.sim.dlcp import RELIABLE, SCHEMES
+from gradfabric.sim.dlcp import RELIABLE, VARIANTS
 
 SMALL = {
     "name": "tiny",
@@ -187,14 +187,14 @@ def test_experiment_dlcp_json_rows_and_bad_collective(
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     transport = [r for r in rows if "scheme" in r]
     assert code == 0 and {r["baseline"] for r in transport} == {"allreduce"}
-    assert {r["scheme"] for r in transport} == set(SCHEMES)
+    assert {r["scheme"] for r in transport} == set(VARIANTS)
     for r in transport:
         assert {"scheme", "baseline", "load", "iter_time_ms", "p99_comm_ms"} <= r.keys()
         assert r["iter_time_ms"] > 0 and (r["lost"] == 0) == (r["scheme"] in RELIABLE)
     # the headline's baseline is the fastest reliable transport under the same routing
     for g in (r for r in rows if "routing" in r):
         spray = g["routing"] == "spray"
-        same = [s for s in RELIABLE if SCHEMES[s].get("spray", True) == spray]
+        same = [s for s in RELIABLE if VARIANTS[s].get("spray", True) == spray]
         mean = {s: sum(r["iter_time_ms"] for r in transport if r["scheme"] == s) for s in same}
         assert g["best"] == min(mean, key=mean.__getitem__)
     assert {r["routing"] for r in rows if "routing" in r} == {"spray", "ECMP"}

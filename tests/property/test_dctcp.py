@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from gradfabric.proto.actions import Deliver, Send
 from gradfabric.proto.dctcp import INITIAL_WINDOW, DctcpReceiver, DctcpSender
-from gradfabric.sim.dlcp import SCHEMES, DlcpConfig, run_dlcp
+from gradfabric.sim.dlcp import VARIANTS, DlcpConfig, run_dlcp
 from gradfabric.wire.packet import Flag
 
 
@@ -105,7 +105,7 @@ def test_incast_stays_below_the_buffer_with_ecn_and_overflows_without() -> None:
     buffer (no drop); with marking off the same senders only learn from loss
     and overflow it. Both deliver every value, and neither beats the wire
     time of the bytes into the PS's link."""
-    base = replace(DlcpConfig(tensors=(16_384,) * 8, iterations=1, load=0.0), **SCHEMES["dctcp"])
+    base = replace(DlcpConfig(tensors=(16_384,) * 8, iterations=1, load=0.0), **VARIANTS["dctcp"])
     ecn, blind = run_dlcp(base), run_dlcp(replace(base, ecn_bytes=0))
     assert ecn.queue_drops == 0 and blind.queue_drops > 0
     assert ecn.lost == 0 and blind.lost == 0

@@ -19,7 +19,7 @@ from gradfabric.proto.dlcp import (
     drop_policy,
     packet_norms,
 )
-from gradfabric.sim.dlcp import SCHEMES, DlcpConfig, run_dlcp
+from gradfabric.sim.dlcp import VARIANTS, DlcpConfig, run_dlcp
 from gradfabric.wire.packet import decode, encode
 
 
@@ -152,7 +152,7 @@ def test_simulated_job_is_exact_or_within_its_bound(base: DlcpConfig) -> None:
     """The whole PS or ring job on a congested leaf-spine: reliable loses
     nothing, DLCP loses at most its bound (for the ring: of the workers'
     contributions to the sum)."""
-    rel = run_dlcp(replace(base, **SCHEMES["reliable"]))
+    rel = run_dlcp(replace(base, **VARIANTS["reliable"]))
     dl = run_dlcp(base)
     assert rel.lost == 0 and rel.queue_drops > 0  # congested, yet exact
     assert 0 < dl.lost <= base.push_bound
@@ -165,7 +165,7 @@ def test_simulated_ring_meets_the_analytic_ring_time() -> None:
     over 4 hops (the cross-rack path)."""
     n, values = 8, 65_536
     cfg = DlcpConfig(collective="allreduce", tensors=(values,), iterations=2, load=0.0,
-                     compute_ms=0.5, **SCHEMES["reliable"])  # fmt: skip
+                     compute_ms=0.5, **VARIANTS["reliable"])  # fmt: skip
     r = run_dlcp(cfg)
     chunk = values // n
     wire_ns = (chunk * 4 + chunk // 256 * 32) * 8 / 10

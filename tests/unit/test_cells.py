@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from gradfabric.core.cells import run_cells
-from gradfabric.sim.dlcp import SCHEMES, DlcpConfig, run_grid
+from gradfabric.sim.dlcp import VARIANTS, DlcpConfig, run_grid
 
 
 def test_pool_returns_records_in_cell_order() -> None:
@@ -22,5 +22,5 @@ def test_dlcp_grid_is_the_same_serially_and_in_a_pool() -> None:
     base = DlcpConfig(collective="allreduce", tensors=(16_384,), iterations=1)
     serial = run_grid([base], (0.5,), (0, 1), processes=1)
     pooled = run_grid([base], (0.5,), (0, 1), processes=2)
-    assert len(serial) == 2 * len(SCHEMES)
+    assert len(serial) == 2 * len(VARIANTS)
     assert serial == pooled

@@ -173,7 +173,7 @@ def esa(args: argparse.Namespace) -> int:
 def dlcp(args: argparse.Namespace) -> int:
     from gradfabric.experiments.dlcp import LOADS, QUICK_SEEDS, SEEDS, gains, summarise
     from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, run_convergence
-    from gradfabric.sim.dlcp import SCHEMES, experiment_configs, run_grid
+    from gradfabric.sim.dlcp import VARIANTS, experiment_configs, run_grid
 
     cfg = ConvergenceConfig.quick() if args.quick else ConvergenceConfig()
     if args.policies:
@@ -189,7 +189,7 @@ def dlcp(args: argparse.Namespace) -> int:
     if len(nets) != len(wanted):
         raise ConfigError("collectives", f"each of ps, allreduce; got {args.collectives!r}")
     convergence = not args.no_convergence
-    steps = len(nets) * len(loads) * len(seeds) * len(SCHEMES)
+    steps = len(nets) * len(loads) * len(seeds) * len(VARIANTS)
     steps += (1 + len(cfg.policies) * len(cfg.bounds)) if convergence else 0
     with progress(steps, args.json) as tick:
         transport = run_grid(nets, loads, seeds, tick, args.processes or default_processes())

@@ -34,7 +34,7 @@ from gradfabric.emu.switchd import worker_name
 from gradfabric.proto.actions import Deliver
 from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
 from gradfabric.wire.envelope import seal
-from gradfabric.wire.packet import Packet, traffic_class
+from gradfabric.wire.packet import ina_packet, traffic_class
 
 BACKGROUND_CLASS = traffic_class(1, 1)  # as in the simulator: the back layers' queue
 
@@ -100,7 +100,9 @@ def blast(ticket: Ticket, mbps: float, stop: threading.Event, seed: int = 0) -> 
     to the switch at ``mbps`` until ``stop``; returns how many."""
     token = bytes.fromhex(ticket.token)
     vals = np.zeros(248, dtype=np.int32)
-    raw = seal(token, Packet(ticket.job_id, 0, 0, 0, 1, 1, 0, BACKGROUND_CLASS, 0, len(vals), vals))
+    pkt = ina_packet(job_id=ticket.job_id, worker_id=0, seq=0, agg_index=0, bitmap=1, fan_in=1,
+                     priority=BACKGROUND_CLASS, count=len(vals), values=vals)  # fmt: skip
+    raw = seal(token, pkt)
     gap = len(raw) * 8 / (mbps * 1e6)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     addr = ticket.switch

@@ -58,7 +58,7 @@ from gradfabric.wire.packet import MAX_WIRE_VALUES, Packet
 SWITCH: Final = "sw"  # the hosted switch engine's name
 DRAIN_BATCH: Final = 256  # datagrams read per wake-up
 BURST_S: Final = 0.001  # the DLCP port's credit after idling: one timer tick
-POLICIES: Final = ("switchml", "atp", "esa", "dlcp", "ps", "omni")  # schemes a daemon hosts
+DAEMON_SCHEMES: Final = ("switchml", "atp", "esa", "dlcp", "ps", "omni")  # schemes a daemon hosts
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -75,7 +75,7 @@ class SwitchConfig:
         "atp",
         "the switch's aggregation (switchml, atp, esa), a DLCP server behind a priority "
         "port (dlcp), a parameter server (ps) or an OmniReduce aggregator (omni)",
-        POLICIES,
+        DAEMON_SCHEMES,
     )
     slots: int = _opt(4096, "aggregators in the pool")
     job_slots: int = _opt(32, "SwitchML: slots per job; ATP/ESA: the window")
@@ -93,8 +93,8 @@ class SwitchConfig:
     omni_streams: int = _opt(16, "omni: streams per job's aggregator")
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError("policy", f"one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.policy not in DAEMON_SCHEMES:
+            raise ConfigError("policy", f"one of {', '.join(DAEMON_SCHEMES)}; got {self.policy!r}")
         if not 1 <= self.job_slots <= self.slots:
             raise ConfigError("job_slots", f"must be in 1..slots ({self.slots})")
         if not 1 <= self.values_per_packet <= MAX_WIRE_VALUES:

@@ -15,7 +15,7 @@ from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
 from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, run_convergence
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
-from gradfabric.sim.dlcp import RELIABLE, SCHEMES, experiment_configs, run_grid
+from gradfabric.sim.dlcp import RELIABLE, VARIANTS, experiment_configs, run_grid
 
 LOADS = (0.0, 0.5, 0.8)
 SEEDS = (0, 1, 2, 3, 4)
@@ -23,8 +23,8 @@ QUICK_LOADS = (0.5, 0.8)
 QUICK_SEEDS = (0, 1, 2)
 # DLCP under each routing, against the reliable transports under the same routing
 ROUTING = {
-    "spray": ("dlcp", [s for s in RELIABLE if SCHEMES[s].get("spray", True)]),
-    "ECMP": ("dlcp-ecmp", [s for s in RELIABLE if not SCHEMES[s].get("spray", True)]),
+    "spray": ("dlcp", [s for s in RELIABLE if VARIANTS[s].get("spray", True)]),
+    "ECMP": ("dlcp-ecmp", [s for s in RELIABLE if not VARIANTS[s].get("spray", True)]),
 }
 
 
@@ -86,7 +86,7 @@ class Dlcp:
             },
         )
         t = {(r["baseline"], r["scheme"], r["load"]): r for r in summary}
-        schemes = list(SCHEMES)
+        schemes = list(VARIANTS)
         for coll, label in (("ps", "a PS"), ("allreduce", "ring all-reduce")):
             spray, ecmp = (g for g in headline if g["baseline"] == coll)
             ms = {s: t[(coll, s, hi)]["iter_time_ms"] for s in schemes}

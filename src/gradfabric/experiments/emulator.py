@@ -16,7 +16,7 @@ from gradfabric.emu.train import EmuTrainConfig, run_emu_training
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 
-POLICIES = ("switchml", "atp", "esa")
+EMULATED = ("switchml", "atp", "esa")
 
 
 class Emulator:
@@ -25,7 +25,7 @@ class Emulator:
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         steps = 20 if quick else 60
-        cfgs = [EmuTrainConfig(policy=p, steps=steps, loss=0.05) for p in POLICIES]
+        cfgs = [EmuTrainConfig(policy=p, steps=steps, loss=0.05) for p in EMULATED]
         config = {"training": [asdict(c) for c in cfgs]}
         res = ExperimentResult(self.name, self.title, config=config)
         curves: dict[str, list[float]] = {}

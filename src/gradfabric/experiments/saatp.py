@@ -20,7 +20,7 @@ from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.stragglers import StragglerConfig
 from gradfabric.sim.training import TrainingConfig, run_training
 
-SCHEMES = ("saatp", "atp", "switchml", "ring")
+COMPARED = ("saatp", "atp", "switchml", "ring")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class SaatpGrid:
     workers: tuple[int, ...] = (8, 32)
     stragglers: tuple[int, ...] = (1, 2)
     slowdowns: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
-    schemes: tuple[str, ...] = SCHEMES
+    schemes: tuple[str, ...] = COMPARED
     iterations: int = 3
     train_packets: int = 32
 

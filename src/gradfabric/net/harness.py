@@ -32,7 +32,6 @@ from gradfabric.proto.switch.straggler import HelpConfig
 # retransmissions cost more than the window gains) and a longer RTO than a
 # hardware switch needs.
 UDP_DEFAULTS = InaConfig(switchml_slots=8, atp_window=8, ps_window=8, rto_ns=100_000_000)
-SCHEMES = COLLECTIVES
 
 
 def placement(scheme: str, workers: int, values: int, ina: InaConfig) -> Placement:
@@ -40,7 +39,8 @@ def placement(scheme: str, workers: int, values: int, ina: InaConfig) -> Placeme
     scheme's servers beside them; SA-ATP counts the one bucket as its iteration."""
     if scheme not in COLLECTIVES:
         raise ConfigError(
-            "scheme", f"unknown scheme {scheme!r} for the UDP driver; valid: {', '.join(SCHEMES)}"
+            "scheme",
+            f"unknown scheme {scheme!r} for the UDP driver; valid: {', '.join(COLLECTIVES)}",
         )
     s = REGISTRY.get(scheme)
     names = tuple(f"w{i}" for i in range(workers))

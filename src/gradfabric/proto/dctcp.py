@@ -42,7 +42,7 @@ from typing import Final
 import numpy as np
 
 from gradfabric.proto.actions import Action, Send
-from gradfabric.proto.dlcp import DlcpReceiver, DlcpSender
+from gradfabric.proto.dlcp import DlcpReceiver, DlcpSender, dlcp_control
 from gradfabric.wire.packet import Flag, Packet
 
 INITIAL_WINDOW: Final = 10  # packets (RFC 6928)
@@ -218,8 +218,11 @@ class DctcpReceiver(DlcpReceiver):
         t = self._incoming(pkt, now_ns)
         if t is None:
             return []
-        ack = Packet(self.job_id, self.rank, pkt.seq, pkt.agg_index, 0, 1,
-                     Flag.ACK | (pkt.flags & Flag.ECN), 0, pkt.layer, 0, None)  # fmt: skip
+        # per packet: ``about`` echoes its sequence, ``offset`` its first value
+        ack = dlcp_control(
+            job_id=self.job_id, sender=self.rank, flags=Flag.ACK | (pkt.flags & Flag.ECN),
+            tensor=pkt.layer, about=pkt.seq, offset=pkt.agg_index,
+        )  # fmt: skip
         out: list[Action] = [Send(self.senders[pkt.worker_id], ack)]
         if self._store(pkt, t):
             done = self._complete(pkt.worker_id, pkt.layer, t)

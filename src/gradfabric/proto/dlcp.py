@@ -45,7 +45,28 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Send
-from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, traffic_class
+from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, result_packet, traffic_class
+
+
+def dlcp_data(
+    *, job_id: int, sender: int, tensor: int, offset: int, length: int, priority: int,
+    count: int, values: np.ndarray | None, seq: int = 0,
+) -> Packet:  # fmt: skip
+    """A DLCP data packet: ``count`` values of ``tensor`` (``length`` values in
+    all) from ``offset``; ``seq`` is ``PROBE`` on a probe (module doc)."""
+    return Packet(job_id, sender, seq, offset, length, MAX_FAN_IN, Flag.FLOAT, priority, tensor,
+                  count, values)  # fmt: skip
+
+
+def dlcp_control(
+    *, job_id: int, sender: int, flags: int, tensor: int, about: int, offset: int = 0,
+    span: int = 0,
+) -> Packet:  # fmt: skip
+    """An ACK or a RESEND request about ``tensor`` (to ``about``'s stream); a
+    request names the missing range ``[offset, offset + span)``, carried in
+    the header's aggregator and bitmap fields (so with fan-in 64)."""
+    return Packet(job_id, sender, about, offset, span, MAX_FAN_IN if span else 1, flags, 0, tensor)
+
 
 MAG_CLASSES = 4
 MAX_TENSOR = 1 << 31  # values in one tensor
@@ -74,7 +95,7 @@ def classify(norms: np.ndarray, layer: int, layers: int) -> np.ndarray:
 
 
 Policy = Callable[[np.ndarray, int, np.random.Generator], np.ndarray]
-POLICIES: Registry[Policy] = Registry("drop policy")
+DROP_POLICIES: Registry[Policy] = Registry("drop policy")
 
 
 def drop_policy(name: str, norms: np.ndarray, bound: float, rng: np.random.Generator) -> np.ndarray:
@@ -85,12 +106,12 @@ def drop_policy(name: str, norms: np.ndarray, bound: float, rng: np.random.Gener
     k = int(bound * len(norms))
     if k == 0:
         return np.zeros(0, dtype=np.int64)
-    return np.asarray(POLICIES.get(name)(norms, k, rng), dtype=np.int64)
+    return np.asarray(DROP_POLICIES.get(name)(norms, k, rng), dtype=np.int64)
 
 
-POLICIES.add("magnitude", lambda norms, k, rng: np.argsort(norms, kind="stable")[:k])
-POLICIES.add("random", lambda norms, k, rng: rng.choice(len(norms), k, replace=False))
-POLICIES.add("largest", lambda norms, k, rng: np.argsort(-norms, kind="stable")[:k])
+DROP_POLICIES.add("magnitude", lambda norms, k, rng: np.argsort(norms, kind="stable")[:k])
+DROP_POLICIES.add("random", lambda norms, k, rng: rng.choice(len(norms), k, replace=False))
+DROP_POLICIES.add("largest", lambda norms, k, rng: np.argsort(-norms, kind="stable")[:k])
 
 
 # ------------------------------------------------------------------ engines
@@ -204,10 +225,10 @@ class DlcpReceiver:
         return [] if done is None else [done, self._ack(pkt.worker_id, pkt.layer)]
 
     def _ack(self, sender: int, tensor: int) -> Send:
-        return Send(
-            self.senders[sender],
-            Packet(self.job_id, self.rank, sender, 0, 0, 1, Flag.ACK, 0, tensor, 0, None),
+        ack = dlcp_control(
+            job_id=self.job_id, sender=self.rank, flags=Flag.ACK, tensor=tensor, about=sender
         )
+        return Send(self.senders[sender], ack)
 
     def _complete(self, sender: int, tensor: int, t: _Incoming) -> Deliver | None:
         """Deliver the tensor once its bound is met (once)."""
@@ -222,7 +243,9 @@ class DlcpReceiver:
                 del self.finished[old]
                 self.tensors.pop(old, None)
         self.counters["values_lost"] += t.count - t.received
-        res = Packet(self.job_id, sender, tensor, 0, 0, 1, 0, 0, tensor, t.count, t.values)
+        res = result_packet(
+            job_id=self.job_id, sender=sender, seq=tensor, count=t.count, values=t.values
+        )
         return Deliver(tensor, res)
 
     def _request(self, sender: int, tensor: int, t: _Incoming) -> list[Action]:
@@ -239,7 +262,15 @@ class DlcpReceiver:
         return [
             Send(
                 self.senders[sender],
-                Packet(self.job_id, self.rank, sender, a, b - a, 64, Flag.RESEND, 0, tensor, 0),
+                dlcp_control(
+                    job_id=self.job_id,
+                    sender=self.rank,
+                    flags=Flag.RESEND,
+                    tensor=tensor,
+                    about=sender,
+                    offset=a,
+                    span=b - a,
+                ),
             )
             for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
         ]
@@ -320,8 +351,10 @@ class DlcpSender:
         t = self.tensors[tensor]
         vals = None if t.values is None else t.values[lo:hi]
         prio = int(t.priority[lo // self.per_packet])
-        pkt = Packet(self.job_id, self.rank, seq, lo, t.count, MAX_FAN_IN, Flag.FLOAT, prio,
-                     tensor, hi - lo, vals)  # fmt: skip
+        pkt = dlcp_data(
+            job_id=self.job_id, sender=self.rank, tensor=tensor, offset=lo, length=t.count,
+            priority=prio, count=hi - lo, values=vals, seq=seq,
+        )  # fmt: skip
         self.counters["packets"] += 1
         return Send(self.receiver, pkt)
 

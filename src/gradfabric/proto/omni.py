@@ -44,9 +44,19 @@ import numpy as np
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Fail, Multicast, NoTimers, Send
-from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
+from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, result_packet
 
 NONE = (1 << 64) - 1  # "no further non-zero block"
+
+
+def omni_packet(
+    *, job_id: int, sender: int, bucket: int, stream: int, position: int, next_position: int,
+    flags: int = 0, count: int = 0, values: np.ndarray | None = None,
+) -> Packet:  # fmt: skip
+    """OmniReduce's header (module doc, Fields): ``position`` is the header's
+    position + 1 (0: the announce round)."""
+    return Packet(job_id, sender, stream, position, next_position, MAX_FAN_IN, flags, 0, bucket,
+                  count, values)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -158,19 +168,11 @@ class OmniAggregator(NoTimers):
 
     def _finish_round(self, st: _AggStream, pkt: Packet) -> Multicast:
         nxt = min(p for p in st.nxt if p is not None)
-        res = Packet(
-            self.job_id,
-            self.index,
-            pkt.seq,
-            st.target + 1,
-            nxt,
-            MAX_FAN_IN,
-            Flag.ACK,
-            0,
-            pkt.layer,
-            st.count if st.target >= 0 else 0,
-            st.acc if st.target >= 0 else None,
-        )
+        res = omni_packet(
+            job_id=self.job_id, sender=self.index, bucket=pkt.layer, stream=pkt.seq,
+            position=st.target + 1, next_position=nxt, flags=Flag.ACK,
+            count=st.count if st.target >= 0 else 0, values=st.acc if st.target >= 0 else None,
+        )  # fmt: skip
         st.history.append((st.target, res))
         self.counters["results"] += 1
         st.complete = nxt == NONE
@@ -272,7 +274,10 @@ class OmniWorker:
     def _packet(
         self, b: int, g: int, pos: int, nxt: int, vals: np.ndarray | None, count: int
     ) -> Packet:
-        return Packet(self.job_id, self.rank, g, pos + 1, nxt, MAX_FAN_IN, 0, 0, b, count, vals)
+        return omni_packet(
+            job_id=self.job_id, sender=self.rank, bucket=b, stream=g, position=pos + 1,
+            next_position=nxt, count=count, values=vals,
+        )  # fmt: skip
 
     def _arm(self, now_ns: int) -> None:
         if self.tick is None:
@@ -307,9 +312,10 @@ class OmniWorker:
             if bk.open == 0:
                 del self.buckets[pkt.layer]
                 # int64 sums, as the ring delivers them
-                res = Packet(
-                    self.job_id, self.rank, pkt.layer, 0, 0, 1, 0, 0, pkt.layer, bk.count, bk.result
-                )
+                res = result_packet(
+                    job_id=self.job_id, sender=self.rank, seq=pkt.layer, count=bk.count,
+                    values=bk.result,
+                )  # fmt: skip
                 out.append(Deliver(pkt.layer, res))
         elif st.ptr < len(st.nz) and st.nz[st.ptr] == pkt.bitmap:
             p = st.nz[st.ptr]

@@ -26,7 +26,7 @@ import numpy as np
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Multicast, NoTimers, Send
-from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
+from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, ina_packet
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,10 @@ class ParameterServer(NoTimers):
                 flags |= Flag.FLOAT | Flag.OVERFLOW
             else:
                 payload = acc.ivals.astype(np.int32)
-        return Packet(
-            job.job_id, 0, seq, acc.agg_index, (1 << n) - 1, n, flags, 0, 0, acc.nvalues, payload
-        )
+        return ina_packet(
+            job_id=job.job_id, worker_id=0, seq=seq, agg_index=acc.agg_index,
+            bitmap=(1 << n) - 1, fan_in=n, flags=flags, count=acc.nvalues, values=payload,
+        )  # fmt: skip
 
     def _unicast(self, job: PsJob, result: Packet, worker: int) -> Action:
         pkt = result.clone()

@@ -34,7 +34,15 @@ import numpy as np
 
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, NoTimers, Send
-from gradfabric.wire.packet import Packet
+from gradfabric.wire.packet import Packet, result_packet
+
+
+def ring_packet(
+    *, job_id: int, sender: int, bucket: int, step: int, index: int, chunk: int, ranks: int,
+    count: int, values: np.ndarray | None,
+) -> Packet:  # fmt: skip
+    """The ring's header (see the module doc for which field carries what)."""
+    return Packet(job_id, sender, step, index, chunk, ranks, 0, 0, bucket, count, values)
 
 
 @dataclass
@@ -167,10 +175,11 @@ class RingEngine(NoTimers):
     def _send(
         self, b: int, step: int, j: int, chunk: int, count: int, vals: np.ndarray | None
     ) -> Send:
-        return Send(
-            self.successor,
-            Packet(self.job_id, self.rank, step, j, chunk, self.n, 0, 0, b, count, vals),
-        )
+        pkt = ring_packet(
+            job_id=self.job_id, sender=self.rank, bucket=b, step=step, index=j, chunk=chunk,
+            ranks=self.n, count=count, values=vals,
+        )  # fmt: skip
+        return Send(self.successor, pkt)
 
     def _deliver(self, b: int, bk: _Bucket) -> Deliver:
         final = bk.own if self.n == 1 else bk.final
@@ -178,4 +187,7 @@ class RingEngine(NoTimers):
         self.done[b] = None
         if len(self.done) > KEEP_DONE:
             del self.done[next(iter(self.done))]
-        return Deliver(b, Packet(self.job_id, self.rank, b, 0, 0, self.n, 0, 0, b, bk.count, final))
+        res = result_packet(
+            job_id=self.job_id, sender=self.rank, seq=b, count=bk.count, values=final, fan_in=self.n
+        )
+        return Deliver(b, res)

@@ -36,7 +36,7 @@ from gradfabric.proto.routes import HashedPool as HashedPool
 from gradfabric.proto.routes import Route
 from gradfabric.proto.routes import Sharded as Sharded
 from gradfabric.proto.routes import StaticSlots as StaticSlots
-from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet
+from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, ina_packet
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,10 @@ class WorkerEngine:
             seq, n, part, layer, prio = queue.popleft()
             if seq < self.base or seq in done:  # already answered (helped ahead)
                 continue
-            pkt = Packet(job, wid, seq, agg_index(seq), bit, fan_in, flags, prio, layer, n, part)
+            pkt = ina_packet(
+                job_id=job, worker_id=wid, seq=seq, agg_index=agg_index(seq), bitmap=bit,
+                fan_in=fan_in, flags=flags, priority=prio, layer=layer, count=n, values=part,
+            )  # fmt: skip
             out[seq] = [pkt, deadline, 0]
             timers.append((deadline, seq))
             actions.append(Send(dst(seq), pkt))

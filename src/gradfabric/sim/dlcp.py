@@ -45,7 +45,7 @@ from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import LinkSpec, Network
 from gradfabric.sim.topology import leaf_spine
-from gradfabric.wire.packet import Packet, traffic_class
+from gradfabric.wire.packet import Packet, ina_packet, traffic_class
 
 JOB = 1
 BG_JOB = 9
@@ -75,7 +75,7 @@ class DlcpConfig:
     iterations: int = 4
     compute_ms: float = 2.0
     per_packet: int = 256
-    rto_us: float = 500.0
+    rto_ns: int = 500_000
     # "dlcp", or "dctcp": the reliable, windowed baseline (proto.dctcp), which
     # ignores the loss bounds and priorities and is not paced
     transport: str = "dlcp"
@@ -116,7 +116,9 @@ class _Background:
         # exponential gaps: Poisson arrivals at the configured mean rate
         self.at = now_ns + max(1, int(self.rng.expovariate(1.0) * self.gap_ns))
         dst = self.peers[self.flow % len(self.peers)]
-        return [Send(dst, Packet(BG_JOB, self.flow % 64, 0, 0, 0, 1, 0, BG_CLASS, 0, 256, None))]
+        pkt = ina_packet(job_id=BG_JOB, worker_id=self.flow % 64, seq=0, agg_index=0, bitmap=0,
+                         fan_in=1, priority=BG_CLASS, count=256)  # fmt: skip
+        return [Send(dst, pkt)]
 
     def next_deadline(self) -> int | None:
         return self.at
@@ -244,7 +246,7 @@ class _PsJob(_Job):
         for w in self.workers if cfg.transport == "dlcp" else ():  # DCTCP finds its share
             (uplink,) = net.node(w).routes["*"]
             uplink.ps_per_byte = 8e12 / (fair * 1e9)
-        rto = int(cfg.rto_us * 1000)
+        rto = cfg.rto_ns
         self.wk = [
             DlcpEndpoint(
                 w,
@@ -327,7 +329,7 @@ class _RingJob(_Job):
         n, pp = cfg.workers, cfg.per_packet
         if min(cfg.tensors) < n * pp:
             raise ConfigError("tensors", f"a ring of {n} needs tensors of >= {n * pp} values")
-        rto = int(cfg.rto_us * 1000)
+        rto = cfg.rto_ns
         ws = self.workers
         self.hosts = [
             DlcpEndpoint(
@@ -413,7 +415,7 @@ def run_dlcp(cfg: DlcpConfig) -> DlcpResult:
 
 
 # scheme -> overrides of DlcpConfig; "reliable" is the baseline of every row
-SCHEMES: dict[str, dict[str, Any]] = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "reliable": {"push_bound": 0.0, "pull_bound": 0.0, "priority": False, "spray": False},
     "dlcp": {},
     "dlcp-no-priority": {"priority": False},
@@ -470,7 +472,7 @@ def run_grid(
         for base in bases
         for load in loads
         for seed in seeds
-        for scheme, over in SCHEMES.items()
+        for scheme, over in VARIANTS.items()
     ]
     return run_cells(run_cell, cells, processes, tick)
 

@@ -118,6 +118,31 @@ class Packet:
         return bool(self.flags & flag)
 
 
+def ina_packet(
+    *, job_id: int, worker_id: int, seq: int, agg_index: int, bitmap: int, fan_in: int,
+    flags: int = 0, priority: int = 0, layer: int = 0, count: int = 0,
+    values: Payload | None = None,
+) -> Packet:  # fmt: skip
+    """A packet of in-network aggregation, the header's own meaning (SwitchML,
+    ATP, ESA, SA-ATP and the parameter server): sequence ``seq`` of
+    ``worker_id`` (or of an aggregate) for aggregator ``agg_index``, holding
+    the contributions in ``bitmap`` of ``fan_in``. The other protocols, whose
+    fields mean other things, build theirs with their own constructors
+    (``proto.ring``, ``proto.omni``, ``proto.dlcp``). Keyword-only: a call
+    names what each field is."""
+    return Packet(job_id, worker_id, seq, agg_index, bitmap, fan_in, flags, priority, layer,
+                  count, values)  # fmt: skip
+
+
+def result_packet(
+    *, job_id: int, sender: int, seq: int, count: int, values: Payload | None, fan_in: int = 1
+) -> Packet:
+    """What a ``Deliver`` hands the application when a whole unit completes
+    (a ring or OmniReduce bucket, a DLCP tensor): ``seq`` and ``layer`` name
+    the unit."""
+    return Packet(job_id, sender, seq, 0, 0, fan_in, 0, 0, seq, count, values)
+
+
 def encode(pkt: Packet, prefix: bytes = b"") -> bytes:
     """Serialise ``pkt`` (after ``prefix``, e.g. the emulator's token); raises
     ``ValueError`` for a packet we should never build."""

@@ -3,7 +3,7 @@
 from gradfabric.proto.switch import atp as _atp  # noqa: F401  (registers "atp")
 from gradfabric.proto.switch import esa as _esa  # noqa: F401  (registers "esa")
 from gradfabric.proto.switch import switchml as _switchml  # noqa: F401  (registers "switchml")
-from gradfabric.proto.switch.engine import POLICIES, PoolStats, SwitchEngine
+from gradfabric.proto.switch.engine import ALLOCATORS, PoolStats, SwitchEngine
 from gradfabric.proto.switch.job import SwitchJob
 
-__all__ = ["POLICIES", "PoolStats", "SwitchEngine", "SwitchJob"]
+__all__ = ["ALLOCATORS", "PoolStats", "SwitchEngine", "SwitchJob"]

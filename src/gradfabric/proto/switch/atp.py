@@ -31,9 +31,9 @@ import numpy as np
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Multicast, Send
 from gradfabric.proto.routes import atp_index as atp_index
-from gradfabric.proto.switch.engine import POLICIES, PoolStats
+from gradfabric.proto.switch.engine import ALLOCATORS, PoolStats
 from gradfabric.proto.switch.job import SwitchJob
-from gradfabric.wire.packet import Flag, Packet
+from gradfabric.wire.packet import Flag, Packet, ina_packet
 
 FREE, AGGREGATING, COMPLETE = range(3)
 
@@ -201,19 +201,10 @@ class ATPPolicy:
         a.values = None
 
     def _aggregate(self, job: SwitchJob, a: _Agg, flag: int) -> Packet:
-        return Packet(
-            job.job_id,
-            0,
-            a.seq,
-            a.index,
-            a.bitmap,
-            job.fan_in,
-            a.flags | flag,
-            0,
-            0,
-            a.nvalues,
-            a.values,
-        )
+        return ina_packet(
+            job_id=job.job_id, worker_id=0, seq=a.seq, agg_index=a.index, bitmap=a.bitmap,
+            fan_in=job.fan_in, flags=a.flags | flag, count=a.nvalues, values=a.values,
+        )  # fmt: skip
 
 
-POLICIES.add("atp", ATPPolicy)
+ALLOCATORS.add("atp", ATPPolicy)

@@ -6,7 +6,7 @@ the sender's own bit, an aggregator index outside the job's range, or a
 payload of the wrong shape is a counted drop (``counters['drop_<reason>']``).
 A packet therefore can only ever change aggregators its own job may use.
 
-Policies (``POLICIES``, by name) own the aggregator pool; see ``switchml.py``
+Policies (``ALLOCATORS``, by name) own the aggregator pool; see ``switchml.py``
 and ``atp.py`` for their slot lifecycles.
 """
 
@@ -80,7 +80,7 @@ class PolicyFactory(Protocol):
     def __call__(self, pool_slots: int, counters: Counters) -> Policy: ...
 
 
-POLICIES: Registry[PolicyFactory] = Registry("allocation policy")
+ALLOCATORS: Registry[PolicyFactory] = Registry("allocation policy")
 
 
 @dataclass
@@ -108,7 +108,7 @@ class SwitchEngine(NoTimers):
         if pool_slots < 1:
             raise ConfigError("pool_slots", f"must be >= 1, got {pool_slots}")
         counters = Counters()
-        eng = cls(name, POLICIES.get(policy)(pool_slots, counters), counters)
+        eng = cls(name, ALLOCATORS.get(policy)(pool_slots, counters), counters)
         for job in jobs:
             eng.add_job(job)
         return eng

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from gradfabric.proto.actions import Action, Send
 from gradfabric.proto.switch.atp import AGGREGATING, COMPLETE, ATPPolicy, _Agg
-from gradfabric.proto.switch.engine import POLICIES
+from gradfabric.proto.switch.engine import ALLOCATORS
 from gradfabric.proto.switch.job import SwitchJob
 from gradfabric.wire.packet import Flag, Packet
 
@@ -52,4 +52,4 @@ class ESAPolicy(ATPPolicy):
         return None
 
 
-POLICIES.add("esa", ESAPolicy)
+ALLOCATORS.add("esa", ESAPolicy)

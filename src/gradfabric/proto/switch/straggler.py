@@ -31,7 +31,7 @@ from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Send
 from gradfabric.proto.switch.job import SwitchJob
-from gradfabric.wire.packet import Flag, Packet
+from gradfabric.wire.packet import Flag, Packet, ina_packet
 
 Detector = Callable[[list[int], int], int | None]
 HelperPolicy = Callable[[int, list[int], int, int], int | None]
@@ -143,5 +143,9 @@ class StragglerMonitor:
                 return []
             self.asked[key] = (count + 1, lead, h)
         self.counters["help_requests"] += 1
-        note = Packet(self.job.job_id, s, start, 0, 1 << s, self.job.fan_in, Flag.NOTIFY)
+        # worker_id names the straggler; seq the first sequence to send for it
+        note = ina_packet(
+            job_id=self.job.job_id, worker_id=s, seq=start, agg_index=0, bitmap=1 << s,
+            fan_in=self.job.fan_in, flags=Flag.NOTIFY,
+        )  # fmt: skip
         return [Send(self.job.children[h], note)]

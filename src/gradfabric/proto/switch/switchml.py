@@ -31,9 +31,9 @@ import numpy as np
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Multicast, Send
-from gradfabric.proto.switch.engine import POLICIES, PoolStats
+from gradfabric.proto.switch.engine import ALLOCATORS, PoolStats
 from gradfabric.proto.switch.job import SwitchJob
-from gradfabric.wire.packet import Flag, Packet
+from gradfabric.wire.packet import Flag, Packet, ina_packet
 
 IDLE, AGGREGATING, FORWARDED, COMPLETE = range(4)
 
@@ -160,17 +160,10 @@ class SwitchMLPolicy:
         """The copy's result is known: keep it for retransmissions, multicast it."""
         self.stats.held_ns += now_ns - c.claim_ns
         c.state = COMPLETE
-        c.result = Packet(
-            job.job_id,
-            0,
-            c.seq,
-            agg_index,
-            job.full,
-            job.fan_in,
-            Flag.ACK | flags,
-            count=c.nvalues,
-            payload=values,
-        )
+        c.result = ina_packet(
+            job_id=job.job_id, worker_id=0, seq=c.seq, agg_index=agg_index, bitmap=job.full,
+            fan_in=job.fan_in, flags=Flag.ACK | flags, count=c.nvalues, values=values,
+        )  # fmt: skip
         return [Multicast(job.children, c.result)]
 
     def _reset(self, c: _Copy, pkt: Packet, now_ns: int) -> None:
@@ -197,19 +190,10 @@ class SwitchMLPolicy:
 
     def _upward(self, job: SwitchJob, c: _Copy, agg_index: int) -> Packet:
         i = job.index_at_parent
-        return Packet(
-            job.job_id,
-            i,
-            c.seq,
-            agg_index,
-            1 << i,
-            job.parent_fan_in,
-            c.flags,
-            0,
-            0,
-            c.nvalues,
-            c.values,
-        )
+        return ina_packet(
+            job_id=job.job_id, worker_id=i, seq=c.seq, agg_index=agg_index, bitmap=1 << i,
+            fan_in=job.parent_fan_in, flags=c.flags, count=c.nvalues, values=c.values,
+        )  # fmt: skip
 
 
-POLICIES.add("switchml", SwitchMLPolicy)
+ALLOCATORS.add("switchml", SwitchMLPolicy)
