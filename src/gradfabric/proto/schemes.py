@@ -163,12 +163,17 @@ class Scheme:
     ) -> Placement:
         """A single job with the whole switch to itself, sized from ``ina``
         (``help``: SA-ATP's settings, for the schemes that take them)."""
-        return Placement(
+        p = Placement(
             JOB_ID, workers, racks, servers, root,
             window=self.window(ina), pool_slots=ina.atp_pool_slots,
             rto_ns=ina.rto_ns, values_per_packet=ina.values_per_sim_packet,
             streams=ina.omni_streams,
         )  # fmt: skip
+        return self.adjust(p, ina, help)
+
+    def adjust(self, p: Placement, ina: InaConfig, help: HelpConfig | None) -> Placement:
+        """What a scheme changes in a single job's placement (nothing by default)."""
+        return p
 
     def check(self, p: Placement, ina: InaConfig) -> None:
         """Raise ``ConfigError`` if the scheme cannot run ``p``."""
@@ -260,17 +265,8 @@ class SwitchML(Scheme):
     def window(self, ina: InaConfig) -> int:
         return ina.windowed(ina.switchml_slots)
 
-    def place(
-        self,
-        workers: tuple[str, ...],
-        racks: Mapping[str, tuple[str, ...]],
-        ina: InaConfig,
-        root: str | None = None,
-        servers: tuple[str, ...] = (),
-        help: HelpConfig | None = None,
-    ) -> Placement:
+    def adjust(self, p: Placement, ina: InaConfig, help: HelpConfig | None) -> Placement:
         """A single job's switch holds just its own slots."""
-        p = super().place(workers, racks, ina, root, servers, help)
         return replace(p, pool_slots=p.window)
 
     def switch_job(self, p: Placement) -> SwitchJob:
@@ -348,16 +344,7 @@ class SAATP(ATP):
     summary = "SA-ATP: ATP with in-switch straggler detection and peer help"
     helps = True
 
-    def place(
-        self,
-        workers: tuple[str, ...],
-        racks: Mapping[str, tuple[str, ...]],
-        ina: InaConfig,
-        root: str | None = None,
-        servers: tuple[str, ...] = (),
-        help: HelpConfig | None = None,
-    ) -> Placement:
-        p = super().place(workers, racks, ina, root, servers, help)
+    def adjust(self, p: Placement, ina: InaConfig, help: HelpConfig | None) -> Placement:
         if help is None or help.iteration_packets < 1:
             raise ConfigError("help", "SA-ATP needs the packets of one iteration")
         lag = ina.windowed(help.lag_packets)  # in simulated packets (trains)
@@ -443,16 +430,8 @@ class OmniReduce(Scheme):
     def worker(self, p: Placement, rank: int) -> Engine:
         return OmniWorker(p.workers[rank], p.job_id, rank, self._layout(p), p.rto_ns, p.max_retries)
 
-    def place(
-        self,
-        workers: tuple[str, ...],
-        racks: Mapping[str, tuple[str, ...]],
-        ina: InaConfig,
-        root: str | None = None,
-        servers: tuple[str, ...] = (),
-        help: HelpConfig | None = None,
-    ) -> Placement:
-        return replace(super().place(workers, racks, ina, root, servers, help), max_retries=50)
+    def adjust(self, p: Placement, ina: InaConfig, help: HelpConfig | None) -> Placement:
+        return replace(p, max_retries=50)
 
     def start(
         self, engine: Engine, bucket: int, count: int, now_ns: int,
