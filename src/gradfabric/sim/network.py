@@ -153,8 +153,8 @@ class Link:
         arrive = -(-finish // PS_PER_NS) + self.prop
         if self.jitter:
             arrive += self.rng.randrange(self.jitter + 1)
-        loop._seq += 1  # EventLoop.push, inlined
-        heappush(loop._heap, (arrive, loop._seq, self.arrive, (dst, pkt)))
+        loop.seq += 1  # EventLoop.push, inlined
+        heappush(loop.heap, (arrive, loop.seq, self.arrive, (dst, pkt)))
         if self.dup and self.rng.random() < self.dup:
             self.counters["link_dup"] += 1
             loop.at(arrive + self.rng.randrange(self.jitter + 1), self.arrive, (dst, pkt.clone()))
