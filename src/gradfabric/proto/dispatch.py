@@ -19,7 +19,8 @@ timer is set on its clock (``schedule``, ``now``).
 * ``HelpRequest``: ``on_help``, if set (SA-ATP hosts).
 
 Timers: one per engine. After every batch of actions the port asks the
-engine's deadline and schedules a wake-up only if it is earlier than the one
+engine's deadline (an engine that keeps ``NoTimers``' defaults is never
+asked) and schedules a wake-up only if it is earlier than the one
 pending; a wake-up that is no longer the pending one is ignored. No timer is
 ever cancelled, which suits an event heap and asyncio alike.
 """
@@ -29,14 +30,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gradfabric.core.errors import PeerTimeoutError
-from gradfabric.proto.actions import Action, Deliver, Engine, Fail, HelpRequest, Multicast, Send
+from gradfabric.proto.actions import (
+    Action,
+    Deliver,
+    Engine,
+    Fail,
+    HelpRequest,
+    Multicast,
+    NoTimers,
+    Send,
+)
 from gradfabric.wire.packet import Packet
 
 
 class Port:
     """One engine at one driver (see the module doc)."""
 
-    __slots__ = ("engine", "failed", "on_deliver", "on_help", "timer_at")
+    __slots__ = ("engine", "failed", "on_deliver", "on_help", "timed", "timer_at")
 
     engine: Engine | None
     timer_at: int | None
@@ -45,11 +55,19 @@ class Port:
     on_help: Callable[[HelpRequest], None] | None
 
     def __init__(self, engine: Engine | None = None) -> None:
-        self.engine = engine
+        self.engine = None
+        self.timed = False
+        self.attach(engine)
         self.timer_at = None
         self.failed = None
         self.on_deliver = None
         self.on_help = None
+
+    def attach(self, engine: Engine | None) -> None:
+        """Serve ``engine`` from now on. One that keeps the ``NoTimers``
+        defaults (switches, servers, rings) is never asked for a deadline."""
+        self.engine = engine
+        self.timed = engine is not None and not isinstance(engine, NoTimers)
 
     # -- what a driver says -------------------------------------------------
     def send(self, dst: str, pkt: Packet) -> None:
@@ -89,16 +107,15 @@ class Port:
                 self.on_fail(a)
             elif type(a) is HelpRequest and self.on_help is not None:
                 self.on_help(a)
-        eng = self.engine
-        if eng is not None:
-            d = eng.next_deadline()
+        if self.timed:
+            d = self.engine.next_deadline()  # type: ignore[union-attr]  # timed: set
             if d is not None and (self.timer_at is None or d < self.timer_at):
                 self.timer_at = d
                 self.schedule(d)
 
     def rearm(self) -> None:
         eng = self.engine
-        if eng is None:
+        if eng is None or not self.timed:
             return
         d = eng.next_deadline()
         if d is not None and (self.timer_at is None or d < self.timer_at):

@@ -320,7 +320,7 @@ class Network:
 
     def bind(self, name: str, engine: Engine) -> None:
         node = self.node(name)
-        node.engine = engine
+        node.attach(engine)
         node.cut_through = isinstance(engine, SwitchEngine)
 
     def serve_at(self, name: str, gbps: float) -> None:
