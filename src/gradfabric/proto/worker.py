@@ -86,6 +86,15 @@ class WorkerEngine:
         self.job_id = cfg.job_id
         self.ecn_window = cfg.ecn_window
         self.route = route
+        # What every packet of this stream shares, and the route's lookups,
+        # read once here rather than on every packet (the hot path).
+        helping = cfg.helping >= 0
+        self._header = (
+            cfg.job_id, cfg.worker_id, cfg.fan_in,
+            1 << (cfg.helping if helping else cfg.worker_id), Flag.HELP if helping else 0,
+            cfg.rto_ns,
+        )  # fmt: skip
+        self._agg_index, self._dst = route.agg_index, route.dst
         self.counters = Counters()
         self.cwnd = float(cfg.window)
         self.max_cwnd = float(cfg.max_window or cfg.window)
@@ -220,13 +229,10 @@ class WorkerEngine:
             limit = min(limit, self.cap.base + int(self.cap.cwnd))
         if not queue or queue[0][0] >= limit:
             return actions
-        cfg, route, out, timers = self.cfg, self.route, self.out, self.timers
-        job, wid, fan_in = cfg.job_id, cfg.worker_id, cfg.fan_in
-        bit = 1 << (cfg.helping if cfg.helping >= 0 else wid)
-        flags = Flag.HELP if cfg.helping >= 0 else 0
-        deadline = now_ns + cfg.rto_ns
-        agg_index, dst = route.agg_index, route.dst
-        done = self.done_above
+        out, timers, done = self.out, self.timers, self.done_above
+        job, wid, fan_in, bit, flags, rto_ns = self._header
+        deadline = now_ns + rto_ns
+        agg_index, dst = self._agg_index, self._dst
         while queue and queue[0][0] < limit:
             seq, n, part, layer, prio = queue.popleft()
             if seq < self.base or seq in done:  # already answered (helped ahead)
