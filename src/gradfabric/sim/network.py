@@ -283,6 +283,12 @@ class Node(Port):
         # ``direct``: dst -> its one link, learnt by link_to (not ECMP)
         (self.direct.get(dst) or self.link_to(dst, pkt)).send(dst, pkt)
 
+    def multicast(self, dsts: tuple[str, ...], pkt: Packet) -> None:
+        direct = self.direct  # as ``send``, per copy, without a call per destination
+        for d in dsts:
+            p = pkt.clone()
+            (direct.get(d) or self.link_to(d, p)).send(d, p)
+
     def schedule(self, deadline_ns: int) -> None:
         self.loop.at(deadline_ns, self.fire, deadline_ns)
 
