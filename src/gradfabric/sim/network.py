@@ -77,6 +77,7 @@ class Link:
         "control_first",
         "counters",
         "dst",
+        "dst_name",
         "dup",
         "ecn_bytes",
         "jitter",
@@ -89,6 +90,7 @@ class Link:
         "queue_bytes",
         "rng",
         "spec",
+        "take",
         "vpp",
     )
 
@@ -96,6 +98,8 @@ class Link:
         self.net = net
         self.dst = dst
         self.arrive = dst.arrive
+        self.take = dst.take  # the far end's own engine path, for the last hop
+        self.dst_name = dst.name
         self.spec = spec
         self.name = f"{src}->{dst.name}"
         self.ps_per_byte = 8e12 / (spec.link_gbps * 1e9)
@@ -145,7 +149,8 @@ class Link:
         if finish > self.busy_until_ps:
             self.busy_until_ps = finish
         self.bytes_sent += size
-        if count > vpp and (dst != self.dst.name or self.dst.cut_through):
+        last_hop = dst == self.dst_name
+        if count > vpp and (not last_hop or self.dst.cut_through):
             # A train into a switch: its packets pipeline through it, so the switch
             # starts on it when its first packet is in (cut-through of the train),
             # while this link stays busy for the whole train.
@@ -154,7 +159,10 @@ class Link:
         if self.jitter:
             arrive += self.rng.randrange(self.jitter + 1)
         loop.seq += 1  # EventLoop.push, inlined
-        heappush(loop.heap, (arrive, loop.seq, self.arrive, (dst, pkt)))
+        if last_hop:  # no forwarding decision at the far end: its engine takes it
+            heappush(loop.heap, (arrive, loop.seq, self.take, pkt))
+        else:
+            heappush(loop.heap, (arrive, loop.seq, self.arrive, (dst, pkt)))
         if self.dup and self.rng.random() < self.dup:
             self.counters["link_dup"] += 1
             loop.at(arrive + self.rng.randrange(self.jitter + 1), self.arrive, (dst, pkt.clone()))
@@ -250,6 +258,11 @@ class Node(Port):
         if dst != self.name:
             (self.direct.get(dst) or self.link_to(dst, pkt)).send(dst, pkt)
             return
+        self.take(pkt)
+
+    def take(self, pkt: Packet) -> None:
+        """A packet addressed here: to the engine (after its turn, if it serves
+        at a finite rate)."""
         eng = self.engine
         if eng is None:
             self.net.counters["drop_no_engine"] += 1

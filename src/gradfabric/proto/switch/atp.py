@@ -98,7 +98,8 @@ class ATPPolicy:
         return bits
 
     def on_gradient(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
-        ps = job.ps_for(pkt.seq)
+        shards = job.ps_shards  # job.ps_for, inlined (once per gradient packet)
+        ps = shards[pkt.seq % len(shards)] if shards else job.parent
         if ps is None or pkt.agg_index >= len(self.pool):
             self.counters["drop_bad_slot"] += 1
             return []
