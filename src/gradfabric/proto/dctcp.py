@@ -63,6 +63,8 @@ class DctcpSender(DlcpSender):
     """Sends tensors in order within a congestion window; see the module
     docstring for the window, ECN, fast retransmit and timeout rules."""
 
+    congestion_controlled = True  # its window finds its share of a bottleneck
+
     def __init__(
         self, name: str, job_id: int, rank: int, receiver: str, per_packet: int = 256,
         rto_ns: int = 200_000,

@@ -310,6 +310,8 @@ class DlcpSender:
     important first, answers ``RESEND`` requests for ranges, and probes tensors whose ACK has
     not come."""
 
+    congestion_controlled: bool = False  # sends as fast as its caller paces it
+
     def __init__(
         self, name: str, job_id: int, rank: int, receiver: str, per_packet: int = 256,
         rto_ns: int = 200_000,

@@ -243,9 +243,9 @@ class _PsJob(_Job):
         # congestion-controlled transport converges to); without it the push is an
         # n-to-1 incast that no transport survives without a window.
         fair = cfg.link_gbps / n
-        for w in self.workers if cfg.transport == "dlcp" else ():  # DCTCP finds its share
+        for w in () if self.tx_cls.congestion_controlled else self.workers:  # DCTCP finds it
             (uplink,) = net.node(w).routes["*"]
-            uplink.ps_per_byte = 8e12 / (fair * 1e9)
+            uplink.pace(fair)
         rto = cfg.rto_ns
         self.wk = [
             DlcpEndpoint(

@@ -118,6 +118,10 @@ class Link:
             spec.prop_delay_ns,
         )
 
+    def pace(self, gbps: float) -> None:
+        """Serialise at ``gbps`` (a sender pacing itself below its line rate)."""
+        self.ps_per_byte = 8e12 / (gbps * 1e9)
+
     def slow_down(self, factor: float) -> None:
         """Serialise at the spec's rate divided by ``factor`` (a straggling NIC)."""
         self.ps_per_byte = 8e12 / (self.spec.link_gbps * 1e9) * factor
