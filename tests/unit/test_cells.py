@@ -24,3 +24,21 @@ def test_dlcp_grid_is_the_same_serially_and_in_a_pool() -> None:
     pooled = run_grid([base], (0.5,), (0, 1), processes=2)
     assert len(serial) == 2 * len(VARIANTS)
     assert serial == pooled
+
+
+def test_saatp_grid_is_the_same_serially_and_in_a_pool() -> None:
+    """SA-ATP's training cells are seeded too: the pool gives the serial rows
+    (simulated times and help counts; only the wall clock differs)."""
+    from gradfabric.experiments.saatp import SaatpGrid
+    from gradfabric.experiments.saatp import run_grid as saatp_grid
+
+    grid = SaatpGrid(models=("resnet50",), workers=(8,), stragglers=(1,), slowdowns=(2.0,),
+                     schemes=("saatp", "atp"), iterations=2)  # fmt: skip
+
+    def timeless(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+        return [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]
+
+    serial = saatp_grid(grid, lambda _label: None, processes=1)
+    pooled = saatp_grid(grid, lambda _label: None, processes=2)
+    assert [r["scheme"] for r in serial] == ["saatp", "atp"]
+    assert timeless(serial) == timeless(pooled)

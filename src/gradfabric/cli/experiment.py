@@ -26,6 +26,7 @@ def add(sub: Sub) -> None:
     es.add_argument("--stragglers", help="comma-separated straggler counts, e.g. 1,2")
     es.add_argument("--slowdowns", help="comma-separated factors, e.g. 1,1.25,2,4")
     es.add_argument("--iterations", type=int, help="iterations per run (default 3)")
+    _processes(es)
     add_output(es, "saatp")
     es.set_defaults(fn=saatp)
 
@@ -125,8 +126,10 @@ def saatp(args: argparse.Namespace) -> int:
     }
     grid = replace(grid, **{k: v for k, v in given.items() if v})
     steps = len(grid.models) * len(grid.workers) * len(grid.stragglers) * len(grid.slowdowns)
+    processes = args.processes or default_processes()
     return _grid(
-        args, "saatp", grid, steps * len(grid.schemes), run_grid, compare,
+        args, "saatp", grid, steps * len(grid.schemes),
+        lambda g, tick: run_grid(g, tick, processes), compare,
         [("cmp", "SA-ATP vs ATP", ["model", "workers", "stragglers", "slowdown", "atp_ms",
                                    "saatp_ms", "reduction", "speedup"])],
     )  # fmt: skip

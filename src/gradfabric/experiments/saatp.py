@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradfabric.core.cells import default_processes, run_cells
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
@@ -69,22 +70,25 @@ def configs(grid: SaatpGrid) -> Iterator[TrainingConfig]:
                         )
 
 
-def run_grid(grid: SaatpGrid, tick: Tick) -> list[dict[str, Any]]:
-    rows = []
-    for cfg in configs(grid):
-        tick(f"{cfg.model}/{cfg.workers}w/x{cfg.stragglers.slowdown:g}/{cfg.scheme}")
-        r = run_training(cfg)
-        rows.append(
-            {
-                "model": cfg.model,
-                "workers": cfg.workers,
-                "stragglers": len(cfg.stragglers.workers),
-                "slowdown": cfg.stragglers.slowdown,
-                "scheme": cfg.scheme,
-                **r.summary(),
-            }
-        )
-    return rows
+def run_cell(cfg: TrainingConfig) -> dict[str, Any]:
+    """One configuration's row (a grid cell: seeded, independent of the others)."""
+    return {
+        "model": cfg.model,
+        "workers": cfg.workers,
+        "stragglers": len(cfg.stragglers.workers),
+        "slowdown": cfg.stragglers.slowdown,
+        "scheme": cfg.scheme,
+        **run_training(cfg).summary(),
+    }
+
+
+def _label(cfg: TrainingConfig) -> str:
+    return f"{cfg.model}/{cfg.workers}w/x{cfg.stragglers.slowdown:g}/{cfg.scheme}"
+
+
+def run_grid(grid: SaatpGrid, tick: Tick, processes: int = 1) -> list[dict[str, Any]]:
+    """Every cell's row, in the grid's order (``processes > 1``: a local pool)."""
+    return run_cells(run_cell, list(configs(grid)), processes, tick, _label)
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -113,7 +117,7 @@ class Saatp:
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         grid = SaatpGrid.quick() if quick else SaatpGrid()
-        rows = run_grid(grid, tick)
+        rows = run_grid(grid, tick, default_processes())
         cmp = compare(rows)
         r = ExperimentResult(self.name, self.title, rows=cmp + rows, config=dump(grid))
         straggling = [c for c in cmp if c["slowdown"] > 1]
