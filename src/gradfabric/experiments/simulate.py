@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.proto.schemes import COLLECTIVES
+from gradfabric.proto.schemes import collective
 from gradfabric.sim.collective import (
     Bucket,
     CollectiveResult,
@@ -50,10 +50,7 @@ class SimulateConfig:
         for m in self.models:
             check_model(m, "models")
         for s in self.schemes:
-            if s not in COLLECTIVES:
-                raise ConfigError(
-                    "schemes", f"unknown scheme {s!r}; valid: {', '.join(COLLECTIVES)}"
-                )
+            collective(s, "schemes")
         device(self.device)
         if self.workers < 1 or self.batch < 1:
             raise ConfigError("workers", "workers and batch must be >= 1")

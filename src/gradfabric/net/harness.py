@@ -20,11 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver, Engine
-from gradfabric.proto.schemes import COLLECTIVES, JOB_ID, InaConfig, Placement, worker_input
-from gradfabric.proto.schemes import SCHEMES as REGISTRY
+from gradfabric.proto.schemes import InaConfig, Placement, collective, worker_input
 from gradfabric.proto.switch.straggler import HelpConfig
 
 # A Python switch process on a shared host: windows that keep the switch's
@@ -37,22 +36,17 @@ UDP_DEFAULTS = InaConfig(switchml_slots=8, atp_window=8, ps_window=8, rto_ns=100
 def placement(scheme: str, workers: int, values: int, ina: InaConfig) -> Placement:
     """The job's layout: workers ``w0..`` under one switch ``sw0``, the
     scheme's servers beside them; SA-ATP counts the one bucket as its iteration."""
-    if scheme not in COLLECTIVES:
-        raise ConfigError(
-            "scheme",
-            f"unknown scheme {scheme!r} for the UDP driver; valid: {', '.join(COLLECTIVES)}",
-        )
-    s = REGISTRY.get(scheme)
+    s = collective(scheme)
     names = tuple(f"w{i}" for i in range(workers))
     per_iteration = max(1, -(-values // ina.values_per_sim_packet))
     return s.place(
-        names, {"sw0": names}, ina, servers=s.servers(JOB_ID, workers, ina),
+        names, {"sw0": names}, ina, servers=s.servers(workers, ina),
         help=HelpConfig(iteration_packets=per_iteration),
     )  # fmt: skip
 
 
 def job_engines(scheme: str, workers: int, ina: InaConfig, values: int = 1) -> dict[str, Engine]:
-    return REGISTRY.get(scheme).engines(placement(scheme, workers, values, ina), ina)
+    return collective(scheme).engines(placement(scheme, workers, values, ina), ina)
 
 
 @dataclass
@@ -90,7 +84,7 @@ async def _node(spec: _NodeSpec, conn: Connection) -> None:
     scheme, name, workers, ina = spec.scheme, spec.name, spec.workers, spec.ina
     seed, values, timeout_s = spec.seed, spec.values, spec.timeout_s
     p = placement(scheme, workers, values, ina)
-    kind = REGISTRY.get(scheme)
+    kind = collective(scheme)
     engine = kind.engines(p, ina)[name]
     result = np.zeros(values, dtype=np.int64)
     vpp = ina.values_per_sim_packet

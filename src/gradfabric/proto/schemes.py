@@ -144,7 +144,7 @@ class Scheme:
     shaped_port: bool = False  # a daemon's shaped, prioritised port leads to its server
     job_kinds: tuple[str, ...] = ("ina",)  # what a daemon running it registers
 
-    def servers(self, job_id: int, workers: int, ina: InaConfig) -> tuple[str, ...]:
+    def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
         """The hosts the job needs besides its workers (none by default)."""
         return ()
 
@@ -306,7 +306,7 @@ class ATP(Scheme):
     ecn_window = True
     can_help = True
 
-    def servers(self, job_id: int, workers: int, ina: InaConfig) -> tuple[str, ...]:
+    def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
         return ("ps0",)
 
     def check(self, p: Placement, ina: InaConfig) -> None:
@@ -363,7 +363,7 @@ class PS(Scheme):
     summary = "BytePS-style parameter server, sharded by sequence over the servers"
     server_only = True
 
-    def servers(self, job_id: int, workers: int, ina: InaConfig) -> tuple[str, ...]:
+    def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
         return tuple(f"ps{i}" for i in range(ina.ps_servers or workers))
 
     def window(self, ina: InaConfig) -> int:
@@ -407,7 +407,7 @@ class OmniReduce(Scheme):
     summary = "OmniReduce: only non-zero blocks stream to aggregators"
     per_bucket = True
 
-    def servers(self, job_id: int, workers: int, ina: InaConfig) -> tuple[str, ...]:
+    def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
         return tuple(f"agg{i}" for i in range(ina.omni_aggregators or workers))
 
     def check(self, p: Placement, ina: InaConfig) -> None:
@@ -468,3 +468,11 @@ SCHEMES.alias("omni", "omnireduce")
 # The schemes that all-reduce a job's buckets (``DLCP`` is a transport: its
 # study has its own simulator and client).
 COLLECTIVES: Final = ("switchml", "atp", "esa", "saatp", "ps", "ring", "omnireduce")
+
+
+def collective(name: str, field: str = "scheme") -> Scheme:
+    """The scheme ``name`` if it all-reduces buckets, else a ``ConfigError``
+    naming ``field`` and the valid names (every driver's one check)."""
+    if name not in COLLECTIVES:
+        raise ConfigError(field, f"unknown scheme {name!r}; valid: {', '.join(COLLECTIVES)}")
+    return SCHEMES.get(name)

@@ -29,7 +29,7 @@ from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Aggregator, Deliver
 from gradfabric.proto.host import HostEngine
-from gradfabric.proto.schemes import COLLECTIVES, JOB_ID, SCHEMES, worker_input
+from gradfabric.proto.schemes import SCHEMES, collective, worker_input
 from gradfabric.proto.schemes import InaConfig as InaConfig
 from gradfabric.proto.switch import PoolStats, SwitchEngine
 from gradfabric.proto.switch.straggler import HelpConfig
@@ -244,7 +244,7 @@ class CollectiveRun:
                 f"{scheme.name} assumes a lossless, duplicate-free network "
                 "(loss and dup must be 0)",
             )
-        servers = scheme.servers(JOB_ID, self.n, self.ina)
+        servers = scheme.servers(self.n, self.ina)
         topo = self.topology(list(servers))
         racks: dict[str, list[str]] = {}
         for name in self.workers:
@@ -323,8 +323,7 @@ def run_collective(
         raise ConfigError("buckets", "need at least one bucket")
     if not 0 <= density <= 1:
         raise ConfigError("density", f"must be in [0, 1], got {density}")
-    if scheme not in COLLECTIVES:
-        raise ConfigError("scheme", f"unknown {scheme!r}; valid: {', '.join(COLLECTIVES)}")
+    collective(scheme)
     run = CollectiveRun(
         scheme,
         workers,

@@ -32,7 +32,7 @@ from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import HelpRequest
 from gradfabric.proto.host import HostEngine
-from gradfabric.proto.schemes import COLLECTIVES, SCHEMES, InaConfig
+from gradfabric.proto.schemes import SCHEMES, InaConfig, collective
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.collective import Bucket, CollectiveRun, FabricConfig
@@ -97,8 +97,7 @@ class TrainingConfig:
     ina: InaConfig = field(default_factory=InaConfig)
 
     def __post_init__(self) -> None:
-        if self.scheme not in COLLECTIVES:
-            raise ConfigError("scheme", f"unknown {self.scheme!r}; valid: {', '.join(COLLECTIVES)}")
+        collective(self.scheme)
         TAKEOVER.get(self.takeover)
         check_model(self.model)
         device(self.device)
