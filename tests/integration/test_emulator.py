@@ -86,7 +86,9 @@ def test_aggregates_exact_under_loss_duplication_and_reordering(policy: str) -> 
             for c in clients:
                 c.close()
         counters = _stats(sw)["counters"]
-    assert counters["impair_loss"] > 0 and counters["impair_dup"] > 0
+    # Both directions draw a fate (some 500 datagrams here): the chance that
+    # not one was duplicated at 2% is about 0.98**500 = 4e-5.
+    assert counters["impair_loss"] > 0 and counters["impair_dup"] > 0, counters
 
 
 def _fire(

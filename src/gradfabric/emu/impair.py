@@ -1,9 +1,9 @@
 """Impairments of the switch daemon's datagrams (this kernel has no netem).
 
-Every datagram in and out is independently lost with ``loss``, duplicated
-with ``dup`` and held for ``delay_ns`` plus a uniform ``jitter_ns`` (which
-reorders), all drawn from one seeded generator, so a run's impairments
-repeat with its seed.
+Every datagram in and out is independently lost with ``loss`` and
+duplicated with ``dup``; outgoing ones are also held for ``delay_ns`` plus a
+uniform ``jitter_ns`` (which reorders). All fates come from one seeded
+generator, so with one seed and one arrival order a run's impairments repeat.
 """
 
 from __future__ import annotations
@@ -45,11 +45,16 @@ class Impairer:
             return True
         return False
 
+    def copies(self) -> int:
+        """How many copies of a datagram go on: 0 (lost), 1, or 2 (duplicated)."""
+        if self.lost():
+            return 0
+        if self.imp.dup and self.rng.random() < self.imp.dup:
+            self.counters["impair_dup"] += 1
+            return 2
+        return 1
+
     def delays_s(self) -> list[float]:
         """The delay of each copy of an outgoing datagram (none if it is lost)."""
         imp, rng = self.imp, self.rng
-        if self.lost():
-            return []
-        copies = 2 if imp.dup and rng.random() < imp.dup else 1
-        self.counters["impair_dup"] += copies - 1
-        return [(imp.delay_ns + rng.random() * imp.jitter_ns) / 1e9 for _ in range(copies)]
+        return [(imp.delay_ns + rng.random() * imp.jitter_ns) / 1e9 for _ in range(self.copies())]

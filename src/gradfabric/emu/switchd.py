@@ -249,8 +249,10 @@ class SwitchDaemon:
 
     def datagram_received(self, data: bytes, addr: Address) -> None:
         self.counters["rx_datagrams"] += 1
-        if self.impair.lost():
-            return
+        for _ in range(self.impair.copies()):
+            self._received(data)
+
+    def _received(self, data: bytes) -> None:
         job = None
         try:
             job = self.jobs.get(job_of(data))
