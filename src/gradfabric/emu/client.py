@@ -22,14 +22,26 @@ comes back as NaN at every rank, so AMP's gradient scaler still sees it.
 
 A collective that does not finish within ``timeout_s`` raises
 ``PeerTimeoutError`` naming the ranks the switch still waits on (asked over
-the control port), or the switch itself if it does not know the job any more
-(it was restarted: the job's aggregation state is gone, so the run stops
-with that error rather than resume with sums that may be partial).
+the control port), or the switch itself if it is gone or cannot take the
+job back.
+
+A switch that dies and is started again on the same ports does not end an
+``InaClient``'s job: each client keeps a control connection open
+(``watch``); when it closes, the client reconnects until the daemon answers,
+and if the daemon's epoch changed it restores the job from its ticket, says
+hello again, reports the oldest sequence it has no result for and, once the
+daemon has heard every rank, replays from the floor it answers (see
+``proto.worker``): the collective in flight completes with exact sums.
+OmniReduce and DLCP clients do not resume (their engines keep no replay
+state); their jobs end with the switch, naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +65,8 @@ from gradfabric.wire.quant import block_exponents, block_scales
 
 SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
 ANY_HOST = "0.0.0.0"
+RECONNECT_S = 0.05  # between tries to reach a daemon that went away
+RESUME_POLL_S = 0.01  # between asking whether every rank has reported
 # An exponent no finite float32 has: the block holds a NaN or an infinity at
 # some rank, and comes back as NaN everywhere (as a dense all-reduce would make
 # AMP's scaler skip the step; which values were inf is not kept).
@@ -95,6 +109,7 @@ class Ticket:
     streams: int = 16  # omni
     push_bound: float = 0.0  # dlcp
     pull_bound: float = 0.0
+    epoch: str = ""  # the daemon's incarnation that issued it
 
     @classmethod
     def register(
@@ -158,6 +173,12 @@ class Attached:
     timeout_s: float
     calls = 0  # float all-reduces so far (keys the check-in after a failure)
     _group: tuple[Any] | None = None  # the process group of the float all-reduces, once known
+    resumable = False  # survives a daemon restart (``_watch``)
+    epoch = ""  # the daemon incarnation this client's job state lives in
+    refused: str | None = None  # why the job could not be taken back after a restart
+    _watcher: asyncio.Task[None] | None = None
+    _call: _Call | None = None  # the collective in flight
+    proto: EngineProtocol
 
     def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0, **kw: Any) -> None:
         raise NotImplementedError  # each client builds its engine, then calls _attach
@@ -200,20 +221,85 @@ class Attached:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
 
-        async def open_() -> EngineProtocol:
+        async def open_() -> None:
             t = ticket
-            transport, proto = await open_engine(
-                engine, {t.entry: t.switch}, (bind_host, 0), on_deliver,
-                bytes.fromhex(t.token), on_help,
-            )  # fmt: skip
-            port = transport.get_extra_info("sockname")[1]
             hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": rank}
             if bind_host != ANY_HOST:  # else the switch answers where the hello came from
                 hello["host"] = bind_host
-            await control_call(t.control, hello | {"port": port})
-            return proto
+            self._open_socket = functools.partial(
+                open_engine, engine, {t.entry: t.switch}, (bind_host, 0), on_deliver,
+                bytes.fromhex(t.token), on_help,
+            )  # fmt: skip
+            self._hello_base = hello
+            self.epoch = (await self._new_socket())["epoch"]
+            if self.resumable:
+                self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
-        self.proto: EngineProtocol = self._wait(open_(), timeout_s)
+        self._wait(open_(), timeout_s)
+
+    async def _new_socket(self) -> dict[str, Any]:
+        """Serve the engine from a new UDP socket (the old one, if any, closed
+        with whatever it still held) and tell the daemon its address."""
+        old = getattr(self, "proto", None)
+        if old is not None:
+            old.attach(None)  # its pending timers find no engine
+            if old.transport is not None:
+                old.transport.close()
+        transport, self.proto = await self._open_socket()
+        port = transport.get_extra_info("sockname")[1]
+        return await control_call(self.ticket.control, self._hello_base | {"port": port})
+
+    # -- surviving a daemon restart (see the module doc) -------------------
+    async def _watch(self) -> None:
+        t = self.ticket
+        req = json.dumps({"op": "watch", "job_id": t.job_id, "token": t.token}).encode() + b"\n"
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(*t.control)
+                try:
+                    writer.write(req)
+                    await writer.drain()
+                    line = await reader.readline()
+                    if line and json.loads(line).get("epoch") == self.epoch:
+                        await reader.read()  # returns when the daemon's end closes
+                        continue
+                finally:
+                    writer.close()
+                if line:  # a new incarnation (or one that lost the job): take the job back
+                    await self._resync()
+            except (OSError, ValueError):  # not up (yet), or went away mid-answer
+                pass
+            await asyncio.sleep(RECONNECT_S)
+
+    async def _resync(self) -> None:
+        t = self.ticket
+        job = {"job_id": t.job_id, "token": t.token}
+        restore = job | {
+            "op": "restore", "workers": t.workers, "kind": t.kind, "slot_base": t.slot_base,
+            "window": t.window, "values_per_packet": t.values_per_packet, "policy": t.policy,
+        }  # fmt: skip
+        try:
+            epoch = (await control_call(t.control, restore))["epoch"]
+        except ConfigError as e:  # the daemon cannot take the job back: end it, saying why
+            self.refused = str(e)
+            if self._call is not None:
+                self._call.failed = True
+                self._call.done.set()
+            await asyncio.Future()  # nothing more to watch
+        # A new socket before reporting: a late result of the old switch could
+        # otherwise pass for the new one's answer to a replay (proto.worker).
+        await self._new_socket()
+        resume = job | {"op": "resume", "rank": self.rank, "base": self.engine_base()}
+        while "floor" not in (reply := await control_call(t.control, resume)):
+            await asyncio.sleep(RESUME_POLL_S)
+        self.proto.execute(self.replay(int(reply["floor"])))
+        self.epoch = epoch
+
+    def engine_base(self) -> int:
+        raise NotImplementedError  # resumable clients say where their results stop
+
+    def replay(self, floor: int) -> list[Action]:
+        raise NotImplementedError
 
     def _wait(self, coro: Any, timeout_s: float | None = None) -> Any:
         fut: CFuture[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -226,7 +312,7 @@ class Attached:
             if call.done.is_set():
                 return
             self.proto.execute(start())
-            if self.proto.gave_up.done():
+            if self.proto.gave_up.done() or self.refused is not None:
                 call.failed = True
                 call.done.set()
 
@@ -253,6 +339,8 @@ class Attached:
         t = self.ticket
         req = {"op": "missing", "job_id": t.job_id, "token": t.token}
         switch = f"switch {t.switch[0]}:{t.switch[1]}"
+        if self.refused is not None:
+            return PeerTimeoutError(f"{switch} ({self.refused})", self.timeout_s)
         try:
             missing = self._wait(control_call(t.control, req, 2.0), 5.0)["missing"]
         except ConfigError:  # the switch no longer knows the job
@@ -306,6 +394,8 @@ class Attached:
 
     def close(self) -> None:
         if self.loop.is_running():
+            if self._watcher is not None:
+                self._wait(_cancelled(self._watcher), 5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
 
@@ -322,8 +412,16 @@ class InaClient(Attached):
         assert isinstance(engine, WorkerEngine)
         self.priority = priority
         self.engine = engine
-        self._call: _Call | None = None
+        self.resumable = True
+        engine.keep_for_replay()
+        self._call = None
         self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
+
+    def engine_base(self) -> int:
+        return self.engine.base
+
+    def replay(self, floor: int) -> list[Action]:
+        return self.engine.replay(floor, time.monotonic_ns())
 
     def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
         """Sum ``q`` over the job's workers (every rank calls with the same
@@ -361,7 +459,7 @@ class OmniClient(Attached):
         assert isinstance(engine, OmniWorker)
         self.engine = engine
         self.bucket = 0
-        self._call: _Call | None = None
+        self._call = None
         self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
 
     def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
@@ -377,6 +475,12 @@ class OmniClient(Attached):
         if call is not None and d.pkt.payload is not None:
             call.result[:] = d.pkt.payload
             call.done.set()
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 class _Call:

@@ -4,10 +4,25 @@
   answer is its id, its secret token and the protocol parameters its workers
   need (the ``Ticket``). The job's engines come from the scheme registry
   (``proto.schemes``), as every driver's do.
-* ``hello``: a worker's UDP address.
-* ``missing``: the ranks the job's engines wait on, or gave up on.
+* ``hello``: a worker's UDP address (the answer carries the daemon's epoch).
+* ``watch``: the daemon's epoch; the worker keeps this connection open, so
+  the daemon's end closing tells it at once that the daemon went away.
+* ``restore``: a worker whose daemon restarted installs its job again from
+  its ticket (same id, token and slot range; idempotent). The job then
+  resynchronises: its datagrams are counted drops (``drop_resyncing``)
+  until every rank has said ``resume`` with its ``base`` (the oldest
+  sequence it has no result for); the answer to ``resume`` is then the
+  floor, the smallest of those, from which the workers replay
+  (``proto.worker``).
+* ``missing``: the ranks the job's engines wait on, or gave up on (while it
+  resynchronises: the ranks that have not said ``resume``).
 * ``stats``: every counter and the aggregator pool's occupancy.
 * ``unregister``: the job leaves; what it held is released.
+
+With a state directory (``--state-dir``) every registration and worker
+address is kept in ``jobs.json`` there; a daemon started on it knows those
+jobs (resynchronising), so their tokens survive a restart and no other job
+can take their ids or slots meanwhile.
 
 An error is answered as ``{"error": ...}`` and counted, never a crash.
 """
@@ -16,8 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from gradfabric.core.errors import ConfigError
@@ -33,6 +49,7 @@ if TYPE_CHECKING:
     from gradfabric.emu.switchd import SwitchDaemon
 
 BACKGROUND: Final = "background"  # a DLCP job kind: traffic that only loads the port
+STATE_FILE: Final = "jobs.json"  # in the state directory
 
 
 @dataclass
@@ -47,6 +64,8 @@ class DaemonJob:
     shaped: bool = False  # its datagrams cross the daemon's shaped, prioritised port
     addrs: dict[int, Address] = field(default_factory=dict)
     counters: Counters = field(default_factory=Counters)  # datagrams that named this job
+    resync: dict[int, int] | None = None  # restored, waiting: rank -> its base
+    floor: int | None = None  # where the last resynchronisation told workers to replay from
 
 
 def worker_name(job_id: int, rank: int) -> str:
@@ -69,13 +88,8 @@ class ControlPlane:
         SA-ATP straggler help with these ``HelpConfig`` fields
         (``iteration_packets`` required). ``kind``: one of the scheme's job
         kinds (DLCP: ``dlcp``, or ``background`` traffic for its port)."""
-        d, cfg, scheme = self.d, self.d.cfg, self.d.scheme
-        if not 1 <= workers <= MAX_FAN_IN:
-            raise ConfigError("workers", f"must be in 1..{MAX_FAN_IN}")
-        kind = kind or scheme.job_kinds[0]
-        if kind not in scheme.job_kinds:
-            kinds = ", ".join(scheme.job_kinds)
-            raise ConfigError("kind", f"the {cfg.policy} switch takes {kinds} jobs")
+        scheme = self.d.scheme
+        kind = self._kind(workers, kind)
         helping = None
         if sa_atp is not None:
             if not scheme.can_help:
@@ -83,8 +97,66 @@ class ControlPlane:
             helping = HelpConfig(**sa_atp)
             if helping.iteration_packets < 1:
                 raise ConfigError("iteration_packets", "SA-ATP needs packets per iteration")
-        job_id = self._new_id()
         base = self._free_range() if scheme.static_slots else 0
+        job = self._install(self._new_id(), secrets.token_bytes(TOKEN_BYTES), workers, base,
+                            kind, helping)  # fmt: skip
+        self.d.counters["jobs_registered"] += 1
+        self.save()
+        return self.ticket(job)
+
+    def restore(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A job the restarted daemon lost, installed again from its ticket."""
+        d, cfg = self.d, self.d.cfg
+        job_id, token = int(req["job_id"]), bytes.fromhex(str(req["token"]))
+        job = d.jobs.get(job_id)
+        if job is not None:
+            if not secrets.compare_digest(token, job.token):
+                raise ConfigError("job_id", f"job {job_id} is another job's now")
+            return self.ticket(job)  # restored already, by another rank or from the state dir
+        theirs = {k: req.get(k) for k in ("policy", "window", "values_per_packet")}
+        ours = {"policy": cfg.policy, "window": cfg.job_slots,
+                "values_per_packet": cfg.values_per_packet}  # fmt: skip
+        if theirs != ours:
+            raise ConfigError("restore", f"the daemon now runs {ours}, the job had {theirs}")
+        workers, base = int(req["workers"]), int(req.get("slot_base", 0))
+        kind = self._kind(workers, req.get("kind"))
+        if not 1 <= job_id <= 0xFFFF or len(token) != TOKEN_BYTES:
+            raise ConfigError("job_id", "not a ticket this daemon could have issued")
+        if d.scheme.static_slots and not self._range_free(base):
+            raise ConfigError("slot_base", f"slots from {base} are another job's now")
+        job = self._install(job_id, token, workers, base, kind, None)
+        job.resync = {}
+        d.counters["jobs_restored"] += 1
+        self.save()
+        return self.ticket(job)
+
+    def resume(self, job: DaemonJob, rank: int, base: int) -> dict[str, Any]:
+        """Rank ``rank`` has no result from ``base`` on; the floor once all said so."""
+        if job.resync is not None:
+            job.resync[rank] = base
+            if len(job.resync) == job.workers:
+                job.floor = min(job.resync.values())
+                job.resync = None
+                self.d.counters["jobs_resumed"] += 1
+        if job.resync is None and job.floor is not None:
+            return {"floor": job.floor, "epoch": self.d.epoch}
+        return {"wait": True}
+
+    def _kind(self, workers: int, kind: str | None) -> str:
+        cfg, scheme = self.d.cfg, self.d.scheme
+        if not 1 <= workers <= MAX_FAN_IN:
+            raise ConfigError("workers", f"must be in 1..{MAX_FAN_IN}")
+        kind = kind or scheme.job_kinds[0]
+        if kind not in scheme.job_kinds:
+            kinds = ", ".join(scheme.job_kinds)
+            raise ConfigError("kind", f"the {cfg.policy} switch takes {kinds} jobs")
+        return kind
+
+    def _install(
+        self, job_id: int, token: bytes, workers: int, base: int, kind: str,
+        helping: HelpConfig | None,
+    ) -> DaemonJob:  # fmt: skip
+        d, cfg, scheme = self.d, self.d.cfg, self.d.scheme
         names = tuple(worker_name(job_id, r) for r in range(workers))
         window = cfg.job_slots
         p = Placement(
@@ -98,28 +170,33 @@ class ControlPlane:
             for name, engine in scheme.attach(p, d.switch).items():
                 d.host(name, engine)
         job = DaemonJob(
-            job_id, secrets.token_bytes(TOKEN_BYTES), workers, base, kind, p,
+            job_id, token, workers, base, kind, p,
             entry=scheme.entry(p), shaped=scheme.shaped_port and cfg.port_mbps > 0,
         )  # fmt: skip
         d.jobs[job_id] = job
-        d.counters["jobs_registered"] += 1
+        return job
+
+    def ticket(self, job: DaemonJob) -> dict[str, Any]:
+        """What a job's workers need to know (``emu.client.Ticket``)."""
+        d, cfg = self.d, self.d.cfg
         assert d.sock is not None
         return {
             "switch": list(d.sock.getsockname()[:2]),
-            "job_id": job_id,
+            "job_id": job.job_id,
             "token": job.token.hex(),
             "policy": cfg.policy,
-            "workers": workers,
+            "workers": job.workers,
             "pool_slots": cfg.slots,
-            "slot_base": base,
-            "window": window,
+            "slot_base": job.slot_base,
+            "window": cfg.job_slots,
             "values_per_packet": cfg.values_per_packet,
             "rto_ns": cfg.rto_ns,
             "entry": job.entry,
-            "kind": kind,
+            "kind": job.kind,
             "streams": cfg.omni_streams,
             "push_bound": cfg.push_bound,
             "pull_bound": cfg.pull_bound,
+            "epoch": d.epoch,
         }
 
     def _new_id(self) -> int:
@@ -134,14 +211,80 @@ class ControlPlane:
     def _free_range(self) -> int:
         """The first free range of ``job_slots`` slots (first fit)."""
         cfg, base = self.d.cfg, 0
-        taken = sorted((j.slot_base, j.slot_base + cfg.job_slots) for j in self.d.jobs.values())
-        for lo, hi in taken:
+        for lo, hi in sorted(self._taken()):
             if base + cfg.job_slots <= lo:
                 break
             base = max(base, hi)
         if base + cfg.job_slots > cfg.slots:
             raise ConfigError("slots", f"no free range of {cfg.job_slots} slots left")
         return base
+
+    def _taken(self) -> list[tuple[int, int]]:
+        w = self.d.cfg.job_slots
+        return [(j.slot_base, j.slot_base + w) for j in self.d.jobs.values()]
+
+    def _range_free(self, base: int) -> bool:
+        w = self.d.cfg.job_slots
+        inside = base >= 0 and base + w <= self.d.cfg.slots
+        return inside and all(hi <= base or base + w <= lo for lo, hi in self._taken())
+
+    # -- the state directory ------------------------------------------------
+    def save(self) -> None:
+        """Write every registration to the state directory (if any), atomically."""
+        d = self.d
+        if d.cfg.state_dir is None:
+            return
+        jobs = [
+            {"job_id": j.job_id, "token": j.token.hex(), "workers": j.workers,
+             "slot_base": j.slot_base, "kind": j.kind,
+             "help": None if j.placement.help is None else asdict(j.placement.help),
+             "addrs": {str(r): list(a) for r, a in j.addrs.items()}}
+            for j in d.jobs.values()
+        ]  # fmt: skip
+        state = {"config": self._identity(), "next_job": self.next_job, "jobs": jobs}
+        path = os.path.join(d.cfg.state_dir, STATE_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, path)
+
+    def load(self) -> None:
+        """Know the jobs the state directory holds, each waiting to resynchronise."""
+        d = self.d
+        if d.cfg.state_dir is None:
+            return
+        os.makedirs(d.cfg.state_dir, exist_ok=True)
+        path = os.path.join(d.cfg.state_dir, STATE_FILE)
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            state = json.load(f)
+        if state["config"] != self._identity():
+            raise ConfigError(
+                "state_dir", f"{path} was written by a daemon with {state['config']}, "
+                f"this one has {self._identity()}",
+            )  # fmt: skip
+        for j in state["jobs"]:
+            helping = None if j["help"] is None else HelpConfig(**j["help"])
+            job = self._install(j["job_id"], bytes.fromhex(j["token"]), j["workers"],
+                                j["slot_base"], j["kind"], helping)  # fmt: skip
+            job.resync = {}
+            for r, (host, port) in j["addrs"].items():
+                self._hello(job, int(r), (str(host), int(port)))
+            d.counters["jobs_restored"] += 1
+        self.next_job = int(state["next_job"])
+
+    def _identity(self) -> dict[str, Any]:
+        """What a job's workers depend on: a daemon must match it to take the jobs over."""
+        cfg = self.d.cfg
+        return {"policy": cfg.policy, "slots": cfg.slots, "window": cfg.job_slots,
+                "values_per_packet": cfg.values_per_packet}  # fmt: skip
+
+    def _hello(self, job: DaemonJob, rank: int, addr: Address) -> None:
+        if not 0 <= rank < job.workers:
+            raise ConfigError("rank", f"must be in 0..{job.workers - 1}")
+        job.addrs[rank] = addr
+        self.d.book[worker_name(job.job_id, rank)] = (job, addr)
 
     def _job(self, req: dict[str, Any]) -> DaemonJob:
         job = self.d.jobs.get(int(req.get("job_id", -1)))
@@ -152,7 +295,10 @@ class ControlPlane:
         return job
 
     def missing(self, job: DaemonJob) -> list[int]:
-        """Ranks some hosted engine waits on, or gave up on."""
+        """Ranks some hosted engine waits on, or gave up on (while the job
+        resynchronises: the ranks that have not said ``resume``)."""
+        if job.resync is not None:
+            return [r for r in range(job.workers) if r not in job.resync]
         names = set(self.d.gave_up.get(job.job_id, ()))
         for engine in self.d.engines():
             if isinstance(engine, Aggregator):
@@ -169,15 +315,20 @@ class ControlPlane:
             )
         if op == "stats":
             return d.stats()
+        if op == "restore":
+            return self.restore(req)
         job = self._job(req)
         if op == "hello":
+            self._hello(job, int(req["rank"]), (str(req.get("host") or peer), int(req["port"])))
+            self.save()
+            return {"ok": True, "ready": len(job.addrs) == job.workers, "epoch": d.epoch}
+        if op == "watch":
+            return {"epoch": d.epoch}
+        if op == "resume":
             rank = int(req["rank"])
             if not 0 <= rank < job.workers:
                 raise ConfigError("rank", f"must be in 0..{job.workers - 1}")
-            addr = (str(req.get("host") or peer), int(req["port"]))
-            job.addrs[rank] = addr
-            d.book[worker_name(job.job_id, rank)] = (job, addr)
-            return {"ok": True, "ready": len(job.addrs) == job.workers}
+            return self.resume(job, rank, int(req["base"]))
         if op == "missing":
             return {"missing": self.missing(job)}
         if op == "unregister":
@@ -187,6 +338,7 @@ class ControlPlane:
                 d.book.pop(worker_name(job.job_id, r), None)
             d.gave_up.pop(job.job_id, None)
             del d.jobs[job.job_id]
+            self.save()
             return {"ok": True}
         raise ConfigError("op", f"unknown operation {op!r}")
 

@@ -23,12 +23,17 @@ datagram. An engine's ``Fail`` (it gave up on a worker) is counted
 so the job's clients name it in their ``PeerTimeoutError``.
 
 SIGTERM or SIGINT stops the daemon cleanly (sockets closed, final counters
-printed by the CLI).
+printed by the CLI). A daemon that dies (SIGKILL, a crash) and is started
+again on the same ports resumes its jobs: each incarnation has an epoch, the
+workers notice the new one and restore their job from their tickets (or the
+daemon already knows it from ``state_dir``), agree on a floor and replay
+(``emu.control``, ``proto.worker``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import signal
 import socket
 import time
@@ -91,6 +96,9 @@ class SwitchConfig:
     push_bound: float = _opt(0.1, "dlcp: loss bound, push")
     pull_bound: float = _opt(0.02, "dlcp: loss bound, pull")
     omni_streams: int = _opt(16, "omni: streams per job's aggregator")
+    state_dir: str | None = _opt(
+        None, "keep job registrations here: restarted on it, the daemon knows its jobs"
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in DAEMON_SCHEMES:
@@ -168,6 +176,7 @@ class SwitchDaemon:
         self.servers: list[asyncio.Server] = []
         self.stopped = asyncio.Event()
         self.started_ns = time.monotonic_ns()
+        self.epoch = secrets.token_hex(8)  # this incarnation: workers notice a restart by it
 
     # -- hosted engines ---------------------------------------------------
     def host(self, name: str, engine: Engine) -> None:
@@ -198,6 +207,7 @@ class SwitchDaemon:
         size_buffers(sock)
         sock.bind((cfg.host, cfg.port))
         loop.add_reader(sock.fileno(), self._drain)
+        self.control.load()
         control = await asyncio.start_server(self.control.serve, cfg.host, cfg.control_port)
         self.servers.append(control)
         out = {
@@ -264,6 +274,9 @@ class SwitchDaemon:
             (self.counters if job is None else job.counters)[drop_reason(e)] += 1
             return
         job.counters["rx_datagrams"] += 1
+        if job.resync is not None:  # restored after a restart: replays start from the floor
+            job.counters["drop_resyncing"] += 1
+            return
         if job.shaped:
             self._port_offer(job, pkt, len(data))
         else:
@@ -379,10 +392,15 @@ class SwitchDaemon:
         merged["rx_datagrams"] -= sum(j.counters["rx_datagrams"] for j in self.jobs.values())
         return {
             "policy": self.cfg.policy,
+            "epoch": self.epoch,
             "uptime_s": (time.monotonic_ns() - self.started_ns) / 1e9,
             "cpu_s": time.process_time(),  # this process's CPU time (one core at most)
             "jobs": {
-                str(j.job_id): {"workers": j.workers, "hellos": len(j.addrs)}
+                str(j.job_id): {
+                    "workers": j.workers,
+                    "hellos": len(j.addrs),
+                    "resyncing": j.resync is not None,
+                }
                 for j in self.jobs.values()
             },
             "slots": self.cfg.slots,

@@ -19,6 +19,27 @@ reported through ``next_deadline``. After
 With ``ecn_window`` (ATP) the window reacts to ECN echoed in results: halved
 at most once per window of data, otherwise grown by one packet per window.
 A result is delivered exactly once; later copies are counted duplicates.
+
+Surviving a switch restart (``keep_for_replay``): a restarted switch is
+empty, and a worker may hold a result that another worker never received.
+So a resumable worker keeps, besides its outstanding packets, every
+contribution whose result came back within the last window (no worker can
+be more than a window behind another: ``seq`` completes only once every
+worker sent it, so nobody sends ``seq + W`` before everybody sent ``seq``).
+Once the job's workers agree on a floor (the smallest ``base`` among them,
+while results are held), ``replay(floor)`` sends every kept contribution at
+or above it again, retransmitted like any other until its result returns;
+that result is then only counted (``replay_answered``), never delivered a
+second time; once this worker's ``base`` passes ``seq + W`` nobody can need
+``seq`` any more and its replay stops (``replays_retired``; the switch may
+no longer answer it). Every sequence some worker still needs is then resent
+by all workers, and all of them lie in ``[floor, floor + 2W)``, which
+SwitchML's two copies per slot (and ATP's keys) tell apart.
+
+A result still on its way from the old switch must not count as the new
+switch's answer (the new one may still need this worker's share), so a
+driver replays only once no such result can arrive: the emulator's client
+takes a new socket before it reports its ``base`` (``emu.client``).
 """
 
 from __future__ import annotations
@@ -106,6 +127,10 @@ class WorkerEngine:
         self.timers: deque[tuple[int, int]] = deque()
         self.recover_seq = 0
         self.cap: WorkerEngine | None = None
+        self.keep = 0  # keep completed contributions this many sequences (0: none)
+        self.kept: dict[int, Packet] = {}
+        self.kept_order: deque[int] = deque()
+        self.replaying: set[int] = set()
 
     # -- application side -------------------------------------------------
     def push(
@@ -157,7 +182,15 @@ class WorkerEngine:
             self.counters["drop_foreign"] += 1
             return []
         seq = pkt.seq
-        if self.out.pop(seq, None) is None:
+        o = self.out.pop(seq, None)
+        if o is not None and self.keep:
+            if seq in self.replaying:
+                self.replaying.discard(seq)
+                if seq < self.base or seq in self.done_above:  # delivered already
+                    self.counters["replay_answered"] += 1
+                    return []
+            self._keep(seq, o[_PKT])
+        if o is None:
             if seq < self.base or seq in self.done_above or seq >= self.base + self.cfg.max_ahead:
                 self.counters["drop_duplicate_result"] += 1
                 return []
@@ -176,6 +209,8 @@ class WorkerEngine:
             self.done_above.add(seq)
         if self.ecn_window:
             self._adjust_window(pkt)
+        if self.replaying:
+            self._retire_replays()
         actions = self._pump(now_ns)
         actions.append(Deliver(seq, pkt))
         return actions
@@ -215,6 +250,50 @@ class WorkerEngine:
                 return deadline
             timers.popleft()
         return None
+
+    def keep_for_replay(self) -> None:
+        """Keep completed contributions for ``replay`` (see the module doc)."""
+        self.keep = max(self.cfg.window, self.cfg.max_window)
+
+    def replay(self, floor: int, now_ns: int) -> list[Action]:
+        """The switch restarted empty: send again every kept contribution at or
+        above ``floor`` and every outstanding packet, flagged as resends."""
+        rto_ns, out, timers = self.cfg.rto_ns, self.out, self.timers
+        for seq, pkt in self.kept.items():
+            if seq >= floor and seq not in out:
+                out[seq] = [pkt, 0, 0]
+        self.replaying = set(out)
+        self.counters["replays"] += 1
+        actions: list[Action] = []
+        deadline = now_ns + rto_ns  # later than every pending one: the FIFO stays sorted
+        for seq in sorted(out):
+            o = out[seq]
+            o[_DEADLINE] = deadline
+            o[_TRIES] = 0  # a fresh budget against the new switch
+            timers.append((deadline, seq))
+            pkt = o[_PKT].clone()
+            if self.route.resend_flag:
+                pkt.flags |= Flag.RESEND
+            actions.append(Send(self.route.dst(seq), pkt))
+        return actions
+
+    def _retire_replays(self) -> None:
+        """Stop replaying what nobody can need: once this worker holds the
+        result of ``seq + W``, every worker sent ``seq + W``, so every worker
+        held the result of ``seq``."""
+        low = self.base - self.keep
+        for seq in [s for s in self.replaying if s < low]:
+            self.replaying.discard(seq)
+            self.out.pop(seq, None)
+            self.counters["replays_retired"] += 1
+
+    def _keep(self, seq: int, pkt: Packet) -> None:
+        kept, order = self.kept, self.kept_order
+        kept[seq] = pkt
+        order.append(seq)
+        low = self.base - self.keep  # (base as it was before this result: keeps one more)
+        while order and order[0] < low:
+            kept.pop(order.popleft(), None)
 
     def pump(self, now_ns: int) -> list[Action]:
         """Send what the window now allows (after a capping stream moved on)."""
