@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future as CFuture
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 import numpy as np
@@ -110,6 +110,30 @@ class Ticket:
     push_bound: float = 0.0  # dlcp
     pull_bound: float = 0.0
     epoch: str = ""  # the daemon's incarnation that issued it
+
+    def save(self, path: str) -> None:
+        """Write the ticket to ``path`` (atomically), for a restarted launch to revoke."""
+        import os
+
+        with open(path + ".tmp", "w") as f:
+            json.dump(asdict(self), f)
+        os.replace(path + ".tmp", path)
+
+    @classmethod
+    def load(cls, path: str) -> Ticket:
+        with open(path) as f:
+            d = json.load(f)
+        return cls(**d | {"switch": tuple(d["switch"]), "control": tuple(d["control"])})
+
+    def revoke(self, timeout_s: float = 5.0) -> bool:
+        """Unregister the job: its stray datagrams become counted drops at the
+        switch. False if the switch no longer knew it."""
+        req = {"op": "unregister", "job_id": self.job_id, "token": self.token}
+        try:
+            asyncio.run(control_call(self.control, req, timeout_s))
+        except ConfigError:
+            return False
+        return True
 
     @classmethod
     def register(
@@ -186,18 +210,29 @@ class Attached:
     @classmethod
     def join(
         cls: type[C], control: Address | None = None, group: Any = None, timeout_s: float = 30.0,
-        **kw: Any,
+        ticket_file: str | None = None, **kw: Any,
     ) -> C:  # fmt: skip
         """Every rank of a torch.distributed group calls this: rank 0 registers
         the job (at ``control``, or ``$GRADFABRIC_SWITCH``), the ticket goes to
-        every rank over the group, and each rank opens its socket and says hello."""
+        every rank over the group, and each rank opens its socket and says hello.
+
+        ``ticket_file``: where rank 0 keeps the job's ticket. A group that
+        torchrun restarted finds its previous job's ticket there and revokes
+        it first (the old job's stray datagrams become counted drops and its
+        aggregators are freed), then registers a new job."""
+        import os
+
         import torch.distributed as dist
 
         control = control or switch_from_env()
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        box: list[Ticket | None] = [
-            Ticket.register(control, world, cls.KIND) if rank == 0 else None
-        ]
+        box: list[Ticket | None] = [None]
+        if rank == 0:
+            if ticket_file is not None and os.path.exists(ticket_file):
+                Ticket.load(ticket_file).revoke()
+            ticket = box[0] = Ticket.register(control, world, cls.KIND)
+            if ticket_file is not None:
+                ticket.save(ticket_file)
         dist.broadcast_object_list(box, src=0, group=group)
         assert box[0] is not None
         client = cls(box[0], rank, timeout_s, **kw)

@@ -338,6 +338,7 @@ class ControlPlane:
                 d.book.pop(worker_name(job.job_id, r), None)
             d.gave_up.pop(job.job_id, None)
             del d.jobs[job.job_id]
+            d.counters["jobs_unregistered"] += 1
             self.save()
             return {"ok": True}
         raise ConfigError("op", f"unknown operation {op!r}")

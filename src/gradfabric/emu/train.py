@@ -11,12 +11,21 @@ Reported: both loss curves (the global mean per step), per-step times, both
 test accuracies, the largest weight difference between the replicas, whether
 the switch-trained replicas are identical across ranks, and the switch's
 final counters.
+
+Ranks that rejoin: with ``checkpoint_every`` rank 0 saves both replicas,
+their optimisers, the batch generator and the curves so far; with
+``max_restarts`` torchrun restarts the whole group when a rank dies, and the
+new group revokes the old job at the switch (its ticket is kept next to the
+checkpoint), registers a new one and resumes from the checkpoint.
+``kill_rank``/``kill_step`` inject that fault: the rank SIGKILLs itself as
+it reaches the step, in the first attempt only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -48,11 +57,19 @@ class EmuTrainConfig:
     port_mbps: float = 0.0  # dlcp: the port into the server (0: unshaped)
     link_gbps: float | None = None  # namespaces on tbf-shaped links (root), else loopback
     kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
+    checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    max_restarts: int = 0  # torchrun's restarts of the group after a rank fails
+    kill_rank: int = -1  # fault: this rank SIGKILLs itself at kill_step, first attempt only
+    kill_step: int = -1
 
     def __post_init__(self) -> None:
         CLIENTS.get(self.policy)
         if self.ranks < 2 or self.steps < 1 or self.batch < 1:
             raise ConfigError("ranks", "need >= 2 ranks, >= 1 step, batch >= 1")
+        if self.checkpoint_every < 0 or self.max_restarts < 0:
+            raise ConfigError("checkpoint_every", "checkpoint_every and max_restarts are >= 0")
+        if self.max_restarts and self.link_gbps is not None:
+            raise ConfigError("max_restarts", "restarts run on loopback (one torchrun)")
 
 
 MODULE = "gradfabric.emu.train"
@@ -77,7 +94,10 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
         if cfg.link_gbps is None:
             sw = stack.enter_context(switch_daemon(*options))
             env = {SWITCH_ENV: sw.control_text}
-            run_ranks(cfg.ranks, MODULE, [*args, out], timeout_s=cfg.timeout_s * 4, extra_env=env)
+            run_ranks(
+                cfg.ranks, MODULE, [*args, out], timeout_s=cfg.timeout_s * 4, extra_env=env,
+                max_restarts=cfg.max_restarts,
+            )  # fmt: skip
         else:
             from gradfabric.net.netns import drop_udp, shaped_star, udp_dropped
 
@@ -99,8 +119,13 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
 
 def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     xtr, ytr, xte, yte = digits_data()
-    client = CLIENTS.get(cfg.policy).join(timeout_s=cfg.timeout_s)
+    here = os.path.dirname(out)
+    ckpt = os.path.join(here, "checkpoint.pt")
+    client = CLIENTS.get(cfg.policy).join(
+        timeout_s=cfg.timeout_s, ticket_file=os.path.join(here, "ticket.json")
+    )
     replicas = {}
     for name in ("default", "switch"):
         torch.manual_seed(cfg.seed)
@@ -114,7 +139,17 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
     loss_log: dict[str, list[float]] = {k: [] for k in replicas}
     times: dict[str, list[float]] = {k: [] for k in replicas}
     gen = torch.Generator().manual_seed(cfg.seed)
-    for step in range(cfg.steps):
+    start = 0
+    if cfg.checkpoint_every and os.path.exists(ckpt):
+        state = torch.load(ckpt)
+        for name, (model, opt) in replicas.items():
+            model.module.load_state_dict(state["models"][name])
+            opt.load_state_dict(state["optimisers"][name])
+        gen.set_state(state["generator"])
+        loss_log, times, start = state["loss"], state["times"], state["step"]
+    for step in range(start, cfg.steps):
+        if attempt == 0 and rank == cfg.kill_rank and step == cfg.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         idx = torch.randint(len(xtr), (cfg.batch * world,), generator=gen)
         mine = idx[rank * cfg.batch : (rank + 1) * cfg.batch]
         for name in replicas if step % 2 == 0 else reversed(replicas):
@@ -131,6 +166,17 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
             dist.all_reduce(rec[1:])
             times[name].append(float(worst))
             loss_log[name].append(float(rec[1]) / world)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            if rank == 0:
+                torch.save(
+                    {"step": step + 1, "generator": gen.get_state(), "loss": loss_log,
+                     "times": times,
+                     "models": {k: m.module.state_dict() for k, (m, _) in replicas.items()},
+                     "optimisers": {k: o.state_dict() for k, (_, o) in replicas.items()}},
+                    ckpt + ".tmp",
+                )  # fmt: skip
+                os.replace(ckpt + ".tmp", ckpt)
+            dist.barrier()  # nobody runs ahead of a checkpoint that is not on disk yet
     a, b = (replicas[k][0].module for k in ("default", "switch"))
     gap = max(
         float((p.detach() - q.detach()).abs().max())
@@ -152,7 +198,8 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
         with open(out, "w") as f:
             json.dump(
                 {"loss": loss_log, "times_s": times, "weights_max_diff": gap,
-                 "replica_spread": float(spread), "accuracy": acc},
+                 "replica_spread": float(spread), "accuracy": acc,
+                 "attempts": attempt + 1, "resumed_from": start},
                 f,
             )  # fmt: skip
 

@@ -19,9 +19,11 @@ from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.net.netns import NsHost
 
 
-def _torchrun(nproc: int, *where: str) -> list[str]:
+def _torchrun(nproc: int, *where: str, max_restarts: int = 0) -> list[str]:
+    """torchrun restarts the whole group up to ``max_restarts`` times after a
+    rank fails (each rank reads ``TORCHELASTIC_RESTART_COUNT``)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", *where]  # fmt: skip
+            f"--max-restarts={max_restarts}", *where]  # fmt: skip
 
 
 # One host: torchrun's standalone rendezvous binds port 0 itself and hands the
@@ -43,11 +45,31 @@ def run_rank(fn: Callable[..., None], *args: object) -> None:
     whole. ``fn`` returning frees its locals (a DDP module holds the C++
     group; left to interpreter exit, gloo's threads die with SIGABRT); the
     barrier keeps a rank from leaving while a peer still talks to it."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
+    init_group()
     fn(*args)
     end_group()
+
+
+def init_group(backend: str = "gloo") -> None:
+    """Join the default group from torchrun's environment. Under torchrun the
+    ranks share the agent's store, which outlives a restart of the group: a
+    restarted rank would read the old attempt's addresses there (and gloo
+    would connect to dead ports), so each attempt keys its group under its own
+    prefix (one agent restarts all its ranks together, so they agree on it)."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    world = int(env["WORLD_SIZE"])
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend, store=PrefixStore(f"gradfabric/attempt_{attempt}", store),
+        rank=int(env["RANK"]), world_size=world,
+    )  # fmt: skip
 
 
 # Called before a rank leaves its group (heartbeats that use the group's store
@@ -78,14 +100,16 @@ def run_ranks(
     link_gbps: float | None = None,
     timeout_s: float = 3600,
     extra_env: dict[str, str] | None = None,
+    max_restarts: int = 0,
 ) -> None:
-    """Run ``python -m module *args`` on ``ranks`` ranks; raise if any fails.
+    """Run ``python -m module *args`` on ``ranks`` ranks; raise if any fails
+    (after ``max_restarts`` restarts of the group on loopback).
 
     ``link_gbps``: run each rank in its own network namespace behind a link
     shaped to that rate (root only; see ``gradfabric.net.netns``).
     """
     if link_gbps is None:
-        cmd = _torchrun(ranks, *STANDALONE)
+        cmd = _torchrun(ranks, *STANDALONE, max_restarts=max_restarts)
         proc = subprocess.Popen([*cmd, "-m", module, *args], env=_env(ranks, extra_env))
         _wait([proc], timeout_s)
         return
