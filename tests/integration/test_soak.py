@@ -16,7 +16,6 @@ import json
 import os
 import threading
 import time
-from typing import Any
 
 import numpy as np
 import pytest
@@ -41,6 +40,7 @@ def _open_fds() -> int:
 def test_eight_jobs_for_ten_minutes_with_loss_duplication_and_a_restart() -> None:
     duration = float(os.environ.get("GRADFABRIC_SOAK_S", "600"))
     fds0, threads0 = _open_fds(), threading.active_count()
+    me = os.getpid()
     options: tuple[str, ...] = ("--policy", "atp", "--loss", "0.02", "--dup", "0.01",
                                 "--rto-ms", "20")  # fmt: skip
     sw = start_switch(*options)
@@ -69,15 +69,17 @@ def test_eight_jobs_for_ten_minutes_with_loss_duplication_and_a_restart() -> Non
     trainers = [threading.Thread(target=train, args=(k,)) for k in range(JOBS)]
     t0 = time.monotonic()
     half = duration / 2
-    figures: dict[str, Any] = {}
+    mine: list[int] = []
     try:
         for t in trainers:
             t.start()
         rss = [sample(sw, t0 + half / 2), sample(sw, t0 + half)]
+        mine = [_rss_kb(me)]
         first = _stats(sw)["counters"]
         _kill(sw)
         sw = start_switch(*options)
         rss += [sample(sw, t0 + half + half / 2), sample(sw, t0 + duration)]
+        mine.append(_rss_kb(me))
         stop.set()
         for t in trainers:
             t.join(120)
@@ -100,10 +102,12 @@ def test_eight_jobs_for_ten_minutes_with_loss_duplication_and_a_restart() -> Non
         "drops": {k: v for k, v in sorted(counted.items()) if k.startswith(("drop", "impair"))},
         "jobs_restored": second.get("jobs_restored", 0),
         "switch_rss_kb": {"first_half": rss[:2], "second_half": rss[2:]},
-        "this_process": {"fds": [fds0, _open_fds()], "threads": [threads0, threading.active_count()]},
+        "this_process": {"fds": [fds0, _open_fds()],
+                         "threads": [threads0, threading.active_count()],
+                         "rss_kb_half_and_end": mine},
     }  # fmt: skip
     print("soak:", json.dumps(figures))
     assert min(rounds) >= 10 and second.get("jobs_restored", 0) == JOBS
-    for a, b in (rss[:2], rss[2:]):  # a Python heap's noise, not growth per round
+    for a, b in (rss[:2], rss[2:], mine):  # a Python heap's noise, not growth per round
         assert b <= a * 1.1 + 2048, figures
     assert _open_fds() <= fds0 and threading.active_count() <= threads0, figures

@@ -428,11 +428,22 @@ class Attached:
         raise NotImplementedError
 
     def close(self) -> None:
+        """Stop watching, close the socket, stop the loop and release its
+        file descriptors (idempotent)."""
         if self.loop.is_running():
-            if self._watcher is not None:
-                self._wait(_cancelled(self._watcher), 5)
+            self._wait(self._shut(), 5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
+        if not self.thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()
+
+    async def _shut(self) -> None:
+        if self._watcher is not None:
+            await _cancelled(self._watcher)
+        proto = getattr(self, "proto", None)
+        if proto is not None and proto.transport is not None:
+            proto.transport.close()
+            await asyncio.sleep(0)  # the transport's close callback runs
 
 
 class InaClient(Attached):
