@@ -25,6 +25,7 @@ from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch
 from tests.integration.test_emulator import _exact_rounds, _kill, _same_ports, _stats
 
 JOBS, WORKERS = 8, 3
+SOAK_S = float(os.environ.get("GRADFABRIC_SOAK_S", "600"))
 
 
 def _rss_kb(pid: int) -> int:
@@ -37,8 +38,9 @@ def _open_fds() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(SOAK_S + 300)
 def test_eight_jobs_for_ten_minutes_with_loss_duplication_and_a_restart() -> None:
-    duration = float(os.environ.get("GRADFABRIC_SOAK_S", "600"))
+    duration = SOAK_S
     fds0, threads0 = _open_fds(), threading.active_count()
     me = os.getpid()
     options: tuple[str, ...] = ("--policy", "atp", "--loss", "0.02", "--dup", "0.01",

@@ -442,6 +442,7 @@ class Attached:
             await _cancelled(self._watcher)
         proto = getattr(self, "proto", None)
         if proto is not None and proto.transport is not None:
+            proto.attach(None)  # its pending timers find no engine
             proto.transport.close()
             await asyncio.sleep(0)  # the transport's close callback runs
 

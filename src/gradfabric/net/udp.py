@@ -60,6 +60,9 @@ class EngineProtocol(asyncio.DatagramProtocol, Port):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None  # closed: what the engine still sends is a counted drop
+
     def datagram_received(self, data: bytes, addr: Address) -> None:
         try:
             pkt = decode(data) if self.token is None else unseal(data, self.token)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The default test suite N times in a row (default 5) on a fresh clone of
+# HEAD, with every core kept busy by another load (one busy loop per core at
+# normal priority), as a newcomer's loaded machine would run it. Prints each
+# run's result line and exits non-zero if any run failed.
+#   bash scripts/suite_under_load.sh [N]
+set -euo pipefail
+runs=${1:-5}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+trap 'kill ${burners[@]} 2>/dev/null || true; rm -rf "$work"' EXIT
+git clone --quiet "$repo" "$work/gradfabric"
+cd "$work/gradfabric"
+bash scripts/bootstrap.sh
+burners=()
+for _ in $(seq "$(nproc)"); do
+  python3 -c 'while True: pass' &
+  burners+=($!)
+done
+failed=0
+for i in $(seq "$runs"); do
+  start=$(date +%s)
+  if .venv/bin/python -m pytest -q -p no:cacheprovider > "$work/run$i.log" 2>&1; then
+    verdict=green
+  else
+    verdict=RED; failed=1
+    cp "$work/run$i.log" "$repo/suite_under_load_run$i.log"
+  fi
+  echo "run $i/$runs: $verdict in $(( $(date +%s) - start )) s: $(tail -1 "$work/run$i.log")"
+done
+exit $failed
