@@ -308,8 +308,8 @@ def test_switch_killed_mid_collective_and_restarted_resumes_exact(
     assert counters["jobs_restored"] == 1 and counters["jobs_resumed"] == 1
     assert counters["impair_loss"] > 0
     assert sum(c.engine.counters["replays"] for c in clients) == 3
-    # kept contributions were replayed, and answered: without them the job hangs
-    assert sum(c.engine.counters["replay_answered"] for c in clients) > 0
+    # Whether any kept contribution lay above the floor this time depends on
+    # timing; tests/property/test_restart.py is where removing that replay fails.
 
 
 def test_restarted_switch_that_cannot_take_the_job_back_is_named() -> None:
