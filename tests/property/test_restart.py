@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from gradfabric.proto.actions import Deliver, Engine, Fail, Multicast, Send
 from gradfabric.proto.schemes import SCHEMES, InaConfig, Placement
-from gradfabric.proto.worker import WorkerEngine
+from gradfabric.proto.worker import ResumableWorker, WorkerEngine
 from gradfabric.wire.packet import Packet
 
 VPP = 16
@@ -32,7 +32,7 @@ def _job(scheme: str, workers: int, window: int) -> tuple[Placement, dict[str, E
     s = SCHEMES.get(scheme)
     p = Placement(
         1, names, {"sw": names}, servers=("ps",), window=window, pool_slots=4 * window,
-        rto_ns=50_000, values_per_packet=VPP, max_retries=2_000,
+        rto_ns=50_000, values_per_packet=VPP, max_retries=2_000, resumable=True,
     )  # fmt: skip
     return p, s.engines(p, InaConfig(values_per_packet=VPP))
 
@@ -67,8 +67,7 @@ def _run(
 
     for r, w in enumerate(p.workers):
         eng = engines[w]
-        assert isinstance(eng, WorkerEngine)
-        eng.keep_for_replay()
+        assert isinstance(eng, ResumableWorker)
         run(w, eng.push(n, now, xs[r]))
     workers_ = [engines[w] for w in p.workers]
     # until every result is in and no worker sends anything any more
@@ -86,7 +85,7 @@ def _run(
         for w, at in list(replay_at.items()):
             if at == events:
                 eng = engines[w]
-                assert isinstance(eng, WorkerEngine)
+                assert isinstance(eng, ResumableWorker)
                 run(w, eng.replay(floor, now))
                 del replay_at[w]
         if wire and rng.random() < 0.9:

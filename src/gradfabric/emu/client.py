@@ -5,7 +5,7 @@ socket, driven by an asyncio loop in a background thread, so a training step
 can call a collective synchronously. Everything crossing the socket carries
 the job's token (``wire.envelope``).
 
-* ``InaClient``: a ``WorkerEngine`` aggregating through the switch (SwitchML,
+* ``InaClient``: a ``ResumableWorker`` aggregating through the switch (SwitchML,
   ATP, ESA) or a parameter server daemon (``ps``).
 * ``OmniClient``: an ``OmniWorker`` streaming its non-zero blocks to an
   OmniReduce aggregator daemon (``omni``).
@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -59,7 +60,7 @@ from gradfabric.net.udp import Address, EngineProtocol, open_engine
 from gradfabric.proto.actions import Action, Deliver, Engine
 from gradfabric.proto.omni import OmniWorker
 from gradfabric.proto.schemes import SCHEMES, Placement
-from gradfabric.proto.worker import WorkerEngine
+from gradfabric.proto.worker import ResumableWorker
 from gradfabric.wire.packet import Flag
 from gradfabric.wire.quant import block_exponents, block_scales
 
@@ -81,8 +82,6 @@ def parse_address(text: str) -> Address:
 
 
 def switch_from_env() -> Address:
-    import os
-
     env = os.environ.get(SWITCH_ENV)
     if env is None:
         raise ConfigError(SWITCH_ENV, "set it to the switch's HOST:CONTROL_PORT")
@@ -113,8 +112,6 @@ class Ticket:
 
     def save(self, path: str) -> None:
         """Write the ticket to ``path`` (atomically), for a restarted launch to revoke."""
-        import os
-
         with open(path + ".tmp", "w") as f:
             json.dump(asdict(self), f)
         os.replace(path + ".tmp", path)
@@ -150,14 +147,15 @@ class Ticket:
 
 def scheme_worker(ticket: Ticket, rank: int, timeout_s: float) -> Engine:
     """Rank ``rank``'s engine for the ticket's job, from the scheme registry
-    (retrying each packet for up to ``timeout_s``)."""
+    (retrying each packet for up to ``timeout_s``; a switch job's workers can
+    replay after a restart)."""
     t = ticket
     names = tuple(worker_name(t.job_id, r) for r in range(t.workers))
     p = Placement(
         t.job_id, names, {t.entry: names}, servers=(t.entry,), window=t.window,
         pool_slots=t.pool_slots, slot_base=t.slot_base, rto_ns=t.rto_ns,
         values_per_packet=t.values_per_packet, streams=t.streams,
-        max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)),
+        max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)), resumable=True,
     )  # fmt: skip
     return SCHEMES.get(t.policy).worker(p, rank)
 
@@ -197,7 +195,7 @@ class Attached:
     timeout_s: float
     calls = 0  # float all-reduces so far (keys the check-in after a failure)
     _group: tuple[Any] | None = None  # the process group of the float all-reduces, once known
-    resumable = False  # survives a daemon restart (``_watch``)
+    replayer: ResumableWorker | None = None  # set: the job survives a daemon restart
     epoch = ""  # the daemon incarnation this client's job state lives in
     refused: str | None = None  # why the job could not be taken back after a restart
     _watcher: asyncio.Task[None] | None = None
@@ -220,8 +218,6 @@ class Attached:
         torchrun restarted finds its previous job's ticket there and revokes
         it first (the old job's stray datagrams become counted drops and its
         aggregators are freed), then registers a new job."""
-        import os
-
         import torch.distributed as dist
 
         control = control or switch_from_env()
@@ -267,7 +263,7 @@ class Attached:
             )  # fmt: skip
             self._hello_base = hello
             self.epoch = (await self._new_socket())["epoch"]
-            if self.resumable:
+            if self.replayer is not None:
                 self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
         self._wait(open_(), timeout_s)
@@ -275,11 +271,7 @@ class Attached:
     async def _new_socket(self) -> dict[str, Any]:
         """Serve the engine from a new UDP socket (the old one, if any, closed
         with whatever it still held) and tell the daemon its address."""
-        old = getattr(self, "proto", None)
-        if old is not None:
-            old.attach(None)  # its pending timers find no engine
-            if old.transport is not None:
-                old.transport.close()
+        self._drop_socket()
         transport, self.proto = await self._open_socket()
         port = transport.get_extra_info("sockname")[1]
         return await control_call(self.ticket.control, self._hello_base | {"port": port})
@@ -300,13 +292,15 @@ class Attached:
                         continue
                 finally:
                     writer.close()
-                if line:  # a new incarnation (or one that lost the job): take the job back
-                    await self._resync()
+                if line and not await self._resync():  # a new incarnation: take the job back
+                    return  # it refused the job: nothing more to watch
             except (OSError, ValueError):  # not up (yet), or went away mid-answer
                 pass
             await asyncio.sleep(RECONNECT_S)
 
-    async def _resync(self) -> None:
+    async def _resync(self) -> bool:
+        """Take the job back from a new daemon incarnation; False if it refuses."""
+        assert self.replayer is not None
         t = self.ticket
         job = {"job_id": t.job_id, "token": t.token}
         restore = job | {
@@ -320,21 +314,16 @@ class Attached:
             if self._call is not None:
                 self._call.failed = True
                 self._call.done.set()
-            await asyncio.Future()  # nothing more to watch
+            return False
         # A new socket before reporting: a late result of the old switch could
         # otherwise pass for the new one's answer to a replay (proto.worker).
         await self._new_socket()
-        resume = job | {"op": "resume", "rank": self.rank, "base": self.engine_base()}
+        resume = job | {"op": "resume", "rank": self.rank, "base": self.replayer.base}
         while "floor" not in (reply := await control_call(t.control, resume)):
             await asyncio.sleep(RESUME_POLL_S)
-        self.proto.execute(self.replay(int(reply["floor"])))
+        self.proto.execute(self.replayer.replay(int(reply["floor"]), time.monotonic_ns()))
         self.epoch = epoch
-
-    def engine_base(self) -> int:
-        raise NotImplementedError  # resumable clients say where their results stop
-
-    def replay(self, floor: int) -> list[Action]:
-        raise NotImplementedError
+        return True
 
     def _wait(self, coro: Any, timeout_s: float | None = None) -> Any:
         fut: CFuture[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -440,11 +429,17 @@ class Attached:
     async def _shut(self) -> None:
         if self._watcher is not None:
             await _cancelled(self._watcher)
+        self._drop_socket()
+        await asyncio.sleep(0)  # the transport's close callback runs
+
+    def _drop_socket(self) -> None:
+        """Close the engine's socket (with whatever it still holds); its
+        pending timers find no engine."""
         proto = getattr(self, "proto", None)
-        if proto is not None and proto.transport is not None:
-            proto.attach(None)  # its pending timers find no engine
-            proto.transport.close()
-            await asyncio.sleep(0)  # the transport's close callback runs
+        if proto is not None:
+            proto.attach(None)
+            if proto.transport is not None:
+                proto.transport.close()
 
 
 class InaClient(Attached):
@@ -456,19 +451,11 @@ class InaClient(Attached):
         bind_host: str | None = None,
     ) -> None:  # fmt: skip
         engine = scheme_worker(ticket, rank, timeout_s)
-        assert isinstance(engine, WorkerEngine)
+        assert isinstance(engine, ResumableWorker)
         self.priority = priority
-        self.engine = engine
-        self.resumable = True
-        engine.keep_for_replay()
+        self.engine = self.replayer = engine
         self._call = None
         self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
-
-    def engine_base(self) -> int:
-        return self.engine.base
-
-    def replay(self, floor: int) -> list[Action]:
-        return self.engine.replay(floor, time.monotonic_ns())
 
     def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
         """Sum ``q`` over the job's workers (every rank calls with the same

@@ -40,7 +40,7 @@ from gradfabric.proto.ring import RingEngine
 from gradfabric.proto.routes import HashedPool, Route, Sharded, StaticSlots
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
 from gradfabric.proto.switch.straggler import HelpConfig
-from gradfabric.proto.worker import WorkerConfig, WorkerEngine
+from gradfabric.proto.worker import ResumableWorker, WorkerConfig, WorkerEngine
 from gradfabric.wire.quant import INT32_MAX
 
 JOB_ID: Final = 1
@@ -108,6 +108,7 @@ class Placement:
     streams: int = 64  # OmniReduce: streams per aggregator
     push_bound: float = 0.1  # DLCP: the loss bound of the workers' pushes
     help: HelpConfig | None = None  # SA-ATP straggler help at the switch
+    resumable: bool = False  # workers keep what a restarted switch needs (ResumableWorker)
 
     @property
     def switch(self) -> str:
@@ -198,7 +199,8 @@ class Scheme:
             rto_ns=p.rto_ns, max_retries=p.max_retries,
             values_per_packet=p.values_per_packet, ecn_window=self.ecn_window,
         )  # fmt: skip
-        return WorkerEngine(name, cfg, self.route(p, name))
+        kind = ResumableWorker if p.resumable else WorkerEngine
+        return kind(name, cfg, self.route(p, name))
 
     def job_servers(self, p: Placement) -> dict[str, Engine]:
         """Engines that serve only this job (OmniReduce's aggregators, DLCP's server)."""

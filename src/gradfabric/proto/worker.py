@@ -20,7 +20,7 @@ With ``ecn_window`` (ATP) the window reacts to ECN echoed in results: halved
 at most once per window of data, otherwise grown by one packet per window.
 A result is delivered exactly once; later copies are counted duplicates.
 
-Surviving a switch restart (``keep_for_replay``): a restarted switch is
+Surviving a switch restart (``ResumableWorker``): a restarted switch is
 empty, and a worker may hold a result that another worker never received.
 So a resumable worker keeps, besides its outstanding packets, every
 contribution whose result came back within the last window (no worker can
@@ -127,10 +127,6 @@ class WorkerEngine:
         self.timers: deque[tuple[int, int]] = deque()
         self.recover_seq = 0
         self.cap: WorkerEngine | None = None
-        self.keep = 0  # keep completed contributions this many sequences (0: none)
-        self.kept: dict[int, Packet] = {}
-        self.kept_order: deque[int] = deque()
-        self.replaying: set[int] = set()
 
     # -- application side -------------------------------------------------
     def push(
@@ -182,15 +178,7 @@ class WorkerEngine:
             self.counters["drop_foreign"] += 1
             return []
         seq = pkt.seq
-        o = self.out.pop(seq, None)
-        if o is not None and self.keep:
-            if seq in self.replaying:
-                self.replaying.discard(seq)
-                if seq < self.base or seq in self.done_above:  # delivered already
-                    self.counters["replay_answered"] += 1
-                    return []
-            self._keep(seq, o[_PKT])
-        if o is None:
+        if self.out.pop(seq, None) is None:
             if seq < self.base or seq in self.done_above or seq >= self.base + self.cfg.max_ahead:
                 self.counters["drop_duplicate_result"] += 1
                 return []
@@ -209,8 +197,6 @@ class WorkerEngine:
             self.done_above.add(seq)
         if self.ecn_window:
             self._adjust_window(pkt)
-        if self.replaying:
-            self._retire_replays()
         actions = self._pump(now_ns)
         actions.append(Deliver(seq, pkt))
         return actions
@@ -233,13 +219,18 @@ class WorkerEngine:
                     )
                 ]
             self.counters["retransmits"] += 1
-            pkt = o[_PKT].clone()
-            if self.route.resend_flag:
-                pkt.flags |= Flag.RESEND
-            o[_DEADLINE] = now_ns + self.cfg.rto_ns
-            timers.append((o[_DEADLINE], seq))
-            actions.append(Send(self.route.dst(seq), pkt))
+            actions.append(self._resend(seq, o, now_ns + self.cfg.rto_ns))
         return actions
+
+    def _resend(self, seq: int, o: list[Any], deadline_ns: int) -> Send:
+        """``seq`` once more, flagged as a resend where the route says so, due
+        again at ``deadline_ns`` (later than every pending deadline)."""
+        o[_DEADLINE] = deadline_ns
+        self.timers.append((deadline_ns, seq))
+        pkt = o[_PKT].clone()
+        if self.route.resend_flag:
+            pkt.flags |= Flag.RESEND
+        return Send(self.route.dst(seq), pkt)
 
     def next_deadline(self) -> int | None:
         timers, out = self.timers, self.out
@@ -250,50 +241,6 @@ class WorkerEngine:
                 return deadline
             timers.popleft()
         return None
-
-    def keep_for_replay(self) -> None:
-        """Keep completed contributions for ``replay`` (see the module doc)."""
-        self.keep = max(self.cfg.window, self.cfg.max_window)
-
-    def replay(self, floor: int, now_ns: int) -> list[Action]:
-        """The switch restarted empty: send again every kept contribution at or
-        above ``floor`` and every outstanding packet, flagged as resends."""
-        rto_ns, out, timers = self.cfg.rto_ns, self.out, self.timers
-        for seq, pkt in self.kept.items():
-            if seq >= floor and seq not in out:
-                out[seq] = [pkt, 0, 0]
-        self.replaying = set(out)
-        self.counters["replays"] += 1
-        actions: list[Action] = []
-        deadline = now_ns + rto_ns  # later than every pending one: the FIFO stays sorted
-        for seq in sorted(out):
-            o = out[seq]
-            o[_DEADLINE] = deadline
-            o[_TRIES] = 0  # a fresh budget against the new switch
-            timers.append((deadline, seq))
-            pkt = o[_PKT].clone()
-            if self.route.resend_flag:
-                pkt.flags |= Flag.RESEND
-            actions.append(Send(self.route.dst(seq), pkt))
-        return actions
-
-    def _retire_replays(self) -> None:
-        """Stop replaying what nobody can need: once this worker holds the
-        result of ``seq + W``, every worker sent ``seq + W``, so every worker
-        held the result of ``seq``."""
-        low = self.base - self.keep
-        for seq in [s for s in self.replaying if s < low]:
-            self.replaying.discard(seq)
-            self.out.pop(seq, None)
-            self.counters["replays_retired"] += 1
-
-    def _keep(self, seq: int, pkt: Packet) -> None:
-        kept, order = self.kept, self.kept_order
-        kept[seq] = pkt
-        order.append(seq)
-        low = self.base - self.keep  # (base as it was before this result: keeps one more)
-        while order and order[0] < low:
-            kept.pop(order.popleft(), None)
 
     def pump(self, now_ns: int) -> list[Action]:
         """Send what the window now allows (after a capping stream moved on)."""
@@ -333,3 +280,66 @@ class WorkerEngine:
                 self.counters["ecn_halvings"] += 1
         else:
             self.cwnd = min(self.max_cwnd, self.cwnd + 1.0 / self.cwnd)
+
+
+class ResumableWorker(WorkerEngine):
+    """A worker that can replay after its switch restarted (see the module
+    doc). Its bookkeeping lives here, off the plain worker's per-result path,
+    which the simulator runs millions of times."""
+
+    def __init__(self, name: str, cfg: WorkerConfig, route: Route) -> None:
+        super().__init__(name, cfg, route)
+        self.keep = max(cfg.window, cfg.max_window)  # sequences of completed contributions
+        self.kept: dict[int, Packet] = {}
+        self.replaying: set[int] = set()
+
+    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
+        seq = pkt.seq
+        o = self.out.get(seq) if pkt.flags & Flag.ACK and pkt.job_id == self.job_id else None
+        if o is not None:
+            if seq in self.replaying:
+                self.replaying.discard(seq)
+                if seq < self.base or seq in self.done_above:  # delivered already
+                    del self.out[seq]
+                    self.counters["replay_answered"] += 1
+                    return []
+            self._keep(seq, o[_PKT])
+        actions = super().on_packet(pkt, now_ns)
+        if self.replaying:
+            self._retire_replays()
+        return actions
+
+    def replay(self, floor: int, now_ns: int) -> list[Action]:
+        """The switch restarted empty: send again every kept contribution at or
+        above ``floor`` and every outstanding packet, flagged as resends."""
+        out = self.out
+        for seq, pkt in self.kept.items():
+            if seq >= floor and seq not in out:
+                out[seq] = [pkt, 0, 0]
+        self.replaying = set(out)
+        self.counters["replays"] += 1
+        deadline = now_ns + self.cfg.rto_ns
+        actions: list[Action] = []
+        for seq in sorted(out):
+            out[seq][_TRIES] = 0  # a fresh budget against the new switch
+            actions.append(self._resend(seq, out[seq], deadline))
+        return actions
+
+    def _retire_replays(self) -> None:
+        """Stop replaying what nobody can need: once this worker holds the
+        result of ``seq + W``, every worker sent ``seq + W``, so every worker
+        held the result of ``seq``."""
+        low = self.base - self.keep
+        for seq in [s for s in self.replaying if s < low]:
+            self.replaying.discard(seq)
+            self.out.pop(seq, None)
+            self.counters["replays_retired"] += 1
+
+    def _keep(self, seq: int, pkt: Packet) -> None:
+        """Keep ``seq``'s contribution; drop those below ``base - keep`` once
+        they make up a third of what is kept (at most ``2 * keep`` lie above)."""
+        kept = self.kept
+        kept[seq] = pkt
+        if len(kept) > 3 * self.keep:
+            low = self.base - self.keep
+            self.kept = {s: p for s, p in kept.items() if s >= low}
