@@ -313,8 +313,9 @@ class ResumableWorker(WorkerEngine):
         """The switch restarted empty: send again every kept contribution at or
         above ``floor`` and every outstanding packet, flagged as resends."""
         out = self.out
+        low = max(floor, self.base - self.keep)  # below base - W nobody can need it
         for seq, pkt in self.kept.items():
-            if seq >= floor and seq not in out:
+            if seq >= low and seq not in out:
                 out[seq] = [pkt, 0, 0]
         self.replaying = set(out)
         self.counters["replays"] += 1
