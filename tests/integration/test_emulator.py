@@ -610,8 +610,10 @@ def _ddp_rank_that_may_die(rank: int, world: int, control: str, out: str) -> Non
             t0 = time.monotonic()
             loss = torch.nn.functional.cross_entropy(model(x[:32]), y[:32])
             loss.backward()
-    except PeerTimeoutError as e:
-        msg = f"{e.peer}|{e}"
+    except RuntimeError as e:  # DDP re-raises the hook's error; the client keeps it typed
+        failure = client.failure
+        ok = isinstance(failure, PeerTimeoutError) and str(failure) in str(e)
+        msg = f"{failure.peer}|{e}" if ok and isinstance(failure, PeerTimeoutError) else f"-|{e!r}"
     except Exception as e:  # reported, so that a wrong kind of failure reads as such
         msg = f"-|{e!r}"
     with open(f"{out}/{rank}.txt", "w") as f:
@@ -620,7 +622,8 @@ def _ddp_rank_that_may_die(rank: int, world: int, control: str, out: str) -> Non
 
 def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
     """DDP with ``ina_hook`` on 3 ranks; rank 2 exits inside its backward pass:
-    the others' step fails with an error naming rank 2, whether it was waiting
+    the others' ``backward()`` fails with the hook's error, which names rank 2
+    (and the client keeps it as a ``PeerTimeoutError``), whether it was waiting
     on gloo's exponent round or on the switch. How soon: a rank that gloo
     blocks behind another survivor (rank 0 waiting on rank 1, which waited on
     rank 2) learns of the failure only when that survivor gives up and leaves,

@@ -44,12 +44,14 @@ the margin charges the sparse paths' per-block host work (gather, sum,
 scatter), which matters where the host and not the wire is the bottleneck.
 """
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gradfabric.net.overlap import Overlapped
 from gradfabric.net.peers import keep_alive, name_the_missing
 
 # The sparse paths' block bookkeeping (gather, sum, scatter) costs host time the
@@ -60,24 +62,56 @@ DENSE_MARGIN = 0.75
 
 
 @dataclass
-class OmniState:
-    """Picklable state of the DDP hook: knobs and running statistics.
+class DenseSkip(Overlapped):
+    """Which buckets skip their occupancy scan, alike on every rank.
+
+    Once a call with a ``key`` (the hook's: the bucket index) went dense in
+    every chunk, the next ``dense_skip`` calls with that key run the dense
+    all-reduce at once, without the scan and bitmap round; then the key is
+    scanned again. Each further scan in a row that goes dense doubles the
+    skip, up to ``8 * dense_skip`` (a dense model's buckets are then scanned
+    about once in 65 calls); a scan that goes sparse resets it. Every rank
+    sees the same paths, so every rank skips alike. 0: always scan."""
+
+    dense_skip: int = 8
+    skipped_scans: int = 0
+    skips_left: dict[int, int] = field(default_factory=dict)  # by key
+    dense_streak: dict[int, int] = field(default_factory=dict)  # by key
+
+    def take_skip(self, key: int | None) -> bool:
+        """Whether the call with ``key`` skips its scan and goes dense at once
+        (counted as such)."""
+        if key is None or self.skips_left.get(key, 0) <= 0:
+            return False
+        self.skips_left[key] -= 1
+        self.skipped_scans += 1
+        return True
+
+    def scanned(self, key: int | None, dense: bool) -> None:
+        """Record how a scan of ``key`` went."""
+        if key is None:
+            return
+        streak = self.dense_streak[key] = self.dense_streak.get(key, 0) + 1 if dense else 0
+        if dense:
+            self.skips_left[key] = self.dense_skip * 2 ** min(streak - 1, 3)
+
+
+@dataclass
+class OmniState(DenseSkip):
+    """Picklable state of the DDP hook: knobs and running statistics (its
+    communication thread, ``net.overlap``, is made again after unpickling).
 
     ``dense_margin``: the sparse path runs only where its busiest link moves
     at most this fraction of the dense ring's bytes (1.0: bytes alone; lower
     for fast links where the host's block bookkeeping, not the wire, limits).
 
-    ``dense_skip``: once a call with a ``key`` (the hook's: the bucket index)
-    went dense in every chunk, the next ``dense_skip`` calls with that key run
-    the dense all-reduce at once, without the occupancy scan and bitmap round
-    (15-17% of a dense call at 10 Gbit/s here); then the key is scanned again.
-    Every rank sees the same paths, so every rank skips alike. 0: always scan.
+    ``dense_skip``: see ``DenseSkip`` (the scan and bitmap round cost 15-17%
+    of a dense call at 10 Gbit/s here).
     """
 
     block_size: int = 256
     threshold: float = 0.0
     dense_margin: float = DENSE_MARGIN
-    dense_skip: int = 8
     bytes_sent: int = 0  # by this rank
     bytes_dense: int = 0  # a ring all-reduce would send per rank
     bytes_busiest_link: int = 0  # the busier direction of the busiest rank's link
@@ -86,8 +120,6 @@ class OmniState:
     sparse_calls: int = 0
     chunks: dict[str, int] = field(default_factory=dict)  # pipeline chunks by path taken
     density_seen: list[float] = field(default_factory=list)
-    skipped_scans: int = 0
-    skips_left: dict[int, int] = field(default_factory=dict)  # by key
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.threshold < 0 or not 0 < self.dense_margin <= 1:
@@ -95,8 +127,14 @@ class OmniState:
         if self.dense_skip < 0:
             raise ValueError("dense_skip must be >= 0")
 
+    def count(self, dense_bytes: int, sent: int) -> None:
+        with _STATS:  # the hook's thread and the autograd thread both count
+            self.calls += 1
+            self.bytes_dense += dense_bytes
+            self.bytes_sent += sent
 
-def _blocks(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+
+def as_blocks(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
     """``flat`` as (blocks, block_size): a view when it divides evenly, else a
     zero-padded copy (the caller copies results back)."""
     n = flat.numel()
@@ -125,13 +163,13 @@ def occupancy(blocks: torch.Tensor, threshold: float) -> torch.Tensor:
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
-def _pack(mask: torch.Tensor) -> torch.Tensor:
+def pack(mask: torch.Tensor) -> torch.Tensor:
     pad = (-len(mask)) % 8
     m = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
     return (m.view(-1, 8).to(torch.uint8) * _BITS.to(m.device)).sum(dim=1, dtype=torch.uint8)
 
 
-def _unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
+def unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
     return (bits.unsqueeze(-1) & _BITS).ne(0).flatten(-2)[..., :n]
 
 
@@ -220,32 +258,30 @@ def sparse_allreduce(
     rank = dist.get_rank(group)
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     flat = work.view(-1)
-    elem = tensor.element_size()
-    dense_bytes = int(2 * (world - 1) / world * flat.numel() * elem) if world > 1 else 0
+    dense_bytes = ring_bytes(flat, world)
     sent = dense_bytes
     if world > 1:
-        members = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-        call = _CALLS[members] = _CALLS.get(members, -1) + 1
+        name = dist.distributed_c10d._get_process_group_name(
+            group or dist.distributed_c10d._get_default_group()
+        )
+        call = _CALLS[name] = _CALLS.get(name, -1) + 1
         keep_alive()
         try:
-            if state is not None and key is not None and state.skips_left.get(key, 0) > 0:
-                state.skips_left[key] -= 1
-                state.skipped_scans += 1
+            if state is not None and state.take_skip(key):
                 dist.all_reduce(flat, group=group)
             else:
                 sent, went_sparse = _allreduce(
                     flat, group, world, rank, block_size, threshold, state, dense_margin
                 )  # fmt: skip
-                if state is not None and key is not None and not went_sparse:
-                    state.skips_left[key] = state.dense_skip  # every chunk went dense
+                if state is not None:
+                    state.scanned(key, dense=not went_sparse)
         except RuntimeError as e:  # gloo: a closed connection or the group's timeout
-            raise name_the_missing("sparse", group, world, rank, call, peer_timeout_s, e) from e
+            tag = f"sparse-{name}"
+            raise name_the_missing(tag, group, world, rank, call, peer_timeout_s, e) from e
     if work is not tensor:
         tensor.copy_(work)
     if state is not None:
-        state.calls += 1
-        state.bytes_dense += dense_bytes
-        state.bytes_sent += sent
+        state.count(dense_bytes, sent)
     if op == "avg":
         if tensor.is_floating_point():
             tensor.div_(world)
@@ -254,8 +290,14 @@ def sparse_allreduce(
     return tensor
 
 
-# Calls per group (by its members): collective, so every member counts alike.
-_CALLS: dict[tuple[int, ...], int] = {}
+# Calls per group (by its name): collective, so every member counts alike.
+_CALLS: dict[str, int] = {}
+_STATS = threading.Lock()
+
+
+def ring_bytes(flat: torch.Tensor, world: int) -> int:
+    """What a ring all-reduce of ``flat`` sends per rank: ``2(n-1)/n`` of it."""
+    return int(2 * (world - 1) / world * flat.numel() * flat.element_size()) if world > 1 else 0
 
 
 def _allreduce(
@@ -274,7 +316,7 @@ def _allreduce(
     asynchronously; every rank starts the same operations in the same order).
     Each chunk takes its own path (gather, sharded or dense). Returns the
     bytes this rank sent and whether any chunk took a sparse path."""
-    blocks, nb = _blocks(flat, block_size)
+    blocks, nb = as_blocks(flat, block_size)
     per_chunk = max(1, CHUNK_BYTES // (block_size * flat.element_size()))
     chunks: list[_Chunk] = []
     sent = 0
@@ -358,16 +400,29 @@ class _Chunk:
     bitmap gather, then phase 1 (the one exchange of the gather path, or the
     sharded path's first, or a dense all-reduce), then phase 2 (the sums)."""
 
-    def __init__(self, blocks: torch.Tensor, threshold: float, world: int, group: Any) -> None:
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        threshold: float,
+        world: int,
+        group: Any,
+        plan: Plan | None = None,
+    ) -> None:
+        """Scan the chunk and start gathering the bitmaps, or take ``plan``
+        (made from bitmaps gathered elsewhere: ``run_planned``)."""
         self.blocks = blocks
+        self.path = "dense"
+        self.got: Pieces = []
+        self.works: list[Any] = []
+        if plan is not None:
+            self.plan, self.mask = plan, plan.masks[dist.get_rank(group)]
+            return
         self.mask = occupancy(blocks, threshold)
         nbytes = -(-len(blocks) // 8)
         self.gathered = [  # on the data's device: nccl moves only GPU tensors
             torch.empty(nbytes, dtype=torch.uint8, device=blocks.device) for _ in range(world)
         ]
-        self.works = [dist.all_gather(self.gathered, _pack(self.mask), group=group, async_op=True)]
-        self.path = "dense"
-        self.got: Pieces = []
+        self.works = [dist.all_gather(self.gathered, pack(self.mask), group=group, async_op=True)]
 
     def wait(self) -> None:
         for w in self.works:
@@ -375,23 +430,26 @@ class _Chunk:
         self.works = []
 
     def start_phase1(
-        self, rank: int, group: Any, dense_margin: float
+        self, rank: int, group: Any, dense_margin: float, force: str | None = None
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Plan the chunk, choose its path and start it. Returns (bytes this
-        rank sends, bytes each rank sends and receives on that path, and the
-        fewest any path could: both 2 x world)."""
+        """Plan the chunk, choose its path (``force``: that path) and start it.
+        Returns (bytes this rank sends, bytes each rank sends and receives on
+        that path, and the fewest any path could: both 2 x world)."""
         self.wait()
         blocks = self.blocks
-        world, (nb, bs), elem = len(self.gathered), blocks.shape, blocks.element_size()
-        # the plan is made on the host (one bit per block): it sets the transfer sizes
-        self.plan = plan = Plan.of(_unpack(torch.stack(self.gathered).cpu(), nb))
+        world, (nb, bs), elem = dist.get_world_size(group), blocks.shape, blocks.element_size()
+        if force is None:  # the plan is made on the host (one bit per block): it sets the sizes
+            self.plan = Plan.of(unpack(torch.stack(self.gathered).cpu(), nb))
+        plan = self.plan
         on, block_bytes = blocks.device, bs * elem
         floor = torch.stack(plan.floor_vectors()) * block_bytes
         sharded = torch.stack(plan.link_vectors()) * block_bytes
         gather = torch.stack(plan.gather_vectors()) * block_bytes
         link = gather if int(gather.max()) <= int(sharded.max()) else sharded
+        if force is not None:
+            link = {"gather": gather, "sharded": sharded}.get(force, link)
         dense = int(2 * (world - 1) / world * blocks.numel() * elem)
-        if int(link.max()) > dense_margin * dense:
+        if force == "dense" or (force is None and int(link.max()) > dense_margin * dense):
             self.works = [dist.all_reduce(blocks, group=group, async_op=True)]
             return dense, torch.full_like(link, dense), floor
         self.per_round = max(1, ROUND_BYTES // block_bytes)
@@ -469,13 +527,32 @@ class _Chunk:
                 self.blocks.index_copy_(0, self.unions[o][lo : lo + len(piece)], piece)
 
 
+def run_planned(blocks: torch.Tensor, plan: Plan, path: str, group: Any, threshold: float) -> int:
+    """Sum ``blocks`` (rows of one block) over ``group`` in place on ``path``
+    (``dense``, ``gather`` or ``sharded``) with ``plan``, which every rank
+    made from the same gathered bitmaps. Returns the bytes this rank sent."""
+    chunk, rank = _Chunk(blocks, threshold, 0, group, plan=plan), dist.get_rank(group)
+    sent, _, _ = chunk.start_phase1(rank, group, 1.0, force=path)
+    chunk.start_phase2(rank, group, threshold > 0)
+    chunk.finish(threshold > 0)
+    return sent
+
+
 def omnireduce_hook(
     state: OmniState,
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average the bucket with ``sparse_allreduce``."""
-    buf = bucket.buffer()
-    sparse_allreduce(buf, op="avg", state=state, key=bucket.index())
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+    """DDP communication hook: average the bucket with ``sparse_allreduce``.
+
+    Returns at once (``net.overlap``): the exchange runs on the state's
+    communication thread, or, for a bucket whose scans went dense
+    (``OmniState.dense_skip``), as an asynchronous all-reduce started here."""
+    buf, key, world = bucket.buffer(), bucket.index(), dist.get_world_size()
+    if state.take_skip(key):
+        state.count(ring_bytes(buf, world), ring_bytes(buf, world))
+        return state.dense(buf, world)
+
+    def job(group: Any) -> torch.Tensor:
+        return sparse_allreduce(buf, group=group, op="avg", state=state, key=key)
+
+    return state.run(buf, job)

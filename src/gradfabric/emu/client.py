@@ -56,6 +56,7 @@ import numpy.typing as npt
 from gradfabric.core.errors import ConfigError, PeerTimeoutError, ProtocolError
 from gradfabric.core.registry import Registry
 from gradfabric.emu.switchd import control_call, worker_name
+from gradfabric.net.overlap import Overlapped
 from gradfabric.net.udp import Address, EngineProtocol, open_engine
 from gradfabric.proto.actions import Action, Deliver, Engine
 from gradfabric.proto.omni import OmniWorker
@@ -186,7 +187,7 @@ def together(fns: list[Callable[[], R]]) -> list[R]:
     return out
 
 
-class Attached:
+class Attached(Overlapped):
     """A worker engine on a UDP socket at a daemon, run by its own asyncio loop
     in a background thread."""
 

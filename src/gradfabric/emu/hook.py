@@ -10,6 +10,8 @@ behind the switch (``DlcpClient.join()``; the switch runs ``--policy dlcp``).
 ``bucket`` annotation with ``dist.GradBucket`` itself, not its string.)
 """
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -22,8 +24,14 @@ def ina_hook(
     state: Attached,
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
 ) -> torch.futures.Future[torch.Tensor]:
+    """Each bucket summed through the switch and averaged, on the client's
+    communication thread (``net.overlap``): the hook returns at once."""
     buf = bucket.buffer()
-    return _written(buf, state.allreduce(_flat(buf)) / state.ticket.workers)
+
+    def job(group: Any) -> torch.Tensor:
+        return _written(buf, state.allreduce(_flat(buf), group) / state.ticket.workers)
+
+    return state.run(buf, job)
 
 
 def dlcp_hook(
@@ -31,22 +39,24 @@ def dlcp_hook(
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
 ) -> torch.futures.Future[torch.Tensor]:
     """Each bucket pushed to the job's DLCP server and the sum pulled, within
-    the job's loss bounds (lost values read as zero), then averaged."""
+    the job's loss bounds (lost values read as zero), then averaged; on the
+    client's communication thread."""
     buf = bucket.buffer()
     # DDP's bucket 0 holds the model's last layers: DLCP serves front layers first
     state.buckets = max(state.buckets, bucket.index() + 1)
     layer = state.buckets - 1 - bucket.index()
-    total = state.allreduce(_flat(buf), layer, state.buckets)
-    return _written(buf, total / state.ticket.workers)
+    layers = state.buckets
+
+    def job(group: Any) -> torch.Tensor:
+        return _written(buf, state.allreduce(_flat(buf), layer, layers) / state.ticket.workers)
+
+    return state.run(buf, job)
 
 
 def _flat(buf: torch.Tensor) -> np.ndarray:
-    return buf.detach().to(torch.float32).reshape(-1).numpy()
+    return buf.detach().to(torch.float32).reshape(-1).cpu().numpy()
 
 
-def _written(buf: torch.Tensor, avg: np.ndarray) -> torch.futures.Future[torch.Tensor]:
-    """``avg`` written into the bucket, as the completed future DDP waits on."""
-    buf.copy_(torch.from_numpy(avg).reshape(buf.shape))
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+def _written(buf: torch.Tensor, avg: np.ndarray) -> torch.Tensor:
+    """``avg`` written into the bucket."""
+    return buf.copy_(torch.from_numpy(avg).reshape(buf.shape))

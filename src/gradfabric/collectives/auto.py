@@ -1,0 +1,249 @@
+"""``auto_hook``: per bucket, the path that is fastest on this job's own measurements.
+
+(No ``from __future__ import annotations`` here: DDP inspects the hook's
+``bucket`` annotation at runtime and wants the class itself.)
+
+Theory of operation. A bucket can be averaged three ways: the dense ring
+all-reduce (``dense``), the sparse exchange of non-zero blocks (``gather`` or
+``sharded``, ``collectives.sparse``), or, where the job has a switch, in-network
+aggregation (``ina``, ``emu.hook``). Which is fastest depends on the bucket's
+block density and on the machine: on a 1 Gbit/s link the bytes decide; on a
+100 Gbit/s link or a busy host the sparse path's per-block host work and
+every path's fixed cost per call can decide instead. So each path's time is
+modelled as ``fixed_s + bytes / bytes_per_s`` on the busiest link, fitted
+online to the last ``window`` calls that took the path, and each bucket takes
+the path the model predicts fastest.
+
+Every rank must take the same path. A call therefore starts by gathering,
+with the occupancy bitmaps the sparse path needs anyway, each rank's time for
+the previous call (8 more bytes per rank, no extra round trip); every rank
+feeds the model the same figure (the least of the ranks' times: the rank that
+arrived last waited for nobody, so its time is the collective's own), and the
+same model and the same bitmaps give the same choice everywhere.
+
+A path without measurements is predicted from one that has them by bytes
+alone; a path that looks within ``explore_ratio`` of the best is tried every
+``explore_every`` scans of a bucket, so a wrong first guess is corrected. A
+bucket that went dense runs dense for its next calls without the scan (an
+asynchronous all-reduce started on the autograd thread, like DDP's own hook;
+how many: ``sparse.DenseSkip``), then is scanned again: densities drift
+during training.
+"""
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gradfabric.collectives.sparse import (
+    DENSE_MARGIN,
+    DenseSkip,
+    Plan,
+    as_blocks,
+    occupancy,
+    pack,
+    ring_bytes,
+    run_planned,
+    unpack,
+)
+from gradfabric.emu.client import Attached
+
+PATHS = ("dense", "sparse", "ina")
+
+
+@dataclass
+class PathCost:
+    """``seconds = fixed_s + bytes / bytes_per_s`` over a path's recent calls."""
+
+    window: int = 32
+    calls: deque[tuple[float, float]] = field(default_factory=deque)  # (bytes, seconds)
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        self.calls.append((nbytes, seconds))
+        while len(self.calls) > self.window:
+            self.calls.popleft()
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed_s, s_per_byte), or None before any call. With one size seen
+        (or a fit that would go negative), the line through the origin."""
+        if not self.calls:
+            return None
+        b, t = np.array(self.calls).T
+        if len(b) >= 3 and b.max() > 1.5 * b.min():
+            slope, fixed = np.polyfit(b, t, 1)
+            if slope > 0 and fixed >= 0:
+                return float(fixed), float(slope)
+        return 0.0, float(np.median(t / np.maximum(b, 1.0)))
+
+    def predict(self, nbytes: float) -> float | None:
+        f = self.fit()
+        return None if f is None else f[0] + nbytes * f[1]
+
+
+@dataclass
+class BucketLog:
+    """What one bucket did: calls per path, bytes and seconds against dense."""
+
+    paths: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_dense: int = 0
+    seconds: float = 0.0  # measured, scanned calls
+    seconds_dense: float = 0.0  # the dense model's prediction for the same calls
+
+
+@dataclass
+class AutoState(DenseSkip):
+    """Picklable state of ``auto_hook`` (without its thread and switch client).
+
+    ``switch``: an ``emu`` client of the job (``InaClient.join()``) to offer
+    the ``ina`` path; None: dense and sparse only. ``threshold``: values of at
+    most this magnitude count as zero (0: exact)."""
+
+    block_size: int = 256
+    threshold: float = 0.0
+    explore_every: int = 8
+    explore_ratio: float = 2.0
+    window: int = 32
+    switch: Attached | None = None
+    costs: dict[str, PathCost] = field(default_factory=dict)
+    buckets: dict[int, BucketLog] = field(default_factory=dict)
+    scans: dict[int, int] = field(default_factory=dict)
+    # the last scan: (path, its link bytes, this rank's seconds, bucket, dense ring bytes)
+    last: tuple[str, float, float, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.threshold < 0 or self.dense_skip < 0:
+            raise ValueError("block_size must be >= 1, threshold >= 0, dense_skip >= 0")
+        if self.explore_every < 1 or self.explore_ratio < 1 or self.window < 1:
+            raise ValueError("explore_every >= 1, explore_ratio >= 1 and window >= 1 are needed")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["switch"] = None  # a socket and a loop: this process's only
+        return state
+
+    def summary(self) -> dict[int, dict[str, Any]]:
+        """Per bucket: calls per path, the bytes it sent against the dense
+        ring's, and the seconds its measured calls took against what the dense
+        model predicts they would have (positive ``saved_s``: faster)."""
+        with _LOCK:
+            return {
+                k: {
+                    "paths": dict(b.paths),
+                    "bytes_sent": b.bytes_sent,
+                    "bytes_dense": b.bytes_dense,
+                    "saved_bytes": b.bytes_dense - b.bytes_sent,
+                    "saved_s": b.seconds_dense - b.seconds,
+                }
+                for k, b in sorted(self.buckets.items())
+            }
+
+    def _log(self, key: int, path: str, sent: int, dense: int) -> BucketLog:
+        with _LOCK:  # the autograd thread (skipped scans) and the hook's thread both log
+            log = self.buckets.setdefault(key, BucketLog())
+            log.paths[path] = log.paths.get(path, 0) + 1
+            log.bytes_sent += sent
+            log.bytes_dense += dense
+            return log
+
+    def _cost(self, path: str) -> PathCost:
+        return self.costs.setdefault(path, PathCost(self.window))
+
+    def _choose(self, key: int, link: dict[str, int]) -> str:
+        """The path for this scan of bucket ``key``, from the shared model and
+        the busiest-link bytes of each candidate path (``link``)."""
+        guesses = {p: self._cost(p).predict(b) for p, b in link.items()}
+        known = [(link[p], t) for p, t in guesses.items() if t is not None]
+        if not known:  # nothing measured yet: bytes, with the sparse paths' usual margin
+            sparse_ok = link["sparse"] <= DENSE_MARGIN * link["dense"]
+            return "sparse" if sparse_ok else ("ina" if "ina" in link else "dense")
+        # unmeasured paths: the measured ones' seconds per byte (bytes alone)
+        rate = min(t / max(b, 1) for b, t in known)
+        pred = {p: t if t is not None else link[p] * rate for p, t in guesses.items()}
+        ranked = sorted(pred, key=lambda p: (pred[p], PATHS.index(p)))
+        scan = self.scans[key] = self.scans.get(key, 0) + 1
+        if len(ranked) > 1 and scan % self.explore_every == 0:
+            second = ranked[1]
+            if pred[second] <= self.explore_ratio * pred[ranked[0]]:
+                return second
+        return ranked[0]
+
+    def _learn(self, times: torch.Tensor) -> None:
+        """Feed the previous scan's time (the least over ranks) to its path."""
+        if self.last is None:
+            return
+        path, nbytes, _, key, dense_bytes = self.last
+        seconds = float(times.min())
+        self._cost(path).add(nbytes, seconds)
+        dense = self._cost("dense").predict(dense_bytes)
+        with _LOCK:
+            log = self.buckets[key]
+            log.seconds += seconds
+            log.seconds_dense += seconds if dense is None else dense
+        self.last = None
+
+
+_LOCK = threading.Lock()
+
+
+def _run(state: AutoState, buf: torch.Tensor, key: int, group: Any) -> torch.Tensor:
+    """One scanned call, on the state's thread: gather bitmaps and the last
+    call's times, learn, choose, run, time it."""
+    t0 = time.perf_counter()
+    world = dist.get_world_size(group)
+    flat = buf.view(-1)
+    blocks, nb = as_blocks(flat, state.block_size)
+    mask = occupancy(blocks, state.threshold)
+    last = state.last[2] if state.last is not None else 0.0
+    times = torch.tensor([last], dtype=torch.float64).view(torch.uint8)
+    mine = torch.cat([pack(mask).cpu(), times])
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine.to(buf.device), group=group)
+    rows = torch.stack(gathered).cpu()
+    state._learn(rows[:, -8:].contiguous().view(torch.float64).flatten())
+    plan = Plan.of(unpack(rows[:, :-8].contiguous(), nb))
+    block_bytes = state.block_size * flat.element_size()
+    sharded = torch.stack(plan.link_vectors()).max() * block_bytes
+    gather = torch.stack(plan.gather_vectors()).max() * block_bytes
+    dense = ring_bytes(flat, world)
+    link = {"dense": dense, "sparse": int(min(sharded, gather))}
+    if state.switch is not None:  # each worker sends and receives the whole bucket once
+        link["ina"] = flat.numel() * 4
+    path = state._choose(key, link)
+    if path == "ina":
+        assert state.switch is not None  # only offered with a switch
+        vals = flat.detach().to(torch.float32).cpu().numpy()
+        flat.copy_(torch.from_numpy(state.switch.allreduce(vals, group)))
+        sent = link["ina"]
+    elif path == "sparse":
+        sent = run_planned(blocks, plan, "gather" if gather <= sharded else "sharded",
+                           group, state.threshold)  # fmt: skip
+        if blocks.data_ptr() != flat.data_ptr():
+            flat.copy_(blocks.reshape(-1)[: flat.numel()])
+    else:
+        dist.all_reduce(flat, group=group)
+        sent = dense
+    state.scanned(key, dense=path == "dense")
+    flat.div_(world)
+    state._log(key, path, sent, dense)
+    state.last = (path, float(link[path]), time.perf_counter() - t0, key, dense)
+    return buf
+
+
+def auto_hook(
+    state: AutoState,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average each bucket on the path ``state``
+    predicts fastest (see the module doc). Returns at once."""
+    buf, key = bucket.buffer(), bucket.index()
+    if state.take_skip(key):
+        world = dist.get_world_size()
+        state._log(key, "dense", ring_bytes(buf, world), ring_bytes(buf, world))
+        return state.dense(buf, world)
+    return state.run(buf, lambda group: _run(state, buf, key, group))

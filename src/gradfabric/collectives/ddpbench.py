@@ -1,0 +1,243 @@
+"""``gradfabric bench ddp``: DDP training iterations per hook, side by side in one run.
+
+Each model is trained by ``ranks`` gloo processes under torchrun (on
+loopback, or each rank in a network namespace behind a tbf-shaped link), one
+replica per hook, all from the same initial weights, fed the same batches.
+Every step runs each replica once (forward, backward, SGD step), rotating
+which goes first, so that machine noise falls on all alike; a step's time is
+its slowest rank's. Reported per model and hook: the median iteration time
+after ``warmup`` steps, the speedup against DDP without a hook (its built-in
+all-reduce), the gradients' measured block density, and how far the replica's
+weights ended from the default replica's (a check that the hook averages
+what DDP would: float32 sums in another order, so a few ulps per step).
+
+Models (``MODELS``):
+
+- ``mlp``: eight 1024x1024 linear layers (32 MB of dense gradients);
+- ``neumf``: NeuMF on the synthetic click log (two large embeddings; a batch
+  touches a few thousand rows: sparse gradients);
+- ``mixed``: a large embedding bag and a dense 4-layer 1024-wide MLP (a
+  DLRM-like recommender: some buckets sparse, others dense).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
+
+HOOKS = ("default", "omnireduce", "auto")
+
+
+@dataclass(frozen=True)
+class DdpBenchConfig:
+    models: tuple[str, ...] = ("mlp", "neumf", "mixed")
+    ranks: int = 2
+    link_gbps: float | None = None
+    steps: int = 20
+    warmup: int = 3
+    bucket_cap_mb: float = 4.0
+    hooks: tuple[str, ...] = HOOKS
+    switch: str | None = None  # a switch daemon's control address: adds ina_hook
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.models if m not in MODELS]
+        if unknown:
+            raise ValueError(f"unknown models {unknown}; valid: {sorted(MODELS)}")
+        if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
+            raise ValueError("need ranks >= 2 and steps > warmup >= 0")
+
+
+Batch = Callable[[int, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # (rank, step)
+
+
+class Mixed(nn.Module):
+    """A DLRM-like recommender: an embedding per feature, summed, then a dense MLP."""
+
+    def __init__(self, rows: int = 400_000, dim: int = 64, width: int = 1024) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(rows, dim, mode="sum")
+        nn.init.normal_(self.emb.weight, std=0.01)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+            nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1),
+        )  # fmt: skip
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.mlp(self.emb(ids)).squeeze(1)
+        return out
+
+
+def _mlp() -> tuple[nn.Module, Batch, Callable[..., torch.Tensor]]:
+    model = nn.Sequential(*(m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.Tanh())))
+
+    def batch(rank: int, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        g = torch.Generator().manual_seed(rank * 100_003 + step)
+        return (torch.randn(64, 1024, generator=g),), torch.randn(64, 1024, generator=g)
+
+    return model, batch, nn.functional.mse_loss
+
+
+def _neumf() -> tuple[nn.Module, Batch, Callable[..., torch.Tensor]]:
+    log = ClickLog(ClickLogConfig(users=400_000, items=100_000))
+
+    def batch(rank: int, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        users, items, clicks = log.batch(1024, rank, step)
+        return (users, items), clicks
+
+    return NeuMF(400_000, 100_000, 16), batch, nn.functional.binary_cross_entropy_with_logits
+
+
+def _mixed() -> tuple[nn.Module, Batch, Callable[..., torch.Tensor]]:
+    log = ClickLog(ClickLogConfig(users=400_000, items=100_000))
+
+    def batch(rank: int, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        users, items, clicks = log.batch(512, rank, step)
+        return (torch.stack([users, items % 400_000], 1),), clicks
+
+    return Mixed(), batch, nn.functional.binary_cross_entropy_with_logits
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, Batch, Callable[..., torch.Tensor]]]] = {
+    "mlp": _mlp,
+    "neumf": _neumf,
+    "mixed": _mixed,
+}
+
+
+def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
+    """Run every model's replicas on ``cfg.ranks`` torchrun ranks; the rows."""
+    from gradfabric.net.launch import run_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        run_ranks(cfg.ranks, "gradfabric.collectives.ddpbench",
+                  [json.dumps(asdict(cfg)), out], link_gbps=cfg.link_gbps)  # fmt: skip
+        with open(out) as f:
+            rows: list[dict[str, Any]] = json.load(f)
+    return rows
+
+
+def _state(hook: str, cfg: DdpBenchConfig) -> tuple[Any, Any]:
+    """(state, hook function) for ``hook``; (None, None) for DDP's own."""
+    if hook == "omnireduce":
+        from gradfabric.collectives.sparse import OmniState, omnireduce_hook
+
+        return OmniState(), omnireduce_hook
+    if hook == "auto":
+        from gradfabric.collectives.auto import AutoState, auto_hook
+
+        return AutoState(switch=_client(cfg)), auto_hook
+    if hook == "allreduce":  # PyTorch's own Python hook: what any Python hook costs
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        return None, allreduce_hook
+    if hook == "ina":
+        from gradfabric.emu.hook import ina_hook
+
+        return _client(cfg), ina_hook
+    return None, None
+
+
+def _client(cfg: DdpBenchConfig) -> Any:
+    if cfg.switch is None:
+        return None
+    from gradfabric.emu.client import InaClient, parse_address
+
+    return InaClient.join(control=parse_address(cfg.switch))
+
+
+def _density(state: Any) -> float | None:
+    seen = getattr(state, "density_seen", None)
+    return statistics.median(seen) if seen else None
+
+
+def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
+    rank = dist.get_rank()
+    hooks = [*cfg.hooks, *(["ina"] if cfg.switch and "ina" not in cfg.hooks else [])]
+    rows = []
+    for name in cfg.models:
+        replicas = {}
+        for hook in hooks:
+            torch.manual_seed(cfg.seed)
+            module, batch, loss_fn = MODELS[name]()
+            ddp = DDP(module, bucket_cap_mb=cfg.bucket_cap_mb)
+            state, fn = _state(hook, cfg)
+            if fn is not None:
+                ddp.register_comm_hook(state, fn)
+            replicas[hook] = (ddp, torch.optim.SGD(module.parameters(), lr=0.01), state)
+        times: dict[str, list[float]] = {h: [] for h in hooks}
+        for step in range(cfg.steps):
+            inputs, target = batch(rank, step)
+            for hook in hooks[step % len(hooks) :] + hooks[: step % len(hooks)]:
+                ddp, opt, _ = replicas[hook]
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = loss_fn(ddp(*inputs), target)
+                opt.zero_grad()
+                loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                took = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
+                if step >= cfg.warmup:
+                    times[hook].append(float(took))
+        base = statistics.median(times["default"]) if "default" in times else None
+        ref = list(replicas["default"][0].module.parameters()) if "default" in replicas else None
+        omni = replicas.get("omnireduce", (None, None, None))[2]
+        for hook in hooks:
+            ddp, _, state = replicas[hook]
+            iter_s = statistics.median(times[hook])
+            diff = None
+            if ref is not None:
+                pairs = zip(ref, ddp.module.parameters(), strict=True)
+                diff = max(float((p - q).detach().abs().max()) for p, q in pairs)
+            rows.append({
+                "model": name, "ranks": cfg.ranks, "link_gbps": cfg.link_gbps, "hook": hook,
+                "iter_ms": iter_s * 1e3,
+                "speedup_vs_default": base / iter_s if base else None,
+                "density": _density(omni), "iter_ms_all": [t * 1e3 for t in times[hook]],
+                "max_param_diff_vs_default": diff,
+                "paths": _paths(state),
+                "grad_mb": sum(p.numel() for p in ddp.module.parameters()) * 4 / 2**20,
+            })  # fmt: skip
+        for _, _, state in replicas.values():
+            if hasattr(state, "close"):
+                state.close()
+        del replicas
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+
+
+def _paths(state: Any) -> dict[str, int] | None:
+    """Calls per path over all buckets (``auto_hook``), or None."""
+    summary = getattr(state, "summary", None)
+    if summary is None:
+        return None
+    total: dict[str, int] = {}
+    for b in summary().values():
+        for p, n in b["paths"].items():
+            total[p] = total.get(p, 0) + n
+    return total
+
+
+if __name__ == "__main__":  # one rank, started by torchrun
+    from gradfabric.net.launch import run_rank
+
+    raw = json.loads(sys.argv[1])
+    raw["models"], raw["hooks"] = tuple(raw["models"]), tuple(raw["hooks"])
+    run_rank(_rank_main, DdpBenchConfig(**raw), sys.argv[2])

@@ -1,0 +1,180 @@
+"""DDP hooks that return at once: each hook state's collectives on a thread of its own.
+
+Theory of operation. DDP calls a communication hook from the autograd thread
+as soon as a bucket's gradients are ready, and keeps computing the next
+bucket's gradients only once the hook returns. A hook that runs its whole
+collective before returning (a blocking switch round trip, a sparse exchange
+of several gloo steps planned on the host) serialises communication with the
+rest of backward. Here the hook only hands the bucket over and returns a
+``torch.futures.Future``; the work runs on one communication thread per hook
+state, which serves buckets first come, first served.
+
+Why this is safe on every rank alike:
+
+- DDP launches buckets in index order, the same on every rank (a bucket waits
+  for the ones before it), so every rank's thread runs the same collectives
+  in the same order.
+- The thread's collectives go on a process group of their own (``group``,
+  made with ``dist.new_group`` at the state's first bucket, on the autograd
+  thread, where every rank makes it in the same program order). Collectives
+  the main thread issues meanwhile (DDP's unused-parameter map, the user's
+  own ``all_reduce``, a ``Join``'s shadow rounds) go on the default group and
+  can never interleave with the thread's in a rank-dependent order.
+- Work that needs no host decision (a dense all-reduce) can skip the thread:
+  ``fast_group`` is a third group on which the autograd thread itself starts
+  asynchronous collectives, again in bucket order (see ``Overlapped.dense``).
+- An error on the thread (a dead peer named by ``PeerTimeoutError``, a
+  switch that stopped answering) completes the bucket's future with it; DDP
+  raises it from ``backward()`` (as a ``RuntimeError`` carrying its type and
+  text: the type does not cross DDP's C++ side; ``state.failure`` keeps it),
+  so nothing hangs and the peer is still named. The thread goes on serving.
+
+On a CUDA device the future is created for that device and the thread runs on
+its own stream after an event recorded on the autograd thread's stream, so
+the bucket's values are complete before the thread reads them and DDP's
+consumers wait on the thread's stream through the future (untested here: no
+GPU on the machines that run the suite).
+
+The thread and the groups are process-local: a state pickles without them and
+makes them again at its next bucket. They stop before the default group is
+torn down (``net.launch.end_group``) or at exit, so no group outlives the
+interpreter's orderly shutdown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gradfabric.net import launch
+
+if TYPE_CHECKING:  # torch is imported where a hook first runs: daemons never load it
+    import torch
+
+Job = Callable[[Any], "torch.Tensor"]  # job(group) -> the bucket's result
+
+
+class CommThread:
+    """One daemon thread serving jobs in submission order, on ``group``."""
+
+    def __init__(self, name: str) -> None:
+        import torch.distributed as dist
+
+        self.group = dist.new_group(backend=dist.get_backend())
+        self.fast_group = dist.new_group(backend=dist.get_backend())
+        self.jobs: queue.SimpleQueue[tuple[Job, torch.futures.Future[Any], Any] | None]
+        self.jobs = queue.SimpleQueue()
+        self.failure: Exception | None = None  # the last job's error, typed
+        self.thread = threading.Thread(target=self._serve, daemon=True, name=name)
+        self.thread.start()
+        _LIVE.add(self)
+
+    def submit(self, job: Job, like: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Queue ``job``; the returned future completes with its result or error."""
+        import torch
+
+        if like.is_cuda:
+            raw: torch.futures.Future[Any] = torch.futures.Future(devices=[like.device])
+            ready: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record()  # on the autograd thread's current stream: the bucket is written
+        else:
+            raw, ready = torch.futures.Future(), None
+        self.jobs.put((job, raw, ready))
+        return raw.then(_unwrap)
+
+    def _serve(self) -> None:
+        import torch
+
+        stream: Any = None
+        while (item := self.jobs.get()) is not None:
+            job, raw, ready = item
+            try:
+                if ready is None:
+                    raw.set_result(job(self.group))
+                    continue
+                stream = stream or torch.cuda.Stream()  # type: ignore[no-untyped-call]
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    raw.set_result(job(self.group))  # the future records on this stream
+            except Exception as e:  # every error goes to the bucket's waiter
+                self.failure = e
+                raw.set_result(e)
+
+    def stop(self) -> None:
+        """Serve what is queued, then end; drop the groups."""
+        if self.thread.is_alive():
+            self.jobs.put(None)
+            self.thread.join()
+        self.group = self.fast_group = None
+
+
+def _unwrap(raw: torch.futures.Future[Any]) -> torch.Tensor:
+    """The job's tensor, or its error raised. (Raised in a ``then`` callback,
+    the error reaches DDP's C++ side; ``set_exception`` on the raw future would
+    not: DDP would read the exception object as the bucket.) DDP re-raises it
+    from ``backward()`` as a ``RuntimeError`` carrying the error's type and
+    text; the typed error is kept as the state's ``failure``."""
+    value = raw.value()
+    if isinstance(value, Exception):
+        raise value
+    tensor: torch.Tensor = value
+    return tensor
+
+
+_LIVE: weakref.WeakSet[CommThread] = weakref.WeakSet()
+
+
+def stop_all() -> None:
+    for comm in list(_LIVE):
+        comm.stop()
+    _LIVE.clear()
+
+
+launch.BEFORE_END.append(stop_all)
+atexit.register(stop_all)
+
+
+class Overlapped:
+    """A hook state whose buckets run on its communication thread.
+
+    ``run(bucket, job)`` hands ``job`` over and returns the future DDP waits
+    on. Subclasses (dataclasses included) keep their own fields; the thread is
+    kept out of pickling and made again after unpickling or ``stop_all``."""
+
+    _comm: CommThread | None = None
+
+    def comm(self) -> CommThread:
+        if self._comm is None or self._comm.group is None:
+            self._comm = CommThread(f"gradfabric-{type(self).__name__}")
+        return self._comm
+
+    @property
+    def failure(self) -> Exception | None:
+        """The last error a bucket ended with (DDP re-raised it from
+        ``backward()`` as a ``RuntimeError`` with its text), e.g. a
+        ``PeerTimeoutError`` whose ``peer`` names the rank that is gone."""
+        return None if self._comm is None else self._comm.failure
+
+    def run(self, buf: torch.Tensor, job: Job) -> torch.futures.Future[torch.Tensor]:
+        return self.comm().submit(job, buf)
+
+    def dense(self, buf: torch.Tensor, divide_by: int) -> torch.futures.Future[torch.Tensor]:
+        """Average ``buf`` with a plain all-reduce started here, on the
+        autograd thread, as DDP's own hook does (no host decision to wait for)."""
+        import torch.distributed as dist
+
+        work = dist.all_reduce(buf, group=self.comm().fast_group, async_op=True)
+        assert work is not None  # async_op=True returns the work
+        fut: torch.futures.Future[torch.Tensor] = work.get_future().then(
+            lambda f: f.value()[0].div_(divide_by)
+        )
+        return fut
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_comm", None)
+        return state
