@@ -73,6 +73,30 @@ def add(sub: Sub) -> None:
     add_output(bw, "bench-switch")
     bw.set_defaults(fn=switch)
 
+    bd = bsub.add_parser(
+        "ddp",
+        help="DDP training per hook: default, omnireduce_hook, auto_hook (ina_hook)",
+        description="Real models trained with DDP on gloo ranks under torchrun, one "
+        "replica per hook from the same weights and batches, iterations interleaved "
+        "(each step runs every replica once, rotating the order); medians of the "
+        "slowest rank's iteration time after --warmup steps. On loopback, or with "
+        "--link-gbps each rank in a network namespace behind a tbf-shaped link (root). "
+        "Models: mlp (dense gradients, 32 MB), neumf (sparse embeddings), mixed (a "
+        "large embedding bag plus a dense 1024-wide MLP). --switch: a switch daemon's "
+        "control address, adding ina_hook and the ina path of auto_hook.",
+    )
+    bd.add_argument("--models", default="mlp,neumf,mixed", help="comma-separated")
+    bd.add_argument("--ranks", type=int, default=2)
+    bd.add_argument("--link-gbps", type=float, help="shape links in network namespaces (root)")
+    bd.add_argument("--steps", type=int, default=20)
+    bd.add_argument("--warmup", type=int, default=3)
+    bd.add_argument("--bucket-cap-mb", type=float, default=4.0)
+    bd.add_argument("--hooks", default="default,omnireduce,auto", help="comma-separated; "
+                    "also: allreduce (PyTorch's own Python hook)")  # fmt: skip
+    bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
+    add_output(bd, "bench-ddp")
+    bd.set_defaults(fn=ddp)
+
 
 def sim(args: argparse.Namespace) -> int:
     from gradfabric.proto.schemes import InaConfig
@@ -156,3 +180,28 @@ def switch(args: argparse.Namespace) -> int:
     )  # fmt: skip
     # both sum float32; the switch adds only block quantisation (~1e-8 of a block's peak)
     return 0 if all(r["max_error"] < 1e-4 for r in rows) else 1
+
+
+def ddp(args: argparse.Namespace) -> int:
+    from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
+
+    try:
+        cfg = DdpBenchConfig(
+            models=tuple(csv(args.models, str) or ()), ranks=args.ranks,
+            link_gbps=args.link_gbps, steps=args.steps, warmup=args.warmup,
+            bucket_cap_mb=args.bucket_cap_mb, hooks=tuple(csv(args.hooks, str) or ()),
+            switch=args.switch,
+        )  # fmt: skip
+    except ValueError as e:
+        raise ConfigError("bench ddp", str(e)) from None
+    rows = run_ddp_bench(cfg)
+    where = f"{args.link_gbps:g} Gbit/s shaped links" if args.link_gbps else "loopback"
+    shown = [{k: v for k, v in r.items() if k != "iter_ms_all"} for r in rows]
+    report(
+        args, "bench-ddp", asdict(cfg), {"rows": shown, "full": rows},
+        tables=[("rows", f"DDP iteration time per hook, {cfg.ranks} gloo ranks, {where} "
+                 f"(medians of {cfg.steps - cfg.warmup} interleaved steps)",
+                 ["model", "hook", "iter_ms", "speedup_vs_default", "density",
+                  "max_param_diff_vs_default", "paths"])],
+    )  # fmt: skip
+    return 0

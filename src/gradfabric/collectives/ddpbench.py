@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 
 HOOKS = ("default", "omnireduce", "auto")
+ALL_HOOKS = (*HOOKS, "allreduce", "ina")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class DdpBenchConfig:
         unknown = [m for m in self.models if m not in MODELS]
         if unknown:
             raise ValueError(f"unknown models {unknown}; valid: {sorted(MODELS)}")
+        bad = [h for h in self.hooks if h not in ALL_HOOKS]
+        if bad or not self.hooks or ("ina" in self.hooks and self.switch is None):
+            raise ValueError(f"hooks must be some of {ALL_HOOKS} (ina with a switch), got {bad}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
             raise ValueError("need ranks >= 2 and steps > warmup >= 0")
 

@@ -1,0 +1,216 @@
+"""Every hook under the DDP features users turn on, against DDP's own all-reduce.
+
+Each rank trains two copies of one model from the same weights on the same
+batches: one under plain DDP (its built-in all-reduce: the reference) and one
+with the hook, with the feature on in both. After the steps, the parameters
+must agree. Tolerances: with 2 ranks every all-reduce here adds two float
+values, and ``a + b == b + a`` exactly, so ``omnireduce_hook`` and
+``auto_hook`` (dense ring, gather or sharded exchange) must match to the bit
+(``assert_close`` with zero tolerance, NaN-aware). ``ina_hook`` quantises each
+1024-value block on a shared exponent: its error is at most ``2 * 2**e /
+(2 * (2**31 - 1))`` per value, ~5e-10 of the block's largest gradient, far
+under float32 rounding of the result (1.2e-7 relative), then three SGD steps
+at lr 0.1 with gradients under 10: 1e-6 absolute leaves room. fp16 and bf16
+buckets: the sum of two half values rounded once is what DDP computes too.
+
+Also here: the hooks return before their bucket is reduced (the overlap
+``net.overlap`` exists for), ``auto_hook`` takes the sparse path on sparse
+buckets and the dense one on dense buckets alike on every rank, and its state
+pickles.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradfabric.collectives import AutoState, OmniState, auto_hook, omnireduce_hook
+from gradfabric.collectives.spawn import spawn
+
+FEATURES = (
+    "plain", "gradient_as_bucket_view", "static_graph", "find_unused_parameters",
+    "no_sync", "join", "fp16", "bf16", "compile",
+)  # fmt: skip
+
+
+class Net(nn.Module):
+    """An embedding (sparse gradient rows), a dense layer, and a branch that a
+    step may leave unused (``find_unused_parameters``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4096, 32)
+        self.dense = nn.Linear(32 * 4, 64)
+        self.branch = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, ids: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.dense(self.emb(ids).flatten(1).to(self.dense.weight.dtype)))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        out: torch.Tensor = self.out(h)
+        return out
+
+
+def _state(hook: str, control: str | None) -> tuple[Any, Callable[..., Any]]:
+    if hook == "omnireduce":
+        return OmniState(dense_skip=1), omnireduce_hook
+    if hook == "auto":
+        return AutoState(dense_skip=1, explore_every=2), auto_hook
+    from gradfabric.emu.client import InaClient, parse_address
+    from gradfabric.emu.hook import ina_hook
+
+    assert control is not None
+    return InaClient.join(control=parse_address(control)), ina_hook
+
+
+def _train(feature: str, hook: str | None, control: str | None, rank: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model: nn.Module = Net()
+    if feature in ("fp16", "bf16"):
+        model = model.to(torch.float16 if feature == "fp16" else torch.bfloat16)
+    kw: dict[str, Any] = {feature: True} if feature in FEATURES[1:4] else {}
+    ddp = DDP(model, **kw)
+    state = None
+    if hook is not None:
+        state, fn = _state(hook, control)
+        ddp.register_comm_hook(state, fn)
+    run: nn.Module = ddp
+    if feature == "compile":
+        run = torch.compile(ddp, backend="aot_eager")  # type: ignore[assignment]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    steps = 3 + rank if feature == "join" else 3  # uneven inputs
+    batches = [torch.randint(0, 4096, (8, 4), generator=g) for _ in range(steps * 2)]
+    join: AbstractContextManager[Any] = Join([ddp]) if feature == "join" else nullcontext()
+    with join:
+        for step in range(steps):
+            opt.zero_grad()
+            use_branch = not (feature == "find_unused_parameters" and step == 1)
+            if feature == "no_sync":  # accumulate a micro-batch locally, then sync
+                with ddp.no_sync():
+                    run(batches[2 * step], use_branch).float().pow(2).mean().backward()
+            run(batches[2 * step + 1], use_branch).float().pow(2).mean().backward()
+            opt.step()
+    if state is not None and hasattr(state, "close"):
+        state.close()
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+def _rank(rank: int, world: int, hook: str, control: str | None, out: str) -> None:
+    results = {}
+    for feature in FEATURES:
+        ref = _train(feature, None, control, rank)
+        got = _train(feature, hook, control, rank)
+        results[feature] = (ref, got)
+        spread = [p.clone() for p in got]
+        for p in spread:
+            dist.broadcast(p, 0)
+        results[feature + "/replica0"] = (spread, got)
+    torch.save(results, f"{out}/{rank}.pt")
+
+
+@pytest.mark.parametrize("hook", ["omnireduce", "auto", "ina"])
+def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
+    from gradfabric.emu.harness import switch_daemon
+
+    # Half buckets: DDP scales each gradient by 1/world as it copies it into the
+    # bucket and then sums; the hooks sum, then divide. In half precision the two
+    # roundings may land one ulp apart (2**-10 relative, bf16 2**-7), or one
+    # subnormal step near zero; three SGD steps at lr 0.1 carry that into weights.
+    half = {"fp16": {"atol": 1e-6, "rtol": 2**-10}, "bf16": {"atol": 1e-5, "rtol": 2**-7}}
+    exact = {"atol": 1e-6, "rtol": 0.0} if hook == "ina" else {"atol": 0.0, "rtol": 0.0}
+    sw: AbstractContextManager[Any] = (
+        switch_daemon("--policy", "atp") if hook == "ina" else nullcontext()
+    )
+    with sw as daemon, tempfile.TemporaryDirectory() as tmp:
+        control = daemon.control_text if daemon is not None else None
+        spawn(_rank, 2, (hook, control, tmp), deadline_s=300)
+        for r in range(2):
+            results = torch.load(f"{tmp}/{r}.pt")
+            for feature, (ref, got) in results.items():
+                for a, b in zip(ref, got, strict=True):
+                    if feature.endswith("/replica0"):  # replicas identical after training
+                        torch.testing.assert_close(a, b, atol=0.0, rtol=0.0, msg=feature)
+                    else:
+                        tol = half.get(feature, exact)
+                        torch.testing.assert_close(b, a, msg=feature, **tol)
+
+
+def _overlap_rank(rank: int, world: int, out: str) -> None:
+    """A bucket's future must come back before its reduction is done: time the
+    hook's return against the future's completion on a 16 MB bucket."""
+    model = nn.Linear(2048, 2048)
+    ddp = DDP(model, bucket_cap_mb=64)
+    returned: list[float] = []
+    done: list[float] = []
+    state = OmniState(dense_skip=0)
+
+    def timed(state: OmniState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        fut = omnireduce_hook(state, bucket)
+        returned.append(time.perf_counter())
+        return fut.then(lambda f: (done.append(time.perf_counter()), f.value())[1])
+
+    # DDP checks the annotations themselves (this module's are strings)
+    timed.__annotations__ = {"state": OmniState, "bucket": dist.GradBucket,
+                             "return": torch.futures.Future[torch.Tensor]}  # fmt: skip
+    ddp.register_comm_hook(state, timed)
+    for _ in range(3):
+        ddp(torch.randn(16, 2048)).sum().backward()
+    torch.save((returned, done), f"{out}/{rank}.pt")
+
+
+def test_the_hook_returns_before_its_bucket_is_reduced() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_overlap_rank, 2, (tmp,))
+        for r in range(2):
+            returned, done = torch.load(f"{tmp}/{r}.pt")
+            assert len(returned) == len(done) == 3
+            # every call returned before its own future completed
+            assert all(a < b for a, b in zip(returned, done, strict=True))
+
+
+def _auto_rank(rank: int, world: int, out: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(200_000, 16), nn.Flatten(), nn.Linear(64, 512),
+                          nn.Tanh(), nn.Linear(512, 512))  # fmt: skip
+    ddp = DDP(model, bucket_cap_mb=1)
+    state = AutoState(dense_skip=2, explore_every=3)
+    ddp.register_comm_hook(state, auto_hook)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(12):
+        ddp.zero_grad()
+        ddp(torch.randint(0, 200_000, (32, 4), generator=g)).pow(2).mean().backward()
+    clone = pickle.loads(pickle.dumps(state))
+    torch.save((state.summary(), clone.summary(), clone._comm), f"{out}/{rank}.pt")
+
+
+def test_auto_hook_takes_sparse_for_sparse_buckets_and_decides_alike_everywhere() -> None:
+    """An embedding of 200,000 x 16 (a batch touches <= 128 rows: under 1% of
+    its blocks) and dense layers in their own buckets: the embedding's bucket
+    goes sparse, the dense buckets dense, every rank logs the same paths, and
+    the state pickles without its thread."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_auto_rank, 2, (tmp,))
+        (s0, c0, comm0), (s1, _, _) = (torch.load(f"{tmp}/{r}.pt", weights_only=False)
+                                       for r in range(2))  # fmt: skip
+        assert s0.keys() == s1.keys() and all(s0[k]["paths"] == s1[k]["paths"] for k in s0)
+        emb = max(s0, key=lambda k: s0[k]["bytes_dense"])  # the embedding's bucket
+        assert s0[emb]["paths"].get("sparse", 0) >= 10
+        calls = s0[emb]["paths"]  # (a dense call is an exploration: it saves nothing)
+        share = calls["sparse"] / sum(calls.values())
+        assert s0[emb]["saved_bytes"] > 0.95 * share * s0[emb]["bytes_dense"]
+        dense = [k for k in s0 if k != emb]
+        assert dense and all(s0[k]["paths"].get("dense", 0) >= 8 for k in dense)
+        assert comm0 is None and c0 == s0
