@@ -69,9 +69,12 @@ def _state(hook: str, control: str | None) -> tuple[Any, Callable[..., Any]]:
     if hook == "auto":
         return AutoState(dense_skip=1, explore_every=2), auto_hook
     from gradfabric.emu.client import InaClient, parse_address
-    from gradfabric.emu.hook import ina_hook
+    from gradfabric.emu.dlcp import DlcpClient
+    from gradfabric.emu.hook import dlcp_hook, ina_hook
 
     assert control is not None
+    if hook == "dlcp":
+        return DlcpClient.join(control=parse_address(control)), dlcp_hook
     return InaClient.join(control=parse_address(control)), ina_hook
 
 
@@ -121,8 +124,16 @@ def _rank(rank: int, world: int, hook: str, control: str | None, out: str) -> No
     torch.save(results, f"{out}/{rank}.pt")
 
 
-@pytest.mark.parametrize("hook", ["omnireduce", "auto", "ina"])
+def _daemon(hook: str) -> tuple[str, ...]:
+    from gradfabric.emu.dlcp import DlcpClient
+
+    return ("--policy", "dlcp", *DlcpClient.DAEMON_OPTIONS) if hook == "dlcp" else ("--policy", "atp")
+
+
+@pytest.mark.parametrize("hook", ["omnireduce", "auto", "ina", "dlcp"])
 def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
+    """(``dlcp_hook`` through an uncongested switch loses nothing; its server
+    adds the two ranks' float32 values, exactly as the ring does.)"""
     from gradfabric.emu.harness import switch_daemon
 
     # Half buckets: DDP scales each gradient by 1/world as it copies it into the
@@ -132,7 +143,7 @@ def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
     half = {"fp16": {"atol": 1e-6, "rtol": 2**-10}, "bf16": {"atol": 1e-5, "rtol": 2**-7}}
     exact = {"atol": 1e-6, "rtol": 0.0} if hook == "ina" else {"atol": 0.0, "rtol": 0.0}
     sw: AbstractContextManager[Any] = (
-        switch_daemon("--policy", "atp") if hook == "ina" else nullcontext()
+        switch_daemon(*_daemon(hook)) if hook in ("ina", "dlcp") else nullcontext()
     )
     with sw as daemon, tempfile.TemporaryDirectory() as tmp:
         control = daemon.control_text if daemon is not None else None
