@@ -127,7 +127,9 @@ def _rank(rank: int, world: int, hook: str, control: str | None, out: str) -> No
 def _daemon(hook: str) -> tuple[str, ...]:
     from gradfabric.emu.dlcp import DlcpClient
 
-    return ("--policy", "dlcp", *DlcpClient.DAEMON_OPTIONS) if hook == "dlcp" else ("--policy", "atp")
+    if hook == "dlcp":
+        return ("--policy", "dlcp", *DlcpClient.DAEMON_OPTIONS)
+    return ("--policy", "atp")
 
 
 @pytest.mark.parametrize("hook", ["omnireduce", "auto", "ina", "dlcp"])
