@@ -201,7 +201,7 @@ def ddp(args: argparse.Namespace) -> int:
         args, "bench-ddp", asdict(cfg), {"rows": shown, "full": rows},
         tables=[("rows", f"DDP iteration time per hook, {cfg.ranks} gloo ranks, {where} "
                  f"(medians of {cfg.steps - cfg.warmup} interleaved steps)",
-                 ["model", "hook", "iter_ms", "speedup_vs_default", "density",
+                 ["model", "hook", "iter_ms", "speedup_vs_default", "paired_vs_default", "density",
                   "max_param_diff_vs_default", "paths"])],
     )  # fmt: skip
     return 0

@@ -22,6 +22,7 @@ def add(sub: Sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from gradfabric.experiments import (  # noqa: F401
         baselines,
+        ddp,
         dlcp,
         emulator,
         esa,

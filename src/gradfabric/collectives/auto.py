@@ -200,10 +200,12 @@ def _run(state: AutoState, buf: torch.Tensor, key: int, group: Any) -> torch.Ten
     blocks, nb = as_blocks(flat, state.block_size)
     mask = occupancy(blocks, state.threshold)
     last = state.last[2] if state.last is not None else 0.0
-    times = torch.tensor([last], dtype=torch.float64).view(torch.uint8)
-    mine = torch.cat([pack(mask).cpu(), times])
+    # built on the bucket's device (nccl moves device tensors): one copy to the
+    # host per scanned call, the gathered bitmaps, where the plan is made
+    times = torch.tensor([last], dtype=torch.float64, device=buf.device).view(torch.uint8)
+    mine = torch.cat([pack(mask), times])
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine.to(buf.device), group=group)
+    dist.all_gather(gathered, mine, group=group)
     rows = torch.stack(gathered).cpu()
     state._learn(rows[:, -8:].contiguous().view(torch.float64).flatten())
     plan = Plan.of(unpack(rows[:, :-8].contiguous(), nb))

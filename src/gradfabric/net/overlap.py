@@ -164,14 +164,14 @@ class Overlapped:
 
     def dense(self, buf: torch.Tensor, divide_by: int) -> torch.futures.Future[torch.Tensor]:
         """Average ``buf`` with a plain all-reduce started here, on the
-        autograd thread, as DDP's own hook does (no host decision to wait for)."""
+        autograd thread, as PyTorch's own ``allreduce_hook`` does (no host
+        decision to wait for): divided first, so that the future completes with
+        the reduced bucket itself."""
         import torch.distributed as dist
 
-        work = dist.all_reduce(buf, group=self.comm().fast_group, async_op=True)
+        work = dist.all_reduce(buf.div_(divide_by), group=self.comm().fast_group, async_op=True)
         assert work is not None  # async_op=True returns the work
-        fut: torch.futures.Future[torch.Tensor] = work.get_future().then(
-            lambda f: f.value()[0].div_(divide_by)
-        )
+        fut: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda f: f.value()[0])
         return fut
 
     def __getstate__(self) -> dict[str, Any]:
