@@ -30,13 +30,14 @@ how many: ``sparse.DenseSkip``), then is scanned again: densities drift
 during training.
 """
 
+import math
+import statistics
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -62,27 +63,42 @@ class PathCost:
 
     window: int = 32
     calls: deque[tuple[float, float]] = field(default_factory=deque)  # (bytes, seconds)
+    _fitted: tuple[float, float] | None = None  # kept until the next call is added
 
     def add(self, nbytes: float, seconds: float) -> None:
         self.calls.append((nbytes, seconds))
         while len(self.calls) > self.window:
             self.calls.popleft()
+        self._fitted = None
 
     def fit(self) -> tuple[float, float] | None:
-        """(fixed_s, s_per_byte), or None before any call. With one size seen
-        (or a fit that would go negative), the line through the origin."""
+        """(fixed_s, s_per_byte) by least squares, or None before any call.
+        With one size seen (or a line that would go negative), the line
+        through the origin at the median seconds per byte."""
         if not self.calls:
             return None
-        b, t = np.array(self.calls).T
-        if len(b) >= 3 and b.max() > 1.5 * b.min():
-            slope, fixed = np.polyfit(b, t, 1)
-            if slope > 0 and fixed >= 0:
-                return float(fixed), float(slope)
-        return 0.0, float(np.median(t / np.maximum(b, 1.0)))
+        if self._fitted is None:
+            self._fitted = _line(list(self.calls))
+        return self._fitted
 
     def predict(self, nbytes: float) -> float | None:
         f = self.fit()
         return None if f is None else f[0] + nbytes * f[1]
+
+
+def _line(calls: list[tuple[float, float]]) -> tuple[float, float]:
+    # (closed form in plain Python: this runs on the hook's thread every scan,
+    # beside the training loop's own Python, and a few dozen points need no LAPACK)
+    b = [x for x, _ in calls]
+    if len(calls) >= 3 and max(b) > 1.5 * min(b):
+        n = len(calls)
+        mb, mt = math.fsum(b) / n, math.fsum(t for _, t in calls) / n
+        cov = math.fsum((x - mb) * (t - mt) for x, t in calls)
+        slope = cov / math.fsum((x - mb) ** 2 for x in b)
+        fixed = mt - slope * mb
+        if slope > 0 and fixed >= 0:
+            return fixed, slope
+    return 0.0, statistics.median(t / max(x, 1.0) for x, t in calls)
 
 
 @dataclass
@@ -157,6 +173,7 @@ class AutoState(DenseSkip):
     def _choose(self, key: int, link: dict[str, int]) -> str:
         """The path for this scan of bucket ``key``, from the shared model and
         the busiest-link bytes of each candidate path (``link``)."""
+        scan = self.scans[key] = self.scans.get(key, 0) + 1
         guesses = {p: self._cost(p).predict(b) for p, b in link.items()}
         known = [(link[p], t) for p, t in guesses.items() if t is not None]
         if not known:  # nothing measured yet: bytes, with the sparse paths' usual margin
@@ -166,7 +183,6 @@ class AutoState(DenseSkip):
         rate = min(t / max(b, 1) for b, t in known)
         pred = {p: t if t is not None else link[p] * rate for p, t in guesses.items()}
         ranked = sorted(pred, key=lambda p: (pred[p], PATHS.index(p)))
-        scan = self.scans[key] = self.scans.get(key, 0) + 1
         if len(ranked) > 1 and scan % self.explore_every == 0:
             second = ranked[1]
             if pred[second] <= self.explore_ratio * pred[ranked[0]]:
