@@ -91,6 +91,8 @@ def add(sub: Sub) -> None:
     bd.add_argument("--steps", type=int, default=20)
     bd.add_argument("--warmup", type=int, default=3)
     bd.add_argument("--bucket-cap-mb", type=float, default=4.0)
+    bd.add_argument("--gradient-as-bucket-view", action="store_true",
+                    help="DDP(gradient_as_bucket_view=True) for every replica")  # fmt: skip
     bd.add_argument("--hooks", default="default,omnireduce,auto", help="comma-separated; "
                     "also: allreduce (PyTorch's own Python hook)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
@@ -189,8 +191,9 @@ def ddp(args: argparse.Namespace) -> int:
         cfg = DdpBenchConfig(
             models=tuple(csv(args.models, str) or ()), ranks=args.ranks,
             link_gbps=args.link_gbps, steps=args.steps, warmup=args.warmup,
-            bucket_cap_mb=args.bucket_cap_mb, hooks=tuple(csv(args.hooks, str) or ()),
-            switch=args.switch,
+            bucket_cap_mb=args.bucket_cap_mb,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+            hooks=tuple(csv(args.hooks, str) or ()), switch=args.switch,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench ddp", str(e)) from None

@@ -52,6 +52,7 @@ class DdpBenchConfig:
     steps: int = 20
     warmup: int = 3
     bucket_cap_mb: float = 4.0
+    gradient_as_bucket_view: bool = False
     hooks: tuple[str, ...] = HOOKS
     switch: str | None = None  # a switch daemon's control address: adds ina_hook
     seed: int = 0
@@ -180,7 +181,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         for hook in hooks:
             torch.manual_seed(cfg.seed)
             module, batch, loss_fn = MODELS[name]()
-            ddp = DDP(module, bucket_cap_mb=cfg.bucket_cap_mb)
+            ddp = DDP(module, bucket_cap_mb=cfg.bucket_cap_mb,
+                      gradient_as_bucket_view=cfg.gradient_as_bucket_view)  # fmt: skip
             state, fn = _state(hook, cfg)
             if fn is not None:
                 ddp.register_comm_hook(state, fn)
