@@ -201,3 +201,31 @@ def test_experiment_dlcp_json_rows_and_bad_collective(
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == transport and (tmp_path / "config.yaml").exists()
     assert main([*args, "--collectives", "tree"]) == 2
+
+
+def test_bench_ddp_json_rows_per_model_and_hook(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two models, every hook (``ina`` through a local switch), 3 steps: one
+    JSON row per model and hook with the documented keys; the replicas end
+    where DDP's own did (bit for bit for the exact hooks at 2 ranks; the
+    switch's block quantisation, ~5e-10 of a block's peak, for ``ina`` and
+    for ``auto``, which may take the switch's path)."""
+    from gradfabric.emu.harness import switch_daemon
+
+    with switch_daemon("--policy", "atp") as sw:
+        code = main(["bench", "ddp", "--models", "mlp,neumf", "--steps", "3", "--warmup", "1",
+                     "--switch", sw.control_text, "--json", "--out", str(tmp_path)])  # fmt: skip
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0
+    assert [(r["model"], r["hook"]) for r in rows] == [
+        (m, h) for m in ("mlp", "neumf") for h in ("default", "omnireduce", "auto", "ina")
+    ]
+    for r in rows:
+        keys = {"model", "ranks", "link_gbps", "hook", "iter_ms", "speedup_vs_default", "density"}
+        assert keys <= set(r) and r["iter_ms"] > 0
+        # (auto_hook has the switch too here, and may take its path)
+        quantised = r["hook"] in ("ina", "auto")
+        assert r["max_param_diff_vs_default"] <= (1e-6 if quantised else 0.0)
+    neumf_auto = next(r for r in rows if (r["model"], r["hook"]) == ("neumf", "auto"))
+    assert neumf_auto["paths"].get("sparse", 0) > 0 and neumf_auto["density"] < 0.2

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 
 HOOKS = ("default", "omnireduce", "auto")
-ALL_HOOKS = (*HOOKS, "allreduce", "ina")
+ALL_HOOKS = (*HOOKS, "allreduce", "builtin", "ina")
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             state, fn = _state(hook, cfg)
             if fn is not None:
                 ddp.register_comm_hook(state, fn)
+            if hook == "builtin":  # PyTorch's C++ all-reduce hook: a hook without Python
+                ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # type: ignore[no-untyped-call,attr-defined]
             replicas[hook] = (ddp, torch.optim.SGD(module.parameters(), lr=0.01), state)
         times: dict[str, list[float]] = {h: [] for h in hooks}
         for step in range(cfg.steps):
