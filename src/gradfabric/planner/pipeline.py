@@ -1,0 +1,188 @@
+"""A ``Plan`` executed in real PyTorch: pipelines inside groups, data parallelism across them.
+
+Theory of operation. A plan (``planner.cost.Plan``) has groups; a group is a
+chain of stages, stage ``j`` holding layers ``[first, end)`` of the model on
+one device, and takes a share of the global batch. Here one process runs one
+device (rank ``r`` is the plan's device ``r``), and a model is an
+``nn.Sequential`` whose children are the plan's layers.
+
+- Inside a group, the stages run as a ``torch.distributed.pipelining``
+  pipeline (``PipelineStage`` per rank on the group's own process group, a
+  ``ScheduleGPipe`` or ``Schedule1F1B`` over ``Group.micro_batches``
+  micro-batches). Stage shapes must be static, so a group's sample count is a
+  whole number of equal micro-batches (``whole_batches``). A one-stage group
+  runs its layers directly.
+- The schedule scales gradients by the micro-batch count, so each rank holds
+  the gradient of its group's mean loss. The gradient of the mean loss over
+  the global batch ``B`` is ``sum_g (b_g / B) grad_g``: each rank weights its
+  gradients by ``b_g / B`` and the ranks that hold the same layer in
+  different groups sum them (``all_reduce``) on a process group of exactly
+  those owners. Layers with the same owners share one group and one
+  all-reduce; every rank walks the owner sets in one sorted order, so no two
+  ranks wait on each other in opposite orders.
+
+Process groups are made by every rank in the same order (``new_group`` is
+collective over the default group), then only their members use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradfabric.planner.cost import Group, Plan
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def whole_batches(plan: Plan, total: int) -> list[int]:
+    """Samples per group: the plan's shares of ``total`` rounded down to whole
+    multiples of each group's micro-batch count, then the rest handed out a
+    micro-batch round at a time to the group furthest below its share.
+    Raises ``ValueError`` when ``total`` cannot be split so."""
+    shares = [g.batch / sum(g.batch for g in plan.groups) * total for g in plan.groups]
+    units = [g.micro_batches for g in plan.groups]
+    out = [int(s) // u * u for s, u in zip(shares, units, strict=True)]
+    while (left := total - sum(out)) > 0:
+        fits = [i for i, u in enumerate(units) if u <= left]
+        if not fits:
+            raise ValueError(f"{total} samples do not split into whole micro-batches of {units}")
+        i = max(fits, key=lambda i: shares[i] - out[i])
+        out[i] += units[i]
+    return out
+
+
+@dataclass(frozen=True)
+class Role:
+    """This rank's place in the plan."""
+
+    group: int
+    stage: int
+    first: int
+    end: int
+
+
+def roles(plan: Plan) -> dict[int, Role]:
+    """Role by rank (= the plan's device index)."""
+    return {
+        st.device: Role(gi, si, st.first, st.end)
+        for gi, g in enumerate(plan.groups)
+        for si, st in enumerate(g.stages)
+    }
+
+
+def owner_sets(plan: Plan, layers: int) -> dict[tuple[int, ...], list[int]]:
+    """For each set of ranks that hold the same layers, those layers."""
+    owners: dict[tuple[int, ...], list[int]] = {}
+    for layer in range(layers):
+        ranks = tuple(sorted(st.device for g in plan.groups for st in g.stages
+                             if st.first <= layer < st.end))  # fmt: skip
+        owners.setdefault(ranks, []).append(layer)
+    return owners
+
+
+class PlanRunner:
+    """Run training steps of ``model`` (an ``nn.Sequential`` of the plan's
+    layers, built alike on every rank) under ``plan``; this rank keeps only
+    its stage's layers and their optimizer."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        model: nn.Sequential,
+        loss_fn: Loss,
+        total_batch: int,
+        make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        sample: torch.Tensor,
+        schedule: str = "gpipe",
+    ) -> None:
+        """``sample``: one input sample (batch dimension 1): the stages' shapes
+        are derived from it, so no shape inference runs between stages."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        if schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        by_rank = roles(plan)
+        if sorted(by_rank) != list(range(world)):
+            raise ValueError(f"the plan's devices {sorted(by_rank)} must be ranks 0..{world - 1}")
+        self.plan, self.role = plan, by_rank[rank]
+        self.batches = whole_batches(plan, total_batch)
+        self.offset = sum(self.batches[: self.role.group])
+        self.total = total_batch
+        group: Group = plan.groups[self.role.group]
+        # every rank makes every group, in one order: new_group is collective
+        pp = [dist.new_group([st.device for st in g.stages]) for g in plan.groups]
+        self.sync = {
+            ranks: (dist.new_group(list(ranks)), layers)
+            for ranks, layers in sorted(owner_sets(plan, len(model)).items())
+        }
+        self.module = cast(nn.Sequential, model[self.role.first : self.role.end])
+        self.params = [p for p in self.module.parameters()]
+        self.opt = make_opt(self.params)
+        self.loss_fn = loss_fn
+        self.stages = len(group.stages)
+        self.schedule: Any = None
+        if self.stages > 1:
+            micro = self.batches[self.role.group] // group.micro_batches
+            # this stage's input and output for one micro-batch: the stage's
+            # static shapes; both marked as needing gradients (the schedule sizes
+            # its gradient buffers from that)
+            with torch.no_grad():
+                x_in = model[: self.role.first](sample.expand(micro, *sample.shape[1:]))
+                x_out = self.module(x_in)
+            x_in, x_out = x_in.clone().requires_grad_(), x_out.clone().requires_grad_()
+            stage = PipelineStage(self.module, self.role.stage, self.stages, x_in.device,
+                                  input_args=x_in, output_args=x_out,
+                                  group=pp[self.role.group])  # fmt: skip
+            kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            # (every stage passes the loss: a schedule without one runs no backward)
+            self.schedule = kind(stage, group.micro_batches, loss_fn=loss_fn)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """One step on the global batch ``(x, y)`` (the same on every rank).
+        Returns the group's mean loss on the rank that computes it (the last
+        stage of its group), else None."""
+        lo, b = self.offset, self.batches[self.role.group]
+        xs, ys = x[lo : lo + b], y[lo : lo + b]
+        self.opt.zero_grad()
+        loss: float | None = None
+        if self.schedule is None:
+            out = self.loss_fn(self.module(xs), ys)
+            out.backward()  # type: ignore[no-untyped-call]
+            loss = float(out)
+        elif self.role.stage == 0:
+            self.schedule.step(xs)
+        elif self.role.stage == self.stages - 1:
+            losses: list[torch.Tensor] = []
+            self.schedule.step(target=ys, losses=losses)
+            loss = float(torch.stack(losses).mean())
+        else:
+            self.schedule.step()
+        self._sync(b / self.total)
+        self.opt.step()
+        return loss
+
+    def _sync(self, weight: float) -> None:
+        """Weight this group's gradients by its batch share and sum each
+        layer's over its owners."""
+        for p in self.params:
+            if p.grad is None:  # a layer this step left unused: it adds zero, but it adds
+                p.grad = torch.zeros_like(p)
+            p.grad.mul_(weight)
+        for ranks, (pg, layers) in self.sync.items():
+            if dist.get_rank() not in ranks or len(ranks) == 1:
+                continue
+            grads = [p.grad for i in layers for p in self.module[i - self.role.first].parameters()
+                     if p.grad is not None]  # fmt: skip
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=pg)
+            at = 0
+            for g in grads:
+                g.copy_(flat[at : at + g.numel()].view_as(g))
+                at += g.numel()

@@ -1,0 +1,85 @@
+"""A plan executed for real: pipelined, uneven groups against one full-batch step.
+
+Four gloo ranks run a plan of two groups, each a two-stage pipeline cut at a
+different layer (group 0: layers [0, 2) | [2, 5); group 1: [0, 3) | [3, 5)),
+taking 8 and 16 of 24 samples (8 micro-batches each). After SGD steps, every
+rank's layers must equal those of the unsplit model stepped on all 24
+samples at once. In float64 the two differ only by the order of additions
+(micro-batch gradients summed then scaled, group gradients weighted and
+summed): a few ulps of values of order 1 per step, so 1e-12 absolute leaves
+three orders of magnitude of room and would still catch a wrong weight (an
+even split instead of 8:16 moves gradients by ~1e-2).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from gradfabric.collectives.spawn import spawn
+from gradfabric.planner.cost import Group, Plan, Stage
+from gradfabric.planner.pipeline import PlanRunner, owner_sets, whole_batches
+
+PLAN = Plan(
+    (
+        Group((Stage(0, 0, 2), Stage(1, 2, 5)), batch=1.0),
+        Group((Stage(2, 0, 3), Stage(3, 3, 5)), batch=2.0),
+    )
+)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]
+    return nn.Sequential(*blocks, nn.Linear(16, 4)).double()
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(24, 16, generator=g, dtype=torch.float64),
+            torch.randn(24, 4, generator=g, dtype=torch.float64))  # fmt: skip
+
+
+def _rank(rank: int, world: int, schedule: str, out: str) -> None:
+    runner = PlanRunner(PLAN, _model(), nn.functional.mse_loss, 24,
+                        lambda ps: torch.optim.SGD(ps, lr=0.1), _data(0)[0][:1],
+                        schedule=schedule)  # fmt: skip
+    losses = [runner.step(*_data(step)) for step in range(3)]
+    state = runner.module.state_dict()  # (a slice of a Sequential keeps the layers' names)
+    torch.save((state, losses, runner.role), f"{out}/{rank}.pt")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipelined_uneven_plan_steps_like_the_full_batch(schedule: str) -> None:
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for step in range(3):
+        x, y = _data(step)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ref(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        ref_losses.append(float(loss))
+    want = ref.state_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_rank, 4, (schedule, tmp), deadline_s=240)
+        for r in range(4):
+            state, losses, role = torch.load(f"{tmp}/{r}.pt", weights_only=False)
+            assert state, f"rank {r} holds no layers"
+            for k, v in state.items():
+                torch.testing.assert_close(v, want[k], atol=1e-12, rtol=0.0, msg=f"rank {r} {k}")
+            last = role.stage == len(PLAN.groups[role.group].stages) - 1
+            assert all((x is not None) == last for x in losses)
+
+
+def test_batches_split_into_whole_micro_batches_and_owner_sets() -> None:
+    assert whole_batches(PLAN, 24) == [8, 16]
+    assert whole_batches(PLAN, 48) == [16, 32]
+    with pytest.raises(ValueError):
+        whole_batches(PLAN, 20)
+    # layer 2 is held by rank 1 (group 0) and rank 2 (group 1)
+    assert owner_sets(PLAN, 5) == {(0, 2): [0, 1], (1, 2): [2], (1, 3): [3, 4]}
