@@ -2,7 +2,9 @@
 
 Four gloo ranks run a plan of two groups, each a two-stage pipeline cut at a
 different layer (group 0: layers [0, 2) | [2, 5); group 1: [0, 3) | [3, 5)),
-taking 8 and 16 of 24 samples (8 micro-batches each). After SGD steps, every
+taking 8 and 16 of 24 samples (8 micro-batches each); group 1's first stage
+is on rank 3 and its second on rank 2 (a plan orders stages by speed, not by
+rank number). After SGD steps, every
 rank's layers must equal those of the unsplit model stepped on all 24
 samples at once. In float64 the two differ only by the order of additions
 (micro-batch gradients summed then scaled, group gradients weighted and
@@ -26,7 +28,7 @@ from gradfabric.planner.pipeline import PlanRunner, owner_sets, whole_batches
 PLAN = Plan(
     (
         Group((Stage(0, 0, 2), Stage(1, 2, 5)), batch=1.0),
-        Group((Stage(2, 0, 3), Stage(3, 3, 5)), batch=2.0),
+        Group((Stage(3, 0, 3), Stage(2, 3, 5)), batch=2.0),  # stages not in rank order
     )
 )
 
@@ -81,5 +83,5 @@ def test_batches_split_into_whole_micro_batches_and_owner_sets() -> None:
     assert whole_batches(PLAN, 48) == [16, 32]
     with pytest.raises(ValueError):
         whole_batches(PLAN, 20)
-    # layer 2 is held by rank 1 (group 0) and rank 2 (group 1)
-    assert owner_sets(PLAN, 5) == {(0, 2): [0, 1], (1, 2): [2], (1, 3): [3, 4]}
+    # layer 2 is held by rank 1 (group 0) and rank 3 (group 1)
+    assert owner_sets(PLAN, 5) == {(0, 3): [0, 1], (1, 3): [2], (1, 2): [3, 4]}

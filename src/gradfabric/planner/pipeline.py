@@ -27,6 +27,7 @@ collective over the default group), then only their members use them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -86,10 +87,34 @@ def owner_sets(plan: Plan, layers: int) -> dict[tuple[int, ...], list[int]]:
     return owners
 
 
+class Throttled(nn.Module):
+    """A stage stretched to a device at ``speed`` of this process's: after
+    each forward, sleep ``(1/speed - 1)`` times three forward times (the
+    backward costing twice the forward, as the cost model has it), so that a
+    slow device also frees the host's core it waits on. Exact to the
+    forward's measured time: a backward faster or slower than twice it shows
+    up as model error, not hidden."""
+
+    def __init__(self, inner: nn.Module, speed: float) -> None:
+        super().__init__()
+        if not 0 < speed <= 1:
+            raise ValueError(f"speed must be in (0, 1], got {speed}")
+        self.inner, self.speed = inner, speed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out: torch.Tensor = self.inner(x)
+        if self.speed < 1:
+            time.sleep(3 * (time.perf_counter() - t0) * (1 / self.speed - 1))
+        return out
+
+
 class PlanRunner:
     """Run training steps of ``model`` (an ``nn.Sequential`` of the plan's
     layers, built alike on every rank) under ``plan``; this rank keeps only
-    its stage's layers and their optimizer."""
+    its stage's layers and their optimizer. A rank the plan leaves out makes
+    the process groups with the others and then sits each step out.
+    ``speed``: this rank's emulated device speed (``Throttled``)."""
 
     def __init__(
         self,
@@ -100,6 +125,7 @@ class PlanRunner:
         make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         sample: torch.Tensor,
         schedule: str = "gpipe",
+        speed: float = 1.0,
     ) -> None:
         """``sample``: one input sample (batch dimension 1): the stages' shapes
         are derived from it, so no shape inference runs between stages."""
@@ -109,24 +135,28 @@ class PlanRunner:
             raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
         rank, world = dist.get_rank(), dist.get_world_size()
         by_rank = roles(plan)
-        if sorted(by_rank) != list(range(world)):
-            raise ValueError(f"the plan's devices {sorted(by_rank)} must be ranks 0..{world - 1}")
-        self.plan, self.role = plan, by_rank[rank]
+        if not set(by_rank) <= set(range(world)):
+            raise ValueError(f"plan devices {sorted(by_rank)} must be among ranks 0..{world - 1}")
+        self.plan, self.total = plan, total_batch
         self.batches = whole_batches(plan, total_batch)
-        self.offset = sum(self.batches[: self.role.group])
-        self.total = total_batch
-        group: Group = plan.groups[self.role.group]
         # every rank makes every group, in one order: new_group is collective
         pp = [dist.new_group([st.device for st in g.stages]) for g in plan.groups]
         self.sync = {
             ranks: (dist.new_group(list(ranks)), layers)
             for ranks, layers in sorted(owner_sets(plan, len(model)).items())
         }
+        self.active = rank in by_rank
+        self.role = by_rank.get(rank, Role(-1, -1, 0, 0))
+        if not self.active:
+            return
+        self.offset = sum(self.batches[: self.role.group])
+        group: Group = plan.groups[self.role.group]
         self.module = cast(nn.Sequential, model[self.role.first : self.role.end])
         self.params = [p for p in self.module.parameters()]
         self.opt = make_opt(self.params)
         self.loss_fn = loss_fn
         self.stages = len(group.stages)
+        self.run = Throttled(self.module, speed)
         self.schedule: Any = None
         if self.stages > 1:
             micro = self.batches[self.role.group] // group.micro_batches
@@ -137,9 +167,16 @@ class PlanRunner:
                 x_in = model[: self.role.first](sample.expand(micro, *sample.shape[1:]))
                 x_out = self.module(x_in)
             x_in, x_out = x_in.clone().requires_grad_(), x_out.clone().requires_grad_()
-            stage = PipelineStage(self.module, self.role.stage, self.stages, x_in.device,
+            stage = PipelineStage(Throttled(self.module, speed), self.role.stage, self.stages,
+                                  x_in.device,
                                   input_args=x_in, output_args=x_out,
                                   group=pp[self.role.group])  # fmt: skip
+            # new_group orders its ranks by number, a plan its stages by speed:
+            # tell the stage which group rank holds each stage
+            members = sorted(st.device for st in group.stages)
+            stage.stage_index_to_group_rank = {
+                j: members.index(st.device) for j, st in enumerate(group.stages)
+            }
             kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
             # (every stage passes the loss: a schedule without one runs no backward)
             self.schedule = kind(stage, group.micro_batches, loss_fn=loss_fn)
@@ -148,12 +185,14 @@ class PlanRunner:
         """One step on the global batch ``(x, y)`` (the same on every rank).
         Returns the group's mean loss on the rank that computes it (the last
         stage of its group), else None."""
+        if not self.active:
+            return None
         lo, b = self.offset, self.batches[self.role.group]
         xs, ys = x[lo : lo + b], y[lo : lo + b]
         self.opt.zero_grad()
         loss: float | None = None
         if self.schedule is None:
-            out = self.loss_fn(self.module(xs), ys)
+            out = self.loss_fn(self.run(xs), ys)
             out.backward()  # type: ignore[no-untyped-call]
             loss = float(out)
         elif self.role.stage == 0:
