@@ -73,6 +73,26 @@ def add(sub: Sub) -> None:
     add_output(bw, "bench-switch")
     bw.set_defaults(fn=switch)
 
+    bp = bsub.add_parser(
+        "plan",
+        help="plans executed on throttled processes beside the cost model's prediction",
+        description="One gloo process per emulated device (rank r at --speeds[r] of a "
+        "host core, its compute stretched by sleeping), an MLP stack trained under the "
+        "planner's plan, even data parallelism and an even pipeline, steps interleaved "
+        "(torch.distributed.pipelining inside groups, per-layer gradient sums across "
+        "them). Each row: measured step time (median of the slowest rank), the cost "
+        "model's prediction for the same plan, their relative error, and both speedups "
+        "over even data parallelism. The host's FLOP/s is measured first.",
+    )
+    bp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
+    bp.add_argument("--layers", type=int, default=8)
+    bp.add_argument("--width", type=int, default=512)
+    bp.add_argument("--batch", type=int, default=96)
+    bp.add_argument("--steps", type=int, default=8)
+    bp.add_argument("--link-gbps", type=float, default=10.0, help="what the model assumes")
+    add_output(bp, "bench-plan")
+    bp.set_defaults(fn=plan_bench)
+
     bd = bsub.add_parser(
         "ddp",
         help="DDP training per hook: default, omnireduce_hook, auto_hook (ina_hook)",
@@ -212,3 +232,23 @@ def ddp(args: argparse.Namespace) -> int:
     # rounding of other orders and the switch's quantisation otherwise
     diffs = [r["max_param_diff_vs_default"] or 0.0 for r in rows]
     return 0 if all(d <= 1e-4 for d in diffs) else 1
+
+
+def plan_bench(args: argparse.Namespace) -> int:
+    from gradfabric.planner.execute import ExecConfig, run_plans
+
+    try:
+        cfg = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()), layers=args.layers,
+                         width=args.width, batch=args.batch, steps=args.steps,
+                         link_gbps=args.link_gbps)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError("bench plan", str(e)) from None
+    rows = run_plans(cfg)
+    report(
+        args, "bench-plan", asdict(cfg), {"rows": rows},
+        tables=[("rows", f"plans executed on {len(cfg.speeds)} throttled gloo processes "
+                 f"(speeds {args.speeds}), medians of {cfg.steps - cfg.warmup} steps",
+                 ["plan", "groups", "measured_ms", "predicted_ms", "error",
+                  "speedup_vs_even_dp", "predicted_speedup_vs_even_dp"])],
+    )  # fmt: skip
+    return 0
