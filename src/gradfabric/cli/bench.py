@@ -78,11 +78,15 @@ def add(sub: Sub) -> None:
         help="plans executed on throttled processes beside the cost model's prediction",
         description="One gloo process per emulated device (rank r at --speeds[r] of a "
         "host core, its compute stretched by sleeping), an MLP stack trained under the "
-        "planner's plan, even data parallelism and an even pipeline, steps interleaved "
+        "planner's plan (with the cost model as is, and calibrated), even and "
+        "speed-proportional data parallelism, an even pipeline and --random random "
+        "plans, steps interleaved "
         "(torch.distributed.pipelining inside groups, per-layer gradient sums across "
         "them). Each row: measured step time (median of the slowest rank), the cost "
-        "model's prediction for the same plan, their relative error, and both speedups "
-        "over even data parallelism. The host's FLOP/s is measured first.",
+        "model's prediction for the same plan before and after calibration, their "
+        "relative errors, and both speedups over even data parallelism. Calibration: "
+        "the host's FLOP/s, a pipeline hop's latency and the link rate solved from two "
+        "separately measured plans (even DP, a 2-stage pipeline) and an all-reduce.",
     )
     bp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
     bp.add_argument("--layers", type=int, default=8)
@@ -90,6 +94,7 @@ def add(sub: Sub) -> None:
     bp.add_argument("--batch", type=int, default=96)
     bp.add_argument("--steps", type=int, default=8)
     bp.add_argument("--link-gbps", type=float, default=10.0, help="what the model assumes")
+    bp.add_argument("--random", type=int, default=9, help="random plans measured too")
     add_output(bp, "bench-plan")
     bp.set_defaults(fn=plan_bench)
 
@@ -243,12 +248,19 @@ def plan_bench(args: argparse.Namespace) -> int:
                          link_gbps=args.link_gbps)  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench plan", str(e)) from None
-    rows = run_plans(cfg)
+    res = run_plans(cfg, args.random)
+    sm = res["summary"]
     report(
-        args, "bench-plan", asdict(cfg), {"rows": rows},
+        args, "bench-plan", asdict(cfg), res,
         tables=[("rows", f"plans executed on {len(cfg.speeds)} throttled gloo processes "
                  f"(speeds {args.speeds}), medians of {cfg.steps - cfg.warmup} steps",
-                 ["plan", "groups", "measured_ms", "predicted_ms", "error",
-                  "speedup_vs_even_dp", "predicted_speedup_vs_even_dp"])],
+                 ["plan", "measured_ms", "predicted_ms", "calibrated_ms", "error",
+                  "error_calibrated", "speedup_vs_even_dp", "predicted_speedup_vs_even_dp"])],
+        footer=f"cost model vs measured over {sm['plans']} plans: median |error| "
+        f"{sm['median_abs_error']:.0%}, worst {sm['worst_abs_error']:.0%}; calibrated "
+        f"(host {sm['calibration']['flops'] / 1e9:.1f} GFLOP/s, latency "
+        f"{sm['calibration']['latency_s'] * 1e3:.2f} ms, link "
+        f"{sm['calibration']['link_gbps']:.1f} Gbit/s): median "
+        f"{sm['median_abs_error_calibrated']:.0%}, worst {sm['worst_abs_error_calibrated']:.0%}",
     )  # fmt: skip
     return 0

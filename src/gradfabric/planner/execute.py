@@ -15,21 +15,25 @@ each device at its throttle's speed factor, and links at ``link_gbps``.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
+import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradfabric.planner.baselines import even_dp, even_pipeline
-from gradfabric.planner.cost import Device, Plan, Workload, evaluate
-from gradfabric.planner.pipeline import PlanRunner
+from gradfabric.planner.baselines import even_dp, even_pipeline, proportional_dp
+from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evaluate
+from gradfabric.planner.pipeline import PlanRunner, whole_batches
 from gradfabric.planner.search import plan as search_plan
+from gradfabric.planner.search import shares
 from gradfabric.planner.spec import DeviceType
 
 
@@ -81,45 +85,160 @@ def devices(cfg: ExecConfig, flops: float) -> list[Device]:
     return [Device(i, host, s) for i, s in enumerate(cfg.speeds)]
 
 
-def plans(cfg: ExecConfig, devs: list[Device]) -> dict[str, Plan]:
+def plans(cfg: ExecConfig, devs: list[Device], lat: float = 5e-6) -> dict[str, Plan]:
     w = workload(cfg)
     return {
-        "planner": search_plan(w, devs).plan,
+        "planner": search_plan(w, devs, lat).plan,
         "even-dp": even_dp(w, devs),
         "even-pipeline": even_pipeline(w, devs, depth=len(devs)),
     }
 
 
-def run_plans(cfg: ExecConfig) -> list[dict[str, Any]]:
-    """Measure every plan; rows with predicted and measured step times."""
-    from gradfabric.collectives.spawn import spawn
+def random_plans(cfg: ExecConfig, devs: list[Device], n: int, lat: float) -> dict[str, Plan]:
+    """``n`` seeded random plans: devices dealt into groups, each group's
+    devices in random order with random cut points, batch shares by the
+    planner's own rule (groups finishing together)."""
+    rng = random.Random(cfg.seed)
+    w, out = workload(cfg), dict[str, Plan]()
+    while len(out) < n:
+        order = list(range(len(devs)))
+        rng.shuffle(order)
+        k = rng.randint(1, len(devs))
+        cuts = sorted(rng.sample(range(1, len(devs)), k - 1))
+        groups = []
+        for lo, hi in itertools.pairwise([0, *cuts, len(devs)]):
+            members = order[lo:hi][: w.layers]
+            edges = [0, *sorted(rng.sample(range(1, w.layers), len(members) - 1)), w.layers]
+            groups.append(tuple(Stage(d, a, b) for d, a, b
+                                in zip(members, edges[:-1], edges[1:], strict=True)))  # fmt: skip
+        p = shares(w, devs, groups, lat)
+        try:
+            whole_batches(p, cfg.batch)
+        except ValueError:
+            continue  # not a whole number of micro-batches: draw again
+        out[f"random-{len(out)}"] = p
+    return out
 
-    flops = calibrate_flops(cfg.width, cfg.batch // len(cfg.speeds))
-    devs = devices(cfg, flops)
-    chosen = plans(cfg, devs)
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(_rank, len(cfg.speeds), (cfg, chosen, tmp), threads=1, deadline_s=900)
-        times: dict[str, list[float]] = torch.load(os.path.join(tmp, "times.pt"))
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the cost model takes from measurement: a host core's FLOP/s under
+    the run's own contention, the per-message latency of a pipeline hop, and
+    the link rate of a gradient all-reduce."""
+
+    flops: float
+    latency_s: float
+    link_gbps: float
+
+
+def _solve(f: Any, lo: float, hi: float, target: float) -> float:
+    """x in [lo, hi] with f(x) = target, f increasing (geometric bisection)."""
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def calibrate(cfg: ExecConfig, flops: float) -> tuple[Calibration, dict[str, float]]:
+    """Measure two calibration plans (even data parallelism; a two-stage
+    pipeline on the two fastest ranks) and an all-reduce of the model's
+    gradients, then solve the model's FLOP/s (from the data-parallel step),
+    latency (from the pipeline's) and link rate (from the all-reduce) so that
+    the model predicts what was measured. Returns the calibration and the
+    measured seconds."""
     w = workload(cfg)
+    devs = devices(cfg, flops)
+    fast = sorted(range(len(devs)), key=lambda i: -cfg.speeds[i])[:2]
+    half = w.layers // 2
+    cal = {
+        "even-dp": even_dp(w, devs),
+        "pipe-2": Plan(
+            (Group((Stage(fast[0], 0, half), Stage(fast[1], half, w.layers)), float(cfg.batch)),)
+        ),
+    }
+    measured = _measure(cfg, cal, allreduce=True)
+    t = {k: statistics.median(v[cfg.warmup :]) for k, v in measured.items()}
+    k = len(devs)
+    link = 2 * (k - 1) / k * 4 * sum(w.params) * 8 / t["allreduce"] / 1e9
+    lat, fl = 5e-6, flops
+    link_cfg = replace(cfg, link_gbps=link)
+    for _ in range(3):  # the two unknowns touch both plans a little: alternate
+        fl = _solve(lambda x, lat=lat: -evaluate(w, devices(link_cfg, x), cal["even-dp"],
+                                                 lat).batch_time_s,
+                    flops / 100, flops * 10, -t["even-dp"])  # fmt: skip
+        lat = _solve(lambda x, fl=fl: evaluate(w, devices(link_cfg, fl), cal["pipe-2"],
+                                               x).batch_time_s,
+                     1e-7, 1.0, t["pipe-2"])  # fmt: skip
+    return Calibration(fl, lat, link), t
+
+
+def run_plans(cfg: ExecConfig, random_count: int = 9) -> dict[str, Any]:
+    """Calibrate, then measure the planner's plan (before and after
+    calibration), the baselines and ``random_count`` random plans side by
+    side; every row with both predictions and their errors."""
+    flops = calibrate_flops(cfg.width, cfg.batch // len(cfg.speeds))
+    cal, cal_times = calibrate(cfg, flops)
+    w = workload(cfg)
+    raw_devs, cal_cfg = devices(cfg, flops), replace(cfg, link_gbps=cal.link_gbps)
+    cal_devs = devices(cal_cfg, cal.flops)
+    chosen = plans(cfg, raw_devs)
+    chosen["planner-calibrated"] = search_plan(w, cal_devs, cal.latency_s).plan
+    chosen["proportional-dp"] = proportional_dp(w, raw_devs)
+    chosen |= random_plans(cfg, raw_devs, random_count, 5e-6)
+    chosen = {k: p for k, p in chosen.items() if _runs(p, cfg)}
+    times = _measure(cfg, chosen)
     rows: list[dict[str, Any]] = []
     for name, p in chosen.items():
         measured = statistics.median(times[name][cfg.warmup :])
-        predicted = evaluate(w, devs, p).batch_time_s
+        predicted = evaluate(w, raw_devs, p).batch_time_s
+        calibrated = evaluate(w, cal_devs, p, cal.latency_s).batch_time_s
         rows.append({
             "plan": name, "groups": [[(s.device, s.first, s.end) for s in g.stages]
                                      for g in p.groups],
-            "batches": [round(g.batch, 2) for g in p.groups],
+            "batches": whole_batches(p, cfg.batch),
             "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
-            "error": predicted / measured - 1, "host_gflops": flops / 1e9,
+            "calibrated_ms": calibrated * 1e3,
+            "error": predicted / measured - 1, "error_calibrated": calibrated / measured - 1,
         })  # fmt: skip
     base = next(r for r in rows if r["plan"] == "even-dp")
     for r in rows:
         r["speedup_vs_even_dp"] = base["measured_ms"] / r["measured_ms"]
-        r["predicted_speedup_vs_even_dp"] = base["predicted_ms"] / r["predicted_ms"]
-    return rows
+        r["predicted_speedup_vs_even_dp"] = base["calibrated_ms"] / r["calibrated_ms"]
+    errs = [abs(r["error"]) for r in rows]
+    cal_errs = [abs(r["error_calibrated"]) for r in rows]
+    summary = {
+        "plans": len(rows), "host_gflops": flops / 1e9,
+        "calibration": asdict(cal),
+        "calibration_measured_ms": {k: v * 1e3 for k, v in cal_times.items()},
+        "median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
+        "median_abs_error_calibrated": statistics.median(cal_errs),
+        "worst_abs_error_calibrated": max(cal_errs),
+    }  # fmt: skip
+    return {"rows": rows, "summary": summary}
 
 
-def _rank(rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], out: str) -> None:
+def _runs(p: Plan, cfg: ExecConfig) -> bool:
+    try:
+        whole_batches(p, cfg.batch)
+    except ValueError:
+        return False
+    return True
+
+
+def _measure(
+    cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool = False
+) -> dict[str, list[float]]:
+    from gradfabric.collectives.spawn import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_rank, len(cfg.speeds), (cfg, chosen, allreduce, tmp), threads=1, deadline_s=900)
+        times: dict[str, list[float]] = torch.load(os.path.join(tmp, "times.pt"))
+    return times
+
+
+def _rank(
+    rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool, out: str
+) -> None:
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.batch, cfg.width, generator=g)
     y = torch.randn(cfg.batch, cfg.width, generator=g)
@@ -129,19 +248,19 @@ def _rank(rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], out: 
         runners[name] = PlanRunner(p, mlp_stack(cfg.layers, cfg.width), nn.functional.mse_loss,
                                    cfg.batch, lambda ps: torch.optim.SGD(ps, lr=0.01), x[:1],
                                    speed=cfg.speeds[rank])  # fmt: skip
-    times: dict[str, list[float]] = {k: [] for k in runners}
-    names = list(runners)
+    grads = torch.zeros(sum(workload(cfg).params))
+    steps: dict[str, Any] = {k: r.step for k, r in runners.items()}
+    if allreduce:  # the model's gradients summed over every rank, as a ring would
+        steps["allreduce"] = lambda x, y: dist.all_reduce(grads)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    names = list(steps)
     for step in range(cfg.steps):
         for name in names[step % len(names) :] + names[: step % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
-            runners[name].step(x, y)
+            steps[name](x, y)
             took = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
             times[name].append(float(took))
     if rank == 0:
         torch.save(times, os.path.join(out, "times.pt"))
-
-
-def config_dict(cfg: ExecConfig) -> dict[str, Any]:
-    return asdict(cfg)
