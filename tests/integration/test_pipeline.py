@@ -98,13 +98,13 @@ def test_bench_plan_runs_three_plans_beside_their_predictions(
     from gradfabric.cli import main
 
     code = main(["bench", "plan", "--speeds", "1,0.5,0.5", "--layers", "3", "--width", "64",
-                 "--batch", "48", "--steps", "3", "--random", "2", "--json",
+                 "--batch", "48", "--steps", "3", "--random", "1", "--together", "--json",
                  "--out", str(tmp_path)])  # fmt: skip
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0
     names = [r["plan"] for r in rows]
     assert names[:3] == ["planner", "even-dp", "even-pipeline"]
-    assert {"planner-calibrated", "random-0", "random-1"} <= set(names)
+    assert {"planner-calibrated", "proportional-dp", "random-0"} <= set(names)
     for r in rows:
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["calibrated_ms"] > 0
         assert r["error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)

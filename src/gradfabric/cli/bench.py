@@ -95,6 +95,9 @@ def add(sub: Sub) -> None:
     bp.add_argument("--steps", type=int, default=8)
     bp.add_argument("--link-gbps", type=float, default=10.0, help="what the model assumes")
     bp.add_argument("--random", type=int, default=9, help="random plans measured too")
+    bp.add_argument("--together", action="store_true",
+                    help="all plans in one run, steps interleaved (faster; each plan "
+                    "runs slower than alone)")  # fmt: skip
     add_output(bp, "bench-plan")
     bp.set_defaults(fn=plan_bench)
 
@@ -248,7 +251,7 @@ def plan_bench(args: argparse.Namespace) -> int:
                          link_gbps=args.link_gbps)  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench plan", str(e)) from None
-    res = run_plans(cfg, args.random)
+    res = run_plans(cfg, args.random, args.together)
     sm = res["summary"]
     report(
         args, "bench-plan", asdict(cfg), res,
