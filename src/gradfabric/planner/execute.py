@@ -1,7 +1,7 @@
 """Plans run for real on throttled processes, beside the cost model's prediction.
 
 ``run_plans`` spawns one gloo process per emulated device (rank ``r`` runs at
-``speeds[r]`` of a host core: ``pipeline.Throttled``) and trains an MLP stack
+``speeds[r]`` of a host core: ``pipeline.Throttled``, FLOP-based) and trains an MLP stack
 (``layers`` blocks of ``Linear(width, width) + Tanh``) under three plans side
 by side, steps interleaved: the planner's own plan for these devices, even
 data parallelism over all of them, and an even pipeline over all of them.
@@ -170,7 +170,7 @@ def calibrate(cfg: ExecConfig, flops: float) -> tuple[Calibration, dict[str, flo
             )
         ),
     }
-    measured = _measure(cfg, cal, allreduce=True)
+    measured = _measure(cfg, cal, flops, allreduce=True)
     t = {k: statistics.median(v[cfg.warmup :]) for k, v in measured.items()}
     k = len(devs)
     link = 2 * (k - 1) / k * 4 * sum(w.params) * 8 / t["allreduce"] / 1e9
@@ -208,9 +208,10 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
     chosen |= random_plans(cfg, raw_devs, random_count, 5e-6)
     chosen = {k: p for k, p in chosen.items() if _runs(p, cfg)}
     if together:
-        times = _measure(cfg, chosen)
+        times = _measure(cfg, chosen, flops)
     else:  # as a job would run it
-        times = {k: v for name, p in chosen.items() for k, v in _measure(cfg, {name: p}).items()}
+        times = {k: v for name, p in chosen.items()
+                 for k, v in _measure(cfg, {name: p}, flops).items()}  # fmt: skip
     rows: list[dict[str, Any]] = []
     for name, p in chosen.items():
         measured = statistics.median(times[name][cfg.warmup :])
@@ -250,19 +251,21 @@ def _runs(p: Plan, cfg: ExecConfig) -> bool:
 
 
 def _measure(
-    cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool = False
+    cfg: ExecConfig, chosen: dict[str, Plan], host_flops: float, allreduce: bool = False
 ) -> dict[str, list[float]]:
     from gradfabric.collectives.spawn import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_rank, len(cfg.speeds), (cfg, chosen, allreduce, tmp), threads=1, deadline_s=900)
+        spawn(_rank, len(cfg.speeds), (cfg, chosen, allreduce, host_flops, tmp), threads=1,
+              deadline_s=900)  # fmt: skip
         times: dict[str, list[float]] = torch.load(os.path.join(tmp, "times.pt"))
     return times
 
 
 def _rank(
-    rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool, out: str
-) -> None:
+    rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool,
+    host_flops: float, out: str,
+) -> None:  # fmt: skip
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.batch, cfg.width, generator=g)
     y = torch.randn(cfg.batch, cfg.width, generator=g)
@@ -271,7 +274,9 @@ def _rank(
         torch.manual_seed(cfg.seed)
         runners[name] = PlanRunner(p, mlp_stack(cfg.layers, cfg.width), nn.functional.mse_loss,
                                    cfg.batch, lambda ps: torch.optim.SGD(ps, lr=0.01), x[:1],
-                                   speed=cfg.speeds[rank])  # fmt: skip
+                                   speed=cfg.speeds[rank],
+                                   layer_sample_s=[3 * f / host_flops
+                                                   for f in workload(cfg).fwd_flops])  # fmt: skip
     grads = torch.zeros(sum(workload(cfg).params))
     steps: dict[str, Any] = {k: r.step for k, r in runners.items()}
     if allreduce:  # the model's gradients summed over every rank, as a ring would

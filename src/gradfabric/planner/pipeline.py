@@ -88,24 +88,31 @@ def owner_sets(plan: Plan, layers: int) -> dict[tuple[int, ...], list[int]]:
 
 
 class Throttled(nn.Module):
-    """A stage stretched to a device at ``speed`` of this process's: after
-    each forward, sleep ``(1/speed - 1)`` times three forward times (the
-    backward costing twice the forward, as the cost model has it), so that a
-    slow device also frees the host's core it waits on. Exact to the
-    forward's measured time: a backward faster or slower than twice it shows
-    up as model error, not hidden."""
+    """A stage stretched to a device at ``speed`` of this process's.
 
-    def __init__(self, inner: nn.Module, speed: float) -> None:
+    With ``sample_s`` (seconds of forward and backward compute per sample at
+    full speed, from the stage's FLOPs and a measured host FLOP/s), each
+    forward of ``n`` samples sleeps ``n * sample_s * (1/speed - 1)``: the
+    compute is stretched as on a slower device and the per-call host work
+    (the schedule's Python, the transfers) is not, as a slower GPU behind the
+    same host would have it. Without it, the sleep is ``(1/speed - 1)`` times
+    three forward wall times, which stretches that host work too. Either way
+    the sleep frees the core (slow devices do not steal compute), and the
+    backward's real cost beside the model's 2x forward shows as model error."""
+
+    def __init__(self, inner: nn.Module, speed: float, sample_s: float | None = None) -> None:
         super().__init__()
         if not 0 < speed <= 1:
             raise ValueError(f"speed must be in (0, 1], got {speed}")
-        self.inner, self.speed = inner, speed
+        self.inner, self.speed, self.sample_s = inner, speed, sample_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         out: torch.Tensor = self.inner(x)
         if self.speed < 1:
-            time.sleep(3 * (time.perf_counter() - t0) * (1 / self.speed - 1))
+            full = 3 * (time.perf_counter() - t0) if self.sample_s is None else (
+                len(x) * self.sample_s)  # fmt: skip
+            time.sleep(full * (1 / self.speed - 1))
         return out
 
 
@@ -114,7 +121,9 @@ class PlanRunner:
     layers, built alike on every rank) under ``plan``; this rank keeps only
     its stage's layers and their optimizer. A rank the plan leaves out makes
     the process groups with the others and then sits each step out.
-    ``speed``: this rank's emulated device speed (``Throttled``)."""
+    ``speed``: this rank's emulated device speed (``Throttled``);
+    ``layer_sample_s``: each layer's compute seconds per sample at full speed
+    (the FLOP-based throttle), or None (the wall-time one)."""
 
     def __init__(
         self,
@@ -126,6 +135,7 @@ class PlanRunner:
         sample: torch.Tensor,
         schedule: str = "gpipe",
         speed: float = 1.0,
+        layer_sample_s: list[float] | None = None,
     ) -> None:
         """``sample``: one input sample (batch dimension 1): the stages' shapes
         are derived from it, so no shape inference runs between stages."""
@@ -156,7 +166,9 @@ class PlanRunner:
         self.opt = make_opt(self.params)
         self.loss_fn = loss_fn
         self.stages = len(group.stages)
-        self.run = Throttled(self.module, speed)
+        sample_s = None if layer_sample_s is None else sum(
+            layer_sample_s[self.role.first : self.role.end])  # fmt: skip
+        self.run = Throttled(self.module, speed, sample_s)
         self.schedule: Any = None
         if self.stages > 1:
             micro = self.batches[self.role.group] // group.micro_batches
@@ -167,7 +179,7 @@ class PlanRunner:
                 x_in = model[: self.role.first](sample.expand(micro, *sample.shape[1:]))
                 x_out = self.module(x_in)
             x_in, x_out = x_in.clone().requires_grad_(), x_out.clone().requires_grad_()
-            stage = PipelineStage(Throttled(self.module, speed), self.role.stage, self.stages,
+            stage = PipelineStage(self.run, self.role.stage, self.stages,
                                   x_in.device,
                                   input_args=x_in, output_args=x_out,
                                   group=pp[self.role.group])  # fmt: skip
