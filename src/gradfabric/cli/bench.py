@@ -251,9 +251,11 @@ def plan_bench(args: argparse.Namespace) -> int:
                          link_gbps=args.link_gbps)  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench plan", str(e)) from None
+    from gradfabric.experiments.plots import predicted_vs_measured
+
     res = run_plans(cfg, args.random, args.together)
     sm = res["summary"]
-    report(
+    dest = report(
         args, "bench-plan", asdict(cfg), res,
         tables=[("rows", f"plans executed on {len(cfg.speeds)} throttled gloo processes "
                  f"(speeds {args.speeds}), medians of {cfg.steps - cfg.warmup} steps",
@@ -265,5 +267,10 @@ def plan_bench(args: argparse.Namespace) -> int:
         f"{sm['calibration']['latency_s'] * 1e3:.2f} ms, link "
         f"{sm['calibration']['link_gbps']:.1f} Gbit/s): median "
         f"{sm['median_abs_error_calibrated']:.0%}, worst {sm['worst_abs_error_calibrated']:.0%}",
+    )  # fmt: skip
+    predicted_vs_measured(
+        res["rows"], {"cost model": "predicted_ms", "calibrated": "calibrated_ms"},
+        f"{sm['plans']} plans on {len(cfg.speeds)} throttled processes",
+        dest / "predicted_vs_measured.png",
     )  # fmt: skip
     return 0

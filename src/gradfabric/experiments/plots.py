@@ -83,3 +83,29 @@ def lines(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def predicted_vs_measured(
+    rows: list[dict[str, Any]], series: dict[str, str], title: str, path: Path
+) -> Path:
+    """Measured (x) against each predicted column of ``series`` (label ->
+    row key) for every row, with the y = x line and a ±15% band."""
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    xs = [r["measured_ms"] for r in rows]
+    top = max(xs + [r[k] for r in rows for k in series.values()]) * 1.1
+    ax.fill_between([0, top], [0, top * 0.85], [0, top * 1.15], color="grey", alpha=0.2,
+                    label="±15%")  # fmt: skip
+    ax.plot([0, top], [0, top], "k", lw=1)
+    for label, key in series.items():
+        ax.plot(xs, [r[key] for r in rows], "o", label=label)
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
