@@ -65,8 +65,9 @@ def test_a_pipelined_uneven_plan_steps_like_the_full_batch(schedule: str) -> Non
         loss = nn.functional.mse_loss(ref(x), y)
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
-        ref_losses.append(float(loss))
+        ref_losses.append(float(loss.detach()))
     want = ref.state_dict()
+    group_losses: dict[int, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_rank, 4, (schedule, tmp), deadline_s=240)
         for r in range(4):
@@ -76,6 +77,12 @@ def test_a_pipelined_uneven_plan_steps_like_the_full_batch(schedule: str) -> Non
                 torch.testing.assert_close(v, want[k], atol=1e-12, rtol=0.0, msg=f"rank {r} {k}")
             last = role.stage == len(PLAN.groups[role.group].stages) - 1
             assert all((x is not None) == last for x in losses)
+            if last:
+                group_losses[role.group] = losses
+    # the groups' mean losses, weighted by their samples, are the full batch's
+    for step, want_loss in enumerate(ref_losses):
+        got = (8 * group_losses[0][step] + 16 * group_losses[1][step]) / 24
+        assert got == pytest.approx(want_loss, abs=1e-12, rel=0)
 
 
 def test_batches_split_into_whole_micro_batches_and_owner_sets() -> None:

@@ -206,13 +206,13 @@ class PlanRunner:
         if self.schedule is None:
             out = self.loss_fn(self.run(xs), ys)
             out.backward()  # type: ignore[no-untyped-call]
-            loss = float(out)
+            loss = float(out.detach())
         elif self.role.stage == 0:
             self.schedule.step(xs)
         elif self.role.stage == self.stages - 1:
             losses: list[torch.Tensor] = []
             self.schedule.step(target=ys, losses=losses)
-            loss = float(torch.stack(losses).mean())
+            loss = float(torch.stack(losses).detach().mean())
         else:
             self.schedule.step()
         self._sync(b / self.total)
