@@ -143,6 +143,18 @@ class PlanRunner:
 
         if schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+        self.args: tuple[
+            nn.Sequential,
+            Loss,
+            int,
+            Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+            torch.Tensor,
+            str,
+            float,
+            list[float] | None,
+        ]
+        self.args = (model, loss_fn, total_batch, make_opt, sample, schedule, speed,
+                     layer_sample_s)  # fmt: skip
         rank, world = dist.get_rank(), dist.get_world_size()
         by_rank = roles(plan)
         if not set(by_rank) <= set(range(world)):
@@ -237,3 +249,31 @@ class PlanRunner:
             for g in grads:
                 g.copy_(flat[at : at + g.numel()].view_as(g))
                 at += g.numel()
+
+    def replan(self, plan: Plan) -> tuple[PlanRunner, float]:
+        """Move the job to ``plan``: every layer's current parameters and its
+        optimizer state go from the lowest rank that holds it now to every
+        rank, then a runner for ``plan`` takes over (all ranks call this
+        together). Returns the new runner and the migration's wall seconds.
+        (Every rank receives every layer: more than the layers whose owner
+        changed, which is what the controller's migration term counts.)"""
+        model = self.args[0]
+        t0 = time.perf_counter()
+        old = roles(self.plan)
+        states: dict[int, Any] = {}
+        for layer in range(len(model)):
+            src = min(r for r, ro in old.items() if ro.first <= layer < ro.end)
+            params = list(model[layer].parameters())
+            for p in params:
+                dist.broadcast(p.data, src)
+            box: list[Any] = [None]
+            if dist.get_rank() == src:
+                box[0] = [self.opt.state.get(p, {}) for p in params]
+            dist.broadcast_object_list(box, src)
+            states.update({id(p): st for p, st in zip(params, box[0], strict=True)})
+        new = PlanRunner(plan, *self.args)
+        if new.active:
+            for p in new.params:
+                if states.get(id(p)):
+                    new.opt.state[p] = states[id(p)]
+        return new, time.perf_counter() - t0
