@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
         esa,
         granularity,
         omnireduce,
+        plan_exec,
         planner,
         saatp,
     )
