@@ -13,9 +13,11 @@ def test_a_path_cost_recovers_a_line_it_was_fed() -> None:
     cost = PathCost(window=8)
     for nbytes in (1e6, 2e6, 4e6, 8e6):
         cost.add(nbytes, 0.002 + nbytes / 1.25e8)  # 2 ms fixed, 1 Gbit/s
-    fixed, per_byte = cost.fit() or (0.0, 0.0)
+    fitted = cost.fit()
+    assert fitted is not None
+    fixed, per_byte = fitted
     assert fixed == pytest.approx(0.002, rel=1e-9)
-    assert 1 / per_byte == pytest.approx(1.25e8, rel=1e-9)
+    assert per_byte == pytest.approx(1 / 1.25e8, rel=1e-9)
     assert cost.predict(16e6) == pytest.approx(0.002 + 16e6 / 1.25e8, rel=1e-9)
 
 

@@ -32,7 +32,6 @@ during training.
 
 import math
 import statistics
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from gradfabric.collectives.sparse import (
     DENSE_MARGIN,
+    STATS_LOCK,
     DenseSkip,
     Plan,
     as_blocks,
@@ -53,6 +53,7 @@ from gradfabric.collectives.sparse import (
     unpack,
 )
 from gradfabric.emu.client import Attached
+from gradfabric.emu.hook import switch_sum
 
 PATHS = ("dense", "sparse", "ina")
 
@@ -147,7 +148,7 @@ class AutoState(DenseSkip):
         """Per bucket: calls per path, the bytes it sent against the dense
         ring's, and the seconds its measured calls took against what the dense
         model predicts they would have (positive ``saved_s``: faster)."""
-        with _LOCK:
+        with STATS_LOCK:
             return {
                 k: {
                     "paths": dict(b.paths),
@@ -160,7 +161,7 @@ class AutoState(DenseSkip):
             }
 
     def _log(self, key: int, path: str, sent: int, dense: int) -> BucketLog:
-        with _LOCK:  # the autograd thread (skipped scans) and the hook's thread both log
+        with STATS_LOCK:
             log = self.buckets.setdefault(key, BucketLog())
             log.paths[path] = log.paths.get(path, 0) + 1
             log.bytes_sent += sent
@@ -197,14 +198,11 @@ class AutoState(DenseSkip):
         seconds = float(times.min())
         self._cost(path).add(nbytes, seconds)
         dense = self._cost("dense").predict(dense_bytes)
-        with _LOCK:
+        with STATS_LOCK:
             log = self.buckets[key]
             log.seconds += seconds
             log.seconds_dense += seconds if dense is None else dense
         self.last = None
-
-
-_LOCK = threading.Lock()
 
 
 def _run(state: AutoState, buf: torch.Tensor, key: int, group: Any) -> torch.Tensor:
@@ -235,8 +233,7 @@ def _run(state: AutoState, buf: torch.Tensor, key: int, group: Any) -> torch.Ten
     path = state._choose(key, link)
     if path == "ina":
         assert state.switch is not None  # only offered with a switch
-        vals = flat.detach().to(torch.float32).cpu().numpy()
-        flat.copy_(torch.from_numpy(state.switch.allreduce(vals, group)))
+        switch_sum(state.switch, flat, group)
         sent = link["ina"]
     elif path == "sparse":
         sent = run_planned(blocks, plan, "gather" if gather <= sharded else "sharded",
@@ -262,6 +259,7 @@ def auto_hook(
     buf, key = bucket.buffer(), bucket.index()
     if state.take_skip(key):
         world = dist.get_world_size()
-        state._log(key, "dense", ring_bytes(buf, world), ring_bytes(buf, world))
+        ring = ring_bytes(buf, world)
+        state._log(key, "dense", ring, ring)
         return state.dense(buf, world)
     return state.run(buf, lambda group: _run(state, buf, key, group))

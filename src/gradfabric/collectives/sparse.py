@@ -128,7 +128,7 @@ class OmniState(DenseSkip):
             raise ValueError("dense_skip must be >= 0")
 
     def count(self, dense_bytes: int, sent: int) -> None:
-        with _STATS:  # the hook's thread and the autograd thread both count
+        with STATS_LOCK:
             self.calls += 1
             self.bytes_dense += dense_bytes
             self.bytes_sent += sent
@@ -292,7 +292,7 @@ def sparse_allreduce(
 
 # Calls per group (by its name): collective, so every member counts alike.
 _CALLS: dict[str, int] = {}
-_STATS = threading.Lock()
+STATS_LOCK = threading.Lock()  # hook statistics: the autograd thread and a hook's thread
 
 
 def ring_bytes(flat: torch.Tensor, world: int) -> int:
@@ -448,7 +448,7 @@ class _Chunk:
         link = gather if int(gather.max()) <= int(sharded.max()) else sharded
         if force is not None:
             link = {"gather": gather, "sharded": sharded}.get(force, link)
-        dense = int(2 * (world - 1) / world * blocks.numel() * elem)
+        dense = ring_bytes(blocks, world)
         if force == "dense" or (force is None and int(link.max()) > dense_margin * dense):
             self.works = [dist.all_reduce(blocks, group=group, async_op=True)]
             return dense, torch.full_like(link, dense), floor
@@ -549,7 +549,8 @@ def omnireduce_hook(
     (``OmniState.dense_skip``), as an asynchronous all-reduce started here."""
     buf, key, world = bucket.buffer(), bucket.index(), dist.get_world_size()
     if state.take_skip(key):
-        state.count(ring_bytes(buf, world), ring_bytes(buf, world))
+        ring = ring_bytes(buf, world)
+        state.count(ring, ring)
         return state.dense(buf, world)
 
     def job(group: Any) -> torch.Tensor:

@@ -27,11 +27,7 @@ def ina_hook(
     """Each bucket summed through the switch and averaged, on the client's
     communication thread (``net.overlap``): the hook returns at once."""
     buf = bucket.buffer()
-
-    def job(group: Any) -> torch.Tensor:
-        return _written(buf, state.allreduce(_flat(buf), group) / state.ticket.workers)
-
-    return state.run(buf, job)
+    return state.run(buf, lambda group: switch_sum(state, buf, group, state.ticket.workers))
 
 
 def dlcp_hook(
@@ -51,6 +47,12 @@ def dlcp_hook(
         return _written(buf, state.allreduce(_flat(buf), layer, layers) / state.ticket.workers)
 
     return state.run(buf, job)
+
+
+def switch_sum(client: Attached, buf: torch.Tensor, group: Any, divide_by: int = 1) -> torch.Tensor:
+    """``buf`` summed over the job through the switch (divided by
+    ``divide_by`` in float32 before it is written back), in place."""
+    return _written(buf, client.allreduce(_flat(buf), group) / divide_by)
 
 
 def _flat(buf: torch.Tensor) -> np.ndarray:

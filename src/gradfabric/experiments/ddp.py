@@ -11,7 +11,6 @@ loopback, 1 and 10 Gbit/s.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,7 @@ from typing import Any
 from gradfabric.collectives.ddpbench import DdpBenchConfig, paired, run_ddp_bench
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
-
-
-def _netns_ok() -> bool:
-    from gradfabric.net.netns import available
-
-    return os.geteuid() == 0 and available()
+from gradfabric.net.netns import usable
 
 
 class DdpHooks:
@@ -35,7 +29,7 @@ class DdpHooks:
         base = DdpBenchConfig(steps=12 if quick else 33, warmup=2 if quick else 3)
         links: list[float | None] = [1.0] if quick else [None, 1.0, 10.0]
         notes = []
-        if not _netns_ok():
+        if not usable():
             links = [None]
             notes.append("Network namespaces unavailable: the hooks ran on loopback only.")
         rows: list[dict[str, Any]] = []

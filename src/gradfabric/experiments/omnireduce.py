@@ -14,7 +14,6 @@ training of an embedding-heavy model with the sparse hook.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import numpy as np
 from gradfabric.collectives.e2e import E2EConfig, run_e2e
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
+from gradfabric.net.netns import usable
 from gradfabric.proto.omni import block_mask
 from gradfabric.sim.collective import Bucket, run_collective
 from gradfabric.wire.packet import HEADER_BYTES
@@ -85,12 +85,6 @@ def run_sim(grid: OmniGrid, tick: Tick) -> list[dict[str, Any]]:
     return rows
 
 
-def _netns_ok() -> bool:
-    from gradfabric.net.netns import available
-
-    return os.geteuid() == 0 and available()
-
-
 class OmniReduce:
     name = "omnireduce"
     title = "OmniReduce: sparse all-reduce, simulated and in DDP training"
@@ -100,7 +94,7 @@ class OmniReduce:
         sim = run_sim(grid, tick)
         e2e_cfg = E2EConfig.quick() if quick else E2EConfig()
         notes = []
-        if e2e_cfg.link_gbps is not None and not _netns_ok():
+        if e2e_cfg.link_gbps is not None and not usable():
             e2e_cfg = replace(e2e_cfg, link_gbps=None)
             notes.append("Network namespaces unavailable: training ran on loopback.")
         tick(f"DDP training, {e2e_cfg.ranks} ranks, {e2e_cfg.steps} steps per hook")

@@ -37,6 +37,12 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def usable() -> bool:
+    """Whether this process may make network namespaces here (root, and
+    ``ip netns add`` works)."""
+    return os.geteuid() == 0 and available()
+
+
 def available() -> bool:
     name = f"gfprobe{os.getpid()}"
     try:
