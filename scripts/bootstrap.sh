@@ -13,6 +13,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -
   touch "$stamp"
 fi
 
+# The simulator's hot path compiled with mypyc (C extensions beside the
+# sources); skipped when up to date, and where there is no C compiler the
+# pure-Python modules run. GRADFABRIC_PURE=1 skips it.
+.venv/bin/python scripts/compile.py
+
 # The emulator's kernel-loss links drop packets with nftables (this kernel's tc
 # has no netem and no gact). Installed where we are root on a Debian-like host;
 # elsewhere the tests that need it skip and say why.

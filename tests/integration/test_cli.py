@@ -229,3 +229,23 @@ def test_bench_ddp_json_rows_per_model_and_hook(
         assert r["max_param_diff_vs_default"] <= (1e-6 if quantised else 0.0)
     neumf_auto = next(r for r in rows if (r["model"], r["hook"]) == ("neumf", "auto"))
     assert neumf_auto["paths"].get("sparse", 0) > 0 and neumf_auto["density"] < 0.2
+
+
+def test_bench_sim_runs_each_path_and_the_same_events(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench sim --json``: events/s per path that this checkout can run, each
+    measured in its own child process on the same simulated work."""
+    from gradfabric.experiments.simspeed import available_paths
+
+    args = ["bench", "sim", "--workers", "2", "--train-packets", "16", "--repeats", "1"]
+    assert main([*args, "--json", "--out", str(tmp_path / "b")]) == 0
+    res = json.loads(capsys.readouterr().out)
+    paths = available_paths()
+    assert set(res["events_per_s"]) == set(paths) and res["granularity"] == "16-packet trains"
+    assert all(v > 0 for v in res["events_per_s"].values())
+    assert ("compiled_vs_python" in res) == ("mypyc" in paths)
+    # asking for a path that was not built is a usage error, not a silent fallback
+    if "mypyc" not in paths:
+        assert main([*args, "--paths", "mypyc", "--out", str(tmp_path / "c")]) == 2
+    assert main([*args, "--paths", "pypy", "--out", str(tmp_path / "d")]) == 2

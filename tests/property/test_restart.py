@@ -19,7 +19,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradfabric.proto.actions import Deliver, Engine, Fail, Multicast, Send
+from gradfabric.proto.actions import Deliver, Fail, Multicast, Send
+from gradfabric.proto.interface import Engine
 from gradfabric.proto.schemes import SCHEMES, InaConfig, Placement
 from gradfabric.proto.worker import ResumableWorker, WorkerEngine
 from gradfabric.wire.packet import Packet

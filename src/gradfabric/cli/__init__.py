@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from gradfabric import __version__
+from gradfabric._build import compiled_path
 from gradfabric.cli import bench, daemon, experiment, models, plan, reproduce, simulate
 from gradfabric.cli.common import err
 from gradfabric.core.errors import ConfigError
@@ -18,12 +20,18 @@ from gradfabric.core.errors import ConfigError
 COMMANDS = (reproduce, simulate, experiment, plan, bench, daemon, models)
 
 
+def version() -> str:
+    """The version and which simulator path runs (``mypyc``: the compiled hot
+    path; ``python``: the sources, where nothing was compiled)."""
+    return f"gradfabric {__version__} (simulator hot path: {compiled_path()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gradfabric",
         description="Distributed DNN training that communicates less and waits less.",
     )
-    p.add_argument("--version", action="version", version="gradfabric 0.1.0")
+    p.add_argument("--version", action="version", version=version())
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add(sub)

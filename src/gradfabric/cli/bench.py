@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import asdict
-from typing import Any
 
 from gradfabric.cli.common import Sub, add_output, csv, progress, report
 from gradfabric.core.errors import ConfigError
@@ -24,11 +22,22 @@ OMNI_FLOOR = (
 def add(sub: Sub) -> None:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    bs = bsub.add_parser("sim", help="simulator speed: packet events per wall second")
+    bs = bsub.add_parser(
+        "sim",
+        help="simulator speed: compiled vs pure Python, events per wall second",
+        description="One all-reduce of a model's gradients in the simulator, on the "
+        "compiled hot path (mypyc, built by scripts/compile.py) and on the pure-Python "
+        "sources, alternating in child processes, medians of --repeats. --scaling adds "
+        "events/s and wall time against workers (8, 64, 256, 1024) for SwitchML and ATP, "
+        "with trains of workers/8 packets.",
+    )
     bs.add_argument("--scheme", default="atp")
     bs.add_argument("--model", default="resnet50")
     bs.add_argument("--workers", type=int, default=8)
+    bs.add_argument("--train-packets", type=int, default=1, help="1: packet level")
     bs.add_argument("--repeats", type=int, default=3)
+    bs.add_argument("--paths", help="comma-separated from mypyc,python (default: those built)")
+    bs.add_argument("--scaling", action="store_true", help="add the table against workers")
     add_output(bs, "bench-sim", "print the result as one JSON object")
     bs.set_defaults(fn=sim)
 
@@ -130,39 +139,30 @@ def add(sub: Sub) -> None:
 
 
 def sim(args: argparse.Namespace) -> int:
-    from gradfabric.proto.schemes import InaConfig
-    from gradfabric.sim.collective import Bucket, run_collective
-    from gradfabric.workloads.catalog import model_spec
-    from gradfabric.workloads.compute import device, timeline
+    from gradfabric.experiments import simspeed as ss
 
-    spec = model_spec(args.model)
-    tl = timeline(spec, 32, device("v100"))
-    buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
-    runs = []
-    with progress(args.repeats, args.json) as tick:
-        for i in range(args.repeats):
-            tick(f"run {i + 1}")
-            r = run_collective(args.scheme, args.workers, buckets, ina=InaConfig(train_packets=1))
-            runs.append(
-                {"events": r.events, "wall_s": r.wall_s, "events_per_s": r.events / r.wall_s}
-            )
-    res: dict[str, Any] = {
-        "scheme": args.scheme,
-        "model": args.model,
-        "workers": args.workers,
-        "granularity": "packet",
-        "repeats": args.repeats,
-        "events_per_s": statistics.median(x["events_per_s"] for x in runs),
-        "events": runs[0]["events"],
-        "wall_s": [x["wall_s"] for x in runs],
-    }
+    paths: tuple[str, ...] = csv(args.paths, str) or ss.available_paths()
+    if bad := [p for p in paths if p not in ss.PATHS]:
+        raise ConfigError("paths", f"unknown {bad}; valid: {', '.join(ss.PATHS)}")
+    case = ss.SpeedCase(args.scheme, args.model, args.workers, args.train_packets)
+    steps = args.repeats * len(paths) + (len(ss.SCALING) if args.scaling else 0)
+    with progress(steps, args.json) as tick:
+        res = ss.side_by_side(case, args.repeats, paths, tick)
+        if args.scaling:
+            res["scaling"] = ss.scaling(tick)
+    eps = res["events_per_s"]
     footer = (
-        f"{args.scheme} {args.model}, {args.workers} workers, packet granularity: "
-        f"{res['events']} events; median {res['events_per_s']:,.0f} events/s over "
-        f"{args.repeats} runs (wall s: {', '.join(f'{w:.2f}' for w in res['wall_s'])})"
-    )
-    config = {k: vars(args)[k] for k in ("scheme", "model", "workers", "repeats")}
-    report(args, "bench-sim", config, res, json_keys=None, footer=footer)
+        f"{args.scheme} {args.model}, {args.workers} workers, {res['granularity']}: "
+        f"{res['events']} events; median events/s over {args.repeats} runs: "
+        + ", ".join(f"{p} {eps[p]:,.0f}" for p in paths)
+        + (f"; compiled/python {res['compiled_vs_python']:.2f}x"
+           if "compiled_vs_python" in res else "")
+    )  # fmt: skip
+    config = {k: vars(args)[k] for k in ("scheme", "model", "workers", "train_packets", "repeats")}
+    tables = [("scaling", "events per second against workers (this process's path)",
+               ["scheme", "workers", "train_packets", "topology", "path", "events",
+                "wall_s", "events_per_s", "simulated_ms"])]  # fmt: skip
+    report(args, "bench-sim", config, res, tables=tables, json_keys=None, footer=footer)
     return 0
 
 

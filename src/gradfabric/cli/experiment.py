@@ -9,7 +9,7 @@ from typing import Any
 
 from gradfabric.cli import udp
 from gradfabric.cli.common import Rows, Sub, TableSpec, Tick, add_output, csv, progress, report
-from gradfabric.core.cells import default_processes
+from gradfabric.core.cells import EXECUTORS, Executor, default_processes
 from gradfabric.core.errors import ConfigError
 
 Study = Callable[[Any, Tick], Rows]
@@ -90,6 +90,17 @@ def add(sub: Sub) -> None:
 
 def _processes(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--processes", type=int, help="cells run at once (default: one per core)")
+    p.add_argument(
+        "--executor", choices=EXECUTORS, default="local",
+        help="where the grid's cells run: a local process pool (default), or a Dask or Ray "
+        "cluster (pip install 'gradfabric[cluster]'); the rows are the same",
+    )  # fmt: skip
+    p.add_argument("--address", help="the cluster's scheduler (dask) or head (ray); "
+                   "default: start a local one with --processes workers")  # fmt: skip
+
+
+def _executor(args: argparse.Namespace) -> Executor:
+    return Executor(args.executor, args.processes or default_processes(), args.address)
 
 
 def _grid(
@@ -126,10 +137,10 @@ def saatp(args: argparse.Namespace) -> int:
     }
     grid = replace(grid, **{k: v for k, v in given.items() if v})
     steps = len(grid.models) * len(grid.workers) * len(grid.stragglers) * len(grid.slowdowns)
-    processes = args.processes or default_processes()
+    where = _executor(args)
     return _grid(
         args, "saatp", grid, steps * len(grid.schemes),
-        lambda g, tick: run_grid(g, tick, processes), compare,
+        lambda g, tick: run_grid(g, tick, where), compare,
         [("cmp", "SA-ATP vs ATP", ["model", "workers", "stragglers", "slowdown", "atp_ms",
                                    "saatp_ms", "reduction", "speedup"])],
     )  # fmt: skip
@@ -150,14 +161,14 @@ def esa(args: argparse.Namespace) -> int:
         "error_trains": csv(args.train_error, int),
     }
     grid = replace(grid, **{k: v for k, v in given.items() if v})
-    processes = args.processes or default_processes()
+    where = _executor(args)
     cells = len(grid.pool_slots) * len(grid.loads) * len(grid.jitters_us) * len(grid.seeds)
     studies: dict[str, Study] = (
-        {"train_error": lambda g, tick: train_error(g, tick, processes)} if args.train_error else {}
+        {"train_error": lambda g, tick: train_error(g, tick, where)} if args.train_error else {}
     )
     steps = cells * len(grid.schemes) + (2 * len(grid.error_trains) if studies else 0)
     return _grid(
-        args, "esa", grid, steps, lambda g, tick: run_grid(g, tick, processes), compare,
+        args, "esa", grid, steps, lambda g, tick: run_grid(g, tick, where), compare,
         [
             ("rows", "ESA vs ATP vs SwitchML",
              ["scheme", "pool_slots", "load", "jitter_us", "seed", "jobs", "avg_jct_s",
@@ -195,7 +206,7 @@ def dlcp(args: argparse.Namespace) -> int:
     steps = len(nets) * len(loads) * len(seeds) * len(VARIANTS)
     steps += (1 + len(cfg.policies) * len(cfg.bounds)) if convergence else 0
     with progress(steps, args.json) as tick:
-        transport = run_grid(nets, loads, seeds, tick, args.processes or default_processes())
+        transport = run_grid(nets, loads, seeds, tick, _executor(args))
         rows = run_convergence(cfg, tick) if convergence else []
     headline = [g for n in nets for ld in loads for g in gains(transport, n.collective, ld)]
     resolved = {"transport": [asdict(n) for n in nets], "loads": loads, "seeds": seeds,

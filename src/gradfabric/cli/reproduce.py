@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         plan_exec,
         planner,
         saatp,
+        simspeed,
     )
     from gradfabric.experiments.registry import EXPERIMENTS
     from gradfabric.experiments.report import write_report

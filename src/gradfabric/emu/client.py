@@ -58,7 +58,8 @@ from gradfabric.core.registry import Registry
 from gradfabric.emu.switchd import control_call, worker_name
 from gradfabric.net.overlap import Overlapped
 from gradfabric.net.udp import Address, EngineProtocol, open_engine
-from gradfabric.proto.actions import Action, Deliver, Engine
+from gradfabric.proto.actions import Action, Deliver
+from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniWorker
 from gradfabric.proto.schemes import SCHEMES, Placement
 from gradfabric.proto.worker import ResumableWorker

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.net.udp import Address
-from gradfabric.proto.actions import Aggregator
+from gradfabric.proto.interface import Aggregator
 from gradfabric.proto.schemes import Placement
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.wire.envelope import TOKEN_BYTES

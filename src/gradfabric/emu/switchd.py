@@ -51,8 +51,9 @@ from gradfabric.emu.control import worker_name as worker_name
 from gradfabric.emu.impair import Impairer, Impairment
 from gradfabric.emu.metrics import registry, serve_metrics
 from gradfabric.net.udp import Address, size_buffers
-from gradfabric.proto.actions import Engine, Fail
+from gradfabric.proto.actions import Fail
 from gradfabric.proto.dispatch import Port
+from gradfabric.proto.interface import Engine
 from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.schemes import SCHEMES
 from gradfabric.proto.switch import SwitchEngine

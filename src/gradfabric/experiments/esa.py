@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gradfabric.core.cells import default_processes, run_cells
+from gradfabric.core.cells import Executor, default_processes, run_cells
 from gradfabric.core.config import dump
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
@@ -63,7 +63,7 @@ def _config(scheme: str, pool: int, load: float, jitter_us: float, train: int, j
     )  # fmt: skip
 
 
-def train_error(grid: EsaGrid, tick: Tick, processes: int = 1) -> list[dict[str, Any]]:
+def train_error(grid: EsaGrid, tick: Tick, where: Executor | int = 1) -> list[dict[str, Any]]:
     """ATP's and ESA's average JCT at each train size against the finest, on a
     short trace (``error_jobs`` jobs of 2 iterations) under contention."""
     jitter = grid.jitters_us[-1]
@@ -73,7 +73,7 @@ def train_error(grid: EsaGrid, tick: Tick, processes: int = 1) -> list[dict[str,
         for scheme in ("atp", "esa")
         for train in grid.error_trains
     ]  # fmt: skip
-    jct = run_cells(_avg_jct, cells, processes, tick, lambda c: f"train error: {_label(c)}")
+    jct = run_cells(_avg_jct, cells, where, tick, lambda c: f"train error: {_label(c)}")
     rows: list[dict[str, Any]] = []
     n = len(grid.error_trains)
     for k, scheme in enumerate(("atp", "esa")):
@@ -104,7 +104,7 @@ def run_cell(cfg: TenancyConfig) -> dict[str, Any]:
     return _row(run_tenancy(cfg), cfg)
 
 
-def run_grid(grid: EsaGrid, tick: Tick, processes: int = 1) -> list[dict[str, Any]]:
+def run_grid(grid: EsaGrid, tick: Tick, where: Executor | int = 1) -> list[dict[str, Any]]:
     cells = [
         _config(scheme, pool, load, jitter, grid.train, grid.jobs, seed)
         for pool in grid.pool_slots
@@ -113,7 +113,7 @@ def run_grid(grid: EsaGrid, tick: Tick, processes: int = 1) -> list[dict[str, An
         for seed in grid.seeds
         for scheme in grid.schemes
     ]
-    return run_cells(run_cell, cells, processes, tick, _label)
+    return run_cells(run_cell, cells, where, tick, _label)
 
 
 def _row(r: Any, cfg: TenancyConfig) -> dict[str, Any]:

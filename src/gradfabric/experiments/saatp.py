@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradfabric.core.cells import default_processes, run_cells
+from gradfabric.core.cells import Executor, default_processes, run_cells
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
@@ -86,9 +86,9 @@ def _label(cfg: TrainingConfig) -> str:
     return f"{cfg.model}/{cfg.workers}w/x{cfg.stragglers.slowdown:g}/{cfg.scheme}"
 
 
-def run_grid(grid: SaatpGrid, tick: Tick, processes: int = 1) -> list[dict[str, Any]]:
-    """Every cell's row, in the grid's order (``processes > 1``: a local pool)."""
-    return run_cells(run_cell, list(configs(grid)), processes, tick, _label)
+def run_grid(grid: SaatpGrid, tick: Tick, where: Executor | int = 1) -> list[dict[str, Any]]:
+    """Every cell's row, in the grid's order (``where``: ``core.cells.run_cells``)."""
+    return run_cells(run_cell, list(configs(grid)), where, tick, _label)
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -22,7 +22,8 @@ import numpy as np
 
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.net.udp import open_engine
-from gradfabric.proto.actions import Deliver, Engine
+from gradfabric.proto.actions import Deliver
+from gradfabric.proto.interface import Engine
 from gradfabric.proto.schemes import InaConfig, Placement, collective, worker_input
 from gradfabric.proto.switch.straggler import HelpConfig
 

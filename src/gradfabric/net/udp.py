@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import cast
 
 from gradfabric.core.errors import PeerTimeoutError, ProtocolError
-from gradfabric.proto.actions import Deliver, Engine, Fail, HelpRequest
+from gradfabric.proto.actions import Deliver, Fail, HelpRequest
 from gradfabric.proto.dispatch import Port, timeout_error
+from gradfabric.proto.interface import Engine
 from gradfabric.wire.envelope import drop_reason, seal, unseal
 from gradfabric.wire.packet import Packet, decode, encode
 

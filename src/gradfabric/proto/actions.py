@@ -5,40 +5,58 @@ Timers are not actions: an engine reports ``next_deadline()`` (as aioquic's
 pending timer per engine instead of one per packet keeps the simulator's
 event count at the packets themselves. Drops are counted in the engine's
 ``counters`` (by reason) rather than returned, for the same reason.
+
+The actions are plain ``@dataclass``es, not ``slots=True`` ones: compiled
+(mypyc) they are native classes with a fixed layout already, and ``slots=True``
+would replace the compiled class with an interpreted copy. The ones made for
+every packet write their ``__init__`` out: mypyc leaves the methods
+``dataclass`` generates interpreted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-from gradfabric.core.trace import Counters
+from mypy_extensions import mypyc_attr
+
 from gradfabric.wire.packet import Packet
 
 
-@dataclass(slots=True)
+@dataclass
 class Send:
     dst: str
     pkt: Packet
 
+    def __init__(self, dst: str, pkt: Packet) -> None:
+        self.dst = dst
+        self.pkt = pkt
 
-@dataclass(slots=True)
+
+@dataclass
 class Multicast:
     """Send one copy of ``pkt`` to each of ``dsts`` (the driver clones headers)."""
 
     dsts: tuple[str, ...]
     pkt: Packet
 
+    def __init__(self, dsts: tuple[str, ...], pkt: Packet) -> None:
+        self.dsts = dsts
+        self.pkt = pkt
 
-@dataclass(slots=True)
+
+@dataclass
 class Deliver:
     """An aggregated result handed to the application (once per sequence)."""
 
     seq: int
     pkt: Packet
 
+    def __init__(self, seq: int, pkt: Packet) -> None:
+        self.seq = seq
+        self.pkt = pkt
 
-@dataclass(slots=True)
+
+@dataclass
 class Fail:
     """The engine gave up on a peer; the driver raises ``PeerTimeoutError``."""
 
@@ -47,7 +65,7 @@ class Fail:
     waited_ns: int = 0
 
 
-@dataclass(slots=True)
+@dataclass
 class HelpRequest:
     """SA-ATP: the switch asks this host to send ``straggler``'s share from
     ``from_seq`` on, computed from its replica of the straggler's data."""
@@ -59,26 +77,7 @@ class HelpRequest:
 Action = Send | Multicast | Deliver | Fail | HelpRequest
 
 
-class Engine(Protocol):
-    name: str
-    counters: Counters
-
-    def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]: ...
-
-    def on_timer(self, now_ns: int) -> list[Action]: ...
-
-    def next_deadline(self) -> int | None: ...
-
-
-@runtime_checkable
-class Aggregator(Engine, Protocol):
-    """An engine that merges contributions and can say whom it waits on
-    (switches, parameter servers, aggregators): drivers ask it to name the
-    peers behind a stalled collective."""
-
-    def missing_peers(self, job_id: int | None = None) -> list[str]: ...
-
-
+@mypyc_attr(allow_interpreted_subclasses=True)  # engines written in plain Python
 class NoTimers:
     """Mixin for engines that never set a deadline (switches, servers, rings)."""
 

@@ -29,20 +29,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mypy_extensions import mypyc_attr
+
 from gradfabric.core.errors import PeerTimeoutError
-from gradfabric.proto.actions import (
-    Action,
-    Deliver,
-    Engine,
-    Fail,
-    HelpRequest,
-    Multicast,
-    NoTimers,
-    Send,
-)
+from gradfabric.proto.actions import Action, Deliver, Fail, HelpRequest, Multicast, NoTimers, Send
+from gradfabric.proto.interface import Engine
 from gradfabric.wire.packet import Packet
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the UDP driver and the daemon subclass it
 class Port:
     """One engine at one driver (see the module doc)."""
 

@@ -22,6 +22,7 @@ import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
@@ -29,6 +30,7 @@ from gradfabric.proto.actions import Action, Multicast, NoTimers, Send
 from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, ina_packet
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class PsJob:
     job_id: int

@@ -31,9 +31,10 @@ import numpy as np
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
-from gradfabric.proto.actions import Action, Engine
+from gradfabric.proto.actions import Action
 from gradfabric.proto.dlcp import DlcpServer
 from gradfabric.proto.host import HostEngine
+from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.ring import RingEngine

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
@@ -60,6 +61,7 @@ from gradfabric.proto.routes import StaticSlots as StaticSlots
 from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, ina_packet
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class WorkerConfig:
     job_id: int

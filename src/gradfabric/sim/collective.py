@@ -24,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.core.trace import Counters
-from gradfabric.proto.actions import Aggregator, Deliver
+from gradfabric.proto.actions import Deliver
 from gradfabric.proto.host import HostEngine
+from gradfabric.proto.interface import Aggregator
 from gradfabric.proto.schemes import SCHEMES, collective, worker_input
 from gradfabric.proto.schemes import InaConfig as InaConfig
 from gradfabric.proto.switch import PoolStats, SwitchEngine
@@ -41,6 +43,7 @@ from gradfabric.sim.topology import Topology, leaf_spine, star
 TOPOLOGIES = ("star", "leaf_spine")
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class FabricConfig:
     topology: str = "star"
@@ -58,6 +61,7 @@ class FabricConfig:
             raise ConfigError("hosts_per_rack", "hosts_per_rack and spines must be >= 1")
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class Bucket:
     ready_ns: int

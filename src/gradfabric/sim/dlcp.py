@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from gradfabric.core.cells import run_cells
+from gradfabric.core.cells import Executor, run_cells
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Send
@@ -462,10 +462,10 @@ def run_grid(
     loads: tuple[float, ...],
     seeds: tuple[int, ...] = (0,),
     tick: Callable[[str], None] | None = None,
-    processes: int = 1,
+    where: Executor | int = 1,
 ) -> list[dict[str, Any]]:
     """Every scheme at every background load and seed, for each base config
-    (a collective), side by side on the same seeds (``processes`` at a time).
+    (a collective), side by side on the same seeds (run ``where`` says).
     ``baseline`` names the collective DLCP carries (``ps`` or ``allreduce``)."""
     cells = [
         GridCell(scheme, replace(base, load=load, seed=seed, **over))
@@ -474,7 +474,7 @@ def run_grid(
         for seed in seeds
         for scheme, over in VARIANTS.items()
     ]
-    return run_cells(run_cell, cells, processes, tick)
+    return run_cells(run_cell, cells, where, tick)
 
 
 def experiment_configs(quick: bool) -> list[DlcpConfig]:

@@ -25,10 +25,13 @@ from dataclasses import dataclass, field
 from functools import cache
 from heapq import heappush
 
+from mypy_extensions import mypyc_attr
+
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.proto.actions import Action, Engine
+from gradfabric.proto.actions import Action
 from gradfabric.proto.dispatch import Port
+from gradfabric.proto.interface import Engine
 from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.switch import SwitchEngine
 from gradfabric.sim.loop import EventLoop
@@ -44,6 +47,7 @@ def _name_hash(name: str) -> int:
 PS_PER_NS = 1000
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class LinkSpec:
     """One direction of a link. ``queue_bytes=0`` means an unbounded queue (a host NIC)."""

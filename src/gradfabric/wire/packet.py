@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -46,40 +47,36 @@ def traffic_class(queue: int, drop: int) -> int:
 
 class Flag:
     """Header flag bits (plain ints: enum arithmetic is too slow for the
-    simulator's hot path). Unknown bits are a protocol error."""
+    simulator's hot path; ``Final`` so that compiled code inlines them).
+    Unknown bits are a protocol error."""
 
-    NONE = 0
-    ACK = 1 << 0  # an aggregated result travelling back to workers
-    COLLISION = 1 << 1  # the aggregator was held by another key; on to the PS
-    RESEND = 1 << 2  # a worker retransmission
-    ECN = 1 << 3  # congestion experienced on some hop
-    OVERFLOW = 1 << 4  # values did not fit the integer domain; sent as float
-    FLOAT = 1 << 5  # payload is float32 (else int32)
-    PARTIAL = 1 << 6  # a partial aggregate flushed from a switch to the PS
-    HELP = 1 << 7  # SA-ATP: a helper sending a straggler's share under its bit
-    NOTIFY = 1 << 8  # SA-ATP: the switch asking a helper to help (worker_id = straggler)
+    NONE: Final = 0
+    ACK: Final = 1 << 0  # an aggregated result travelling back to workers
+    COLLISION: Final = 1 << 1  # the aggregator was held by another key; on to the PS
+    RESEND: Final = 1 << 2  # a worker retransmission
+    ECN: Final = 1 << 3  # congestion experienced on some hop
+    OVERFLOW: Final = 1 << 4  # values did not fit the integer domain; sent as float
+    FLOAT: Final = 1 << 5  # payload is float32 (else int32)
+    PARTIAL: Final = 1 << 6  # a partial aggregate flushed from a switch to the PS
+    HELP: Final = 1 << 7  # SA-ATP: a helper sending a straggler's share under its bit
+    NOTIFY: Final = 1 << 8  # SA-ATP: the switch asking a helper to help (worker_id = straggler)
 
     @staticmethod
     def names(flags: int) -> list[str]:
-        return [k for k, v in vars(Flag).items() if isinstance(v, int) and v and flags & v]
+        return [k for k, v in _FLAG_NAMES if flags & v]
 
 
-KNOWN_FLAGS = (
-    Flag.ACK
-    | Flag.COLLISION
-    | Flag.RESEND
-    | Flag.ECN
-    | Flag.OVERFLOW
-    | Flag.FLOAT
-    | Flag.PARTIAL
-    | Flag.HELP
-    | Flag.NOTIFY
-)
+_FLAG_NAMES: Final = (
+    ("ACK", Flag.ACK), ("COLLISION", Flag.COLLISION), ("RESEND", Flag.RESEND),
+    ("ECN", Flag.ECN), ("OVERFLOW", Flag.OVERFLOW), ("FLOAT", Flag.FLOAT),
+    ("PARTIAL", Flag.PARTIAL), ("HELP", Flag.HELP), ("NOTIFY", Flag.NOTIFY),
+)  # fmt: skip
+KNOWN_FLAGS: Final = sum(v for _, v in _FLAG_NAMES)
 
 Payload = npt.NDArray[np.int32] | npt.NDArray[np.float32]
 
 
-@dataclass(slots=True)
+@dataclass
 class Packet:
     """One packet. ``payload`` is None in the simulator's timing-only mode.
 
@@ -98,6 +95,24 @@ class Packet:
     layer: int = 0
     count: int = 0
     payload: Payload | None = None
+
+    def __init__(
+        self, job_id: int, worker_id: int, seq: int, agg_index: int = 0, bitmap: int = 0,
+        fan_in: int = 1, flags: int = 0, priority: int = 0, layer: int = 0, count: int = 0,
+        payload: Payload | None = None,
+    ) -> None:  # fmt: skip
+        # written out: compiled (mypyc), the one ``dataclass`` generates stays interpreted
+        self.job_id = job_id
+        self.worker_id = worker_id
+        self.seq = seq
+        self.agg_index = agg_index
+        self.bitmap = bitmap
+        self.fan_in = fan_in
+        self.flags = flags
+        self.priority = priority
+        self.layer = layer
+        self.count = count
+        self.payload = payload
 
     def clone(self) -> Packet:
         return Packet(

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from gradfabric.core.errors import ConfigError
 from gradfabric.wire.packet import MAX_FAN_IN
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class SwitchJob:
     """One job as this switch sees it.

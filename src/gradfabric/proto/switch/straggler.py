@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mypy_extensions import mypyc_attr
+
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
 from gradfabric.core.trace import Counters
@@ -66,6 +68,7 @@ def next_holder(straggler: int, progress: list[int], n: int, replicas: int) -> i
     )
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class HelpConfig:
     detector: str = "progress-gap"
