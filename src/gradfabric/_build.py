@@ -42,9 +42,18 @@ HOT: tuple[str, ...] = (
     "proto.switch.atp",
     "proto.switch.esa",
     "proto.switch.straggler",
+    "proto.ring",
+    "proto.omni",
+    "proto.dlcp",
+    "proto.dctcp",
+    "proto.priority",
     "sim.loop",
     "sim.network",
     "sim.collective",
+    "sim.multijob",
+    "sim.training",
+    "sim.stragglers",
+    "sim.dlcp",
 )
 GROUP = "gradfabric._hot"  # the shared library: gradfabric/_hot__mypyc.*.so
 MANIFEST = "_compiled.json"

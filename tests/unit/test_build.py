@@ -100,3 +100,22 @@ def test_a_stale_build_warns_and_runs_the_sources(tmp_path: Path) -> None:
         manifest.write_text(saved)
     assert done.stdout.strip().endswith("loop.py")
     assert "older than their sources (sim.loop)" in done.stderr
+
+
+def test_compiled_frozen_dataclasses_are_left_interpreted() -> None:
+    """A frozen dataclass compiled by mypyc cannot be unpickled (its state is
+    set through the frozen ``__setattr__``), and configs cross to pool and
+    cluster workers pickled: each one in a compiled module is marked
+    ``native_class=False``. The routes are the exception: built inside an
+    engine, never pickled, and read on every packet."""
+    unmarked = []
+    for m in _build.HOT:
+        if m == "proto.routes":
+            continue
+        lines = PKG.joinpath(*m.split(".")).with_suffix(".py").read_text().splitlines()
+        unmarked += [
+            f"{m}:{i + 1}" for i, line in enumerate(lines)
+            if line.startswith("@dataclass(frozen=True")
+            and not lines[i - 1].startswith("@mypyc_attr(native_class=False)")
+        ]  # fmt: skip
+    assert not unmarked, unmarked

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 import numpy as np
 
@@ -63,7 +63,7 @@ class DctcpSender(DlcpSender):
     """Sends tensors in order within a congestion window; see the module
     docstring for the window, ECN, fast retransmit and timeout rules."""
 
-    congestion_controlled = True  # its window finds its share of a bottleneck
+    congestion_controlled: ClassVar[bool] = True  # its window finds its share of a bottleneck
 
     def __init__(
         self, name: str, job_id: int, rank: int, receiver: str, per_packet: int = 256,

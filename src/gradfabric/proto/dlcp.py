@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -310,7 +311,7 @@ class DlcpSender:
     important first, answers ``RESEND`` requests for ranges, and probes tensors whose ACK has
     not come."""
 
-    congestion_controlled: bool = False  # sends as fast as its caller paces it
+    congestion_controlled: ClassVar[bool] = False  # sends as fast as its caller paces it
 
     def __init__(
         self, name: str, job_id: int, rank: int, receiver: str, per_packet: int = 256,

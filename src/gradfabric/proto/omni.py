@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
@@ -59,6 +60,7 @@ def omni_packet(
                   count, values)  # fmt: skip
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class OmniLayout:
     """How blocks map to aggregators, streams and positions."""

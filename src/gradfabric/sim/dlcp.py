@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gradfabric.core.cells import Executor, run_cells
 from gradfabric.core.errors import ConfigError
@@ -58,6 +59,7 @@ TRANSPORTS: dict[str, tuple[type[DlcpReceiver], type[DlcpSender]]] = {
 BG_CLASS = traffic_class(1, 1)
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class DlcpConfig:
     collective: str = "ps"  # or "allreduce" (a ring)
@@ -429,6 +431,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 RELIABLE = ("reliable", "reliable+spray", "dctcp", "dctcp+spray")
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class GridCell:
     """One run of the grid: a scheme and its whole config (seed included)."""

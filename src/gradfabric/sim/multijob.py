@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
@@ -37,6 +38,7 @@ from gradfabric.workloads.compute import Timeline, device, timeline
 TENANCY_SCHEMES = ("esa", "atp", "switchml")
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class JobSpec:
     job_id: int
@@ -46,6 +48,7 @@ class JobSpec:
     iterations: int
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class TenancyConfig:
     scheme: str = "esa"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
@@ -23,6 +24,7 @@ from gradfabric.core.registry import Registry
 Factors = np.ndarray  # shape (iterations, workers), float64 >= 1
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class StragglerConfig:
     model: str = "none"

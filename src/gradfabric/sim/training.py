@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
@@ -74,6 +75,7 @@ def _tail(offsets: list[int], elapsed_ns: int, straggler_at: int) -> int | None:
     return max(straggler_at, next(j for j, off in enumerate(offsets) if off >= half))
 
 
+@mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class TrainingConfig:
     scheme: str = "atp"
