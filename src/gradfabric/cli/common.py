@@ -26,6 +26,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from gradfabric.core.cells import EXECUTORS, Executor, default_processes
+
 T = TypeVar("T")
 err = Console(stderr=True)
 out = Console()
@@ -47,6 +49,22 @@ def add_output(p: argparse.ArgumentParser, command: str, json_help: str = "") ->
     """``--out`` and ``--json``, alike for every command that reports numbers."""
     p.add_argument("--out", help=f"results directory (default: results/{command}-<time>)")
     p.add_argument("--json", action="store_true", help=json_help or "one JSON object per row")
+
+
+def add_executor(p: argparse.ArgumentParser) -> None:
+    """Where a grid's cells run (``core.cells.Executor``), alike for every grid."""
+    p.add_argument("-p", "--processes", type=int, help="cells run at once (default: one per core)")
+    p.add_argument(
+        "--executor", choices=EXECUTORS, default="local",
+        help="where the grid's cells run: a local process pool (default), or a Dask or Ray "
+        "cluster (pip install 'gradfabric[cluster]'); the rows are the same",
+    )  # fmt: skip
+    p.add_argument("--address", help="the cluster's scheduler (dask) or head (ray); "
+                   "default: start a local one with --processes workers")  # fmt: skip
+
+
+def executor(args: argparse.Namespace) -> Executor:
+    return Executor(args.executor, args.processes or default_processes(), args.address)
 
 
 @contextmanager

@@ -8,8 +8,18 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from gradfabric.cli import udp
-from gradfabric.cli.common import Rows, Sub, TableSpec, Tick, add_output, csv, progress, report
-from gradfabric.core.cells import EXECUTORS, Executor, default_processes
+from gradfabric.cli.common import (
+    Rows,
+    Sub,
+    TableSpec,
+    Tick,
+    add_executor,
+    add_output,
+    csv,
+    executor,
+    progress,
+    report,
+)  # fmt: skip
 from gradfabric.core.errors import ConfigError
 
 Study = Callable[[Any, Tick], Rows]
@@ -21,12 +31,15 @@ def add(sub: Sub) -> None:
 
     es = esub.add_parser("saatp", help="SA-ATP vs ATP, SwitchML and ring under stragglers")
     es.add_argument("--quick", action="store_true", help="ResNet-50, 8 workers, one straggler")
+    es.add_argument("--full", action="store_true",
+                    help="every model and slowdown (288 cells; default: ResNet-50 and BERT-base, "
+                    "slowdowns 1,1.5,2,4, 128 cells)")  # fmt: skip
     es.add_argument("--models", help="comma-separated, e.g. resnet50,vgg16,bert-base")
     es.add_argument("--workers", help="comma-separated worker counts, e.g. 8,32")
     es.add_argument("--stragglers", help="comma-separated straggler counts, e.g. 1,2")
     es.add_argument("--slowdowns", help="comma-separated factors, e.g. 1,1.25,2,4")
     es.add_argument("--iterations", type=int, help="iterations per run (default 3)")
-    _processes(es)
+    add_executor(es)
     add_output(es, "saatp")
     es.set_defaults(fn=saatp)
 
@@ -49,7 +62,7 @@ def add(sub: Sub) -> None:
         "--train-error",
         help="also the train-size error study at these trains, finest last, e.g. 16,4,1",
     )
-    _processes(ee)
+    add_executor(ee)
     add_output(ee, "esa")
     ee.set_defaults(fn=esa)
 
@@ -79,28 +92,13 @@ def add(sub: Sub) -> None:
     )
     ed.add_argument("--seeds", type=int, help="seeds per cell (default 5, quick 3; convergence 10)")
     ed.add_argument("--no-convergence", action="store_true", help="the transport grid only")
-    _processes(ed)
+    add_executor(ed)
     ed.add_argument("--policies", help="comma-separated: magnitude,random,largest")
     ed.add_argument("--bounds", help="comma-separated loss bounds, e.g. 0.05,0.1,0.3")
     add_output(ed, "dlcp")
     ed.set_defaults(fn=dlcp)
 
     udp.add(esub)
-
-
-def _processes(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-p", "--processes", type=int, help="cells run at once (default: one per core)")
-    p.add_argument(
-        "--executor", choices=EXECUTORS, default="local",
-        help="where the grid's cells run: a local process pool (default), or a Dask or Ray "
-        "cluster (pip install 'gradfabric[cluster]'); the rows are the same",
-    )  # fmt: skip
-    p.add_argument("--address", help="the cluster's scheduler (dask) or head (ray); "
-                   "default: start a local one with --processes workers")  # fmt: skip
-
-
-def _executor(args: argparse.Namespace) -> Executor:
-    return Executor(args.executor, args.processes or default_processes(), args.address)
 
 
 def _grid(
@@ -127,7 +125,7 @@ def _grid(
 def saatp(args: argparse.Namespace) -> int:
     from gradfabric.experiments.saatp import SaatpGrid, compare, run_grid
 
-    grid = SaatpGrid.quick() if args.quick else SaatpGrid()
+    grid = SaatpGrid.quick() if args.quick else SaatpGrid() if args.full else SaatpGrid.default()
     given = {
         "models": csv(args.models, str),
         "workers": csv(args.workers, int),
@@ -137,7 +135,7 @@ def saatp(args: argparse.Namespace) -> int:
     }
     grid = replace(grid, **{k: v for k, v in given.items() if v})
     steps = len(grid.models) * len(grid.workers) * len(grid.stragglers) * len(grid.slowdowns)
-    where = _executor(args)
+    where = executor(args)
     return _grid(
         args, "saatp", grid, steps * len(grid.schemes),
         lambda g, tick: run_grid(g, tick, where), compare,
@@ -161,7 +159,7 @@ def esa(args: argparse.Namespace) -> int:
         "error_trains": csv(args.train_error, int),
     }
     grid = replace(grid, **{k: v for k, v in given.items() if v})
-    where = _executor(args)
+    where = executor(args)
     cells = len(grid.pool_slots) * len(grid.loads) * len(grid.jitters_us) * len(grid.seeds)
     studies: dict[str, Study] = (
         {"train_error": lambda g, tick: train_error(g, tick, where)} if args.train_error else {}
@@ -206,7 +204,7 @@ def dlcp(args: argparse.Namespace) -> int:
     steps = len(nets) * len(loads) * len(seeds) * len(VARIANTS)
     steps += (1 + len(cfg.policies) * len(cfg.bounds)) if convergence else 0
     with progress(steps, args.json) as tick:
-        transport = run_grid(nets, loads, seeds, tick, _executor(args))
+        transport = run_grid(nets, loads, seeds, tick, executor(args))
         rows = run_convergence(cfg, tick) if convergence else []
     headline = [g for n in nets for ld in loads for g in gains(transport, n.collective, ld)]
     resolved = {"transport": [asdict(n) for n in nets], "loads": loads, "seeds": seeds,

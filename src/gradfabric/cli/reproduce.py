@@ -7,7 +7,8 @@ import json
 
 from rich.table import Table
 
-from gradfabric.cli.common import Sub, err, out, progress, results_dir
+from gradfabric.cli.common import Sub, add_executor, err, executor, out, progress, results_dir
+from gradfabric.core.cells import choose
 
 
 def add(sub: Sub) -> None:
@@ -16,6 +17,7 @@ def add(sub: Sub) -> None:
     r.add_argument("--only", help="comma-separated experiment names")
     r.add_argument("--out", help="results directory (default: results/reproduce-<time>)")
     r.add_argument("--json", action="store_true", help="the claims as one JSON object")
+    add_executor(r)
     r.set_defaults(fn=run)
 
 
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from gradfabric.experiments.registry import EXPERIMENTS
     from gradfabric.experiments.report import write_report
 
+    choose(executor(args))  # the grids' cells (SA-ATP, ESA, DLCP) run there
     names = args.only.split(",") if args.only else EXPERIMENTS.names()
     exps = [EXPERIMENTS.get(n) for n in names]
     dest = results_dir(args.out, "reproduce")

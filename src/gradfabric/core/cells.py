@@ -60,6 +60,20 @@ class Executor:
             raise ConfigError("address", "an address needs --executor dask or ray")
 
 
+_chosen: list[Executor] = []
+
+
+def choose(ex: Executor) -> None:
+    """Make ``ex`` where the suite's experiments run their grids (``reproduce
+    --executor``); a grid run directly is given its executor instead."""
+    _chosen[:] = [ex]
+
+
+def chosen() -> Executor:
+    """What ``choose`` set, else a local pool of one process per core."""
+    return _chosen[0] if _chosen else Executor(processes=default_processes())
+
+
 def run_cells(
     fn: Callable[[C], R],
     cells: Sequence[C],

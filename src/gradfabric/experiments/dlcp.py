@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gradfabric.core.cells import default_processes
+from gradfabric.core.cells import chosen
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
 from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, run_convergence
@@ -68,7 +68,7 @@ class Dlcp:
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         nets = experiment_configs(quick)
         loads, seeds = (QUICK_LOADS, QUICK_SEEDS) if quick else (LOADS, SEEDS)
-        transport = run_grid(nets, loads, seeds, tick, default_processes())
+        transport = run_grid(nets, loads, seeds, tick, chosen())
         cfg = ConvergenceConfig.quick() if quick else ConvergenceConfig()
         rows = run_convergence(cfg, tick)
         summary = summarise(transport)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gradfabric.core.cells import Executor, default_processes, run_cells
+from gradfabric.core.cells import Executor, chosen, run_cells
 from gradfabric.core.config import dump
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
@@ -178,10 +178,9 @@ class Esa:
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         grid = EsaGrid.quick() if quick else EsaGrid()
-        processes = default_processes()
-        rows = run_grid(grid, tick, processes)
+        rows = run_grid(grid, tick, chosen())
         cmp = compare(rows)
-        err = train_error(grid, tick, processes)
+        err = train_error(grid, tick, chosen())
         r = ExperimentResult(
             self.name,
             self.title,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradfabric.core.cells import Executor, default_processes, run_cells
+from gradfabric.core.cells import Executor, chosen, run_cells
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
@@ -33,6 +33,13 @@ class SaatpGrid:
     schemes: tuple[str, ...] = COMPARED
     iterations: int = 3
     train_packets: int = 32
+
+    @classmethod
+    def default(cls) -> SaatpGrid:
+        """``experiment saatp`` without flags: two models (a CNN, a transformer),
+        both job sizes, one and two stragglers, four slowdowns; the constructor's
+        grid (every model and slowdown) is ``--full`` and ``reproduce``'s."""
+        return cls(models=("resnet50", "bert-base"), slowdowns=(1.0, 1.5, 2.0, 4.0))
 
     @classmethod
     def quick(cls) -> SaatpGrid:
@@ -117,7 +124,7 @@ class Saatp:
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         grid = SaatpGrid.quick() if quick else SaatpGrid()
-        rows = run_grid(grid, tick, default_processes())
+        rows = run_grid(grid, tick, chosen())
         cmp = compare(rows)
         r = ExperimentResult(self.name, self.title, rows=cmp + rows, config=dump(grid))
         straggling = [c for c in cmp if c["slowdown"] > 1]
