@@ -60,7 +60,7 @@ def test_cluster_engines_return_records_in_cell_order() -> None:
 
 
 def test_ray_gives_the_serial_records() -> None:
-    pytest.importorskip("ray", reason="ray is an optional extra (gradfabric[cluster])")
+    pytest.importorskip("ray", reason="ray (a dev and cluster extra) is not installed")
     cells = list(range(12, 0, -1))
     assert run_cells(math.factorial, cells, Executor("ray", 2)) == [
         math.factorial(c) for c in cells

@@ -139,6 +139,10 @@ def _on_dask(fn: Callable[[C], R], cells: Sequence[C], ex: Executor) -> Iterator
             yield index[f.key], f.result()
 
 
+def _apply(fn: Callable[[C], R], cell: C) -> R:
+    return fn(cell)
+
+
 def _on_ray(fn: Callable[[C], R], cells: Sequence[C], ex: Executor) -> Iterator[tuple[int, R]]:
     """(index, record) as each cell finishes on a Ray cluster."""
     ray = _needs("ray")
@@ -147,8 +151,8 @@ def _on_ray(fn: Callable[[C], R], cells: Sequence[C], ex: Executor) -> Iterator[
         ray.init(address=ex.address, num_cpus=None if ex.address else ex.processes,
                  include_dashboard=False, log_to_driver=False)  # fmt: skip
     try:
-        task = ray.remote(num_cpus=1)(fn)
-        pending = {task.remote(c): i for i, c in enumerate(cells)}
+        task = ray.remote(num_cpus=1)(_apply)  # a Python function: fn may be a builtin
+        pending = {task.remote(fn, c): i for i, c in enumerate(cells)}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:

@@ -17,6 +17,7 @@ switch here (its fan-in is one bitmap word), so its rows stop at 64.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -148,8 +149,10 @@ class SimSpeed:
         case = SpeedCase()
         speed = side_by_side(case, 1 if quick else 3, available_paths(), tick)
         rows = scaling(tick)
+        flat = {k: v for k, v in speed.items() if k not in ("events_per_s", "wall_s")}
+        flat |= {f"{p}_events_per_s": v for p, v in speed["events_per_s"].items()}
         r = ExperimentResult(
-            self.name, self.title, rows=[{"kind": "paths", **speed}, *rows],
+            self.name, self.title, rows=[flat, *rows],
             config={"case": asdict(case), "scaling": [asdict(c) for c in SCALING]},
         )  # fmt: skip
         eps = speed["events_per_s"]
@@ -166,22 +169,25 @@ class SimSpeed:
                    if "compiled_vs_python" in speed else "; nothing compiled"),
             )
         )  # fmt: skip
-        for scheme in ("switchml", "atp"):
-            mine = [x for x in rows if x["scheme"] == scheme]
-            r.plots.append(
-                plots.lines(
-                    [float(x["workers"]) for x in mine],
-                    {
-                        "events/s (thousands)": [x["events_per_s"] / 1e3 for x in mine],
-                        "wall s": [x["wall_s"] for x in mine],
-                    },
-                    "workers (trains of workers/8 packets)",
-                    "",
-                    f"{scheme} ResNet-50 iteration, {rows[0]['path']} path",
-                    out / f"simspeed_{scheme}.png",
-                    logx=True,
-                ).name
-            )
+        workers = sorted({x["workers"] for x in rows})
+        r.plots.append(
+            plots.lines(
+                [float(w) for w in workers],
+                {
+                    f"{scheme} (thousands)": [
+                        next((x["events_per_s"] / 1e3 for x in rows
+                              if x["scheme"] == scheme and x["workers"] == w), math.nan)
+                        for w in workers
+                    ]
+                    for scheme in ("switchml", "atp")
+                },
+                "workers (trains of workers/8 packets)",
+                "events per wall second",
+                f"Simulator speed, ResNet-50 iteration ({rows[0]['path']} path)",
+                out / "simspeed.png",
+                logx=True,
+            ).name
+        )
         r.notes.append(
             f"scaling rows ran on the {rows[0]['path']} path; trains of max(1, workers // 8) "
             "packets keep the simulated work per run roughly constant"
