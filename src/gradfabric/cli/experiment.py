@@ -47,6 +47,9 @@ def add(sub: Sub) -> None:
     ee.add_argument(
         "--quick", action="store_true", help="one pool size, one load, 200 us jitter, 4 jobs"
     )
+    ee.add_argument("--full", action="store_true",
+                    help="pools 256,512,1024,4096, loads 0.5,0.9, jitter 0 and 200 us, 8 jobs "
+                    "(default: pools 512,4096, 200 us, 4 jobs)")  # fmt: skip
     ee.add_argument("--pools", help="comma-separated pool sizes in aggregators, e.g. 512,4096")
     ee.add_argument("--loads", help="comma-separated offered loads, e.g. 0.5,0.9")
     ee.add_argument("--jobs", type=int, help="jobs per trace")
@@ -147,7 +150,7 @@ def saatp(args: argparse.Namespace) -> int:
 def esa(args: argparse.Namespace) -> int:
     from gradfabric.experiments.esa import EsaGrid, compare, run_grid, train_error
 
-    grid = EsaGrid.quick() if args.quick else EsaGrid()
+    grid = EsaGrid.quick() if args.quick else EsaGrid() if args.full else EsaGrid.default()
     given = {
         "pool_slots": csv(args.pools, int),
         "loads": csv(args.loads, float),

@@ -47,6 +47,13 @@ class EsaGrid:
     seeds: tuple[int, ...] = (0,)  # a trace per seed; the gain is paired by seed
 
     @classmethod
+    def default(cls) -> EsaGrid:
+        """``experiment esa`` without flags: a small and a large pool at a light
+        and a heavy load, workers jittered, 4 jobs per trace; the constructor's
+        grid is ``--full`` and ``reproduce``'s."""
+        return cls(pool_slots=(512, 4096), jitters_us=(200.0,), jobs=4, error_trains=())
+
+    @classmethod
     def quick(cls) -> EsaGrid:
         # (no train-error study: its packet-level runs take minutes; the full
         # grid reports it)
