@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gradfabric import _build
 from gradfabric._build import compiled_path
 from gradfabric.core.errors import ConfigError
 from gradfabric.experiments import plots
@@ -105,8 +106,10 @@ def measure_on(path: str, case: SpeedCase) -> dict[str, Any]:
 
 
 def available_paths() -> tuple[str, ...]:
-    """The paths this checkout can run: ``python`` always, ``mypyc`` once built."""
-    return PATHS if compiled_path() == "mypyc" else ("python",)
+    """The paths this checkout can run: ``python`` always, ``mypyc`` once built
+    and current (whichever path this process itself runs)."""
+    built = _build.fresh(Path(_build.__file__).parent)
+    return PATHS if built else ("python",)
 
 
 def side_by_side(
