@@ -87,7 +87,9 @@ def main() -> int:
     log = ROOT / "build" / "mypyc.log"
     log.parent.mkdir(exist_ok=True)
     with log.open("w") as out:
-        r = subprocess.run([sys.executable, __file__, "--_build"], stdout=out, stderr=out, check=False)
+        r = subprocess.run(
+            [sys.executable, __file__, "--_build"], stdout=out, stderr=out, check=False
+        )
     if r.returncode != 0:
         _build.clean(pkg)
         print(f"compile: mypyc build failed (see {log}); the pure-Python modules will run",

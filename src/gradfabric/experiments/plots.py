@@ -11,6 +11,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+def _finish(fig: Any, ax: Any, title: str, path: Path) -> Path:
+    """Title, grid and legend, then write ``path`` and free the figure."""
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def grouped_bars(
     rows: list[dict[str, Any]],
     group: str,
@@ -76,13 +87,7 @@ def lines(
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, title, path)
 
 
 def predicted_vs_measured(
@@ -102,10 +107,4 @@ def predicted_vs_measured(
     ax.set_ylim(0, top)
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, title, path)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from gradfabric import _build
-from gradfabric._build import compiled_path
 from gradfabric.core.errors import ConfigError
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
@@ -49,7 +48,10 @@ class SpeedCase:
 
     @property
     def fabric(self) -> FabricConfig:
-        return FabricConfig(topology="star" if self.workers <= 32 else "leaf_spine")
+        """A star up to 32 workers, a leaf-spine above; ATP always a star (it
+        aggregates at one switch here)."""
+        star = self.scheme == "atp" or self.workers <= 32
+        return FabricConfig(topology="star" if star else "leaf_spine")
 
 
 SCALING = (
@@ -67,14 +69,12 @@ def measure(case: SpeedCase) -> dict[str, Any]:
     tl = timeline(model_spec(case.model), 32, device("v100"))
     buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
     fabric = case.fabric
-    if case.scheme == "atp" and fabric.topology != "star":
-        fabric = FabricConfig(topology="star")
     r = run_collective(
         case.scheme, case.workers, buckets, fabric, InaConfig(train_packets=case.train_packets)
     )
     return {
         **asdict(case),
-        "path": compiled_path(),
+        "path": _build.compiled_path(),
         "topology": fabric.topology,
         "events": r.events,
         "wall_s": r.wall_s,
@@ -173,15 +173,12 @@ class SimSpeed:
             )
         )  # fmt: skip
         workers = sorted({x["workers"] for x in rows})
+        kilo = {(x["scheme"], x["workers"]): x["events_per_s"] / 1e3 for x in rows}
         r.plots.append(
             plots.lines(
                 [float(w) for w in workers],
                 {
-                    f"{scheme} (thousands)": [
-                        next((x["events_per_s"] / 1e3 for x in rows
-                              if x["scheme"] == scheme and x["workers"] == w), math.nan)
-                        for w in workers
-                    ]
+                    f"{scheme} (thousands)": [kilo.get((scheme, w), math.nan) for w in workers]
                     for scheme in ("switchml", "atp")
                 },
                 "workers (trains of workers/8 packets)",
@@ -199,7 +196,6 @@ class SimSpeed:
 
 
 EXPERIMENTS.add("simspeed", SimSpeed())
-
 
 
 def child(case_json: str) -> None:
