@@ -187,3 +187,19 @@ def test_convergence_study_learns_but_never_beats_the_bayes_rate() -> None:
     spread = 3 * (bayes * (1 - bayes) / cfg.task.test) ** 0.5
     assert 0.5 < run.accuracy <= bayes + spread
     assert run.curve and run.steps_to(0.0) == cfg.eval_every
+
+
+def test_convergence_rows_are_the_same_serially_and_in_a_pool() -> None:
+    """The study's seeded runs are independent cells: two processes give the
+    rows one process gives, field for field."""
+    from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, run_convergence
+    from gradfabric.workloads.teacher import TeacherTask
+
+    task = TeacherTask(train=4096, test=1024)
+    cfg = ConvergenceConfig(policies=("magnitude", "random"), bounds=(0.3,), seeds=(0, 1),
+                            epochs=1, eval_every=4, task=task)  # fmt: skip
+    serial = run_convergence(cfg)
+    assert run_convergence(cfg, where=2) == serial
+    assert [(r["policy"], r["loss_bound"]) for r in serial] == [
+        ("lossless", 0.0), ("magnitude", 0.3), ("random", 0.3)]  # fmt: skip
+    assert serial[0]["delta_pp"] == 0.0 and all(r["seeds"] == 2 for r in serial)

@@ -30,10 +30,9 @@ def add(sub: Sub) -> None:
     esub = e.add_subparsers(dest="experiment", required=True)
 
     es = esub.add_parser("saatp", help="SA-ATP vs ATP, SwitchML and ring under stragglers")
-    es.add_argument("--quick", action="store_true", help="ResNet-50, 8 workers, one straggler")
-    es.add_argument("--full", action="store_true",
-                    help="every model and slowdown (288 cells; default: ResNet-50 and BERT-base, "
-                    "slowdowns 1,1.5,2,4, 128 cells)")  # fmt: skip
+    _sizes(es, "ResNet-50, 8 workers, one straggler",
+           "every model and slowdown (288 cells; default: ResNet-50 and BERT-base, "
+           "slowdowns 1,1.5,2,4, 128 cells)")  # fmt: skip
     es.add_argument("--models", help="comma-separated, e.g. resnet50,vgg16,bert-base")
     es.add_argument("--workers", help="comma-separated worker counts, e.g. 8,32")
     es.add_argument("--stragglers", help="comma-separated straggler counts, e.g. 1,2")
@@ -44,12 +43,9 @@ def add(sub: Sub) -> None:
     es.set_defaults(fn=saatp)
 
     ee = esub.add_parser("esa", help="ESA vs ATP vs SwitchML: JCT against pool size and load")
-    ee.add_argument(
-        "--quick", action="store_true", help="one pool size, one load, 200 us jitter, 4 jobs"
-    )
-    ee.add_argument("--full", action="store_true",
-                    help="pools 256,512,1024,4096, loads 0.5,0.9, jitter 0 and 200 us, 8 jobs "
-                    "(default: pools 512,4096, 200 us, 4 jobs)")  # fmt: skip
+    _sizes(ee, "one pool size, one load, 200 us jitter, 4 jobs",
+           "pools 256,512,1024,4096, loads 0.5,0.9, jitter 0 and 200 us, 8 jobs "
+           "(default: pools 512,4096, 200 us, 4 jobs)")  # fmt: skip
     ee.add_argument("--pools", help="comma-separated pool sizes in aggregators, e.g. 512,4096")
     ee.add_argument("--loads", help="comma-separated offered loads, e.g. 0.5,0.9")
     ee.add_argument("--jobs", type=int, help="jobs per trace")
@@ -86,7 +82,11 @@ def add(sub: Sub) -> None:
         "training on the same seeds: accuracy and its paired difference with 95% intervals, "
         "and steps to a target accuracy.",
     )
-    ed.add_argument("--quick", action="store_true", help="smaller tensors, fewer bounds/seeds")
+    _sizes(
+        ed,
+        "smaller tensors, fewer bounds and seeds",
+        "the convergence study at loss bounds 0.05,0.1,0.2,0.3,0.5 (default: 0.1,0.3,0.5)",
+    )
     ed.add_argument("--loads", help="comma-separated background loads, e.g. 0,0.5,0.8")
     ed.add_argument(
         "--collectives",
@@ -102,6 +102,13 @@ def add(sub: Sub) -> None:
     ed.set_defaults(fn=dlcp)
 
     udp.add(esub)
+
+
+def _sizes(p: argparse.ArgumentParser, quick: str, full: str) -> None:
+    """``--quick`` or ``--full``, either: without them the default grid."""
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help=quick)
+    size.add_argument("--full", action="store_true", help=full)
 
 
 def _grid(
@@ -187,10 +194,11 @@ def esa(args: argparse.Namespace) -> int:
 
 def dlcp(args: argparse.Namespace) -> int:
     from gradfabric.experiments.dlcp import LOADS, QUICK_SEEDS, SEEDS, gains, summarise
-    from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, run_convergence
+    from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, cells, run_convergence
     from gradfabric.sim.dlcp import VARIANTS, experiment_configs, run_grid
 
-    cfg = ConvergenceConfig.quick() if args.quick else ConvergenceConfig()
+    cfg = (ConvergenceConfig.quick() if args.quick else ConvergenceConfig() if args.full
+           else ConvergenceConfig.default())  # fmt: skip
     if args.policies:
         cfg = replace(cfg, policies=tuple(args.policies.split(",")))
     if args.bounds:
@@ -205,10 +213,11 @@ def dlcp(args: argparse.Namespace) -> int:
         raise ConfigError("collectives", f"each of ps, allreduce; got {args.collectives!r}")
     convergence = not args.no_convergence
     steps = len(nets) * len(loads) * len(seeds) * len(VARIANTS)
-    steps += (1 + len(cfg.policies) * len(cfg.bounds)) if convergence else 0
+    steps += len(cells(cfg)) if convergence else 0
     with progress(steps, args.json) as tick:
-        transport = run_grid(nets, loads, seeds, tick, executor(args))
-        rows = run_convergence(cfg, tick) if convergence else []
+        where = executor(args)
+        transport = run_grid(nets, loads, seeds, tick, where)
+        rows = run_convergence(cfg, tick, where) if convergence else []
     headline = [g for n in nets for ld in loads for g in gains(transport, n.collective, ld)]
     resolved = {"transport": [asdict(n) for n in nets], "loads": loads, "seeds": seeds,
                 "convergence": asdict(cfg) if convergence else None}  # fmt: skip

@@ -70,7 +70,7 @@ class Dlcp:
         loads, seeds = (QUICK_LOADS, QUICK_SEEDS) if quick else (LOADS, SEEDS)
         transport = run_grid(nets, loads, seeds, tick, chosen())
         cfg = ConvergenceConfig.quick() if quick else ConvergenceConfig()
-        rows = run_convergence(cfg, tick)
+        rows = run_convergence(cfg, tick, chosen())
         summary = summarise(transport)
         hi = loads[-1]
         headline = [g for n in nets for g in gains(transport, n.collective, hi)]

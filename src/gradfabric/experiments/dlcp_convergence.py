@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradfabric.core.cells import Executor, run_cells
 from gradfabric.core.stats import mean_ci
 from gradfabric.proto.dlcp import drop_policy, packet_norms
 from gradfabric.workloads.teacher import TeacherTask
@@ -45,6 +46,12 @@ class ConvergenceConfig:
     eval_every: int = 50  # steps
     target_gap_pp: float = 1.0
     task: TeacherTask = field(default_factory=TeacherTask)
+
+    @classmethod
+    def default(cls) -> ConvergenceConfig:
+        """``experiment dlcp`` without flags: three of the bounds, every seed;
+        the constructor's study is ``--full`` and ``reproduce``'s."""
+        return cls(bounds=(0.1, 0.3, 0.5))
 
     @classmethod
     def quick(cls) -> ConvergenceConfig:
@@ -142,16 +149,40 @@ def _row(
     }
 
 
-def run_convergence(cfg: ConvergenceConfig, tick: Any = None) -> list[dict[str, Any]]:
-    if tick is not None:
-        tick("lossless")
-    base = [train(cfg, "none", 0.0, s) for s in cfg.seeds]
+@dataclass(frozen=True)
+class Cell:
+    """One seeded training run of the study (``policy`` ``none``: lossless)."""
+
+    cfg: ConvergenceConfig
+    policy: str
+    bound: float
+    seed: int
+
+    def __str__(self) -> str:
+        return "lossless" if self.policy == "none" else f"{self.policy}, p = {self.bound:g}"
+
+
+def run_cell(c: Cell) -> Run:
+    return train(c.cfg, c.policy, c.bound, c.seed)
+
+
+def cells(cfg: ConvergenceConfig) -> list[Cell]:
+    """Lossless first, then each policy and bound, every seed of each."""
+    arms = [("none", 0.0), *((p, b) for p in cfg.policies for b in cfg.bounds)]
+    return [Cell(cfg, p, b, s) for p, b in arms for s in cfg.seeds]
+
+
+def run_convergence(
+    cfg: ConvergenceConfig, tick: Any = None, where: Executor | int = 1
+) -> list[dict[str, Any]]:
+    """The study's rows; its seeded runs are independent cells, run ``where``
+    says (the same runs, so the same rows, wherever they run)."""
+    runs = run_cells(run_cell, cells(cfg), where, tick)
+    n = len(cfg.seeds)
+    arms = [runs[i : i + n] for i in range(0, len(runs), n)]
+    base = arms[0]
     target = float(np.mean([r.accuracy for r in base])) - cfg.target_gap_pp / 100
     rows = [_row("lossless", 0.0, base, base, target)]
-    for policy in cfg.policies:
-        for bound in cfg.bounds:
-            if tick is not None:
-                tick(f"{policy}, p = {bound:g}")
-            runs = [train(cfg, policy, bound, s) for s in cfg.seeds]
-            rows.append(_row(policy, bound, runs, base, target))
+    pairs = [(p, b) for p in cfg.policies for b in cfg.bounds]
+    rows += [_row(p, b, arm, base, target) for (p, b), arm in zip(pairs, arms[1:], strict=True)]
     return rows
