@@ -98,3 +98,27 @@ def test_tentative_search_against_the_exact_optimum(model: str, counts: tuple[in
     got = plan(w, devs, exhaustive_upto=0).estimate.batch_time_s
     assert opt <= got * (1 + 1e-12)
     assert got <= opt * 1.05
+
+
+def test_executed_baselines_include_each_rule_on_its_best_subset() -> None:
+    """``bench plan`` runs even DP on the subset where the cost model finds it
+    fastest: the brute-force minimum over every non-empty subset of the four
+    emulated devices."""
+    from itertools import combinations
+
+    from gradfabric.planner.baselines import even_dp
+    from gradfabric.planner.cost import Device, evaluate
+    from gradfabric.planner.execute import ExecConfig, best_subsets, devices, workload
+
+    cfg = ExecConfig()
+    devs, w = devices(cfg, 30e9), workload(cfg)
+    got = best_subsets(w, devs, 1e-3, {"even-dp": even_dp(w, devs)})
+
+    def on(keep: tuple[int, ...]) -> float:
+        sub = [d if d.index in keep else Device(d.index, d.type, 0.0) for d in devs]
+        return evaluate(w, devs, even_dp(w, sub), 1e-3).batch_time_s
+
+    every = [c for k in range(1, 5) for c in combinations(range(4), k)]
+    brute = min(on(c) for c in every)
+    assert evaluate(w, devs, got["even-dp-best"], 1e-3).batch_time_s == pytest.approx(brute)
+    assert brute < on((0, 1, 2, 3))  # the slowest device holds every replica back

@@ -266,7 +266,10 @@ def plan_bench(args: argparse.Namespace) -> int:
         f"(host {sm['calibration']['flops'] / 1e9:.1f} GFLOP/s, latency "
         f"{sm['calibration']['latency_s'] * 1e3:.2f} ms, link "
         f"{sm['calibration']['link_gbps']:.1f} Gbit/s): median "
-        f"{sm['median_abs_error_calibrated']:.0%}, worst {sm['worst_abs_error_calibrated']:.0%}",
+        f"{sm['median_abs_error_calibrated']:.0%}, worst {sm['worst_abs_error_calibrated']:.0%}; "
+        f"the calibrated planner's plan {sm['planner_vs_best_baseline']:.2f}x faster than the "
+        f"fastest baseline ({sm['best_baseline']}; predicted "
+        f"{sm['predicted_planner_vs_best_baseline']:.2f}x)",
     )  # fmt: skip
     predicted_vs_measured(
         res["rows"], {"cost model": "predicted_ms", "calibrated": "calibrated_ms"},

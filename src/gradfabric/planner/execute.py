@@ -2,10 +2,12 @@
 
 ``run_plans`` spawns one gloo process per emulated device (rank ``r`` runs at
 ``speeds[r]`` of a host core: ``pipeline.Throttled``, FLOP-based) and trains an MLP stack
-(``layers`` blocks of ``Linear(width, width) + Tanh``) under three plans side
-by side, steps interleaved: the planner's own plan for these devices, even
-data parallelism over all of them, and an even pipeline over all of them.
-Each row: the plan, its measured step time (median over ranks' slowest), the
+(``layers`` blocks of ``Linear(width, width) + Tanh``) under each plan: the
+planner's own plan for these devices (on the cost model as is and
+calibrated), the baselines (even and speed-proportional data parallelism, an
+even pipeline: each over every device and over the subset where the
+calibrated model finds it fastest, the freedom the planner has) and seeded
+random plans. Each row: the plan, its measured step time (median over ranks' slowest), the
 cost model's predicted batch time for the same plan, and the relative error.
 
 The cost model sees the host as a device type whose FLOP/s is measured here
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradfabric.planner.baselines import even_dp, even_pipeline, proportional_dp
+from gradfabric.planner.baselines import best_subset, even_dp, even_pipeline, proportional_dp
 from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evaluate
 from gradfabric.planner.pipeline import PlanRunner, whole_batches
 from gradfabric.planner.search import plan as search_plan
@@ -205,6 +207,7 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
     chosen = plans(cfg, raw_devs)
     chosen["planner-calibrated"] = search_plan(w, cal_devs, cal.latency_s).plan
     chosen["proportional-dp"] = proportional_dp(w, raw_devs)
+    chosen |= best_subsets(w, cal_devs, cal.latency_s, chosen)
     chosen |= random_plans(cfg, raw_devs, random_count, 5e-6)
     chosen = {k: p for k, p in chosen.items() if _runs(p, cfg)}
     if together:
@@ -229,6 +232,8 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
     for r in rows:
         r["speedup_vs_even_dp"] = base["measured_ms"] / r["measured_ms"]
         r["predicted_speedup_vs_even_dp"] = base["calibrated_ms"] / r["calibrated_ms"]
+    fastest = min((r for r in rows if r["plan"] in BASELINE_ROWS), key=lambda r: r["measured_ms"])
+    mine = next((r for r in rows if r["plan"] == "planner-calibrated"), fastest)
     errs = [abs(r["error"]) for r in rows]
     cal_errs = [abs(r["error_calibrated"]) for r in rows]
     summary = {
@@ -238,8 +243,30 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
         "median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
         "median_abs_error_calibrated": statistics.median(cal_errs),
         "worst_abs_error_calibrated": max(cal_errs),
+        "best_baseline": fastest["plan"],
+        "planner_vs_best_baseline": fastest["measured_ms"] / mine["measured_ms"],
+        "predicted_planner_vs_best_baseline": fastest["calibrated_ms"] / mine["calibrated_ms"],
     }  # fmt: skip
     return {"rows": rows, "summary": summary}
+
+
+RULES = {"even-dp": even_dp, "proportional-dp": proportional_dp, "even-pipeline": even_pipeline}
+# the baselines as executed: each rule on every device, and on its best subset
+BASELINE_ROWS = (*RULES, *(f"{n}-best" for n in RULES))
+
+
+def best_subsets(
+    w: Workload, devs: list[Device], lat: float, have: dict[str, Plan]
+) -> dict[str, Plan]:
+    """Each baseline rule on the device subset where the (calibrated) cost
+    model finds it fastest, the freedom the planner has (``{rule}-best``;
+    left out where that is every device, a plan already run)."""
+    out = {}
+    for name, rule in RULES.items():
+        got = best_subset(rule, w, devs, lat)[0]
+        if got not in have.values():
+            out[f"{name}-best"] = got
+    return out
 
 
 def _runs(p: Plan, cfg: ExecConfig) -> bool:
