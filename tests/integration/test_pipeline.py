@@ -128,6 +128,10 @@ REPLAN = Plan(
 )
 
 
+# the layers each rank holds under REPLAN and did not under PLAN
+GAINED = {0: [2, 3, 4], 1: [0, 1], 2: [0, 1, 2], 3: [3, 4]}
+
+
 def _replan_rank(rank: int, world: int, out: str) -> None:
     def sgd(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
@@ -138,7 +142,7 @@ def _replan_rank(rank: int, world: int, out: str) -> None:
     runner, took = runner.replan(REPLAN)
     for step in range(2, 4):
         runner.step(*_data(step))
-    torch.save((runner.module.state_dict(), took), f"{out}/{rank}.pt")
+    torch.save((runner.module.state_dict(), took, runner.moved_bytes), f"{out}/{rank}.pt")
 
 
 def test_a_replan_mid_training_moves_layers_and_optimizer_state_exactly() -> None:
@@ -158,7 +162,34 @@ def test_a_replan_mid_training_moves_layers_and_optimizer_state_exactly() -> Non
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_replan_rank, 4, (tmp,), deadline_s=240)
         for r in range(4):
-            state, took = torch.load(f"{tmp}/{r}.pt", weights_only=False)
+            state, took, moved = torch.load(f"{tmp}/{r}.pt", weights_only=False)
             assert state and took > 0
+            # only the layers a rank did not hold came to it, with their momentum
+            assert moved == sum(2 * 8 * sum(p.numel() for p in ref[i].parameters())
+                                for i in GAINED[r])  # fmt: skip
             for k, v in state.items():
                 torch.testing.assert_close(v, want[k], atol=1e-12, rtol=0.0, msg=f"rank {r} {k}")
+
+
+def test_train_plan_follows_the_controller_through_a_trace_and_trains_exactly() -> None:
+    """The online controller re-plans across the built-in trace (device 1
+    slows, device 0 leaves and returns) and the ranks move for real: the loss
+    of every step equals the unsplit model's full-batch loss (float64; same
+    tolerance argument as above, relative), no plan uses a device while it is
+    gone, and each move sends exactly the layers the controller's migration
+    term counts (its fp32 parameter bytes, here float64 and with momentum:
+    4x the bytes)."""
+    from gradfabric.planner.train_plan import DEFAULT_TRACE, TrainPlanConfig, train_plan
+
+    cfg = TrainPlanConfig(layers=4, width=32, batch=48, steps_per_slot=2, dtype="float64",
+                          calibrate=False)  # fmt: skip
+    res = train_plan(cfg)
+    rows = res["rows"]
+    assert len(rows) == len(DEFAULT_TRACE) and res["summary"]["steps"] == 2 * len(rows)
+    assert res["summary"]["max_loss_rel_diff"] < 1e-12
+    assert res["summary"]["last_loss"] < res["summary"]["first_loss"]
+    for r, factors in zip(rows, DEFAULT_TRACE, strict=True):
+        used = {d for g in r["groups"] for d, _, _ in g}
+        assert all(factors[d] > 0 for d in used), (r["slot"], used)
+        assert r["moved_mb"] == pytest.approx(4 * r["predicted_param_mb"], rel=1e-9)
+    assert res["summary"]["migrations"] >= 1

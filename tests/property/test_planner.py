@@ -122,3 +122,16 @@ def test_executed_baselines_include_each_rule_on_its_best_subset() -> None:
     brute = min(on(c) for c in every)
     assert evaluate(w, devs, got["even-dp-best"], 1e-3).batch_time_s == pytest.approx(brute)
     assert brute < on((0, 1, 2, 3))  # the slowest device holds every replica back
+
+
+def test_migration_counts_only_the_layers_a_device_gains() -> None:
+    """Hand-counted: device 0 keeps layers 0-1 and gains 2; device 1 keeps 3
+    of its 2-3; device 2 is new and gains all four (fp32 parameters)."""
+    from gradfabric.planner.cost import Group, Plan, Stage, Workload
+    from gradfabric.planner.online import migration_bytes
+
+    w = Workload("toy", (1.0,) * 4, (10, 20, 30, 40), (1.0,) * 4, 8)
+    old = Plan((Group((Stage(0, 0, 2), Stage(1, 2, 4)), 1.0),))
+    new = Plan((Group((Stage(0, 0, 3), Stage(1, 3, 4)), 1.0), Group((Stage(2, 0, 4),), 1.0)))
+    assert migration_bytes(w, old, new) == {0: 4 * 30, 2: 4 * 100}
+    assert migration_bytes(w, new, new) == {}

@@ -34,6 +34,71 @@ def add(sub: Sub) -> None:
     add_output(pl, "plan", "print the plan as one JSON object")
     pl.set_defaults(fn=run)
 
+    tp = sub.add_parser(
+        "train-plan",
+        help="train across the slots of a speed trace, re-planned for real",
+        description="One gloo process per emulated device (rank r at --speeds[r] of a host "
+        "core, times the trace's factor for the slot; 0: the device is gone) trains an MLP "
+        "stack. Before each slot the online controller picks a plan for the devices as they "
+        "are; every rank re-plans (each layer, with its optimizer state, sent to each rank "
+        "that will hold it and does not) and the slot's steps run under the plan. Rows per "
+        "slot: the plan, predicted and measured step time, the controller's migration term "
+        "beside the measured transfers, bytes moved, and the loss beside the unsplit model's "
+        "full-batch loss on the same seeds. Default trace: all present; device 1 at 30%%; "
+        "device 0 leaves; it returns; all as at first.",
+    )
+    tp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
+    tp.add_argument("--trace", help="CSV with slot,device,speed rows (speed: a factor, 0: gone)")
+    tp.add_argument("--slots", type=int, help="a random trace of this many slots (seeded)")
+    tp.add_argument("--steps-per-slot", type=int, default=6)
+    tp.add_argument("--layers", type=int, default=8)
+    tp.add_argument("--width", type=int, default=256)
+    tp.add_argument("--batch", type=int, default=96)
+    tp.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    tp.add_argument("--seed", type=int, default=0)
+    tp.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="the controller's cost model as is (default: calibrated first)",
+    )
+    tp.add_argument("--v", type=float, default=1000.0, help="time-vs-cost trade-off V")
+    add_output(tp, "train-plan")
+    tp.set_defaults(fn=train_plan)
+
+
+def train_plan(args: argparse.Namespace) -> int:
+    from gradfabric.planner.online import load_trace, random_trace
+    from gradfabric.planner.train_plan import DEFAULT_TRACE, TrainPlanConfig
+    from gradfabric.planner.train_plan import train_plan as run_slots
+
+    try:
+        cfg = TrainPlanConfig(speeds=tuple(float(x) for x in args.speeds.split(",")),
+                              layers=args.layers, width=args.width, batch=args.batch,
+                              steps_per_slot=args.steps_per_slot, dtype=args.dtype,
+                              v=args.v, calibrate=not args.no_calibrate,
+                              seed=args.seed)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError("train-plan", str(e)) from None
+    n = len(cfg.speeds)
+    trace = (load_trace(Path(args.trace), n) if args.trace
+             else random_trace(n, args.slots, args.seed) if args.slots
+             else [f[:n] + [1.0] * (n - len(f[:n])) for f in DEFAULT_TRACE])  # fmt: skip
+    with progress(1, args.json) as tick:
+        tick(f"{len(trace)} slots of {cfg.steps_per_slot} steps on {n} processes")
+        res = run_slots(cfg, trace)
+    sm = res["summary"]
+    report(
+        args, "train-plan", {**asdict(cfg), "trace": trace}, res,
+        tables=[("rows", "slots of the trace, each under the controller's plan",
+                 ["slot", "factors", "plan", "predicted_step_ms", "measured_step_ms",
+                  "predicted_migration_ms", "measured_migration_ms", "replan_ms",
+                  "predicted_param_mb", "moved_mb", "loss", "reference_loss"])],
+        footer=f"{sm['steps']} steps, {sm['migrations']} migrations; loss "
+        f"{sm['first_loss']:.4g} -> {sm['last_loss']:.4g}, largest relative difference "
+        f"from the unsplit full-batch run {sm['max_loss_rel_diff']:.1e} ({cfg.dtype})",
+    )  # fmt: skip
+    return 0
+
 
 def run(args: argparse.Namespace) -> int:
     from gradfabric.experiments import plots

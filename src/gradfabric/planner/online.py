@@ -12,8 +12,8 @@ until it drains; ``V`` trades batch time against cost (large ``V``: faster,
 with a longer excursion over the budget). Candidates: the planner's plan on
 all devices, the best half and quarter by throughput per dollar, the cheapest
 quarter and the single cheapest device, plus the previous slot's plan if its devices are still there
-(no migration). Migration: the parameters a device must receive because its
-layers changed, over its NIC.
+(no migration). Migration: the parameters of the layers a device holds in the
+new plan and did not in the old, over its NIC (the slowest such receiver).
 
 A trace is a list of per-slot speed-factor vectors: ``random_trace`` draws
 contention (a device at 30-90% speed for a while), preemptions (gone for a
@@ -89,11 +89,13 @@ class SlotRecord:
     queue: float
     devices: int
     migrated: bool
+    migration_s: float = 0.0  # the controller's term for this slot's move
 
 
 @dataclass
 class OnlineResult:
     slots: list[SlotRecord]
+    plans: list[Plan] = field(default_factory=list)  # the plan chosen for each slot
     baselines: dict[str, list[float]] = field(default_factory=dict)  # batch time per slot
     max_plan_time_s: float = 0.0  # the controller's longest decision
 
@@ -106,21 +108,33 @@ class OnlineResult:
         return sum(s.price_per_hour for s in self.slots) / len(self.slots)
 
 
-def _migration_s(w: Workload, devs: list[Device], old: Plan | None, new: Plan) -> float:
+def migration_bytes(w: Workload, old: Plan, new: Plan) -> dict[int, int]:
+    """Bytes each device receives to move from ``old`` to ``new``: the fp32
+    parameters of every layer it holds in ``new`` and did not in ``old`` (what
+    ``PlanRunner.replan`` sends; optimizer state comes on top, as much again
+    for momentum SGD, twice for Adam)."""
+    got: dict[int, int] = {}
+    for s in (s for g in new.groups for s in g.stages):
+        held = [(o.first, o.end) for g in old.groups for o in g.stages if o.device == s.device]
+        gained = [i for i in range(s.first, s.end) if not any(a <= i < b for a, b in held)]
+        if gained:
+            got[s.device] = got.get(s.device, 0) + 4 * int(sum(w.params[i] for i in gained))
+    return got
+
+
+def migration_s(w: Workload, devs: list[Device], old: Plan | None, new: Plan) -> float:
+    """The controller's migration term: the slowest receiver's bytes over its NIC."""
     if old is None:
         return 0.0
-    held = {(s.device, s.first, s.end) for g in old.groups for s in g.stages}
-    worst = 0.0
-    for g in new.groups:
-        for s in g.stages:
-            if (s.device, s.first, s.end) not in held:
-                nbytes = 4 * sum(w.params[s.first : s.end])
-                worst = max(worst, nbytes / (devs[s.device].type.nic_gbps * 1e9 / 8))
-    return worst
+    got = migration_bytes(w, old, new)
+    return max((b * 8 / (devs[d].type.nic_gbps * 1e9) for d, b in got.items()), default=0.0)
 
 
 def _candidates(
-    w: Workload, devs: list[Device], memo: dict[tuple[tuple[int, float], ...], Plan | None]
+    w: Workload,
+    devs: list[Device],
+    memo: dict[tuple[tuple[int, float], ...], Plan | None],
+    lat: float = 5e-6,
 ) -> list[Plan]:
     """Plans on device subsets: all, the best half and quarter by throughput
     per dollar, the cheapest quarter and the single cheapest device."""
@@ -142,7 +156,7 @@ def _candidates(
         if key not in memo:  # speeds change rarely: most slots re-use the last plans
             sub = [d if d.index in keep else Device(d.index, d.type, 0.0) for d in devs]
             try:
-                memo[key] = plan(w, sub, exhaustive_upto=CONTROLLER_EXHAUSTIVE_UPTO).plan
+                memo[key] = plan(w, sub, lat, CONTROLLER_EXHAUSTIVE_UPTO).plan
             except ValueError:  # the model does not fit so few devices
                 memo[key] = None
         got = memo[key]
@@ -160,8 +174,12 @@ def run_online(
     iterations_per_slot: int = 100,
     baselines: bool = True,
     tick: Callable[[str], None] | None = None,
+    admissible: Callable[[Plan], bool] | None = None,
+    latency_s: float = 5e-6,
 ) -> OnlineResult:
-    """Drive the controller (and, side by side, the baselines) over ``trace``."""
+    """Drive the controller (and, side by side, the baselines) over ``trace``;
+    ``admissible``: the plans a runtime can execute (others are not
+    candidates); ``latency_s``: the cost model's per-message latency."""
     res = OnlineResult([])
     q = 0.0
     current: Plan | None = None
@@ -174,15 +192,17 @@ def run_online(
             tick(f"slot {t}")
         t0 = time.perf_counter()
         devs = [Device(i, ty, sp) for i, (ty, sp) in enumerate(zip(types, speeds, strict=True))]
-        cands = _candidates(w, devs, memo)
+        cands = _candidates(w, devs, memo, latency_s)
         if current is not None and all(speeds[d] > 0 for d in current.devices()):
             cands.append(current)
+        if admissible is not None:
+            cands = [c for c in cands if admissible(c)]
         best = None
         for c in cands:
-            e = evaluate(w, devs, c)
+            e = evaluate(w, devs, c, latency_s)
             if not e.feasible:
                 continue
-            mig = _migration_s(w, devs, current, c)
+            mig = migration_s(w, devs, current, c)
             score = v * (e.batch_time_s + mig / iterations_per_slot) + q * e.cost_per_hour
             if best is None or score < best[0]:
                 best = (score, c, e, mig)
@@ -192,8 +212,9 @@ def run_online(
         res.max_plan_time_s = max(res.max_plan_time_s, time.perf_counter() - t0)
         res.slots.append(
             SlotRecord(t, est.batch_time_s + mig / iterations_per_slot, est.cost_per_hour, q,
-                       len(chosen.devices()), mig > 0)
+                       len(chosen.devices()), mig > 0, mig)
         )  # fmt: skip
+        res.plans.append(chosen)
         q = max(q + est.cost_per_hour - budget_per_hour, 0.0)
         current = chosen
         alive = frozenset(d.index for d in devs if d.speed > 0)

@@ -80,11 +80,15 @@ def roles(plan: Plan) -> dict[int, Role]:
 def owner_sets(plan: Plan, layers: int) -> dict[tuple[int, ...], list[int]]:
     """For each set of ranks that hold the same layers, those layers."""
     owners: dict[tuple[int, ...], list[int]] = {}
-    for layer in range(layers):
-        ranks = tuple(sorted(st.device for g in plan.groups for st in g.stages
-                             if st.first <= layer < st.end))  # fmt: skip
-        owners.setdefault(ranks, []).append(layer)
+    for layer, ranks in enumerate(layer_owners(plan, layers)):
+        owners.setdefault(tuple(sorted(ranks)), []).append(layer)
     return owners
+
+
+def layer_owners(plan: Plan, layers: int) -> list[set[int]]:
+    """For each layer, the ranks that hold it."""
+    return [{st.device for g in plan.groups for st in g.stages if st.first <= layer < st.end}
+            for layer in range(layers)]  # fmt: skip
 
 
 class Throttled(nn.Module):
@@ -160,6 +164,8 @@ class PlanRunner:
         if not set(by_rank) <= set(range(world)):
             raise ValueError(f"plan devices {sorted(by_rank)} must be among ranks 0..{world - 1}")
         self.plan, self.total = plan, total_batch
+        self.moved_bytes = 0  # received by the replan that made this runner,
+        self.moved_s = 0.0  # in this many seconds of transfers
         self.batches = whole_batches(plan, total_batch)
         # every rank makes every group, in one order: new_group is collective
         pp = [dist.new_group([st.device for st in g.stages]) for g in plan.groups]
@@ -250,30 +256,47 @@ class PlanRunner:
                 g.copy_(flat[at : at + g.numel()].view_as(g))
                 at += g.numel()
 
-    def replan(self, plan: Plan) -> tuple[PlanRunner, float]:
-        """Move the job to ``plan``: every layer's current parameters and its
-        optimizer state go from the lowest rank that holds it now to every
-        rank, then a runner for ``plan`` takes over (all ranks call this
-        together). Returns the new runner and the migration's wall seconds.
-        (Every rank receives every layer: more than the layers whose owner
-        changed, which is what the controller's migration term counts.)"""
+    def replan(self, plan: Plan, speed: float | None = None) -> tuple[PlanRunner, float]:
+        """Move the job to ``plan`` (all ranks call this together; ``speed``:
+        this rank's device speed from now on, else the same). A rank that will
+        hold a layer it does not hold now receives the layer's parameters and
+        its optimizer state from the lowest rank that holds it now (after a
+        step every holder has the same values); layers a rank keeps stay where
+        they are. Point-to-point transfers in one global order (layer, then
+        receiver), so the lowest unfinished transfer always has both ends
+        ready: no deadlock. Then a runner for ``plan`` takes over. Returns it
+        and this rank's wall seconds; the new runner's ``moved_bytes`` and
+        ``moved_s`` are what this rank received and the transfers' seconds."""
         model = self.args[0]
         t0 = time.perf_counter()
-        old = roles(self.plan)
-        states: dict[int, Any] = {}
+        me = dist.get_rank()
+        was, will = layer_owners(self.plan, len(model)), layer_owners(plan, len(model))
+        kept = [self.opt.state.get(p, {}) for p in self.params] if self.active else []
+        states: dict[int, Any] = {id(p): st for p, st in zip(self.params if self.active else [],
+                                                              kept, strict=True)}  # fmt: skip
+        moved = 0
         for layer in range(len(model)):
-            src = min(r for r, ro in old.items() if ro.first <= layer < ro.end)
-            params = list(model[layer].parameters())
-            for p in params:
-                dist.broadcast(p.data, src)
-            box: list[Any] = [None]
-            if dist.get_rank() == src:
-                box[0] = [self.opt.state.get(p, {}) for p in params]
-            dist.broadcast_object_list(box, src)
-            states.update({id(p): st for p, st in zip(params, box[0], strict=True)})
-        new = PlanRunner(plan, *self.args)
+            src, params = min(was[layer]), list(model[layer].parameters())
+            for dst in sorted(will[layer] - was[layer]):
+                if me == src:
+                    for p in params:
+                        dist.send(p.data, dst)
+                    dist.send_object_list([[self.opt.state.get(p, {}) for p in params]], dst)
+                elif me == dst:
+                    for p in params:
+                        dist.recv(p.data, src)
+                    box: list[Any] = [None]
+                    dist.recv_object_list(box, src)
+                    states.update({id(p): st for p, st in zip(params, box[0], strict=True)})
+                    moved += sum(p.numel() * p.element_size() for p in params)
+                    moved += sum(t.numel() * t.element_size() for st in box[0]
+                                 for t in st.values() if isinstance(t, torch.Tensor))  # fmt: skip
+        moved_s = time.perf_counter() - t0
+        args = self.args if speed is None else (*self.args[:6], speed, self.args[7])
+        new = PlanRunner(plan, *args)
         if new.active:
             for p in new.params:
                 if states.get(id(p)):
                     new.opt.state[p] = states[id(p)]
+        new.moved_bytes, new.moved_s = moved, moved_s
         return new, time.perf_counter() - t0
