@@ -125,13 +125,21 @@ def test_executed_baselines_include_each_rule_on_its_best_subset() -> None:
 
 
 def test_migration_counts_only_the_layers_a_device_gains() -> None:
-    """Hand-counted: device 0 keeps layers 0-1 and gains 2; device 1 keeps 3
-    of its 2-3; device 2 is new and gains all four (fp32 parameters)."""
-    from gradfabric.planner.cost import Group, Plan, Stage, Workload
-    from gradfabric.planner.online import migration_bytes
+    """Hand-counted: device 0 keeps layers 0-1 and gains 2 (from device 1);
+    device 1 keeps 3 of its 2-3; device 2 is new and gains all four, 0-1 from
+    device 0 and 2-3 from device 1 (fp32 parameters). The term is the busiest
+    NIC: device 1 sending 400 bytes (and device 2 receiving them)."""
+    from gradfabric.planner.cost import Group, Plan, Stage
+    from gradfabric.planner.online import migration_bytes, migration_flows, migration_s
 
     w = Workload("toy", (1.0,) * 4, (10, 20, 30, 40), (1.0,) * 4, 8)
     old = Plan((Group((Stage(0, 0, 2), Stage(1, 2, 4)), 1.0),))
     new = Plan((Group((Stage(0, 0, 3), Stage(1, 3, 4)), 1.0), Group((Stage(2, 0, 4),), 1.0)))
+    assert migration_flows(w, old, new) == {(1, 0): 4 * 30, (0, 2): 4 * 30, (1, 2): 4 * 70}
     assert migration_bytes(w, old, new) == {0: 4 * 30, 2: 4 * 100}
     assert migration_bytes(w, new, new) == {}
+    nic = DeviceType("nic-1g", peak_tflops=1.0, mem_gb=8.0, cost_per_hour=0.0, nic_gbps=1.0)
+    devs = [Device(i, nic, 1.0) for i in range(3)]
+    assert migration_s(w, devs, old, new) == pytest.approx(400 * 8 / 1e9)
+    assert migration_s(w, devs, old, new, state_copies=1) == pytest.approx(2 * 400 * 8 / 1e9)
+    assert migration_s(w, devs, None, new) == 0.0

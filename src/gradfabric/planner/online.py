@@ -12,8 +12,9 @@ until it drains; ``V`` trades batch time against cost (large ``V``: faster,
 with a longer excursion over the budget). Candidates: the planner's plan on
 all devices, the best half and quarter by throughput per dollar, the cheapest
 quarter and the single cheapest device, plus the previous slot's plan if its devices are still there
-(no migration). Migration: the parameters of the layers a device holds in the
-new plan and did not in the old, over its NIC (the slowest such receiver).
+(no migration). Migration: the parameters (and optimizer state) of the layers
+a device holds in the new plan and did not in the old, each from the lowest
+device that held it, over the busiest NIC (sending or receiving).
 
 A trace is a list of per-slot speed-factor vectors: ``random_trace`` draws
 contention (a device at 30-90% speed for a while), preemptions (gone for a
@@ -108,26 +109,43 @@ class OnlineResult:
         return sum(s.price_per_hour for s in self.slots) / len(self.slots)
 
 
+def migration_flows(w: Workload, old: Plan, new: Plan) -> dict[tuple[int, int], int]:
+    """(sender, receiver) -> fp32 parameter bytes, to move from ``old`` to
+    ``new``: every layer a device holds in ``new`` and did not in ``old``,
+    from the lowest device that holds it in ``old`` (``PlanRunner.replan``'s
+    rule)."""
+    flows: dict[tuple[int, int], int] = {}
+    for layer in range(w.layers):
+        was = [s.device for g in old.groups for s in g.stages if s.first <= layer < s.end]
+        will = {s.device for g in new.groups for s in g.stages if s.first <= layer < s.end}
+        for dst in will - set(was):
+            key = (min(was), dst)
+            flows[key] = flows.get(key, 0) + 4 * int(w.params[layer])
+    return flows
+
+
 def migration_bytes(w: Workload, old: Plan, new: Plan) -> dict[int, int]:
-    """Bytes each device receives to move from ``old`` to ``new``: the fp32
-    parameters of every layer it holds in ``new`` and did not in ``old`` (what
-    ``PlanRunner.replan`` sends; optimizer state comes on top, as much again
-    for momentum SGD, twice for Adam)."""
+    """Bytes each device receives (fp32 parameters; see ``migration_flows``)."""
     got: dict[int, int] = {}
-    for s in (s for g in new.groups for s in g.stages):
-        held = [(o.first, o.end) for g in old.groups for o in g.stages if o.device == s.device]
-        gained = [i for i in range(s.first, s.end) if not any(a <= i < b for a, b in held)]
-        if gained:
-            got[s.device] = got.get(s.device, 0) + 4 * int(sum(w.params[i] for i in gained))
+    for (_, dst), b in migration_flows(w, old, new).items():
+        got[dst] = got.get(dst, 0) + b
     return got
 
 
-def migration_s(w: Workload, devs: list[Device], old: Plan | None, new: Plan) -> float:
-    """The controller's migration term: the slowest receiver's bytes over its NIC."""
+def migration_s(
+    w: Workload, devs: list[Device], old: Plan | None, new: Plan, state_copies: float = 0.0
+) -> float:
+    """The controller's migration term: the busiest NIC, sending or receiving
+    (full duplex), over its rate; ``state_copies``: optimizer state per
+    parameter (momentum SGD 1, Adam 2) that moves too."""
     if old is None:
         return 0.0
-    got = migration_bytes(w, old, new)
-    return max((b * 8 / (devs[d].type.nic_gbps * 1e9) for d, b in got.items()), default=0.0)
+    load: dict[tuple[int, str], int] = {}
+    for (src, dst), b in migration_flows(w, old, new).items():
+        load[src, "out"] = load.get((src, "out"), 0) + b
+        load[dst, "in"] = load.get((dst, "in"), 0) + b
+    nic = {d.index: d.type.nic_gbps * 1e9 for d in devs}
+    return max((b * (1 + state_copies) * 8 / nic[d] for (d, _), b in load.items()), default=0.0)
 
 
 def _candidates(
@@ -176,10 +194,12 @@ def run_online(
     tick: Callable[[str], None] | None = None,
     admissible: Callable[[Plan], bool] | None = None,
     latency_s: float = 5e-6,
+    state_copies: float = 0.0,
 ) -> OnlineResult:
     """Drive the controller (and, side by side, the baselines) over ``trace``;
     ``admissible``: the plans a runtime can execute (others are not
-    candidates); ``latency_s``: the cost model's per-message latency."""
+    candidates); ``latency_s``: the cost model's per-message latency;
+    ``state_copies``: optimizer state per parameter that moves with it."""
     res = OnlineResult([])
     q = 0.0
     current: Plan | None = None
@@ -202,7 +222,7 @@ def run_online(
             e = evaluate(w, devs, c, latency_s)
             if not e.feasible:
                 continue
-            mig = migration_s(w, devs, current, c)
+            mig = migration_s(w, devs, current, c, state_copies)
             score = v * (e.batch_time_s + mig / iterations_per_slot) + q * e.cost_per_hour
             if best is None or score < best[0]:
                 best = (score, c, e, mig)

@@ -262,35 +262,35 @@ class PlanRunner:
         hold a layer it does not hold now receives the layer's parameters and
         its optimizer state from the lowest rank that holds it now (after a
         step every holder has the same values); layers a rank keeps stay where
-        they are. Point-to-point transfers in one global order (layer, then
-        receiver), so the lowest unfinished transfer always has both ends
-        ready: no deadlock. Then a runner for ``plan`` takes over. Returns it
-        and this rank's wall seconds; the new runner's ``moved_bytes`` and
-        ``moved_s`` are what this rank received and the transfers' seconds."""
+        they are. Per (sender, receiver) pair, one small pickled header (the
+        optimizer state's structure) and one flat buffer (the parameters and
+        every state tensor shaped like its parameter: momentum, Adam's
+        moments); pairs in one global order, so the lowest unfinished transfer
+        always has both ends ready: no deadlock. Then a runner for ``plan``
+        takes over. Returns it and this rank's wall seconds; the new runner's
+        ``moved_bytes`` and ``moved_s`` are what this rank received and the
+        transfers' seconds."""
         model = self.args[0]
         t0 = time.perf_counter()
         me = dist.get_rank()
         was, will = layer_owners(self.plan, len(model)), layer_owners(plan, len(model))
-        kept = [self.opt.state.get(p, {}) for p in self.params] if self.active else []
-        states: dict[int, Any] = {id(p): st for p, st in zip(self.params if self.active else [],
-                                                              kept, strict=True)}  # fmt: skip
-        moved = 0
+        states: dict[int, Any] = (
+            {id(p): self.opt.state.get(p, {}) for p in self.params} if self.active else {}
+        )
+        pairs: dict[tuple[int, int], list[nn.Parameter]] = {}
         for layer in range(len(model)):
-            src, params = min(was[layer]), list(model[layer].parameters())
             for dst in sorted(will[layer] - was[layer]):
-                if me == src:
-                    for p in params:
-                        dist.send(p.data, dst)
-                    dist.send_object_list([[self.opt.state.get(p, {}) for p in params]], dst)
-                elif me == dst:
-                    for p in params:
-                        dist.recv(p.data, src)
-                    box: list[Any] = [None]
-                    dist.recv_object_list(box, src)
-                    states.update({id(p): st for p, st in zip(params, box[0], strict=True)})
-                    moved += sum(p.numel() * p.element_size() for p in params)
-                    moved += sum(t.numel() * t.element_size() for st in box[0]
-                                 for t in st.values() if isinstance(t, torch.Tensor))  # fmt: skip
+                pairs.setdefault((min(was[layer]), dst), []).extend(model[layer].parameters())
+        if len({p.dtype for p in model.parameters()}) > 1:
+            raise ValueError("replan moves models of one dtype (each move is one flat buffer)")
+        moved = 0
+        for (src, dst), params in sorted(pairs.items(), key=lambda kv: kv[0]):
+            if me == src:
+                _send_layers(params, [self.opt.state.get(p, {}) for p in params], dst)
+            elif me == dst:
+                got, moved_here = _recv_layers(params, src)
+                states.update({id(p): st for p, st in zip(params, got, strict=True)})
+                moved += moved_here
         moved_s = time.perf_counter() - t0
         args = self.args if speed is None else (*self.args[:6], speed, self.args[7])
         new = PlanRunner(plan, *args)
@@ -300,3 +300,39 @@ class PlanRunner:
                     new.opt.state[p] = states[id(p)]
         new.moved_bytes, new.moved_s = moved, moved_s
         return new, time.perf_counter() - t0
+
+
+def _flat_keys(p: torch.Tensor, state: dict[str, Any]) -> list[str]:
+    """The state entries that travel in the flat buffer: tensors shaped like ``p``."""
+    like = (k for k, v in state.items() if isinstance(v, torch.Tensor))
+    return [k for k in like if state[k].shape == p.shape and state[k].dtype == p.dtype]
+
+
+def _send_layers(params: list[nn.Parameter], states: list[dict[str, Any]], dst: int) -> None:
+    keys = [_flat_keys(p, st) for p, st in zip(params, states, strict=True)]
+    rest = [{k: v for k, v in st.items() if k not in ks}
+            for st, ks in zip(states, keys, strict=True)]  # fmt: skip
+    dist.send_object_list([(keys, rest)], dst)
+    parts = [t for p, st, ks in zip(params, states, keys, strict=True)
+             for t in (p.data, *(st[k] for k in ks))]  # fmt: skip
+    dist.send(torch.cat([t.reshape(-1) for t in parts]), dst)
+
+
+def _recv_layers(params: list[nn.Parameter], src: int) -> tuple[list[dict[str, Any]], int]:
+    """Fill ``params`` from ``src``; their optimizer states and the bytes received."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src)
+    keys, rest = box[0]
+    flat = torch.empty(sum(p.numel() * (1 + len(ks)) for p, ks in zip(params, keys, strict=True)),
+                       dtype=params[0].dtype)  # fmt: skip
+    dist.recv(flat, src)
+    at, states = 0, []
+    for p, ks, st in zip(params, keys, rest, strict=True):
+        n = p.numel()
+        p.data.copy_(flat[at : at + n].view_as(p))
+        at += n
+        for k in ks:
+            st[k] = flat[at : at + n].view_as(p).clone()
+            at += n
+        states.append(st)
+    return states, flat.numel() * flat.element_size()

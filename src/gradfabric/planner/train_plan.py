@@ -160,7 +160,8 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
         return True
 
     online = run_online(w, [host] * len(cfg.speeds), speeds, 0.0, cfg.v, cfg.steps_per_slot,
-                        baselines=False, admissible=runs, latency_s=lat)  # fmt: skip
+                        baselines=False, admissible=runs, latency_s=lat,
+                        state_copies=1.0 if cfg.momentum else 0.0)  # fmt: skip
     plans = online.plans
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_rank, len(cfg.speeds), (cfg, plans, speeds, flops, tmp), threads=1,
