@@ -100,6 +100,8 @@ def test_experiment_esa_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[
             "0,200",
             "--train-packets",
             "64",
+            "--schemes",
+            "switchml,atp,esa",
             "--json",
             "--out",
             str(tmp_path),

@@ -43,9 +43,13 @@ def add(sub: Sub) -> None:
     es.set_defaults(fn=saatp)
 
     ee = esub.add_parser("esa", help="ESA vs ATP vs SwitchML: JCT against pool size and load")
-    _sizes(ee, "one pool size, one load, 200 us jitter, 4 jobs",
-           "pools 256,512,1024,4096, loads 0.5,0.9, jitter 0 and 200 us, 8 jobs "
-           "(default: pools 512,4096, 200 us, 4 jobs)")  # fmt: skip
+    _sizes(
+        ee,
+        "pool 512, load 0.7, 200 us jitter, 3 jobs, ESA and ATP",
+        "pools 256,1024,4096, loads 0.5,0.9, jitter 0 and 200 us, 4 jobs, 3 seeds, every "
+        "scheme, and the train-error study: hours on 2 cores (default: pools 256,4096, "
+        "load 0.9, 200 us, 3 jobs, ESA and ATP); every grid at packet level",
+    )
     ee.add_argument("--pools", help="comma-separated pool sizes in aggregators, e.g. 512,4096")
     ee.add_argument("--loads", help="comma-separated offered loads, e.g. 0.5,0.9")
     ee.add_argument("--jobs", type=int, help="jobs per trace")
@@ -54,9 +58,9 @@ def add(sub: Sub) -> None:
         help="comma-separated per-iteration start jitter of workers in us (0: lockstep), "
         "e.g. 0,200; with any, packets also get 2 us of jitter per link",
     )
-    ee.add_argument("--train-packets", type=int, help="real packets per simulated one (4)")
+    ee.add_argument("--train-packets", type=int, help="real packets per simulated one (1)")
     ee.add_argument("--schemes", help="comma-separated: switchml,atp,esa")
-    ee.add_argument("--seeds", type=int, help="traces per cell (seeds 0..N-1; default 1)")
+    ee.add_argument("--seeds", type=int, help="traces per cell (seeds 0..N-1)")
     ee.add_argument(
         "--train-error",
         help="also the train-size error study at these trains, finest last, e.g. 16,4,1",
