@@ -180,6 +180,12 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _gain(c: dict[str, Any], digits: int) -> str:
+    """ESA's gain with its interval, or "(one trace)" where there is none."""
+    ci = f" ± {c['improvement_ci']:.{digits}f}" if c["seeds"] > 1 else " (one trace)"
+    return f"{c['improvement']:.{digits}f}x{ci}"
+
+
 def _median(cmp: list[dict[str, Any]]) -> float:
     return float(statistics.median(float(c["improvement"]) for c in cmp))
 
@@ -213,7 +219,7 @@ class Esa:
                 "ESA",
                 "average JCT better than ATP (PS sharded per worker, merge charged) by up to",
                 "1.35x",
-                f"{best['improvement']:.2f}x ± {best['improvement_ci']:.2f}",
+                _gain(best, 2),
                 best["improvement"] / 1.35,
                 where.format(**best)
                 + f", {best['seeds']} seed(s), 95% interval; {len(cmp)} settings, median "
@@ -225,7 +231,7 @@ class Esa:
                 "ESA",
                 "never worse than ATP by more than 3% (avg JCT)",
                 ">= 0.97x",
-                f"{worst['improvement']:.3f}x ± {worst['improvement_ci']:.3f}",
+                _gain(worst, 3),
                 worst["improvement"] / 0.97,
                 where.format(**worst),
             )
