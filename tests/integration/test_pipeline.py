@@ -179,10 +179,11 @@ def test_train_plan_follows_the_controller_through_a_trace_and_trains_exactly() 
     gone, and each move sends exactly the layers the controller's migration
     term counts (its fp32 parameter bytes, here float64 and with momentum:
     4x the bytes)."""
+    from gradfabric.planner.execute import ExecConfig
     from gradfabric.planner.train_plan import DEFAULT_TRACE, TrainPlanConfig, train_plan
 
-    cfg = TrainPlanConfig(layers=4, width=32, batch=48, steps_per_slot=2, dtype="float64",
-                          calibrate=False)  # fmt: skip
+    cfg = TrainPlanConfig(ExecConfig(layers=4, width=32, batch=48), steps_per_slot=2,
+                          dtype="float64", calibrate=False)  # fmt: skip
     res = train_plan(cfg)
     rows = res["rows"]
     assert len(rows) == len(DEFAULT_TRACE) and res["summary"]["steps"] == 2 * len(rows)

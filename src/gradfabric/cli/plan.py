@@ -67,22 +67,23 @@ def add(sub: Sub) -> None:
 
 
 def train_plan(args: argparse.Namespace) -> int:
+    from gradfabric.planner.execute import ExecConfig
     from gradfabric.planner.online import load_trace, random_trace
-    from gradfabric.planner.train_plan import DEFAULT_TRACE, TrainPlanConfig
+    from gradfabric.planner.train_plan import TrainPlanConfig, default_trace
     from gradfabric.planner.train_plan import train_plan as run_slots
 
     try:
-        cfg = TrainPlanConfig(speeds=tuple(float(x) for x in args.speeds.split(",")),
-                              layers=args.layers, width=args.width, batch=args.batch,
-                              steps_per_slot=args.steps_per_slot, dtype=args.dtype,
-                              v=args.v, calibrate=not args.no_calibrate,
-                              seed=args.seed)  # fmt: skip
+        cluster = ExecConfig(speeds=tuple(float(x) for x in args.speeds.split(",")),
+                             layers=args.layers, width=args.width, batch=args.batch,
+                             seed=args.seed)  # fmt: skip
+        cfg = TrainPlanConfig(cluster, steps_per_slot=args.steps_per_slot, dtype=args.dtype,
+                              v=args.v, calibrate=not args.no_calibrate)  # fmt: skip
     except ValueError as e:
         raise ConfigError("train-plan", str(e)) from None
-    n = len(cfg.speeds)
+    n = len(cluster.speeds)
     trace = (load_trace(Path(args.trace), n) if args.trace
              else random_trace(n, args.slots, args.seed) if args.slots
-             else [f[:n] + [1.0] * (n - len(f[:n])) for f in DEFAULT_TRACE])  # fmt: skip
+             else default_trace(n))  # fmt: skip
     with progress(1, args.json) as tick:
         tick(f"{len(trace)} slots of {cfg.steps_per_slot} steps on {n} processes")
         res = run_slots(cfg, trace)

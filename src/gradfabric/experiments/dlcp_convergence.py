@@ -166,10 +166,14 @@ def run_cell(c: Cell) -> Run:
     return train(c.cfg, c.policy, c.bound, c.seed)
 
 
+def _arms(cfg: ConvergenceConfig) -> list[tuple[str, float]]:
+    """(policy, bound) of each row: lossless first, then each policy and bound."""
+    return [("none", 0.0), *((p, b) for p in cfg.policies for b in cfg.bounds)]
+
+
 def cells(cfg: ConvergenceConfig) -> list[Cell]:
-    """Lossless first, then each policy and bound, every seed of each."""
-    arms = [("none", 0.0), *((p, b) for p in cfg.policies for b in cfg.bounds)]
-    return [Cell(cfg, p, b, s) for p, b in arms for s in cfg.seeds]
+    """Every arm's runs, one per seed, arm by arm."""
+    return [Cell(cfg, p, b, s) for p, b in _arms(cfg) for s in cfg.seeds]
 
 
 def run_convergence(
@@ -179,10 +183,8 @@ def run_convergence(
     says (the same runs, so the same rows, wherever they run)."""
     runs = run_cells(run_cell, cells(cfg), where, tick)
     n = len(cfg.seeds)
-    arms = [runs[i : i + n] for i in range(0, len(runs), n)]
-    base = arms[0]
+    by_arm = [runs[i : i + n] for i in range(0, len(runs), n)]
+    base = by_arm[0]
     target = float(np.mean([r.accuracy for r in base])) - cfg.target_gap_pp / 100
-    rows = [_row("lossless", 0.0, base, base, target)]
-    pairs = [(p, b) for p in cfg.policies for b in cfg.bounds]
-    rows += [_row(p, b, arm, base, target) for (p, b), arm in zip(pairs, arms[1:], strict=True)]
-    return rows
+    return [_row("lossless" if p == "none" else p, b, arm, base, target)
+            for (p, b), arm in zip(_arms(cfg), by_arm, strict=True)]  # fmt: skip

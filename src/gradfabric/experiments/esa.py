@@ -208,10 +208,9 @@ class Esa:
         best = max(cmp, key=lambda c: c["improvement"])
         worst = min(cmp, key=lambda c: c["improvement"])
         where = "pool {pool_slots}, load {load:g}, jitter {jitter_us:g} us"
+        granularity = "packet level" if grid.train == 1 else f"trains of {grid.train} packets"
         coarse = max((abs(e["train_error"]) for e in err), default=None)
-        accuracy = (
-            "packet level" if grid.train == 1 else f"trains of {grid.train} packets"
-        ) + ("" if coarse is None else (
+        accuracy = granularity + ("" if coarse is None else (
             f"; the train-error study: up to {coarse * 100:.0f}% off at trains of "
             f"{grid.error_trains[0]}"))  # fmt: skip
         r.claims.append(
@@ -265,7 +264,7 @@ class Esa:
             ).name
         )
         r.notes.append(
-            f"Simulated at {accuracy.split(';')[0]}; pool sizes are in real aggregators "
+            f"Simulated at {granularity}; pool sizes are in real aggregators "
             "(256-value packets). The train_error rows: average JCT at each train size "
             "against packet level, ATP and ESA under contention (a short trace)."
         )

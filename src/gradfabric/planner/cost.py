@@ -138,6 +138,11 @@ class Plan:
     def devices(self) -> list[int]:
         return [s.device for g in self.groups for s in g.stages]
 
+    def owners(self, layers: int) -> list[set[int]]:
+        """For each of ``layers`` layers, the devices that hold it."""
+        return [{s.device for g in self.groups for s in g.stages if s.first <= layer < s.end}
+                for layer in range(layers)]  # fmt: skip
+
 
 @dataclass
 class Estimate:

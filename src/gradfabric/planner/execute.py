@@ -33,7 +33,7 @@ from torch import nn
 
 from gradfabric.planner.baselines import best_subset, even_dp, even_pipeline, proportional_dp
 from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evaluate
-from gradfabric.planner.pipeline import PlanRunner, whole_batches
+from gradfabric.planner.pipeline import PlanRunner, splits_whole, whole_batches
 from gradfabric.planner.search import plan as search_plan
 from gradfabric.planner.search import shares
 from gradfabric.planner.spec import DeviceType
@@ -114,11 +114,8 @@ def random_plans(cfg: ExecConfig, devs: list[Device], n: int, lat: float) -> dic
             groups.append(tuple(Stage(d, a, b) for d, a, b
                                 in zip(members, edges[:-1], edges[1:], strict=True)))  # fmt: skip
         p = shares(w, devs, groups, lat)
-        try:
-            whole_batches(p, cfg.batch)
-        except ValueError:
-            continue  # not a whole number of micro-batches: draw again
-        out[f"random-{len(out)}"] = p
+        if splits_whole(p, cfg.batch):  # else not whole micro-batches: draw again
+            out[f"random-{len(out)}"] = p
     return out
 
 
@@ -209,7 +206,7 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
     chosen["proportional-dp"] = proportional_dp(w, raw_devs)
     chosen |= best_subsets(w, cal_devs, cal.latency_s, chosen)
     chosen |= random_plans(cfg, raw_devs, random_count, 5e-6)
-    chosen = {k: p for k, p in chosen.items() if _runs(p, cfg)}
+    chosen = {k: p for k, p in chosen.items() if splits_whole(p, cfg.batch)}
     if together:
         times = _measure(cfg, chosen, flops)
     else:  # as a job would run it
@@ -233,7 +230,7 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
         r["speedup_vs_even_dp"] = base["measured_ms"] / r["measured_ms"]
         r["predicted_speedup_vs_even_dp"] = base["calibrated_ms"] / r["calibrated_ms"]
     fastest = min((r for r in rows if r["plan"] in BASELINE_ROWS), key=lambda r: r["measured_ms"])
-    mine = next((r for r in rows if r["plan"] == "planner-calibrated"), fastest)
+    mine = {r["plan"]: r for r in rows}["planner-calibrated"]
     errs = [abs(r["error"]) for r in rows]
     cal_errs = [abs(r["error_calibrated"]) for r in rows]
     summary = {
@@ -267,14 +264,6 @@ def best_subsets(
         if got not in have.values():
             out[f"{name}-best"] = got
     return out
-
-
-def _runs(p: Plan, cfg: ExecConfig) -> bool:
-    try:
-        whole_batches(p, cfg.batch)
-    except ValueError:
-        return False
-    return True
 
 
 def _measure(

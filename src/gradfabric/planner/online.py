@@ -115,12 +115,11 @@ def migration_flows(w: Workload, old: Plan, new: Plan) -> dict[tuple[int, int], 
     from the lowest device that holds it in ``old`` (``PlanRunner.replan``'s
     rule)."""
     flows: dict[tuple[int, int], int] = {}
-    for layer in range(w.layers):
-        was = [s.device for g in old.groups for s in g.stages if s.first <= layer < s.end]
-        will = {s.device for g in new.groups for s in g.stages if s.first <= layer < s.end}
-        for dst in will - set(was):
+    layers = zip(old.owners(w.layers), new.owners(w.layers), w.params, strict=True)
+    for was, will, params in layers:
+        for dst in will - was:
             key = (min(was), dst)
-            flows[key] = flows.get(key, 0) + 4 * int(w.params[layer])
+            flows[key] = flows.get(key, 0) + 4 * int(params)
     return flows
 
 

@@ -58,6 +58,16 @@ def whole_batches(plan: Plan, total: int) -> list[int]:
     return out
 
 
+def splits_whole(plan: Plan, total: int) -> bool:
+    """Whether ``whole_batches`` can split ``total`` samples for ``plan``
+    (what a runner needs to execute it)."""
+    try:
+        whole_batches(plan, total)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Role:
     """This rank's place in the plan."""
@@ -80,15 +90,9 @@ def roles(plan: Plan) -> dict[int, Role]:
 def owner_sets(plan: Plan, layers: int) -> dict[tuple[int, ...], list[int]]:
     """For each set of ranks that hold the same layers, those layers."""
     owners: dict[tuple[int, ...], list[int]] = {}
-    for layer, ranks in enumerate(layer_owners(plan, layers)):
+    for layer, ranks in enumerate(plan.owners(layers)):
         owners.setdefault(tuple(sorted(ranks)), []).append(layer)
     return owners
-
-
-def layer_owners(plan: Plan, layers: int) -> list[set[int]]:
-    """For each layer, the ranks that hold it."""
-    return [{st.device for g in plan.groups for st in g.stages if st.first <= layer < st.end}
-            for layer in range(layers)]  # fmt: skip
 
 
 class Throttled(nn.Module):
@@ -273,7 +277,7 @@ class PlanRunner:
         model = self.args[0]
         t0 = time.perf_counter()
         me = dist.get_rank()
-        was, will = layer_owners(self.plan, len(model)), layer_owners(plan, len(model))
+        was, will = self.plan.owners(len(model)), plan.owners(len(model))
         states: dict[int, Any] = (
             {id(p): self.opt.state.get(p, {}) for p in self.params} if self.active else {}
         )

@@ -28,7 +28,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,10 +45,10 @@ from gradfabric.planner.execute import (
     workload,
 )
 from gradfabric.planner.online import Trace, migration_bytes, run_online
-from gradfabric.planner.pipeline import PlanRunner, whole_batches
+from gradfabric.planner.pipeline import PlanRunner, splits_whole
 
 # The built-in trace (factors on top of each device's speed): all present; the
-# second device contended to 30%; the fastest leaves; it returns; all as at first.
+# second device contended to 30%; the first leaves; it returns; all as at first.
 DEFAULT_TRACE: Trace = [
     [1.0, 1.0, 1.0, 1.0],
     [1.0, 0.3, 1.0, 1.0],
@@ -58,50 +58,47 @@ DEFAULT_TRACE: Trace = [
 ]
 
 
+def default_trace(devices: int) -> Trace:
+    """``DEFAULT_TRACE`` for ``devices`` devices (those past the fourth stay at 1)."""
+    return [(f + [1.0] * devices)[:devices] for f in DEFAULT_TRACE]
+
+
 @dataclass(frozen=True)
 class TrainPlanConfig:
-    speeds: tuple[float, ...] = (1.0, 1.0, 0.5, 0.25)
-    layers: int = 8
-    width: int = 256
-    batch: int = 96
+    """The emulated cluster and model (``exec``: speeds, layers, width, batch,
+    the link the controller assumes, the seed) and the training run."""
+
+    exec: ExecConfig = field(default_factory=lambda: ExecConfig(width=256))
     steps_per_slot: int = 6
     lr: float = 0.5
     momentum: float = 0.9
     dtype: str = "float32"  # or float64 (the tests' exactness check)
-    link_gbps: float = 10.0  # what the controller assumes of loopback gloo
     v: float = 1000.0
     calibrate: bool = True  # the controller's cost model calibrated first (bench plan's way)
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
         if self.steps_per_slot < 2:
             raise ValueError("need >= 2 steps per slot (the first of a slot warms up)")
-        ExecConfig(self.speeds, self.layers, self.width, self.batch)  # its checks
-
-    @property
-    def exec(self) -> ExecConfig:
-        return ExecConfig(self.speeds, self.layers, self.width, self.batch,
-                          link_gbps=self.link_gbps, seed=self.seed)  # fmt: skip
 
 
 def _model(cfg: TrainPlanConfig) -> nn.Sequential:
-    torch.manual_seed(cfg.seed)
-    return mlp_stack(cfg.layers, cfg.width).to(getattr(torch, cfg.dtype))
+    torch.manual_seed(cfg.exec.seed)
+    return mlp_stack(cfg.exec.layers, cfg.exec.width).to(getattr(torch, cfg.dtype))
 
 
 @functools.cache
 def _teacher(cfg: TrainPlanConfig) -> nn.Sequential:
-    torch.manual_seed(cfg.seed + 7919)
-    return mlp_stack(cfg.layers, cfg.width).to(getattr(torch, cfg.dtype))
+    torch.manual_seed(cfg.exec.seed + 7919)
+    return mlp_stack(cfg.exec.layers, cfg.exec.width).to(getattr(torch, cfg.dtype))
 
 
 def _data(cfg: TrainPlanConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s batch: inputs and a fixed teacher's outputs (another
     stack of the same shape, so the student can fit it)."""
-    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    x = torch.randn(cfg.batch, cfg.width, generator=g, dtype=getattr(torch, cfg.dtype))
+    g = torch.Generator().manual_seed(cfg.exec.seed * 1_000_003 + step)
+    x = torch.randn(cfg.exec.batch, cfg.exec.width, generator=g, dtype=getattr(torch, cfg.dtype))
     with torch.no_grad():
         return x, _teacher(cfg)(x)
 
@@ -132,15 +129,15 @@ def reference_losses(cfg: TrainPlanConfig, steps: int) -> list[float]:
 
 
 def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, Any]:
-    """Run the job over ``trace`` (default ``DEFAULT_TRACE``); rows per slot
+    """Run the job over ``trace`` (default ``default_trace``); rows per slot
     and a summary (see the module doc)."""
     from gradfabric.collectives.spawn import spawn
 
-    trace = DEFAULT_TRACE if trace is None else trace
-    if any(len(f) != len(cfg.speeds) for f in trace):
-        raise ValueError(f"every slot of the trace needs {len(cfg.speeds)} factors")
-    speeds = [[s * f for s, f in zip(cfg.speeds, fs, strict=True)] for fs in trace]
-    flops = calibrate_flops(cfg.width, cfg.batch // len(cfg.speeds))
+    trace = default_trace(len(cfg.exec.speeds)) if trace is None else trace
+    if any(len(f) != len(cfg.exec.speeds) for f in trace):
+        raise ValueError(f"every slot of the trace needs {len(cfg.exec.speeds)} factors")
+    speeds = [[s * f for s, f in zip(cfg.exec.speeds, fs, strict=True)] for fs in trace]
+    flops = calibrate_flops(cfg.exec.width, cfg.exec.batch // len(cfg.exec.speeds))
     w, model_cfg, lat = workload(cfg.exec), cfg.exec, 5e-6
     model_flops = flops
     if cfg.calibrate:
@@ -152,19 +149,13 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
         )
     host = devices(model_cfg, model_flops)[0].type
 
-    def runs(p: Plan) -> bool:
-        try:
-            whole_batches(p, cfg.batch)
-        except ValueError:
-            return False
-        return True
-
-    online = run_online(w, [host] * len(cfg.speeds), speeds, 0.0, cfg.v, cfg.steps_per_slot,
-                        baselines=False, admissible=runs, latency_s=lat,
+    online = run_online(w, [host] * len(cfg.exec.speeds), speeds, 0.0, cfg.v, cfg.steps_per_slot,
+                        baselines=False, admissible=lambda p: splits_whole(p, cfg.exec.batch),
+                        latency_s=lat,
                         state_copies=1.0 if cfg.momentum else 0.0)  # fmt: skip
     plans = online.plans
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_rank, len(cfg.speeds), (cfg, plans, speeds, flops, tmp), threads=1,
+        spawn(_rank, len(cfg.exec.speeds), (cfg, plans, speeds, flops, tmp), threads=1,
               deadline_s=900)  # fmt: skip
         got: dict[str, Any] = torch.load(os.path.join(tmp, "slots.pt"))
     ref = reference_losses(cfg, len(trace) * cfg.steps_per_slot)
@@ -213,8 +204,8 @@ def _rank(
         speed = speeds[t][rank] or 1.0  # (a device the plan leaves out runs nothing)
         if runner is None:
             first = _data(cfg, 0)[0][:1]
-            runner = PlanRunner(plan, _model(cfg), nn.functional.mse_loss, cfg.batch, _opt(cfg),
-                                first, speed=speed, layer_sample_s=sample_s)  # fmt: skip
+            runner = PlanRunner(plan, _model(cfg), nn.functional.mse_loss, cfg.exec.batch,
+                                _opt(cfg), first, speed=speed, layer_sample_s=sample_s)  # fmt: skip
             took = 0.0
         else:
             runner, took = runner.replan(plan, speed)
