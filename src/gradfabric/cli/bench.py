@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 from gradfabric.cli.common import Sub, add_output, csv, progress, report
 from gradfabric.core.errors import ConfigError
+from gradfabric.planner.spec import REFERENCE_GFLOPS
 
 OMNI_FLOOR = (
     "floor = max over ranks r of max(|N_r|, |U_-r|) * B * 8 / link rate, where N_r "
@@ -86,7 +87,8 @@ def add(sub: Sub) -> None:
         "plan",
         help="plans executed on throttled processes beside the cost model's prediction",
         description="One gloo process per emulated device (rank r at --speeds[r] of a "
-        "host core, its compute stretched by sleeping), an MLP stack trained under the "
+        "reference device of --device-gflops: each stage's forward and backward sleep to "
+        "the end of that device's compute time), an MLP stack trained under the "
         "planner's plan (with the cost model as is, and calibrated), even and "
         "speed-proportional data parallelism, an even pipeline and --random random "
         "plans, steps interleaved "
@@ -94,8 +96,8 @@ def add(sub: Sub) -> None:
         "them). Each row: measured step time (median of the slowest rank), the cost "
         "model's prediction for the same plan before and after calibration, their "
         "relative errors, and both speedups over even data parallelism. Calibration: "
-        "the host's FLOP/s, a pipeline hop's latency and the link rate solved from two "
-        "separately measured plans (even DP, a 2-stage pipeline) and an all-reduce.",
+        "the device's effective FLOP/s, a pipeline hop's latency and the link rate solved "
+        "from three separately measured plans (even DP, two pipelines) and an all-reduce.",
     )
     bp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
     bp.add_argument("--layers", type=int, default=8)
@@ -103,6 +105,10 @@ def add(sub: Sub) -> None:
     bp.add_argument("--batch", type=int, default=96)
     bp.add_argument("--steps", type=int, default=8)
     bp.add_argument("--link-gbps", type=float, default=10.0, help="what the model assumes")
+    bp.add_argument("--device-gflops", type=float, default=REFERENCE_GFLOPS,
+                    help="the reference device (speed 1); keep it below what a host "
+                    "core shared by two processes does, or the throttle overruns "
+                    "(reported)")  # fmt: skip
     bp.add_argument("--random", type=int, default=9, help="random plans measured too")
     bp.add_argument("--together", action="store_true",
                     help="all plans in one run, steps interleaved (faster; each plan "
@@ -248,7 +254,7 @@ def plan_bench(args: argparse.Namespace) -> int:
     try:
         cfg = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()), layers=args.layers,
                          width=args.width, batch=args.batch, steps=args.steps,
-                         link_gbps=args.link_gbps)  # fmt: skip
+                         link_gbps=args.link_gbps, device_gflops=args.device_gflops)  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench plan", str(e)) from None
     from gradfabric.experiments.plots import predicted_vs_measured
@@ -263,7 +269,7 @@ def plan_bench(args: argparse.Namespace) -> int:
                   "error_calibrated", "speedup_vs_even_dp", "predicted_speedup_vs_even_dp"])],
         footer=f"cost model vs measured over {sm['plans']} plans: median |error| "
         f"{sm['median_abs_error']:.0%}, worst {sm['worst_abs_error']:.0%}; calibrated "
-        f"(host {sm['calibration']['flops'] / 1e9:.1f} GFLOP/s, latency "
+        f"(device {sm['calibration']['flops'] / 1e9:.1f} GFLOP/s, latency "
         f"{sm['calibration']['latency_s'] * 1e3:.2f} ms, link "
         f"{sm['calibration']['link_gbps']:.1f} Gbit/s): median "
         f"{sm['median_abs_error_calibrated']:.0%}, worst {sm['worst_abs_error_calibrated']:.0%}; "

@@ -11,6 +11,7 @@ from typing import Any
 
 from gradfabric.cli.common import Sub, add_output, out, progress, report, results_dir
 from gradfabric.core.errors import ConfigError
+from gradfabric.planner.spec import REFERENCE_GFLOPS
 
 
 def add(sub: Sub) -> None:
@@ -37,15 +38,16 @@ def add(sub: Sub) -> None:
     tp = sub.add_parser(
         "train-plan",
         help="train across the slots of a speed trace, re-planned for real",
-        description="One gloo process per emulated device (rank r at --speeds[r] of a host "
-        "core, times the trace's factor for the slot; 0: the device is gone) trains an MLP "
-        "stack. Before each slot the online controller picks a plan for the devices as they "
-        "are; every rank re-plans (each layer, with its optimizer state, sent to each rank "
-        "that will hold it and does not) and the slot's steps run under the plan. Rows per "
-        "slot: the plan, predicted and measured step time, the controller's migration term "
-        "beside the measured transfers, bytes moved, and the loss beside the unsplit model's "
-        "full-batch loss on the same seeds. Default trace: all present; device 1 at 30%%; "
-        "device 0 leaves; it returns; all as at first.",
+        description="One gloo process per emulated device (rank r at --speeds[r] of a "
+        "reference device of --device-gflops, times the trace's factor for the slot; 0: "
+        "the device is gone) trains an MLP stack. Before each slot the online controller "
+        "picks a plan for the devices as they are; every rank re-plans (each layer, with "
+        "its optimizer state, sent to each rank that will hold it and does not) and the "
+        "slot's steps run under the plan. Rows per slot: the plan, predicted and measured "
+        "step time, the controller's migration term beside the measured transfers, bytes "
+        "moved, and the loss beside the unsplit model's full-batch loss on the same seeds. "
+        "Default trace: all present; device 1 at 30%%; device 0 leaves; it returns; all "
+        "as at first.",
     )
     tp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
     tp.add_argument("--trace", help="CSV with slot,device,speed rows (speed: a factor, 0: gone)")
@@ -54,6 +56,12 @@ def add(sub: Sub) -> None:
     tp.add_argument("--layers", type=int, default=8)
     tp.add_argument("--width", type=int, default=256)
     tp.add_argument("--batch", type=int, default=96)
+    tp.add_argument(
+        "--device-gflops",
+        type=float,
+        default=REFERENCE_GFLOPS,
+        help="the reference device (speed 1)",
+    )
     tp.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     tp.add_argument("--seed", type=int, default=0)
     tp.add_argument(
@@ -75,7 +83,7 @@ def train_plan(args: argparse.Namespace) -> int:
     try:
         cluster = ExecConfig(speeds=tuple(float(x) for x in args.speeds.split(",")),
                              layers=args.layers, width=args.width, batch=args.batch,
-                             seed=args.seed)  # fmt: skip
+                             seed=args.seed, device_gflops=args.device_gflops)  # fmt: skip
         cfg = TrainPlanConfig(cluster, steps_per_slot=args.steps_per_slot, dtype=args.dtype,
                               v=args.v, calibrate=not args.no_calibrate)  # fmt: skip
     except ValueError as e:

@@ -1,7 +1,8 @@
 """Plans run for real on throttled processes, beside the cost model's prediction.
 
-``run_plans`` spawns one gloo process per emulated device (rank ``r`` runs at
-``speeds[r]`` of a host core: ``pipeline.Throttled``, FLOP-based) and trains an MLP stack
+``run_plans`` spawns one gloo process per emulated device (rank ``r`` is a
+device at ``speeds[r]`` of a reference device of ``device_gflops``:
+``pipeline.Throttled``'s deadline throttle) and trains an MLP stack
 (``layers`` blocks of ``Linear(width, width) + Tanh``) under each plan: the
 planner's own plan for these devices (on the cost model as is and
 calibrated), the baselines (even and speed-proportional data parallelism, an
@@ -10,9 +11,13 @@ calibrated model finds it fastest, the freedom the planner has) and seeded
 random plans. Each row: the plan, its measured step time (median over ranks' slowest), the
 cost model's predicted batch time for the same plan, and the relative error.
 
-The cost model sees the host as a device type whose FLOP/s is measured here
-first (forward and backward of one block on one core, ``calibrate_flops``),
-each device at its throttle's speed factor, and links at ``link_gbps``.
+The cost model sees the reference device (``device_gflops``), each device
+at its speed factor, and links at ``link_gbps``. The throttle makes the
+compute exactly the model's wherever the host's real compute fits in the
+device's time (the reference device is several times slower than a
+contended host core; every row set reports the calls that did not fit), so
+what the model gets wrong is the rest: transfers, the schedule's per
+micro-batch work, synchronisation, which calibration measures.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evalua
 from gradfabric.planner.pipeline import PlanRunner, splits_whole, whole_batches
 from gradfabric.planner.search import plan as search_plan
 from gradfabric.planner.search import shares
-from gradfabric.planner.spec import DeviceType
+from gradfabric.planner.spec import REFERENCE_GFLOPS, DeviceType
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,21 @@ class ExecConfig:
     warmup: int = 2
     link_gbps: float = 10.0  # what the cost model assumes of loopback gloo
     seed: int = 0
+    device_gflops: float = REFERENCE_GFLOPS  # the reference device, speed 1
 
     def __post_init__(self) -> None:
         if len(self.speeds) < 2 or not all(0 < s <= 1 for s in self.speeds):
             raise ValueError("need >= 2 speeds in (0, 1]")
         if self.steps <= self.warmup or self.layers < len(self.speeds):
             raise ValueError("need steps > warmup and at least one layer per device")
+        if self.device_gflops <= 0:
+            raise ValueError("device_gflops must be > 0")
+
+    @property
+    def sample_s(self) -> list[float]:
+        """Each layer's forward and backward seconds per sample on the
+        reference device (the throttle's budget, the model's compute)."""
+        return [3 * f / (self.device_gflops * 1e9) for f in workload(self).fwd_flops]
 
 
 def mlp_stack(layers: int, width: int) -> nn.Sequential:
@@ -68,21 +82,11 @@ def workload(cfg: ExecConfig) -> Workload:
                     (4 * w,) * cfg.layers, cfg.batch)  # fmt: skip
 
 
-def calibrate_flops(width: int, batch: int, repeats: int = 5) -> float:
-    """FLOP/s of one core on a block's forward and backward (3x forward FLOPs)."""
-    torch.set_num_threads(1)
-    block = mlp_stack(1, width)
-    x = torch.randn(batch, width)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        block(x).sum().backward()
-        times.append(time.perf_counter() - t0)
-    return 3 * 2.0 * width * width * batch / statistics.median(times[1:])
-
-
-def devices(cfg: ExecConfig, flops: float) -> list[Device]:
-    host = DeviceType("host-core", peak_tflops=flops / 1e12, mem_gb=8.0, cost_per_hour=0.0,
+def devices(cfg: ExecConfig, flops: float | None = None) -> list[Device]:
+    """The emulated devices as the cost model sees them (``flops``: the
+    reference device's FLOP/s, by default the throttle's)."""
+    flops = cfg.device_gflops * 1e9 if flops is None else flops
+    host = DeviceType("reference", peak_tflops=flops / 1e12, mem_gb=8.0, cost_per_hour=0.0,
                       nic_gbps=cfg.link_gbps, efficiency=1.0)  # fmt: skip
     return [Device(i, host, s) for i, s in enumerate(cfg.speeds)]
 
@@ -121,9 +125,10 @@ def random_plans(cfg: ExecConfig, devs: list[Device], n: int, lat: float) -> dic
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the cost model takes from measurement: a host core's FLOP/s under
-    the run's own contention, the per-message latency of a pipeline hop, and
-    the link rate of a gradient all-reduce."""
+    """What the cost model takes from measurement: the reference device's
+    effective FLOP/s (the throttle's, less what a data-parallel step spends
+    besides compute and its all-reduce), the per-message latency of a pipeline
+    hop, and the link rate of a gradient all-reduce."""
 
     flops: float
     latency_s: float
@@ -138,7 +143,7 @@ def _solve(f: Any, lo: float, hi: float, target: float) -> float:
     return math.sqrt(lo * hi)
 
 
-def calibrate(cfg: ExecConfig, flops: float) -> tuple[Calibration, dict[str, float]]:
+def calibrate(cfg: ExecConfig) -> tuple[Calibration, dict[str, float], dict[str, float]]:
     """Measure three calibration plans (even data parallelism; a two-stage
     pipeline on the two fastest ranks; a pipeline over every rank in reverse
     order) and an all-reduce of the model's gradients, then solve the model's
@@ -146,9 +151,9 @@ def calibrate(cfg: ExecConfig, flops: float) -> tuple[Calibration, dict[str, flo
     over the two pipelines: it stands for everything a stage pays per
     micro-batch) and the link rate (from the all-reduce). None of these plans
     is among those the calibrated model is then judged on. Returns the
-    calibration and the measured seconds."""
-    w = workload(cfg)
-    devs = devices(cfg, flops)
+    calibration, the measured seconds and the throttle's score."""
+    w, flops = workload(cfg), cfg.device_gflops * 1e9
+    devs = devices(cfg)
     fast = sorted(range(len(devs)), key=lambda i: -cfg.speeds[i])[:2]
     half = w.layers // 2
     deep = list(reversed(range(len(devs))))  # (the even pipeline's order reversed)
@@ -169,7 +174,7 @@ def calibrate(cfg: ExecConfig, flops: float) -> tuple[Calibration, dict[str, flo
             )
         ),
     }
-    measured = _measure(cfg, cal, flops, allreduce=True)
+    measured, throttle = _measure(cfg, cal, allreduce=True)
     t = {k: statistics.median(v[cfg.warmup :]) for k, v in measured.items()}
     k = len(devs)
     link = 2 * (k - 1) / k * 4 * sum(w.params) * 8 / t["allreduce"] / 1e9
@@ -187,7 +192,7 @@ def calibrate(cfg: ExecConfig, flops: float) -> tuple[Calibration, dict[str, flo
                                 / t[k]) ** 2 for k in pipes)  # fmt: skip
 
         lat = min((1e-7 * 1.05**i for i in range(400)), key=misfit)
-    return Calibration(fl, lat, link), t
+    return Calibration(fl, lat, link), t, throttle
 
 
 def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) -> dict[str, Any]:
@@ -196,10 +201,9 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
     run of its own (``together``: all in one run, steps interleaved: faster,
     and noise falls on all alike, but every plan runs 20-40% slower there than
     alone); every row with both predictions and their errors."""
-    flops = calibrate_flops(cfg.width, cfg.batch // len(cfg.speeds))
-    cal, cal_times = calibrate(cfg, flops)
+    cal, cal_times, throttle = calibrate(cfg)
     w = workload(cfg)
-    raw_devs, cal_cfg = devices(cfg, flops), replace(cfg, link_gbps=cal.link_gbps)
+    raw_devs, cal_cfg = devices(cfg), replace(cfg, link_gbps=cal.link_gbps)
     cal_devs = devices(cal_cfg, cal.flops)
     chosen = plans(cfg, raw_devs)
     chosen["planner-calibrated"] = search_plan(w, cal_devs, cal.latency_s).plan
@@ -207,11 +211,12 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
     chosen |= best_subsets(w, cal_devs, cal.latency_s, chosen)
     chosen |= random_plans(cfg, raw_devs, random_count, 5e-6)
     chosen = {k: p for k, p in chosen.items() if splits_whole(p, cfg.batch)}
-    if together:
-        times = _measure(cfg, chosen, flops)
-    else:  # as a job would run it
-        times = {k: v for name, p in chosen.items()
-                 for k, v in _measure(cfg, {name: p}, flops).items()}  # fmt: skip
+    # each plan in a run of its own, as a job would run it, unless together
+    runs = [_measure(cfg, chosen)] if together else [_measure(cfg, {k: p})
+                                                     for k, p in chosen.items()]  # fmt: skip
+    times = {k: v for t, _ in runs for k, v in t.items()}
+    for _, score in runs:
+        throttle = {k: throttle[k] + v for k, v in score.items()}
     rows: list[dict[str, Any]] = []
     for name, p in chosen.items():
         measured = statistics.median(times[name][cfg.warmup :])
@@ -234,7 +239,7 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
     errs = [abs(r["error"]) for r in rows]
     cal_errs = [abs(r["error_calibrated"]) for r in rows]
     summary = {
-        "plans": len(rows), "host_gflops": flops / 1e9,
+        "plans": len(rows), "device_gflops": cfg.device_gflops, "throttle": throttle,
         "calibration": asdict(cal),
         "calibration_measured_ms": {k: v * 1e3 for k, v in cal_times.items()},
         "median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
@@ -267,21 +272,22 @@ def best_subsets(
 
 
 def _measure(
-    cfg: ExecConfig, chosen: dict[str, Plan], host_flops: float, allreduce: bool = False
-) -> dict[str, list[float]]:
+    cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool = False
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each plan's step times (every rank's slowest) and the throttle's score
+    summed over ranks."""
     from gradfabric.collectives.spawn import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_rank, len(cfg.speeds), (cfg, chosen, allreduce, host_flops, tmp), threads=1,
-              deadline_s=900)  # fmt: skip
-        times: dict[str, list[float]] = torch.load(os.path.join(tmp, "times.pt"))
-    return times
+        spawn(_rank, len(cfg.speeds), (cfg, chosen, allreduce, tmp), threads=1, deadline_s=900)
+        got: tuple[dict[str, list[float]], dict[str, float]] = torch.load(
+            os.path.join(tmp, "times.pt"))  # fmt: skip
+    return got
 
 
 def _rank(
-    rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool,
-    host_flops: float, out: str,
-) -> None:  # fmt: skip
+    rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool, out: str
+) -> None:
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.batch, cfg.width, generator=g)
     y = torch.randn(cfg.batch, cfg.width, generator=g)
@@ -290,9 +296,7 @@ def _rank(
         torch.manual_seed(cfg.seed)
         runners[name] = PlanRunner(p, mlp_stack(cfg.layers, cfg.width), nn.functional.mse_loss,
                                    cfg.batch, lambda ps: torch.optim.SGD(ps, lr=0.01), x[:1],
-                                   speed=cfg.speeds[rank],
-                                   layer_sample_s=[3 * f / host_flops
-                                                   for f in workload(cfg).fwd_flops])  # fmt: skip
+                                   speed=cfg.speeds[rank], layer_sample_s=cfg.sample_s)  # fmt: skip
     grads = torch.zeros(sum(workload(cfg).params))
     steps: dict[str, Any] = {k: r.step for k, r in runners.items()}
     if allreduce:  # the model's gradients summed over every rank, as a ring would
@@ -307,5 +311,15 @@ def _rank(
             took = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
             times[name].append(float(took))
+    throttle = throttle_score([r.throttle_stats() for r in runners.values()])
     if rank == 0:
-        torch.save(times, os.path.join(out, "times.pt"))
+        torch.save((times, throttle), os.path.join(out, "times.pt"))
+
+
+def throttle_score(stats: list[dict[str, float]]) -> dict[str, float]:
+    """``Clock`` scores summed over this rank's runners and then over every
+    rank (a collective: every rank calls it)."""
+    keys = ("calls", "overruns", "overrun_s", "late_s")
+    total = torch.tensor([sum(s[k] for s in stats) for k in keys], dtype=torch.float64)
+    dist.all_reduce(total)
+    return dict(zip(keys, total.tolist(), strict=True))

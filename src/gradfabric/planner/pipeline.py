@@ -95,33 +95,122 @@ def owner_sets(plan: Plan, layers: int) -> dict[tuple[int, ...], list[int]]:
     return owners
 
 
-class Throttled(nn.Module):
-    """A stage stretched to a device at ``speed`` of this process's.
+class Clock:
+    """Sleeps a throttled stage to its deadlines and keeps score of how well it
+    held them: ``calls``; ``overruns``, the calls whose real compute took
+    longer than the emulated device's (the deadline had passed before the
+    sleep; the emulation is then slower than the model's device) and their
+    ``overrun_s``; ``late_s``, the sleeps' overshoot past the deadline (the
+    timer's error). On Linux the process's timer slack is set to 1 us, so a
+    sleep ends within microseconds of its deadline instead of the default
+    50 us."""
 
-    With ``sample_s`` (seconds of forward and backward compute per sample at
-    full speed, from the stage's FLOPs and a measured host FLOP/s), each
-    forward of ``n`` samples sleeps ``n * sample_s * (1/speed - 1)``: the
-    compute is stretched as on a slower device and the per-call host work
-    (the schedule's Python, the transfers) is not, as a slower GPU behind the
-    same host would have it. Without it, the sleep is ``(1/speed - 1)`` times
-    three forward wall times, which stretches that host work too. Either way
-    the sleep frees the core (slow devices do not steal compute), and the
-    backward's real cost beside the model's 2x forward shows as model error."""
+    def __init__(self) -> None:
+        self.calls = self.overruns = 0
+        self.overrun_s = self.late_s = 0.0
+        self.backward_from = 0.0  # when the backward of the current call began
+        _tight_timer()
+
+    def wait(self, since: float, budget_s: float) -> None:
+        deadline = since + budget_s
+        self.calls += 1
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            self.overruns += 1
+            self.overrun_s -= left
+            return
+        time.sleep(left)
+        self.late_s += time.perf_counter() - deadline
+
+    def stats(self) -> dict[str, float]:
+        return {"calls": self.calls, "overruns": self.overruns, "overrun_s": self.overrun_s,
+                "late_s": self.late_s}  # fmt: skip
+
+
+def _tight_timer() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(29, 1)  # PR_SET_TIMERSLACK, 1 ns (the kernel's floor)
+    except (OSError, AttributeError):  # not Linux: the default slack, a little more late_s
+        pass
+
+
+class _BackwardEnds(torch.autograd.Function):
+    """Identity at a stage's input. Its backward runs when the stage's own
+    backward is done (the gradient has reached the input): it sleeps to the
+    backward's deadline. ``anchor`` needs a gradient, so this runs on the first
+    stage too, whose input needs none."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, clock: Clock,
+                budget_s: float) -> torch.Tensor:  # fmt: skip
+        ctx.clock, ctx.budget_s = clock, budget_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        ctx.clock.wait(ctx.clock.backward_from, ctx.budget_s)
+        return grad, None, None, None
+
+
+class _BackwardBegins(torch.autograd.Function):
+    """Identity at a stage's output; its backward notes when the stage's
+    backward begins."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, clock: Clock) -> torch.Tensor:
+        ctx.clock = clock
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.clock.backward_from = time.perf_counter()
+        return grad, None
+
+
+class Throttled(nn.Module):
+    """A stage run as on an emulated device at ``speed`` of a reference one.
+
+    With ``sample_s`` (the reference device's forward and backward seconds
+    per sample for this stage: its forward FLOPs x 3 / the device's FLOP/s,
+    the cost model's own figure), a *deadline* throttle: a forward of ``n``
+    samples ends ``n * sample_s / 3 / speed`` after it began, its backward
+    ``2 n * sample_s / 3 / speed`` after the gradient reached the stage's
+    output (the real compute runs first, then the process sleeps to the
+    deadline; autograd identities at the input and output time the backward,
+    whichever schedule drives it). The emulated compute is then the model's,
+    whatever the host's contention, as long as the real compute fits in the
+    budget: ``clock`` counts the calls where it did not. The per-call host
+    work outside the stage (the schedule's Python, the transfers) is not
+    stretched, as a slower GPU behind the same host would have it.
+
+    Without ``sample_s``, a wall-time throttle: each forward sleeps ``(1/speed
+    - 1)`` times three times its own wall time (no-op at speed 1), which
+    stretches whatever the host's contention does too.
+
+    Either way the sleep frees the core, so slow devices do not steal
+    compute from fast ones."""
 
     def __init__(self, inner: nn.Module, speed: float, sample_s: float | None = None) -> None:
         super().__init__()
         if not 0 < speed <= 1:
             raise ValueError(f"speed must be in (0, 1], got {speed}")
         self.inner, self.speed, self.sample_s = inner, speed, sample_s
+        self.clock = Clock()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        out: torch.Tensor = self.inner(x)
-        if self.speed < 1:
-            full = 3 * (time.perf_counter() - t0) if self.sample_s is None else (
-                len(x) * self.sample_s)  # fmt: skip
-            time.sleep(full * (1 / self.speed - 1))
-        return out
+        if self.sample_s is None:
+            out: torch.Tensor = self.inner(x)
+            if self.speed < 1:
+                time.sleep(3 * (time.perf_counter() - t0) * (1 / self.speed - 1))
+            return out
+        budget = len(x) * self.sample_s / 3 / self.speed
+        anchor = torch.zeros((), requires_grad=True)
+        out = self.inner(_BackwardEnds.apply(x, anchor, self.clock, 2 * budget))  # type: ignore[no-untyped-call]
+        self.clock.wait(t0, budget)
+        return cast(torch.Tensor, _BackwardBegins.apply(out, self.clock))  # type: ignore[no-untyped-call]
 
 
 class PlanRunner:
@@ -130,8 +219,9 @@ class PlanRunner:
     its stage's layers and their optimizer. A rank the plan leaves out makes
     the process groups with the others and then sits each step out.
     ``speed``: this rank's emulated device speed (``Throttled``);
-    ``layer_sample_s``: each layer's compute seconds per sample at full speed
-    (the FLOP-based throttle), or None (the wall-time one)."""
+    ``layer_sample_s``: each layer's forward and backward seconds per sample
+    on the reference device (the deadline throttle), or None (the wall-time
+    one)."""
 
     def __init__(
         self,
@@ -240,6 +330,10 @@ class PlanRunner:
         self._sync(b / self.total)
         self.opt.step()
         return loss
+
+    def throttle_stats(self) -> dict[str, float]:
+        """This rank's ``Clock`` score (zeros on a rank the plan leaves out)."""
+        return self.run.clock.stats() if self.active else Clock().stats()
 
     def _sync(self, weight: float) -> None:
         """Weight this group's gradients by its batch share and sum each

@@ -18,6 +18,11 @@ from pathlib import Path
 
 from gradfabric.core.errors import ConfigError
 
+# The emulated cluster's reference device (speed 1), GFLOP/s: slow enough that
+# a host core shared by two processes computes its work in a fraction of its
+# time, so the deadline throttle holds (``planner.pipeline.Throttled``).
+REFERENCE_GFLOPS = 8.0
+
 
 @dataclass(frozen=True)
 class DeviceType:

@@ -39,9 +39,9 @@ from gradfabric.planner.cost import Device, Plan, evaluate
 from gradfabric.planner.execute import (
     ExecConfig,
     calibrate,
-    calibrate_flops,
     devices,
     mlp_stack,
+    throttle_score,
     workload,
 )
 from gradfabric.planner.online import Trace, migration_bytes, run_online
@@ -137,11 +137,10 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
     if any(len(f) != len(cfg.exec.speeds) for f in trace):
         raise ValueError(f"every slot of the trace needs {len(cfg.exec.speeds)} factors")
     speeds = [[s * f for s, f in zip(cfg.exec.speeds, fs, strict=True)] for fs in trace]
-    flops = calibrate_flops(cfg.exec.width, cfg.exec.batch // len(cfg.exec.speeds))
     w, model_cfg, lat = workload(cfg.exec), cfg.exec, 5e-6
-    model_flops = flops
+    model_flops = cfg.exec.device_gflops * 1e9
     if cfg.calibrate:
-        cal, _ = calibrate(cfg.exec, flops)
+        cal, _, _ = calibrate(cfg.exec)
         model_cfg, model_flops, lat = (
             replace(cfg.exec, link_gbps=cal.link_gbps),
             cal.flops,
@@ -155,8 +154,7 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
                         state_copies=1.0 if cfg.momentum else 0.0)  # fmt: skip
     plans = online.plans
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_rank, len(cfg.exec.speeds), (cfg, plans, speeds, flops, tmp), threads=1,
-              deadline_s=900)  # fmt: skip
+        spawn(_rank, len(cfg.exec.speeds), (cfg, plans, speeds, tmp), threads=1, deadline_s=900)
         got: dict[str, Any] = torch.load(os.path.join(tmp, "slots.pt"))
     ref = reference_losses(cfg, len(trace) * cfg.steps_per_slot)
     rows: list[dict[str, Any]] = []
@@ -181,7 +179,8 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
             "loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, want, strict=True)),
         })  # fmt: skip
     summary = {
-        "slots": len(rows), "steps": len(ref), "dtype": cfg.dtype, "host_gflops": flops / 1e9,
+        "slots": len(rows), "steps": len(ref), "dtype": cfg.dtype,
+        "device_gflops": cfg.exec.device_gflops, "throttle": got["throttle"],
         "model_gflops": model_flops / 1e9, "model_latency_ms": lat * 1e3,
         "model_link_gbps": model_cfg.link_gbps,
         "max_loss_rel_diff": max(r["loss_rel_diff"] for r in rows),
@@ -193,9 +192,9 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
 
 def _rank(
     rank: int, world: int, cfg: TrainPlanConfig, plans: list[Plan], speeds: list[list[float]],
-    host_flops: float, out: str,
+    out: str,
 ) -> None:  # fmt: skip
-    sample_s = [3 * f / host_flops for f in workload(cfg.exec).fwd_flops]
+    sample_s, scores = cfg.exec.sample_s, []
     rec: dict[str, list[float]] = {k: [] for k in ("losses", "step_s", "move_s", "replan_s",
                                                    "moved")}  # fmt: skip
     runner: PlanRunner | None = None
@@ -208,6 +207,7 @@ def _rank(
                                 _opt(cfg), first, speed=speed, layer_sample_s=sample_s)  # fmt: skip
             took = 0.0
         else:
+            scores.append(runner.throttle_stats())
             runner, took = runner.replan(plan, speed)
         slowest = torch.tensor([runner.moved_s, took], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -230,5 +230,7 @@ def _rank(
             rec["step_s"].append(float(took_step))
             rec["losses"].append(float(part))
             step += 1
+    got: dict[str, Any] = {**rec, "throttle": throttle_score(
+        [*scores, runner.throttle_stats()] if runner else scores)}  # fmt: skip
     if rank == 0:
-        torch.save(rec, os.path.join(out, "slots.pt"))
+        torch.save(got, os.path.join(out, "slots.pt"))
