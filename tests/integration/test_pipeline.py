@@ -23,7 +23,7 @@ from torch import nn
 
 from gradfabric.collectives.spawn import spawn
 from gradfabric.planner.cost import Group, Plan, Stage
-from gradfabric.planner.pipeline import PlanRunner, owner_sets, whole_batches
+from gradfabric.planner.pipeline import PlanRunner, as_run, owner_sets, whole_batches
 
 PLAN = Plan(
     (
@@ -90,6 +90,8 @@ def test_batches_split_into_whole_micro_batches_and_owner_sets() -> None:
     assert whole_batches(PLAN, 48) == [16, 32]
     with pytest.raises(ValueError):
         whole_batches(PLAN, 20)
+    # the plan the cost model prices for a run: the shares as whole micro-batches
+    assert [g.batch for g in as_run(PLAN, 48).groups] == [16.0, 32.0]
     # layer 2 is held by rank 1 (group 0) and rank 3 (group 1)
     assert owner_sets(PLAN, 5) == {(0, 3): [0, 1], (1, 3): [2], (1, 2): [3, 4]}
 
@@ -105,7 +107,7 @@ def test_bench_plan_runs_three_plans_beside_their_predictions(
     from gradfabric.cli import main
 
     code = main(["bench", "plan", "--speeds", "1,0.5,0.5", "--layers", "3", "--width", "64",
-                 "--batch", "48", "--steps", "3", "--random", "1", "--together", "--json",
+                 "--batch", "48", "--steps", "3", "--random", "1", "--repeats", "2", "--json",
                  "--out", str(tmp_path)])  # fmt: skip
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0
@@ -115,6 +117,8 @@ def test_bench_plan_runs_three_plans_beside_their_predictions(
     for r in rows:
         assert r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["calibrated_ms"] > 0
         assert r["error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
+        assert len(r["runs_ms"]) == 2 and min(r["runs_ms"]) <= r["measured_ms"] <= max(r["runs_ms"])
+        assert 0 <= r["overrun_share"] <= 1
 
 
 # a different split of the same 4 ranks: single-stage groups on ranks 0 and 2,

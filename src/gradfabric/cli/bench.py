@@ -90,12 +90,14 @@ def add(sub: Sub) -> None:
         "reference device of --device-gflops: each stage's forward and backward sleep to "
         "the end of that device's compute time), an MLP stack trained under the "
         "planner's plan (with the cost model as is, and calibrated), even and "
-        "speed-proportional data parallelism, an even pipeline and --random random "
-        "plans, steps interleaved "
+        "speed-proportional data parallelism, an even pipeline (each on every device and on "
+        "its best subset) and --random random plans, steps interleaved, --repeats runs "
         "(torch.distributed.pipelining inside groups, per-layer gradient sums across "
-        "them). Each row: measured step time (median of the slowest rank), the cost "
-        "model's prediction for the same plan before and after calibration, their "
-        "relative errors, and both speedups over even data parallelism. Calibration: "
+        "them). Each row: measured step time (median over runs of the median step, each "
+        "ending with the slowest rank), the cost model's prediction for the same plan "
+        "before and after calibration, their relative errors, the throttle's overruns and "
+        "both speedups over even data parallelism; the footer gives the planner's speedup "
+        "over the fastest baseline with a 95%% interval over runs. Calibration: "
         "the device's effective FLOP/s, a pipeline hop's latency and the link rate solved "
         "from three separately measured plans (even DP, two pipelines) and an all-reduce.",
     )
@@ -110,9 +112,10 @@ def add(sub: Sub) -> None:
                     "core shared by two processes does, or the throttle overruns "
                     "(reported)")  # fmt: skip
     bp.add_argument("--random", type=int, default=9, help="random plans measured too")
-    bp.add_argument("--together", action="store_true",
-                    help="all plans in one run, steps interleaved (faster; each plan "
-                    "runs slower than alone)")  # fmt: skip
+    bp.add_argument("--repeats", type=int, default=3, help="runs (samples of each speedup)")
+    bp.add_argument("--apart", action="store_true",
+                    help="each plan in a run of its own (as a job would run it; slower, and "
+                    "noise no longer falls on all plans alike)")  # fmt: skip
     add_output(bp, "bench-plan")
     bp.set_defaults(fn=plan_bench)
 
@@ -249,7 +252,7 @@ def ddp(args: argparse.Namespace) -> int:
 
 
 def plan_bench(args: argparse.Namespace) -> int:
-    from gradfabric.planner.execute import ExecConfig, run_plans
+    from gradfabric.planner.execute import ExecConfig, run_plans, speedup
 
     try:
         cfg = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()), layers=args.layers,
@@ -259,23 +262,26 @@ def plan_bench(args: argparse.Namespace) -> int:
         raise ConfigError("bench plan", str(e)) from None
     from gradfabric.experiments.plots import predicted_vs_measured
 
-    res = run_plans(cfg, args.random, args.together)
+    res = run_plans(cfg, args.random, together=not args.apart, repeats=args.repeats)
     sm = res["summary"]
     dest = report(
         args, "bench-plan", asdict(cfg), res,
         tables=[("rows", f"plans executed on {len(cfg.speeds)} throttled gloo processes "
-                 f"(speeds {args.speeds}), medians of {cfg.steps - cfg.warmup} steps",
+                 f"(speeds {args.speeds}), medians of {cfg.steps - cfg.warmup} steps x "
+                 f"{args.repeats} runs",
                  ["plan", "measured_ms", "predicted_ms", "calibrated_ms", "error",
-                  "error_calibrated", "speedup_vs_even_dp", "predicted_speedup_vs_even_dp"])],
+                  "error_calibrated", "overrun_share", "speedup_vs_even_dp",
+                  "predicted_speedup_vs_even_dp"])],
         footer=f"cost model vs measured over {sm['plans']} plans: median |error| "
         f"{sm['median_abs_error']:.0%}, worst {sm['worst_abs_error']:.0%}; calibrated "
         f"(device {sm['calibration']['flops'] / 1e9:.1f} GFLOP/s, latency "
         f"{sm['calibration']['latency_s'] * 1e3:.2f} ms, link "
         f"{sm['calibration']['link_gbps']:.1f} Gbit/s): median "
         f"{sm['median_abs_error_calibrated']:.0%}, worst {sm['worst_abs_error_calibrated']:.0%}; "
-        f"the calibrated planner's plan {sm['planner_vs_best_baseline']:.2f}x faster than the "
-        f"fastest baseline ({sm['best_baseline']}; predicted "
-        f"{sm['predicted_planner_vs_best_baseline']:.2f}x)",
+        f"throttle overran {sm['overrun_share']:.1%} of calls; the calibrated planner's "
+        f"plan vs the fastest baseline ({sm['best_baseline']}): {speedup(sm, 'best_baseline')}; "
+        f"vs even DP {speedup(sm, 'even_dp')}; vs the even pipeline "
+        f"{speedup(sm, 'even_pipeline')}",
     )  # fmt: skip
     predicted_vs_measured(
         res["rows"], {"cost model": "predicted_ms", "calibrated": "calibrated_ms"},

@@ -8,15 +8,19 @@ planner's own plan for these devices (on the cost model as is and
 calibrated), the baselines (even and speed-proportional data parallelism, an
 even pipeline: each over every device and over the subset where the
 calibrated model finds it fastest, the freedom the planner has) and seeded
-random plans. Each row: the plan, its measured step time (median over ranks' slowest), the
-cost model's predicted batch time for the same plan, and the relative error.
+random plans, all in one run with their steps interleaved (noise falls on
+all alike), ``repeats`` times. Each row: the plan, its measured step time
+(median over runs of the median step, each step ending with the slowest
+rank), the cost model's predicted batch time for the same plan before and
+after calibration, the relative errors, and the throttle's overruns.
 
-The cost model sees the reference device (``device_gflops``), each device
-at its speed factor, and links at ``link_gbps``. The throttle makes the
+The cost model sees the reference device (``device_gflops``) and each device
+as a type of its own at ``speeds[r]`` of it (a static heterogeneity every
+baseline knows of), and links at ``link_gbps``. The throttle makes the
 compute exactly the model's wherever the host's real compute fits in the
 device's time (the reference device is several times slower than a
-contended host core; every row set reports the calls that did not fit), so
-what the model gets wrong is the rest: transfers, the schedule's per
+contended host core; the rows report the calls that did not fit), so what
+the model gets wrong is the rest: transfers, the schedule's per
 micro-batch work, synchronisation, which calibration measures.
 """
 
@@ -36,9 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradfabric.core.stats import mean_ci
 from gradfabric.planner.baselines import best_subset, even_dp, even_pipeline, proportional_dp
 from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evaluate
-from gradfabric.planner.pipeline import PlanRunner, splits_whole, whole_batches
+from gradfabric.planner.pipeline import PlanRunner, as_run, splits_whole, whole_batches
 from gradfabric.planner.search import plan as search_plan
 from gradfabric.planner.search import shares
 from gradfabric.planner.spec import REFERENCE_GFLOPS, DeviceType
@@ -82,13 +87,21 @@ def workload(cfg: ExecConfig) -> Workload:
                     (4 * w,) * cfg.layers, cfg.batch)  # fmt: skip
 
 
-def devices(cfg: ExecConfig, flops: float | None = None) -> list[Device]:
-    """The emulated devices as the cost model sees them (``flops``: the
-    reference device's FLOP/s, by default the throttle's)."""
+def reference(cfg: ExecConfig, flops: float | None = None) -> DeviceType:
+    """The reference device (speed 1) as the cost model sees it (``flops``:
+    its FLOP/s, by default the throttle's)."""
     flops = cfg.device_gflops * 1e9 if flops is None else flops
-    host = DeviceType("reference", peak_tflops=flops / 1e12, mem_gb=8.0, cost_per_hour=0.0,
+    return DeviceType("reference", peak_tflops=flops / 1e12, mem_gb=8.0, cost_per_hour=0.0,
                       nic_gbps=cfg.link_gbps, efficiency=1.0)  # fmt: skip
-    return [Device(i, host, s) for i, s in enumerate(cfg.speeds)]
+
+
+def devices(cfg: ExecConfig, flops: float | None = None) -> list[Device]:
+    """The emulated devices, each speed a device type of its own (a known,
+    static heterogeneity, as a cluster's GPU generations: every baseline
+    sees it, speed-proportional DP included), at their full speed."""
+    ref = reference(cfg, flops)
+    return [Device(i, replace(ref, name=f"reference-x{s:g}", peak_tflops=ref.peak_tflops * s))
+            for i, s in enumerate(cfg.speeds)]  # fmt: skip
 
 
 def plans(cfg: ExecConfig, devs: list[Device], lat: float = 5e-6) -> dict[str, Plan]:
@@ -143,7 +156,7 @@ def _solve(f: Any, lo: float, hi: float, target: float) -> float:
     return math.sqrt(lo * hi)
 
 
-def calibrate(cfg: ExecConfig) -> tuple[Calibration, dict[str, float], dict[str, float]]:
+def calibrate(cfg: ExecConfig) -> tuple[Calibration, dict[str, float]]:
     """Measure three calibration plans (even data parallelism; a two-stage
     pipeline on the two fastest ranks; a pipeline over every rank in reverse
     order) and an all-reduce of the model's gradients, then solve the model's
@@ -151,7 +164,7 @@ def calibrate(cfg: ExecConfig) -> tuple[Calibration, dict[str, float], dict[str,
     over the two pipelines: it stands for everything a stage pays per
     micro-batch) and the link rate (from the all-reduce). None of these plans
     is among those the calibrated model is then judged on. Returns the
-    calibration, the measured seconds and the throttle's score."""
+    calibration and the measured seconds."""
     w, flops = workload(cfg), cfg.device_gflops * 1e9
     devs = devices(cfg)
     fast = sorted(range(len(devs)), key=lambda i: -cfg.speeds[i])[:2]
@@ -174,7 +187,7 @@ def calibrate(cfg: ExecConfig) -> tuple[Calibration, dict[str, float], dict[str,
             )
         ),
     }
-    measured, throttle = _measure(cfg, cal, allreduce=True)
+    measured, _ = _measure(cfg, cal, allreduce=True)
     t = {k: statistics.median(v[cfg.warmup :]) for k, v in measured.items()}
     k = len(devs)
     link = 2 * (k - 1) / k * 4 * sum(w.params) * 8 / t["allreduce"] / 1e9
@@ -192,16 +205,22 @@ def calibrate(cfg: ExecConfig) -> tuple[Calibration, dict[str, float], dict[str,
                                 / t[k]) ** 2 for k in pipes)  # fmt: skip
 
         lat = min((1e-7 * 1.05**i for i in range(400)), key=misfit)
-    return Calibration(fl, lat, link), t, throttle
+    return Calibration(fl, lat, link), t
 
 
-def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) -> dict[str, Any]:
+def run_plans(
+    cfg: ExecConfig, random_count: int = 9, together: bool = True, repeats: int = 1
+) -> dict[str, Any]:
     """Calibrate, then measure the planner's plan (before and after
-    calibration), the baselines and ``random_count`` random plans, each in a
-    run of its own (``together``: all in one run, steps interleaved: faster,
-    and noise falls on all alike, but every plan runs 20-40% slower there than
-    alone); every row with both predictions and their errors."""
-    cal, cal_times, throttle = calibrate(cfg)
+    calibration), the baselines and ``random_count`` random plans; every row
+    with both predictions and their errors. ``together``: all plans in one
+    run, their steps interleaved, so that the host's noise falls on all alike
+    (else each plan in a run of its own, as a job would run it); either way
+    ``repeats`` times, each run a sample of the planner's speedups (mean and
+    95% interval in the summary)."""
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    cal, cal_times = calibrate(cfg)
     w = workload(cfg)
     raw_devs, cal_cfg = devices(cfg), replace(cfg, link_gbps=cal.link_gbps)
     cal_devs = devices(cal_cfg, cal.flops)
@@ -211,45 +230,71 @@ def run_plans(cfg: ExecConfig, random_count: int = 9, together: bool = False) ->
     chosen |= best_subsets(w, cal_devs, cal.latency_s, chosen)
     chosen |= random_plans(cfg, raw_devs, random_count, 5e-6)
     chosen = {k: p for k, p in chosen.items() if splits_whole(p, cfg.batch)}
-    # each plan in a run of its own, as a job would run it, unless together
-    runs = [_measure(cfg, chosen)] if together else [_measure(cfg, {k: p})
-                                                     for k, p in chosen.items()]  # fmt: skip
-    times = {k: v for t, _ in runs for k, v in t.items()}
-    for _, score in runs:
-        throttle = {k: throttle[k] + v for k, v in score.items()}
+    batches = [[chosen] if together else [{k: p} for k, p in chosen.items()]
+               for _ in range(repeats)]  # fmt: skip
+    # per plan, the median step of each run (after warm-up), and the throttle's score
+    runs: dict[str, list[float]] = {k: [] for k in chosen}
+    scores: dict[str, dict[str, float]] = {}
+    for batch in (b for rep in batches for b in rep):
+        times, score = _measure(cfg, batch)
+        for k in batch:
+            runs[k].append(statistics.median(times[k][cfg.warmup :]))
+            scores[k] = {n: scores.get(k, {}).get(n, 0.0) + v for n, v in score[k].items()}
     rows: list[dict[str, Any]] = []
     for name, p in chosen.items():
-        measured = statistics.median(times[name][cfg.warmup :])
-        predicted = evaluate(w, raw_devs, p).batch_time_s
-        calibrated = evaluate(w, cal_devs, p, cal.latency_s).batch_time_s
+        measured = statistics.median(runs[name])
+        run = as_run(p, cfg.batch)
+        predicted = evaluate(w, raw_devs, run).batch_time_s
+        calibrated = evaluate(w, cal_devs, run, cal.latency_s).batch_time_s
+        sc = scores[name]
         rows.append({
             "plan": name, "groups": [[(s.device, s.first, s.end) for s in g.stages]
                                      for g in p.groups],
             "batches": whole_batches(p, cfg.batch),
-            "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
-            "calibrated_ms": calibrated * 1e3,
+            "measured_ms": measured * 1e3, "runs_ms": [t * 1e3 for t in runs[name]],
+            "predicted_ms": predicted * 1e3, "calibrated_ms": calibrated * 1e3,
             "error": predicted / measured - 1, "error_calibrated": calibrated / measured - 1,
+            "overrun_share": sc["overruns"] / max(sc["calls"], 1),
+            "overrun_ms_per_step": sc["overrun_s"] * 1e3 / (repeats * cfg.steps),
         })  # fmt: skip
-    base = next(r for r in rows if r["plan"] == "even-dp")
+    by = {r["plan"]: r for r in rows}
     for r in rows:
-        r["speedup_vs_even_dp"] = base["measured_ms"] / r["measured_ms"]
-        r["predicted_speedup_vs_even_dp"] = base["calibrated_ms"] / r["calibrated_ms"]
+        r["speedup_vs_even_dp"] = by["even-dp"]["measured_ms"] / r["measured_ms"]
+        r["predicted_speedup_vs_even_dp"] = by["even-dp"]["calibrated_ms"] / r["calibrated_ms"]
     fastest = min((r for r in rows if r["plan"] in BASELINE_ROWS), key=lambda r: r["measured_ms"])
-    mine = {r["plan"]: r for r in rows}["planner-calibrated"]
+    mine = by["planner-calibrated"]
+
+    def speedup(base: dict[str, Any]) -> dict[str, Any]:
+        """The planner's speedup over ``base``: per run (paired), mean and
+        95% interval; and the calibrated model's prediction of it."""
+        est = mean_ci([b / m for b, m in zip(base["runs_ms"], mine["runs_ms"], strict=True)])
+        return {"mean": est.mean, "half": est.half, "runs": est.n,
+                "predicted": base["calibrated_ms"] / mine["calibrated_ms"]}  # fmt: skip
+
     errs = [abs(r["error"]) for r in rows]
     cal_errs = [abs(r["error_calibrated"]) for r in rows]
+    total = {n: sum(sc[n] for sc in scores.values()) for n in ("calls", "overruns")}
     summary = {
-        "plans": len(rows), "device_gflops": cfg.device_gflops, "throttle": throttle,
+        "plans": len(rows), "repeats": repeats, "device_gflops": cfg.device_gflops,
+        "overrun_share": total["overruns"] / max(total["calls"], 1),
         "calibration": asdict(cal),
         "calibration_measured_ms": {k: v * 1e3 for k, v in cal_times.items()},
         "median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
         "median_abs_error_calibrated": statistics.median(cal_errs),
         "worst_abs_error_calibrated": max(cal_errs),
         "best_baseline": fastest["plan"],
-        "planner_vs_best_baseline": fastest["measured_ms"] / mine["measured_ms"],
-        "predicted_planner_vs_best_baseline": fastest["calibrated_ms"] / mine["calibrated_ms"],
+        "planner_vs_best_baseline": speedup(fastest),
+        "planner_vs_even_dp": speedup(by["even-dp"]),
+        "planner_vs_even_pipeline": speedup(by["even-pipeline"]),
     }  # fmt: skip
     return {"rows": rows, "summary": summary}
+
+
+def speedup(summary: dict[str, Any], against: str) -> str:
+    """``run_plans``'s speedup of the planner over a baseline (``best_baseline``,
+    ``even_dp``, ``even_pipeline``), as text."""
+    s = summary[f"planner_vs_{against}"]
+    return f"{s['mean']:.2f}x ± {s['half']:.2f} ({s['runs']} runs; predicted {s['predicted']:.2f}x)"
 
 
 RULES = {"even-dp": even_dp, "proportional-dp": proportional_dp, "even-pipeline": even_pipeline}
@@ -273,14 +318,14 @@ def best_subsets(
 
 def _measure(
     cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool = False
-) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Each plan's step times (every rank's slowest) and the throttle's score
-    summed over ranks."""
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Per plan, its step times (each the slowest rank's) and the throttle's
+    score summed over ranks."""
     from gradfabric.collectives.spawn import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_rank, len(cfg.speeds), (cfg, chosen, allreduce, tmp), threads=1, deadline_s=900)
-        got: tuple[dict[str, list[float]], dict[str, float]] = torch.load(
+        got: tuple[dict[str, list[float]], dict[str, dict[str, float]]] = torch.load(
             os.path.join(tmp, "times.pt"))  # fmt: skip
     return got
 
@@ -311,7 +356,7 @@ def _rank(
             took = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
             times[name].append(float(took))
-    throttle = throttle_score([r.throttle_stats() for r in runners.values()])
+    throttle = {k: throttle_score([r.throttle_stats()]) for k, r in runners.items()}
     if rank == 0:
         torch.save((times, throttle), os.path.join(out, "times.pt"))
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -56,6 +56,13 @@ def whole_batches(plan: Plan, total: int) -> list[int]:
         i = max(fits, key=lambda i: shares[i] - out[i])
         out[i] += units[i]
     return out
+
+
+def as_run(plan: Plan, total: int) -> Plan:
+    """``plan`` with the group batches it runs with (``whole_batches``): what
+    the cost model must price to predict a run."""
+    got = whole_batches(plan, total)
+    return Plan(tuple(replace(g, batch=float(b)) for g, b in zip(plan.groups, got, strict=True)))
 
 
 def splits_whole(plan: Plan, total: int) -> bool:

@@ -39,13 +39,13 @@ from gradfabric.planner.cost import Device, Plan, evaluate
 from gradfabric.planner.execute import (
     ExecConfig,
     calibrate,
-    devices,
     mlp_stack,
+    reference,
     throttle_score,
     workload,
 )
 from gradfabric.planner.online import Trace, migration_bytes, run_online
-from gradfabric.planner.pipeline import PlanRunner, splits_whole
+from gradfabric.planner.pipeline import PlanRunner, as_run, splits_whole
 
 # The built-in trace (factors on top of each device's speed): all present; the
 # second device contended to 30%; the first leaves; it returns; all as at first.
@@ -140,13 +140,13 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
     w, model_cfg, lat = workload(cfg.exec), cfg.exec, 5e-6
     model_flops = cfg.exec.device_gflops * 1e9
     if cfg.calibrate:
-        cal, _, _ = calibrate(cfg.exec)
+        cal, _ = calibrate(cfg.exec)
         model_cfg, model_flops, lat = (
             replace(cfg.exec, link_gbps=cal.link_gbps),
             cal.flops,
             cal.latency_s,
         )
-    host = devices(model_cfg, model_flops)[0].type
+    host = reference(model_cfg, model_flops)  # (the trace's factors are speeds on top of it)
 
     online = run_online(w, [host] * len(cfg.exec.speeds), speeds, 0.0, cfg.v, cfg.steps_per_slot,
                         baselines=False, admissible=lambda p: splits_whole(p, cfg.exec.batch),
@@ -168,7 +168,8 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
             "slot": t, "factors": trace[t],
             "plan": describe(plan),
             "groups": [[(s.device, s.first, s.end) for s in g.stages] for g in plan.groups],
-            "predicted_step_ms": evaluate(w, devs, plan, lat).batch_time_s * 1e3,
+            "predicted_step_ms": evaluate(w, devs, as_run(plan, cfg.exec.batch),
+                                          lat).batch_time_s * 1e3,
             "measured_step_ms": statistics.median(got["step_s"][t * k + 1 : (t + 1) * k]) * 1e3,
             "predicted_migration_ms": rec.migration_s * 1e3,
             "predicted_param_mb": sum(gained.values()) / 1e6,
