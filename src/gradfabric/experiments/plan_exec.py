@@ -7,7 +7,7 @@ is and calibrated), even and speed-proportional data parallelism and an even
 pipeline (each on every device and on the subset where the calibrated model
 finds it fastest) and seeded random plans train an MLP stack, steps
 interleaved, in repeated runs (each run one sample of the planner's
-speedups). Quick: 3 random plans, 8 steps, 2 runs; full: 9 random plans, 14
+speedups). Quick: 3 random plans, 8 steps, 3 runs; full: 9 random plans, 14
 steps, 5 runs. Then ``train_plan``: the online controller re-plans a job
 through the built-in speed trace on the same processes, each move made for
 real, the loss beside the unsplit run's.
@@ -30,7 +30,7 @@ class PlanExec:
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         cfg = ExecConfig(steps=8 if quick else 14)
-        random_count, repeats = (3, 2) if quick else (9, 5)
+        random_count, repeats = (3, 3) if quick else (9, 5)
         tick(f"calibrate, then {5 + random_count} plans on {len(cfg.speeds)} processes, "
              f"{repeats} runs")  # fmt: skip
         res = run_plans(cfg, random_count, repeats=repeats)
