@@ -127,3 +127,34 @@ def test_cluster_yaml_errors_name_the_field(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="peak_tflops"):
         load_cluster(f)
+
+
+def test_the_calibrated_cluster_file_prices_plans_as_the_calibrated_model(tmp_path: Path) -> None:
+    """``gradfabric plan --calibrate`` writes the measured cluster as YAML;
+    loaded back, it must price every plan exactly as ``bench plan``'s
+    calibrated model does (the same devices, links and per-hop latency)."""
+    import yaml
+
+    from gradfabric.core.config import dump
+    from gradfabric.planner.execute import (
+        Calibration,
+        ExecConfig,
+        calibrated_cluster,
+        devices,
+        random_plans,
+        workload,
+    )
+
+    cfg = ExecConfig(speeds=(1.0, 0.5, 1.0, 0.25))
+    cal = Calibration(flops=3.7e9, latency_s=8.5e-4, link_gbps=6.1)
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(yaml.safe_dump(dump(calibrated_cluster(cfg, cal))))
+    spec = load_cluster(path)
+    loaded = [Device(i, t) for i, t in enumerate(spec.expand())]
+    measured = devices(ExecConfig(speeds=cfg.speeds, link_gbps=cal.link_gbps), cal.flops)
+    w = workload(cfg)
+    for p in random_plans(cfg, measured, 6, 5e-6).values():
+        want = evaluate(w, measured, p, cal.latency_s).batch_time_s
+        assert evaluate(w, loaded, p, spec.link_latency_us * 1e-6).batch_time_s == pytest.approx(
+            want, rel=1e-12
+        )

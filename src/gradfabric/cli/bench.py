@@ -278,7 +278,8 @@ def plan_bench(args: argparse.Namespace) -> int:
         f"{sm['calibration']['latency_s'] * 1e3:.2f} ms, link "
         f"{sm['calibration']['link_gbps']:.1f} Gbit/s): median "
         f"{sm['median_abs_error_calibrated']:.0%}, worst {sm['worst_abs_error_calibrated']:.0%}; "
-        f"throttle overran {sm['overrun_share']:.1%} of calls; the calibrated planner's "
+        f"throttle overran {sm['overrun_share']:.1%} of calls, its sleeps ended "
+        f"{sm['late_us_per_call']:.0f} us late on average; the calibrated planner's "
         f"plan vs the fastest baseline ({sm['best_baseline']}): {speedup(sm, 'best_baseline')}; "
         f"vs even DP {speedup(sm, 'even_dp')}; vs the even pipeline "
         f"{speedup(sm, 'even_pipeline')}",

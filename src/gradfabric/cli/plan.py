@@ -11,7 +11,7 @@ from typing import Any
 
 from gradfabric.cli.common import Sub, add_output, out, progress, report, results_dir
 from gradfabric.core.errors import ConfigError
-from gradfabric.planner.spec import REFERENCE_GFLOPS
+from gradfabric.planner.spec import REFERENCE_GFLOPS, ClusterSpec
 
 
 def add(sub: Sub) -> None:
@@ -32,6 +32,15 @@ def add(sub: Sub) -> None:
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--budget", type=float, help="$ per hour (default: the static plan's price)")
     pl.add_argument("--v", type=float, default=1000.0, help="time-vs-cost trade-off V")
+    pl.add_argument(
+        "--calibrate",
+        metavar="OUT.yaml",
+        help="first measure this host's emulated cluster (gloo processes at --speeds of a "
+        "reference device, as bench plan runs them: three plans and an all-reduce), write "
+        "it as a cluster YAML with the measured FLOP/s, link rate and per-hop latency, and "
+        "plan on it",
+    )
+    pl.add_argument("--speeds", default="1,1,0.5,0.25", help="with --calibrate: one per rank")
     add_output(pl, "plan", "print the plan as one JSON object")
     pl.set_defaults(fn=run)
 
@@ -109,6 +118,29 @@ def train_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate_here(args: argparse.Namespace) -> ClusterSpec:
+    """``--calibrate``: measure the local emulated cluster, write it, return it."""
+    import yaml
+
+    from gradfabric.core.config import dump
+    from gradfabric.planner.execute import ExecConfig, calibrate, calibrated_cluster
+
+    try:
+        cfg = ExecConfig(speeds=tuple(float(x) for x in args.speeds.split(",")))
+    except ValueError as e:
+        raise ConfigError("speeds", str(e)) from None
+    with progress(1, args.json) as tick:
+        tick(f"calibrating {len(cfg.speeds)} emulated devices")
+        cal, _ = calibrate(cfg)
+    spec = calibrated_cluster(cfg, cal)
+    Path(args.calibrate).write_text(yaml.safe_dump(dump(spec), sort_keys=False))
+    if not args.json:
+        out.print(f"calibrated: {cal.flops / 1e9:.2f} GFLOP/s at speed 1, "
+                  f"{cal.link_gbps:.2f} Gbit/s, {cal.latency_s * 1e6:.0f} us per hop; "
+                  f"written to {args.calibrate}")  # fmt: skip
+    return spec
+
+
 def run(args: argparse.Namespace) -> int:
     from gradfabric.experiments import plots
     from gradfabric.planner.baselines import BASELINES, best_subset
@@ -118,9 +150,13 @@ def run(args: argparse.Namespace) -> int:
     from gradfabric.planner.spec import example_cluster, load_cluster
     from gradfabric.workloads.catalog import model_spec
 
-    cluster = load_cluster(Path(args.cluster)) if args.cluster else example_cluster()
     if args.batch < 1:
         raise ConfigError("batch", "must be >= 1")
+    if args.calibrate and args.cluster:
+        raise ConfigError("plan", "--calibrate measures the cluster: give no cluster YAML")
+    cluster = (calibrate_here(args) if args.calibrate
+               else load_cluster(Path(args.cluster)) if args.cluster
+               else example_cluster())  # fmt: skip
     w = Workload.of(model_spec(args.model), args.batch)
     types = cluster.expand()
     devs = [Device(i, t) for i, t in enumerate(types)]

@@ -46,7 +46,7 @@ from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evalua
 from gradfabric.planner.pipeline import PlanRunner, as_run, splits_whole, whole_batches
 from gradfabric.planner.search import plan as search_plan
 from gradfabric.planner.search import shares
-from gradfabric.planner.spec import REFERENCE_GFLOPS, DeviceType
+from gradfabric.planner.spec import REFERENCE_GFLOPS, ClusterSpec, DeviceCount, DeviceType
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,11 @@ def devices(cfg: ExecConfig, flops: float | None = None) -> list[Device]:
     static heterogeneity, as a cluster's GPU generations: every baseline
     sees it, speed-proportional DP included), at their full speed."""
     ref = reference(cfg, flops)
-    return [Device(i, replace(ref, name=f"reference-x{s:g}", peak_tflops=ref.peak_tflops * s))
-            for i, s in enumerate(cfg.speeds)]  # fmt: skip
+    return [Device(i, _at(ref, s)) for i, s in enumerate(cfg.speeds)]
+
+
+def _at(ref: DeviceType, speed: float) -> DeviceType:
+    return replace(ref, name=f"reference-x{speed:g}", peak_tflops=ref.peak_tflops * speed)
 
 
 def plans(cfg: ExecConfig, devs: list[Device], lat: float = 5e-6) -> dict[str, Plan]:
@@ -146,6 +149,18 @@ class Calibration:
     flops: float
     latency_s: float
     link_gbps: float
+
+
+def calibrated_cluster(cfg: ExecConfig, cal: Calibration) -> ClusterSpec:
+    """The emulated cluster as ``gradfabric plan`` reads clusters: one device
+    type per speed at the calibrated FLOP/s (efficiency 1: the FLOP/s is
+    already what a step sustains), NICs at the calibrated link rate, the
+    calibrated per-hop latency; devices in rank order."""
+    ref = reference(replace(cfg, link_gbps=cal.link_gbps), cal.flops)
+    types = {s: _at(ref, s) for s in cfg.speeds}
+    return ClusterSpec(tuple(types.values()),
+                       tuple(DeviceCount(types[s].name, 1) for s in cfg.speeds),
+                       link_latency_us=cal.latency_s * 1e6)  # fmt: skip
 
 
 def _solve(f: Any, lo: float, hi: float, target: float) -> float:
@@ -273,10 +288,11 @@ def run_plans(
 
     errs = [abs(r["error"]) for r in rows]
     cal_errs = [abs(r["error_calibrated"]) for r in rows]
-    total = {n: sum(sc[n] for sc in scores.values()) for n in ("calls", "overruns")}
+    total = {n: sum(sc[n] for sc in scores.values()) for n in ("calls", "overruns", "late_s")}
     summary = {
         "plans": len(rows), "repeats": repeats, "device_gflops": cfg.device_gflops,
         "overrun_share": total["overruns"] / max(total["calls"], 1),
+        "late_us_per_call": total["late_s"] * 1e6 / max(total["calls"], 1),
         "calibration": asdict(cal),
         "calibration_measured_ms": {k: v * 1e3 for k, v in cal_times.items()},
         "median_abs_error": statistics.median(errs), "worst_abs_error": max(errs),
