@@ -2,8 +2,9 @@
 
 ``train_plan`` is the online controller (``planner.online``) driving the
 runtime (``planner.pipeline``): one gloo process per emulated device (rank
-``r`` at ``speeds[r]`` of a host core, times the trace's factor for the slot;
-a factor of 0 takes the device away), an MLP stack (``execute.mlp_stack``)
+``r`` at ``speeds[r]`` of the reference device, the deadline throttle of
+``execute``, times the trace's factor for the slot; a factor of 0 takes the
+device away), an MLP stack (``execute.mlp_stack``)
 trained with momentum SGD to match a seeded teacher stack. Before each slot
 the controller picks a plan for the devices as they are now, weighing the
 step time against the migration's cost (its term: the fp32 parameters a
