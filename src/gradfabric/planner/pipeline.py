@@ -147,7 +147,9 @@ class _BackwardEnds(torch.autograd.Function):
     """Identity at a stage's input. Its backward runs when the stage's own
     backward is done (the gradient has reached the input): it sleeps to the
     backward's deadline. ``anchor`` needs a gradient, so this runs on the first
-    stage too, whose input needs none."""
+    stage too, whose input needs none (there the backward then also computes
+    the input's gradient, a matmul a real first stage skips: real work inside
+    the budget, which only an overrun would show)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, clock: Clock,
