@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gradfabric.cli.common import Sub, add_output, out, progress, report, results_dir
+from gradfabric.cli.common import Sub, add_output, csv, out, progress, report, results_dir
 from gradfabric.core.errors import ConfigError
 from gradfabric.planner.spec import REFERENCE_GFLOPS, ClusterSpec
 
@@ -90,7 +90,7 @@ def train_plan(args: argparse.Namespace) -> int:
     from gradfabric.planner.train_plan import train_plan as run_slots
 
     try:
-        cluster = ExecConfig(speeds=tuple(float(x) for x in args.speeds.split(",")),
+        cluster = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()),
                              layers=args.layers, width=args.width, batch=args.batch,
                              seed=args.seed, device_gflops=args.device_gflops)  # fmt: skip
         cfg = TrainPlanConfig(cluster, steps_per_slot=args.steps_per_slot, dtype=args.dtype,
@@ -126,7 +126,7 @@ def calibrate_here(args: argparse.Namespace) -> ClusterSpec:
     from gradfabric.planner.execute import ExecConfig, calibrate, calibrated_cluster
 
     try:
-        cfg = ExecConfig(speeds=tuple(float(x) for x in args.speeds.split(",")))
+        cfg = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()))
     except ValueError as e:
         raise ConfigError("speeds", str(e)) from None
     with progress(1, args.json) as tick:

@@ -43,7 +43,7 @@ from torch import nn
 from gradfabric.core.stats import mean_ci
 from gradfabric.planner.baselines import best_subset, even_dp, even_pipeline, proportional_dp
 from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evaluate
-from gradfabric.planner.pipeline import PlanRunner, as_run, splits_whole, whole_batches
+from gradfabric.planner.pipeline import Clock, PlanRunner, as_run, splits_whole, whole_batches
 from gradfabric.planner.search import plan as search_plan
 from gradfabric.planner.search import shares
 from gradfabric.planner.spec import REFERENCE_GFLOPS, ClusterSpec, DeviceCount, DeviceType
@@ -245,16 +245,15 @@ def run_plans(
     chosen |= best_subsets(w, cal_devs, cal.latency_s, chosen)
     chosen |= random_plans(cfg, raw_devs, random_count, 5e-6)
     chosen = {k: p for k, p in chosen.items() if splits_whole(p, cfg.batch)}
-    batches = [[chosen] if together else [{k: p} for k, p in chosen.items()]
-               for _ in range(repeats)]  # fmt: skip
+    batches = ([chosen] if together else [{k: p} for k, p in chosen.items()]) * repeats
     # per plan, the median step of each run (after warm-up), and the throttle's score
     runs: dict[str, list[float]] = {k: [] for k in chosen}
-    scores: dict[str, dict[str, float]] = {}
-    for batch in (b for rep in batches for b in rep):
+    scores = {k: dict.fromkeys(Clock.KEYS, 0.0) for k in chosen}
+    for batch in batches:
         times, score = _measure(cfg, batch)
         for k in batch:
             runs[k].append(statistics.median(times[k][cfg.warmup :]))
-            scores[k] = {n: scores.get(k, {}).get(n, 0.0) + v for n, v in score[k].items()}
+            scores[k] = {n: scores[k][n] + score[k][n] for n in Clock.KEYS}
     rows: list[dict[str, Any]] = []
     for name, p in chosen.items():
         measured = statistics.median(runs[name])
@@ -380,7 +379,6 @@ def _rank(
 def throttle_score(stats: list[dict[str, float]]) -> dict[str, float]:
     """``Clock`` scores summed over this rank's runners and then over every
     rank (a collective: every rank calls it)."""
-    keys = ("calls", "overruns", "overrun_s", "late_s")
-    total = torch.tensor([sum(s[k] for s in stats) for k in keys], dtype=torch.float64)
+    total = torch.tensor([sum(s[k] for s in stats) for k in Clock.KEYS], dtype=torch.float64)
     dist.all_reduce(total)
-    return dict(zip(keys, total.tolist(), strict=True))
+    return dict(zip(Clock.KEYS, total.tolist(), strict=True))

@@ -27,6 +27,7 @@ collective over the default group), then only their members use them.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -112,6 +113,8 @@ class Clock:
     sleep ends within microseconds of its deadline instead of the default
     50 us."""
 
+    KEYS = ("calls", "overruns", "overrun_s", "late_s")  # the score, as ``stats`` gives it
+
     def __init__(self) -> None:
         self.calls = self.overruns = 0
         self.overrun_s = self.late_s = 0.0
@@ -130,10 +133,10 @@ class Clock:
         self.late_s += time.perf_counter() - deadline
 
     def stats(self) -> dict[str, float]:
-        return {"calls": self.calls, "overruns": self.overruns, "overrun_s": self.overrun_s,
-                "late_s": self.late_s}  # fmt: skip
+        return {k: float(getattr(self, k)) for k in self.KEYS}
 
 
+@functools.cache  # the slack is the process's: once is enough
 def _tight_timer() -> None:
     try:
         import ctypes
@@ -207,6 +210,8 @@ class Throttled(nn.Module):
             raise ValueError(f"speed must be in (0, 1], got {speed}")
         self.inner, self.speed, self.sample_s = inner, speed, sample_s
         self.clock = Clock()
+        # a leaf needing a gradient (its own stays None: ``_BackwardEnds`` returns none)
+        self.anchor = torch.zeros((), requires_grad=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -216,8 +221,7 @@ class Throttled(nn.Module):
                 time.sleep(3 * (time.perf_counter() - t0) * (1 / self.speed - 1))
             return out
         budget = len(x) * self.sample_s / 3 / self.speed
-        anchor = torch.zeros((), requires_grad=True)
-        out = self.inner(_BackwardEnds.apply(x, anchor, self.clock, 2 * budget))  # type: ignore[no-untyped-call]
+        out = self.inner(_BackwardEnds.apply(x, self.anchor, self.clock, 2 * budget))  # type: ignore[no-untyped-call]
         self.clock.wait(t0, budget)
         return cast(torch.Tensor, _BackwardBegins.apply(out, self.clock))  # type: ignore[no-untyped-call]
 
@@ -342,7 +346,7 @@ class PlanRunner:
 
     def throttle_stats(self) -> dict[str, float]:
         """This rank's ``Clock`` score (zeros on a rank the plan leaves out)."""
-        return self.run.clock.stats() if self.active else Clock().stats()
+        return self.run.clock.stats() if self.active else dict.fromkeys(Clock.KEYS, 0.0)
 
     def _sync(self, weight: float) -> None:
         """Weight this group's gradients by its batch share and sum each
