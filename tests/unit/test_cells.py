@@ -1,15 +1,19 @@
 """A grid's cells give the same records serially, in a process pool and on a
-cluster engine (a local Dask cluster; Ray where it is installed)."""
+cluster engine (a local Dask cluster; Ray where it is installed), and a store
+of finished cells lets a grid resume without trusting another code's records."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from gradfabric.core.cells import Executor, run_cells
+from gradfabric.core.cells import CellStore, Executor, run_cells
 from gradfabric.core.errors import ConfigError
 from gradfabric.sim.dlcp import VARIANTS, DlcpConfig, run_grid
+from gradfabric.sim.dlcp import run_cell as dlcp_cell
 
 
 def test_pool_returns_records_in_cell_order() -> None:
@@ -72,3 +76,60 @@ def test_executor_rejects_what_it_cannot_run() -> None:
         Executor("spark")
     with pytest.raises(ConfigError, match="address"):
         Executor("local", 2, "tcp://head:8786")
+
+
+_calls: list[int] = []
+
+
+def _square(c: int) -> int:
+    _calls.append(c)
+    return c * c
+
+
+def test_a_stored_grid_resumes_with_only_the_missing_cells(tmp_path: Path) -> None:
+    """A grid stopped after some cells: the same grid again computes only the
+    cells the store lacks, and returns what a run without a store returns."""
+    store = str(tmp_path / "cells.jsonl")
+    _calls.clear()
+    assert run_cells(_square, [3, 1, 4], Executor(store=store)) == [9, 1, 16]
+    seen: list[str] = []
+    got = run_cells(_square, [3, 1, 4, 1, 5, 9], Executor(store=store), seen.append)
+    assert got == [c * c for c in (3, 1, 4, 1, 5, 9)]
+    assert _calls == [3, 1, 4, 5, 9]  # 1 twice in the grid, computed once, and reused
+    assert seen == ["3 (stored)", "1 (stored)", "4 (stored)", "1 (stored)", "5", "9"]
+    assert len(Path(store).read_text().splitlines()) == 5
+
+
+def test_a_store_from_other_code_or_cut_short_is_not_trusted(tmp_path: Path) -> None:
+    """Lines written by other code (another digest) are kept but not used, and
+    a line cut short by a killed run is skipped; both cells are computed again."""
+    path = tmp_path / "cells.jsonl"
+    run_cells(_square, [2, 7], Executor(store=str(path)))
+    first, second = path.read_text().splitlines()
+    entry = json.loads(first)
+    entry["code"] = "0" * 16
+    path.write_text(json.dumps(entry) + "\n" + second[: len(second) // 2])
+    _calls.clear()
+    assert run_cells(_square, [2, 7], Executor(store=str(path))) == [4, 49]
+    assert _calls == [2, 7]
+    store = CellStore(path, _square)
+    assert (store.stale, store.unreadable) == (1, 1) and store.has(2) and store.has(7)
+
+
+def test_a_store_keeps_only_records_that_read_back_equal(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="read back"):
+        run_cells(_pair, [1], Executor(store=str(tmp_path / "cells.jsonl")))
+
+
+def _pair(c: int) -> tuple[int, int]:
+    return c, c  # JSON reads a tuple back as a list
+
+
+def test_a_stored_simulated_grid_equals_the_computed_one(tmp_path: Path) -> None:
+    """Simulated records (DLCP's grid: floats, counts, names) read back from
+    the store equal to the run that computed them."""
+    base = DlcpConfig(collective="allreduce", tensors=(16_384,), iterations=1)
+    where = Executor(store=str(tmp_path / "cells.jsonl"))
+    computed = run_grid([base], (0.5,), (0,), where=where)
+    assert run_grid([base], (0.5,), (0,), where=where) == computed
+    assert CellStore(tmp_path / "cells.jsonl", dlcp_cell).records

@@ -61,10 +61,15 @@ def add_executor(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--address", help="the cluster's scheduler (dask) or head (ray); "
                    "default: start a local one with --processes workers")  # fmt: skip
+    p.add_argument(
+        "--store", metavar="FILE",
+        help="keep each finished cell in FILE (JSON lines) and take from it the cells it "
+        "already holds from the same code: a long grid resumes where it stopped",
+    )  # fmt: skip
 
 
 def executor(args: argparse.Namespace) -> Executor:
-    return Executor(args.executor, args.processes or default_processes(), args.address)
+    return Executor(args.executor, args.processes or default_processes(), args.address, args.store)
 
 
 @contextmanager

@@ -22,11 +22,14 @@ import ``gradfabric`` (the same version), as with any task they run.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from gradfabric.core.errors import ConfigError
@@ -50,6 +53,7 @@ class Executor:
     kind: str = "local"
     processes: int = 1
     address: str | None = None
+    store: str | None = None  # a ``CellStore`` file: finished cells are kept and reused
 
     def __post_init__(self) -> None:
         if self.kind not in EXECUTORS:
@@ -82,34 +86,131 @@ def run_cells(
     label: Callable[[C], str] = str,
 ) -> list[R]:
     """``[fn(c) for c in cells]``, run ``where`` says (an int: that many local
-    processes); ``tick(label(cell))`` as each cell starts (serially) or finishes."""
+    processes); ``tick(label(cell))`` as each cell starts (serially) or finishes.
+    With ``where.store``, cells that file already holds (computed by the same
+    code) are taken from it and each new one is added as it finishes."""
     ex = where if isinstance(where, Executor) else Executor(processes=where)
-    if ex.kind != "local":
-        results: dict[int, R] = {}
-        run = _on_dask if ex.kind == "dask" else _on_ray
-        for i, r in run(fn, cells, ex):
-            results[i] = r
+    store = CellStore(Path(ex.store), fn) if ex.store else None
+    done: dict[int, R] = {}
+    todo: list[int] = []
+    for i, c in enumerate(cells):
+        if store is not None and store.has(c):
+            done[i] = store.get(c)
             if tick is not None:
-                tick(label(cells[i]))
-        return [results[i] for i in range(len(cells))]
-    processes = ex.processes
-    if processes <= 1 or len(cells) <= 1:
-        out = []
-        for c in cells:
-            if tick is not None:
-                tick(label(c))
-            out.append(fn(c))
-        return out
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(processes, len(cells)), mp_context=ctx) as pool:
-        futures = {pool.submit(fn, c): i for i, c in enumerate(cells)}
-        done: dict[int, R] = {}
-        for f in as_completed(futures):
-            i = futures[f]
-            done[i] = f.result()
-            if tick is not None:
-                tick(label(cells[i]))
+                tick(label(c) + " (stored)")
+        else:
+            todo.append(i)
+    serial = ex.kind == "local" and (ex.processes <= 1 or len(todo) <= 1)
+    run: _Run = {"dask": _on_dask, "ray": _on_ray}.get(ex.kind, _serially if serial else _on_pool)
+    for k, r in (
+        run(fn, [cells[i] for i in todo], ex, tick if serial else None, label) if todo else ()
+    ):
+        i = todo[k]
+        done[i] = r
+        if store is not None:
+            store.put(cells[i], r)
+        if tick is not None and not serial:
+            tick(label(cells[i]))
     return [done[i] for i in range(len(cells))]
+
+
+# (fn, cells, executor, tick, label) -> (index, record) as each cell finishes
+_Run = Callable[..., Iterator[tuple[int, Any]]]
+
+
+def _serially(
+    fn: Callable[[C], R], cells: Sequence[C], _ex: Executor,
+    tick: Callable[[str], None] | None, label: Callable[[C], str],
+) -> Iterator[tuple[int, R]]:  # fmt: skip
+    for i, c in enumerate(cells):
+        if tick is not None:
+            tick(label(c))  # as it starts: a long cell shows what is running
+        yield i, fn(c)
+
+
+def _on_pool(
+    fn: Callable[[C], R], cells: Sequence[C], ex: Executor, *_: Any
+) -> Iterator[tuple[int, R]]:
+    """(index, record) as each cell finishes in a local process pool."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(ex.processes, len(cells)), mp_context=ctx) as pool:
+        futures = {pool.submit(fn, c): i for i, c in enumerate(cells)}
+        for f in as_completed(futures):
+            yield futures[f], f.result()
+
+
+# What a simulated cell's record can depend on: the layers below the
+# experiments (the layer rule keeps the rest out) and the cell function's own module.
+_SIMULATION = ("core", "wire", "workloads", "proto", "sim")
+
+
+def code_digest(fn: Callable[..., Any]) -> str:
+    """A digest of the sources ``fn``'s records can depend on (see ``_SIMULATION``)."""
+    pkg = Path(__file__).resolve().parent.parent
+    files = sorted(p for d in _SIMULATION for p in (pkg / d).rglob("*.py"))
+    own = pkg.joinpath(*fn.__module__.split(".")[1:]).with_suffix(".py")
+    h = hashlib.sha256()
+    for f in [*files, *([own] if own.is_file() and own not in files else [])]:
+        h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+class CellStore:
+    """Finished cells of a grid, one JSON line each, so that a grid that takes
+    hours survives an interrupted run and grows across runs: the same command
+    again computes only the cells the file lacks.
+
+    A line holds the cell's key (a digest of the cell function's name and the
+    cell's ``repr``, which for the grids' frozen dataclasses is every field,
+    seed included), the ``code_digest`` of the sources that computed it, the
+    cell as text, and its record. Only lines from the current code are used;
+    lines from other code stay in the file (``stale`` counts them), and a line
+    that does not parse (a run killed mid-write) is skipped and counted in
+    ``unreadable``. Records must be JSON values that read back equal (plain
+    dicts of numbers and strings), so a stored record is the computed one."""
+
+    def __init__(self, path: Path, fn: Callable[..., Any]) -> None:
+        self.path = path
+        self.name = f"{fn.__module__}.{fn.__qualname__}"
+        self.code = code_digest(fn)
+        self.records: dict[str, Any] = {}
+        self.stale = self.unreadable = 0
+        text = path.read_text() if path.exists() else ""
+        self.cut = bool(text) and not text.endswith("\n")  # the next line starts a line of its own
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+                key, code, record = entry["key"], entry["code"], entry["record"]
+            except (ValueError, KeyError, TypeError):
+                self.unreadable += 1
+                continue
+            if code == self.code:
+                self.records[key] = record
+            else:
+                self.stale += 1
+
+    def key(self, cell: object) -> str:
+        return hashlib.sha256(f"{self.name}\n{cell!r}".encode()).hexdigest()[:32]
+
+    def has(self, cell: object) -> bool:
+        return self.key(cell) in self.records
+
+    def get(self, cell: object) -> Any:
+        return self.records[self.key(cell)]
+
+    def put(self, cell: object, record: Any) -> None:
+        text = json.dumps(record)
+        if json.loads(text) != record:
+            raise ConfigError("store", f"{self.name}'s records do not read back from JSON")
+        key = self.key(cell)
+        line = json.dumps({"key": key, "code": self.code, "cell": repr(cell), "record": record})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(("\n" if self.cut else "") + line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.cut = False
+        self.records[key] = record
 
 
 def _needs(module: str) -> Any:
@@ -121,7 +222,9 @@ def _needs(module: str) -> Any:
         ) from e
 
 
-def _on_dask(fn: Callable[[C], R], cells: Sequence[C], ex: Executor) -> Iterator[tuple[int, R]]:
+def _on_dask(
+    fn: Callable[[C], R], cells: Sequence[C], ex: Executor, *_: Any
+) -> Iterator[tuple[int, R]]:
     """(index, record) as each cell finishes on a Dask cluster."""
     distributed = _needs("dask.distributed")
     if ex.address:
@@ -143,7 +246,9 @@ def _apply(fn: Callable[[C], R], cell: C) -> R:
     return fn(cell)
 
 
-def _on_ray(fn: Callable[[C], R], cells: Sequence[C], ex: Executor) -> Iterator[tuple[int, R]]:
+def _on_ray(
+    fn: Callable[[C], R], cells: Sequence[C], ex: Executor, *_: Any
+) -> Iterator[tuple[int, R]]:
     """(index, record) as each cell finishes on a Ray cluster."""
     ray = _needs("ray")
     started = not ray.is_initialized()
