@@ -14,7 +14,7 @@ from gradfabric.wire.packet import HEADER_BYTES
 
 def _check_report(out: Path, experiments: set[str]) -> dict:
     report = (out / "report.md").read_text()
-    assert "| system | claim | paper | ours | ratio |" in report
+    assert "| system | claim | paper | ours | ratio | where | command |" in report
     pngs = list(out.glob("*.png"))
     assert pngs and all(p.stat().st_size > 5_000 for p in pngs)
     for p in pngs:
@@ -22,6 +22,12 @@ def _check_report(out: Path, experiments: set[str]) -> dict:
     results = json.loads((out / "results.json").read_text())
     assert {r["name"] for r in results} == experiments
     assert set(yaml.safe_load((out / "config.yaml").read_text())) == experiments
+    table = report.split("| system | claim", 1)[1].split("\n\n", 1)[0]
+    claim_rows = table.splitlines()[2:]  # past the header's end and the rule
+    assert len(claim_rows) == sum(len(r["claims"]) for r in results)
+    for r in results:  # each claim names the command that measures it again
+        again = f"`gradfabric reproduce --quick --only {r['name']}` |"
+        assert sum(line.endswith(again) for line in claim_rows) == len(r["claims"])
     return {r["name"]: r for r in results}
 
 
