@@ -1,4 +1,4 @@
-"""Compile the simulator's hot path with mypyc, in place beside its sources.
+"""Compile the simulator's hot path with mypyc, and the DDP hooks' C++ fast path.
 
 The modules in ``gradfabric._build.HOT`` (the protocol engines, the
 dispatcher, the wire packet and the simulator core) are the same typed Python
@@ -10,6 +10,11 @@ A manifest (``src/gradfabric/_compiled.json``) records each compiled
 source's hash; ``gradfabric`` refuses extensions whose sources have changed
 since (it warns and runs the sources), and this script rebuilds only then.
 
+The DDP hooks' dense calls run in a small C++ extension
+(``collectives/_fast_hook.cpp``, see ``gradfabric.collectives.fast``), built
+against the installed torch; ``_fast_hook.json`` records its source's digest
+and the torch version, and the hooks use it only while both still match.
+
     python scripts/compile.py            # build if missing or stale
     python scripts/compile.py --clean    # remove the extensions
     python scripts/compile.py --force    # rebuild
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -60,49 +66,115 @@ def build() -> None:
     )
 
 
+HOOK = SRC / "gradfabric" / "collectives" / "_fast_hook.cpp"
+HOOK_MANIFEST = HOOK.with_suffix(".json")
+
+
+def hook_wanted() -> dict[str, str]:
+    """What a current build of the C++ hook records (``collectives.fast`` reads it)."""
+    import hashlib
+
+    import torch
+
+    source = hashlib.sha256(HOOK.read_bytes()).hexdigest()[:16]
+    return {"source": source, "torch": torch.__version__}
+
+
+def hook_fresh() -> bool:
+    try:
+        built = json.loads(HOOK_MANIFEST.read_text())
+    except (OSError, ValueError):
+        return False
+    return built == hook_wanted() and any(HOOK.parent.glob("_fast_hook*" + _build.EXT_SUFFIX))
+
+
+def build_hook() -> None:
+    from setuptools import setup
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    os.chdir(SRC)
+    source = hook_wanted()["source"]
+    setup(
+        name="gradfabric-hook",
+        ext_modules=[CppExtension(
+            "gradfabric.collectives._fast_hook", [os.path.relpath(HOOK, SRC)],
+            extra_compile_args=["-O2", f'-DGRADFABRIC_SOURCE="{source}"'],
+        )],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+        script_args=["build_ext", "--inplace", "--build-temp", str(ROOT / "build" / "hook"), "-q"],
+    )  # fmt: skip
+
+
+def _child(step: str, log: Path) -> bool:
+    """Run ``step`` of this script in a child process (setuptools keeps global
+    state, and a failed build must leave nothing half-written); its output to ``log``."""
+    log.parent.mkdir(exist_ok=True)
+    with log.open("w") as out:
+        r = subprocess.run([sys.executable, __file__, step], stdout=out, stderr=out, check=False)
+    return r.returncode == 0
+
+
+def compile_hook() -> None:
+    if hook_fresh():
+        print("compile: the C++ hook is up to date")
+        return
+    for old in HOOK.parent.glob("_fast_hook*" + _build.EXT_SUFFIX):
+        old.unlink()
+    HOOK_MANIFEST.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    log = ROOT / "build" / "hook.log"
+    if not _child("--_build_hook", log):
+        for old in HOOK.parent.glob("_fast_hook*" + _build.EXT_SUFFIX):
+            old.unlink()
+        print(f"compile: the C++ hook did not build (see {log}); the hooks' Python path will run",
+              file=sys.stderr)  # fmt: skip
+        return
+    HOOK_MANIFEST.write_text(json.dumps(hook_wanted()) + "\n")
+    print(f"compile: the C++ hook built in {time.perf_counter() - t0:.0f} s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clean", action="store_true", help="remove the compiled extensions")
     ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = ap.parse_args()
     if args.clean or args.force:
-        _build.clean(SRC / "gradfabric")
+        _build.clean(SRC / "gradfabric")  # the hook's extension too
+        HOOK_MANIFEST.unlink(missing_ok=True)
         if args.clean:
             print("compile: removed the compiled extensions")
             return 0
-    pkg = SRC / "gradfabric"
-    if _build.fresh(pkg):
-        print("compile: the compiled hot path is up to date")
-        return 0
     if os.environ.get("GRADFABRIC_PURE"):
         print("compile: GRADFABRIC_PURE is set; the pure-Python modules will run")
         return 0
     if compiler() is None:
         print("compile: no C compiler found; the pure-Python modules will run", file=sys.stderr)
         return 0
-    _build.clean(pkg)
-    t0 = time.perf_counter()
-    # In a child process: setuptools and mypyc keep global state, and a failed
-    # build must leave nothing half-written behind.
-    log = ROOT / "build" / "mypyc.log"
-    log.parent.mkdir(exist_ok=True)
-    with log.open("w") as out:
-        r = subprocess.run(
-            [sys.executable, __file__, "--_build"], stdout=out, stderr=out, check=False
-        )
-    if r.returncode != 0:
-        _build.clean(pkg)
-        print(f"compile: mypyc build failed (see {log}); the pure-Python modules will run",
-              file=sys.stderr)  # fmt: skip
-        return 0
-    _build.write_manifest(pkg)
-    print(f"compile: {len(_build.HOT)} modules compiled with mypyc "
-          f"in {time.perf_counter() - t0:.0f} s")  # fmt: skip
+    compile_hot()
+    compile_hook()  # after: a mypyc build removes every extension first
     return 0
 
 
+def compile_hot() -> None:
+    pkg = SRC / "gradfabric"
+    if _build.fresh(pkg):
+        print("compile: the compiled hot path is up to date")
+        return
+    _build.clean(pkg)
+    t0 = time.perf_counter()
+    log = ROOT / "build" / "mypyc.log"
+    if not _child("--_build", log):
+        _build.clean(pkg)
+        print(f"compile: mypyc build failed (see {log}); the pure-Python modules will run",
+              file=sys.stderr)  # fmt: skip
+        return
+    _build.write_manifest(pkg)
+    print(f"compile: {len(_build.HOT)} modules compiled with mypyc "
+          f"in {time.perf_counter() - t0:.0f} s")  # fmt: skip
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--_build"]:
-        build()
+    if sys.argv[1:] in (["--_build"], ["--_build_hook"]):
+        (build if sys.argv[1] == "--_build" else build_hook)()
         sys.exit(0)
     sys.exit(main())

@@ -13,10 +13,16 @@ under float32 rounding of the result (1.2e-7 relative), then three SGD steps
 at lr 0.1 with gradients under 10: 1e-6 absolute leaves room. fp16 and bf16
 buckets: the sum of two half values rounded once is what DDP computes too.
 
+``-compiled``: the same hook registered with ``collectives.fast.register_hook``,
+its skipped (dense) calls run by the C++ hook, on a model with a dense bucket,
+under each feature: it must give the bits the same hook gives in Python (the
+same arithmetic: divide, then sum; the Python path is held to DDP's above)
+and count the calls it ran.
+
 Also here: the hooks return before their bucket is reduced (the overlap
 ``net.overlap`` exists for), ``auto_hook`` takes the sparse path on sparse
-buckets and the dense one on dense buckets alike on every rank, and its state
-pickles.
+buckets and the dense one on dense buckets alike on every rank, with the same
+paths and bytes whichever side runs its dense calls, and its state pickles.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.collectives import AutoState, OmniState, auto_hook, omnireduce_hook
+from gradfabric.collectives.fast import register_hook, why_not
 from gradfabric.collectives.spawn import spawn
 
 FEATURES = (
@@ -46,14 +53,17 @@ FEATURES = (
 
 class Net(nn.Module):
     """An embedding (sparse gradient rows), a dense layer, and a branch that a
-    step may leave unused (``find_unused_parameters``)."""
+    step may leave unused (``find_unused_parameters``). At ``width`` 1024 the
+    branch's gradients (4 MB, 2 MB in half precision) fill DDP's first bucket
+    (with ``out``'s): a dense bucket, whose calls the hooks' dense-skip (and the compiled hook)
+    take over; at 64 every parameter shares one bucket."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 64) -> None:
         super().__init__()
         self.emb = nn.Embedding(4096, 32)
-        self.dense = nn.Linear(32 * 4, 64)
-        self.branch = nn.Linear(64, 64)
-        self.out = nn.Linear(64, 1)
+        self.dense = nn.Linear(32 * 4, width)
+        self.branch = nn.Linear(width, width)
+        self.out = nn.Linear(width, 1)
 
     def forward(self, ids: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
         h = torch.tanh(self.dense(self.emb(ids).flatten(1).to(self.dense.weight.dtype)))
@@ -64,6 +74,7 @@ class Net(nn.Module):
 
 
 def _state(hook: str, control: str | None) -> tuple[Any, Callable[..., Any]]:
+    hook = hook.removesuffix("-compiled")
     if hook == "omnireduce":
         return OmniState(dense_skip=1), omnireduce_hook
     if hook == "auto":
@@ -79,10 +90,11 @@ def _state(hook: str, control: str | None) -> tuple[Any, Callable[..., Any]]:
 
 
 def _train(
-    feature: str, hook: str | None, control: str | None, rank: int, device: str = "cpu"
-) -> list[torch.Tensor]:
+    feature: str, hook: str | None, control: str | None, rank: int, device: str = "cpu",
+    width: int = 64,
+) -> list[torch.Tensor]:  # fmt: skip
     torch.manual_seed(0)
-    model: nn.Module = Net().to(device)
+    model: nn.Module = Net(width).to(device)
     if feature in ("fp16", "bf16"):
         model = model.to(torch.float16 if feature == "fp16" else torch.bfloat16)
     kw: dict[str, Any] = {feature: True} if feature in FEATURES[1:4] else {}
@@ -90,13 +102,20 @@ def _train(
     state = None
     if hook is not None:
         state, fn = _state(hook, control)
-        ddp.register_comm_hook(state, fn)
+        if hook.endswith("-compiled"):
+            assert register_hook(ddp, state, fn) == "compiled"
+        else:
+            ddp.register_comm_hook(state, fn)
     run: nn.Module = ddp
     if feature == "compile":
         run = torch.compile(ddp, backend="aot_eager")  # type: ignore[assignment]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # the wide model's loss scaled (its fp16 gradients would underflow to zero
+    # blocks, and no bucket would scan dense), its step scaled back
+    scale = 1.0 if width == 64 else 1024.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 / scale)
     g = torch.Generator().manual_seed(rank)
-    steps = 3 + rank if feature == "join" else 3  # uneven inputs
+    # (the wide model: 5 steps, for auto_hook's explorations to settle on dense and skip)
+    steps = (3 if width == 64 else 5) + (rank if feature == "join" else 0)  # uneven inputs
     batches = [torch.randint(0, 4096, (8, 4), generator=g).to(device) for _ in range(steps * 2)]
     join: AbstractContextManager[Any] = Join([ddp]) if feature == "join" else nullcontext()
     with join:
@@ -105,19 +124,28 @@ def _train(
             use_branch = not (feature == "find_unused_parameters" and step == 1)
             if feature == "no_sync":  # accumulate a micro-batch locally, then sync
                 with ddp.no_sync():
-                    run(batches[2 * step], use_branch).float().pow(2).mean().backward()
-            run(batches[2 * step + 1], use_branch).float().pow(2).mean().backward()
+                    (run(batches[2 * step], use_branch).float().pow(2).mean() * scale).backward()
+            (run(batches[2 * step + 1], use_branch).float().pow(2).mean() * scale).backward()
             opt.step()
     if state is not None and hasattr(state, "close"):
         state.close()
+    if hook is not None and hook.endswith("-compiled"):  # C++ ran the skipped calls, counted
+        assert state is not None
+        state.fold()
+        ran = int(state.table[:, 1].sum())
+        assert ran > 0 and state.skipped_scans == ran and not any(state.skips_left.values())
     return [p.detach().float().cpu() for p in model.parameters()]
 
 
 def _rank(rank: int, world: int, hook: str, control: str | None, out: str) -> None:
     results = {}
     for feature in FEATURES:
-        ref = _train(feature, None, control, rank)
-        got = _train(feature, hook, control, rank)
+        if hook.endswith("-compiled"):  # against the same hook in Python, with a dense bucket
+            ref = _train(feature, hook.removesuffix("-compiled"), control, rank, width=1024)
+            got = _train(feature, hook, control, rank, width=1024)
+        else:
+            ref = _train(feature, None, control, rank)
+            got = _train(feature, hook, control, rank)
         results[feature] = (ref, got)
         spread = [p.clone() for p in got]
         for p in spread:
@@ -134,12 +162,16 @@ def _daemon(hook: str) -> tuple[str, ...]:
     return ("--policy", "atp")
 
 
-@pytest.mark.parametrize("hook", ["omnireduce", "auto", "ina", "dlcp"])
+@pytest.mark.parametrize(
+    "hook", ["omnireduce", "auto", "ina", "dlcp", "omnireduce-compiled", "auto-compiled"]
+)
 def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
     """(``dlcp_hook`` through an uncongested switch loses nothing; its server
     adds the two ranks' float32 values, exactly as the ring does.)"""
     from gradfabric.emu.harness import switch_daemon
 
+    if hook.endswith("-compiled") and (reason := why_not()) is not None:
+        pytest.skip(f"the C++ hook: {reason}")
     # Half buckets: DDP scales each gradient by 1/world as it copies it into the
     # bucket and then sums; the hooks sum, then divide. In half precision the two
     # roundings may land one ulp apart (2**-10 relative, bf16 2**-7), or one
@@ -158,8 +190,8 @@ def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
                 for a, b in zip(ref, got, strict=True):
                     if feature.endswith("/replica0"):  # replicas identical after training
                         torch.testing.assert_close(a, b, atol=0.0, rtol=0.0, msg=feature)
-                    else:
-                        tol = half.get(feature, exact)
+                    else:  # the compiled path: the Python path's arithmetic, to the bit
+                        tol = exact if "-compiled" in hook else half.get(feature, exact)
                         torch.testing.assert_close(b, a, msg=feature, **tol)
 
 
@@ -196,19 +228,25 @@ def test_the_hook_returns_before_its_bucket_is_reduced() -> None:
             assert all(a < b for a, b in zip(returned, done, strict=True))
 
 
-def _auto_rank(rank: int, world: int, out: str) -> None:
+def _auto_rank(rank: int, world: int, compiled: bool, out: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(200_000, 16), nn.Flatten(), nn.Linear(64, 512),
                           nn.Tanh(), nn.Linear(512, 512))  # fmt: skip
-    ddp = DDP(model, bucket_cap_mb=1)
-    state = AutoState(dense_skip=2, explore_every=3)
-    ddp.register_comm_hook(state, auto_hook)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(12):
-        ddp.zero_grad()
-        ddp(torch.randint(0, 200_000, (32, 4), generator=g)).pow(2).mean().backward()
+    summaries = []
+    for fast in (False, True) if compiled else (False,):
+        ddp = DDP(model, bucket_cap_mb=1)
+        state = AutoState(dense_skip=2, explore_every=3)
+        if fast:
+            assert register_hook(ddp, state, auto_hook) == "compiled"
+        else:
+            ddp.register_comm_hook(state, auto_hook)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(12):
+            ddp.zero_grad()
+            ddp(torch.randint(0, 200_000, (32, 4), generator=g)).pow(2).mean().backward()
+        summaries.append(state.summary())
     clone = pickle.loads(pickle.dumps(state))
-    torch.save((state.summary(), clone.summary(), clone._comm), f"{out}/{rank}.pt")
+    torch.save((summaries, clone.summary(), clone._comm), f"{out}/{rank}.pt")
 
 
 def test_auto_hook_takes_sparse_for_sparse_buckets_and_decides_alike_everywhere() -> None:
@@ -216,11 +254,19 @@ def test_auto_hook_takes_sparse_for_sparse_buckets_and_decides_alike_everywhere(
     its blocks) and dense layers in their own buckets: the embedding's bucket
     goes sparse, the dense buckets dense, every rank logs the same paths, and
     the state pickles without its thread."""
+    compiled = why_not() is None  # then also with the dense calls in C++: the same log
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_auto_rank, 2, (tmp,))
-        (s0, c0, comm0), (s1, _, _) = (torch.load(f"{tmp}/{r}.pt", weights_only=False)
-                                       for r in range(2))  # fmt: skip
+        spawn(_auto_rank, 2, (compiled, tmp))
+        (runs0, c0, comm0), (runs1, _, _) = (torch.load(f"{tmp}/{r}.pt", weights_only=False)
+                                             for r in range(2))  # fmt: skip
+        s0, s1 = runs0[0], runs1[0]
         assert s0.keys() == s1.keys() and all(s0[k]["paths"] == s1[k]["paths"] for k in s0)
+        for other in runs0[1:]:  # (seconds differ: only paths and bytes must agree)
+            assert {
+                k: (b["paths"], b["bytes_sent"], b["bytes_dense"]) for k, b in other.items()
+            } == {k: (b["paths"], b["bytes_sent"], b["bytes_dense"]) for k, b in s0.items()}
+        if compiled:
+            s0 = runs0[1]  # the clone below is of the compiled run's state
         emb = max(s0, key=lambda k: s0[k]["bytes_dense"])  # the embedding's bucket
         assert s0[emb]["paths"].get("sparse", 0) >= 10
         calls = s0[emb]["paths"]  # (a dense call is an exploration: it saves nothing)

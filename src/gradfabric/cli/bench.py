@@ -141,7 +141,8 @@ def add(sub: Sub) -> None:
                     help="DDP(gradient_as_bucket_view=True) for every replica")  # fmt: skip
     bd.add_argument("--hooks", default="default,omnireduce,auto",
                     help="comma-separated; also: allreduce (PyTorch's own Python hook), "
-                    "builtin (its C++ one)")  # fmt: skip
+                    "builtin (its C++ one), omnireduce-python and auto-python (their dense "
+                    "calls in Python, not the compiled path)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
     add_output(bd, "bench-ddp")
     bd.set_defaults(fn=ddp)
@@ -243,7 +244,7 @@ def ddp(args: argparse.Namespace) -> int:
         tables=[("rows", f"DDP iteration time per hook, {cfg.ranks} gloo ranks, {where} "
                  f"(medians of {cfg.steps - cfg.warmup} interleaved steps)",
                  ["model", "hook", "iter_ms", "speedup_vs_default", "paired_vs_default", "density",
-                  "max_param_diff_vs_default", "paths"])],
+                  "max_param_diff_vs_default", "paths", "dense_calls_in"])],
     )  # fmt: skip
     # every hook averages what DDP does: to the bit at 2 ranks, within float32
     # rounding of other orders and the switch's quantisation otherwise

@@ -148,6 +148,7 @@ class AutoState(DenseSkip):
         """Per bucket: calls per path, the bytes it sent against the dense
         ring's, and the seconds its measured calls took against what the dense
         model predicts they would have (positive ``saved_s``: faster)."""
+        self.fold()
         with STATS_LOCK:
             return {
                 k: {
@@ -160,10 +161,13 @@ class AutoState(DenseSkip):
                 for k, b in sorted(self.buckets.items())
             }
 
-    def _log(self, key: int, path: str, sent: int, dense: int) -> BucketLog:
+    def skipped(self, key: int, calls: int, ring: int) -> None:
+        self._log(key, "dense", ring, ring, calls)
+
+    def _log(self, key: int, path: str, sent: int, dense: int, calls: int = 1) -> BucketLog:
         with STATS_LOCK:
             log = self.buckets.setdefault(key, BucketLog())
-            log.paths[path] = log.paths.get(path, 0) + 1
+            log.paths[path] = log.paths.get(path, 0) + calls
             log.bytes_sent += sent
             log.bytes_dense += dense
             return log
@@ -257,6 +261,7 @@ def auto_hook(
     """DDP communication hook: average each bucket on the path ``state``
     predicts fastest (see the module doc). Returns at once."""
     buf, key = bucket.buffer(), bucket.index()
+    state.fold()
     if state.take_skip(key):
         world = dist.get_world_size()
         ring = ring_bytes(buf, world)

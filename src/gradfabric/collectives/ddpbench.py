@@ -10,7 +10,10 @@ after ``warmup`` steps, the speedup against DDP without a hook (its built-in
 all-reduce: the ratio of medians, and the mean of the per-step ratios with its
 95% interval, ``paired_vs_default``), the gradients' measured block
 density, and how far the replica's weights ended from the default replica's
-(a check that the hook averages what DDP would: with 2 ranks, to the bit).
+(a check that the hook averages what DDP would: with 2 ranks, to the bit),
+and where each hook's dense calls ran (``dense_calls_in``: ``compiled``, the
+C++ path of ``collectives.fast``, or ``python``; the ``-python`` hooks force
+the latter, for a side-by-side of the two).
 
 Models (``MODELS``):
 
@@ -38,10 +41,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradfabric.collectives.fast import register_hook
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 
 HOOKS = ("default", "omnireduce", "auto")
-ALL_HOOKS = (*HOOKS, "allreduce", "builtin", "ina")
+# ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
+ALL_HOOKS = (*HOOKS, "allreduce", "builtin", "ina", "omnireduce-python", "auto-python")
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
 
 def _state(hook: str, cfg: DdpBenchConfig) -> tuple[Any, Any]:
     """(state, hook function) for ``hook``; (None, None) for DDP's own."""
+    hook = hook.removesuffix("-python")
     if hook == "omnireduce":
         from gradfabric.collectives.sparse import OmniState, omnireduce_hook
 
@@ -176,6 +182,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
     rank = dist.get_rank()
     hooks = [*cfg.hooks, *(["ina"] if cfg.switch and "ina" not in cfg.hooks else [])]
     rows = []
+    path: dict[str, str | None] = {}  # each hook's dense calls: compiled or Python
     for name in cfg.models:
         replicas = {}
         for hook in hooks:
@@ -184,8 +191,12 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             ddp = DDP(module, bucket_cap_mb=cfg.bucket_cap_mb,
                       gradient_as_bucket_view=cfg.gradient_as_bucket_view)  # fmt: skip
             state, fn = _state(hook, cfg)
-            if fn is not None:
+            path[hook] = None
+            if fn is not None and hook.endswith("-python"):
                 ddp.register_comm_hook(state, fn)
+                path[hook] = "python"
+            elif fn is not None:
+                path[hook] = register_hook(ddp, state, fn)
             if hook == "builtin":  # PyTorch's C++ all-reduce hook: a hook without Python
                 ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # type: ignore[no-untyped-call,attr-defined]
             replicas[hook] = (ddp, torch.optim.SGD(module.parameters(), lr=0.01), state)
@@ -209,6 +220,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         omni = replicas.get("omnireduce", (None, None, None))[2]
         for hook in hooks:
             ddp, _, state = replicas[hook]
+            if hasattr(state, "fold"):  # the compiled path's calls, into the statistics
+                state.fold()
             iter_s = statistics.median(times[hook])
             diff = None
             if ref is not None:
@@ -221,7 +234,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "paired_vs_default": _paired(times.get("default"), times[hook]),
                 "density": _density(omni), "iter_ms_all": [t * 1e3 for t in times[hook]],
                 "max_param_diff_vs_default": diff,
-                "paths": _paths(state),
+                "paths": _paths(state), "dense_calls_in": path[hook],
                 "grad_mb": sum(p.numel() for p in ddp.module.parameters()) * 4 / 2**20,
             })  # fmt: skip
         for _, _, state in replicas.values():

@@ -61,8 +61,16 @@ from gradfabric.net.peers import keep_alive, name_the_missing
 DENSE_MARGIN = 0.75
 
 
+class _SkipTable:
+    """The table a compiled hook shares (``collectives.fast``): not a field of
+    the dataclasses below, and never pickled."""
+
+    table: torch.Tensor | None = None  # by key: skips left, calls and ring bytes run in C++
+    _seen: torch.Tensor | None = None  # the table's counts already folded in
+
+
 @dataclass
-class DenseSkip(Overlapped):
+class DenseSkip(Overlapped, _SkipTable):
     """Which buckets skip their occupancy scan, alike on every rank.
 
     Once a call with a ``key`` (the hook's: the bucket index) went dense in
@@ -71,7 +79,11 @@ class DenseSkip(Overlapped):
     scanned again. Each further scan in a row that goes dense doubles the
     skip, up to ``8 * dense_skip`` (a dense model's buckets are then scanned
     about once in 65 calls); a scan that goes sparse resets it. Every rank
-    sees the same paths, so every rank skips alike. 0: always scan."""
+    sees the same paths, so every rank skips alike. 0: always scan.
+
+    Registered with ``collectives.fast.register_hook``, the skipped calls run
+    in C++ without entering Python; their counts reach the statistics at the
+    hook's next Python call, at ``summary()`` and pickling, or at ``fold()``."""
 
     dense_skip: int = 8
     skipped_scans: int = 0
@@ -93,7 +105,46 @@ class DenseSkip(Overlapped):
             return
         streak = self.dense_streak[key] = self.dense_streak.get(key, 0) + 1 if dense else 0
         if dense:
-            self.skips_left[key] = self.dense_skip * 2 ** min(streak - 1, 3)
+            skips = self.dense_skip * 2 ** min(streak - 1, 3)
+            if self.table is not None and key < len(self.table):
+                self.table[key, 0] = skips  # the compiled hook takes them
+            else:
+                self.skips_left[key] = skips
+
+    def attach_table(self, table: torch.Tensor) -> None:
+        """Share ``table`` with a compiled hook: the skips of its keys go there."""
+        for key in [k for k in self.skips_left if k < len(table)]:
+            table[key, 0] = self.skips_left.pop(key)
+        self.table, self._seen = table, torch.zeros(len(table), 2, dtype=torch.int64)
+
+    def fold(self) -> None:
+        """Count the calls the compiled hook ran since the last fold."""
+        if self.table is None or self._seen is None:
+            return
+        with _FOLD_LOCK:
+            now = self.table[:, 1:].clone()
+            new, self._seen = now - self._seen, now
+            for key in torch.nonzero(new[:, 0]).flatten().tolist():
+                calls, ring = int(new[key, 0]), int(new[key, 1])
+                self.skipped_scans += calls
+                self.skipped(key, calls, ring)
+
+    def skipped(self, key: int, calls: int, ring: int) -> None:
+        """Count ``calls`` skipped calls of ``key`` that sent ``ring`` bytes in
+        all (a subclass's statistics)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.fold()
+        state = super().__getstate__()
+        if self.table is not None:  # a copy runs without this process's compiled hook
+            left = {k: int(n) for k, n in enumerate(self.table[:, 0].tolist()) if n > 0}
+            state["skips_left"] = {**state["skips_left"], **left}
+        state.pop("table", None)
+        state.pop("_seen", None)
+        return state
+
+
+_FOLD_LOCK = threading.Lock()
 
 
 @dataclass
@@ -127,11 +178,14 @@ class OmniState(DenseSkip):
         if self.dense_skip < 0:
             raise ValueError("dense_skip must be >= 0")
 
-    def count(self, dense_bytes: int, sent: int) -> None:
+    def count(self, dense_bytes: int, sent: int, calls: int = 1) -> None:
         with STATS_LOCK:
-            self.calls += 1
+            self.calls += calls
             self.bytes_dense += dense_bytes
             self.bytes_sent += sent
+
+    def skipped(self, key: int, calls: int, ring: int) -> None:
+        self.count(ring, ring, calls)
 
 
 def as_blocks(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
@@ -297,7 +351,8 @@ STATS_LOCK = threading.Lock()  # hook statistics: the autograd thread and a hook
 
 def ring_bytes(flat: torch.Tensor, world: int) -> int:
     """What a ring all-reduce of ``flat`` sends per rank: ``2(n-1)/n`` of it."""
-    return int(2 * (world - 1) / world * flat.numel() * flat.element_size()) if world > 1 else 0
+    # in integers, as the compiled hook counts it (``_fast_hook.cpp``)
+    return 2 * (world - 1) * flat.numel() * flat.element_size() // world if world > 1 else 0
 
 
 def _allreduce(
@@ -548,6 +603,7 @@ def omnireduce_hook(
     communication thread, or, for a bucket whose scans went dense
     (``OmniState.dense_skip``), as an asynchronous all-reduce started here."""
     buf, key, world = bucket.buffer(), bucket.index(), dist.get_world_size()
+    state.fold()
     if state.take_skip(key):
         ring = ring_bytes(buf, world)
         state.count(ring, ring)
