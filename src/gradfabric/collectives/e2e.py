@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradfabric.collectives.fast import register_hook
 from gradfabric.collectives.sparse import OmniState, omnireduce_hook
 from gradfabric.core.records import compare_sides, loss_gap, median_ms
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
@@ -81,7 +82,7 @@ def _rank_main(cfg: E2EConfig, out: str) -> None:
         torch.manual_seed(cfg.seed)
         model = DDP(NeuMF(cfg.users, cfg.items, cfg.dim, sparse=name == "sparse-embedding"))
         if name == "omnireduce":
-            model.register_comm_hook(state, omnireduce_hook)
+            register_hook(model, state, omnireduce_hook)  # dense buckets' calls in C++
         replicas[name] = (model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9))
     loss_log: dict[str, list[float]] = {k: [] for k in replicas}
     times: dict[str, list[float]] = {k: [] for k in replicas}
