@@ -114,18 +114,21 @@ def _child(step: str, log: Path) -> bool:
     return r.returncode == 0
 
 
+def _remove_hook() -> None:
+    for old in HOOK.parent.glob("_fast_hook*" + _build.EXT_SUFFIX):
+        old.unlink()
+    HOOK_MANIFEST.unlink(missing_ok=True)
+
+
 def compile_hook() -> None:
     if hook_fresh():
         print("compile: the C++ hook is up to date")
         return
-    for old in HOOK.parent.glob("_fast_hook*" + _build.EXT_SUFFIX):
-        old.unlink()
-    HOOK_MANIFEST.unlink(missing_ok=True)
+    _remove_hook()
     t0 = time.perf_counter()
     log = ROOT / "build" / "hook.log"
     if not _child("--_build_hook", log):
-        for old in HOOK.parent.glob("_fast_hook*" + _build.EXT_SUFFIX):
-            old.unlink()
+        _remove_hook()
         print(f"compile: the C++ hook did not build (see {log}); the hooks' Python path will run",
               file=sys.stderr)  # fmt: skip
         return
