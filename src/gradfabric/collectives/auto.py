@@ -213,6 +213,7 @@ def _run(state: AutoState, buf: torch.Tensor, key: int, group: Any) -> torch.Ten
     """One scanned call, on the state's thread: gather bitmaps and the last
     call's times, learn, choose, run, time it."""
     t0 = time.perf_counter()
+    state.fold()  # the calls the compiled hook ran since, into the log
     world = dist.get_world_size(group)
     flat = buf.view(-1)
     blocks, nb = as_blocks(flat, state.block_size)
@@ -261,7 +262,6 @@ def auto_hook(
     """DDP communication hook: average each bucket on the path ``state``
     predicts fastest (see the module doc). Returns at once."""
     buf, key = bucket.buffer(), bucket.index()
-    state.fold()
     if state.take_skip(key):
         world = dist.get_world_size()
         ring = ring_bytes(buf, world)

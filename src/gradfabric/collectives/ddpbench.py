@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradfabric.collectives.fast import register_hook
+from gradfabric.collectives.fast import PYTHON, register_hook
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 
 HOOKS = ("default", "omnireduce", "auto")
@@ -194,7 +194,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             path[hook] = None
             if fn is not None and hook.endswith("-python"):
                 ddp.register_comm_hook(state, fn)
-                path[hook] = "python"
+                path[hook] = PYTHON
             elif fn is not None:
                 path[hook] = register_hook(ddp, state, fn)
             if hook == "builtin":  # PyTorch's C++ all-reduce hook: a hook without Python

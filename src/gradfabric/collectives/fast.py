@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradfabric.collectives.sparse import DenseSkip
+
 SOURCE = Path(__file__).with_name("_fast_hook.cpp")
 MANIFEST = Path(__file__).with_name("_fast_hook.json")  # written by scripts/compile.py
 COMPILED, PYTHON = "compiled", "python"
@@ -70,8 +72,6 @@ def register_hook(ddp: Any, state: Any, hook: Any) -> str:
     (dense) calls run in C++ where the extension is built and ``state`` is a
     ``DenseSkip`` (``omnireduce_hook``'s and ``auto_hook``'s states). Returns
     ``"compiled"`` or ``"python"``: which path the skipped calls take."""
-    from gradfabric.collectives.sparse import DenseSkip
-
     if not isinstance(state, DenseSkip) or why_not() is not None:
         ddp.register_comm_hook(state, hook)
         return PYTHON

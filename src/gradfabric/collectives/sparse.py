@@ -83,7 +83,8 @@ class DenseSkip(Overlapped, _SkipTable):
 
     Registered with ``collectives.fast.register_hook``, the skipped calls run
     in C++ without entering Python; their counts reach the statistics at the
-    hook's next Python call, at ``summary()`` and pickling, or at ``fold()``."""
+    hook's next scanned call (on its thread), at ``summary()`` and pickling,
+    or at ``fold()``."""
 
     dense_skip: int = 8
     skipped_scans: int = 0
@@ -603,13 +604,13 @@ def omnireduce_hook(
     communication thread, or, for a bucket whose scans went dense
     (``OmniState.dense_skip``), as an asynchronous all-reduce started here."""
     buf, key, world = bucket.buffer(), bucket.index(), dist.get_world_size()
-    state.fold()
     if state.take_skip(key):
         ring = ring_bytes(buf, world)
         state.count(ring, ring)
         return state.dense(buf, world)
 
     def job(group: Any) -> torch.Tensor:
+        state.fold()  # here, off the autograd thread
         return sparse_allreduce(buf, group=group, op="avg", state=state, key=key)
 
     return state.run(buf, job)
