@@ -78,8 +78,15 @@ def test_experiment_saatp_json_rows(tmp_path: Path, capsys: pytest.CaptureFixtur
         ]
     )
     assert code == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows, cmp = lines[:8], lines[8:]
     assert len(rows) == 2 * 4  # two slowdowns x four schemes
+    # one comparison per slowdown, SA-ATP against ATP from the runs above
+    assert [c["slowdown"] for c in cmp] == sorted({r["slowdown"] for r in rows})
+    for c in cmp:
+        ms = {r["scheme"]: r["iter_time_ms"] for r in rows if r["slowdown"] == c["slowdown"]}
+        assert c["atp_ms"] == ms["atp"] and c["saatp_ms"] == ms["saatp"]
+        assert c["reduction"] == pytest.approx(1 - ms["saatp"] / ms["atp"])
     for r in rows:
         assert {"model", "workers", "stragglers", "slowdown", "scheme", "iter_time_ms"} <= set(r)
     assert {r["scheme"] for r in rows} == {"saatp", "atp", "switchml", "ring"}
@@ -108,8 +115,20 @@ def test_experiment_esa_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[
         ]
     )
     assert code == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in lines if "scheme" in r]
+    cmp = lines[len(rows) :]
+    assert all("scheme" not in c for c in cmp)
     assert {r["scheme"] for r in rows} == {"esa", "atp", "switchml"}
+    # one comparison per jitter: ATP's average JCT over ESA's, per seed, averaged
+    assert sorted(c["jitter_us"] for c in cmp) == [0.0, 200.0]
+    for c in cmp:
+        jct = {(r["scheme"], r["seed"]): r["avg_jct_s"] for r in rows
+               if r["jitter_us"] == c["jitter_us"]}  # fmt: skip
+        seeds = sorted({s for _, s in jct})
+        assert c["seeds"] == len(seeds)
+        gains = [jct["atp", s] / jct["esa", s] for s in seeds]
+        assert c["improvement"] == pytest.approx(sum(gains) / len(gains))
     assert {r["jitter_us"] for r in rows} == {0.0, 200.0}
     for r in rows:
         assert {

@@ -39,7 +39,7 @@ def add(sub: Sub) -> None:
     es.add_argument("--slowdowns", help="comma-separated factors, e.g. 1,1.25,2,4")
     es.add_argument("--iterations", type=int, help="iterations per run (default 3)")
     add_executor(es)
-    add_output(es, "saatp")
+    add_output(es, "saatp", _JSON_GRID)
     es.set_defaults(fn=saatp)
 
     ee = esub.add_parser("esa", help="ESA vs ATP vs SwitchML: JCT against pool size and load")
@@ -66,7 +66,7 @@ def add(sub: Sub) -> None:
         help="also the train-size error study at these trains, finest last, e.g. 16,4,1",
     )
     add_executor(ee)
-    add_output(ee, "esa")
+    add_output(ee, "esa", _JSON_GRID + "; then the train-error rows")
     ee.set_defaults(fn=esa)
 
     ed = esub.add_parser(
@@ -108,6 +108,9 @@ def add(sub: Sub) -> None:
     udp.add(esub)
 
 
+_JSON_GRID = "one JSON object per line: each run, then each comparison row (the gains)"
+
+
 def _sizes(p: argparse.ArgumentParser, quick: str, full: str) -> None:
     """``--quick`` or ``--full``, either: without them the default grid."""
     size = p.add_mutually_exclusive_group()
@@ -126,13 +129,15 @@ def _grid(
     extra: dict[str, Study] | None = None,
 ) -> int:
     """Run an experiment grid (and any ``extra`` studies, each a named set of
-    rows) and report it: ``rows``, ``cmp`` and each extra's rows."""
+    rows) and report it: ``rows``, ``cmp`` and each extra's rows (with
+    ``--json``, one object per line in that order: the comparison rows carry
+    the headline gains, so a script need not recompute them)."""
     with progress(steps, args.json) as tick:
         rows = run(grid, tick)
         data = {"rows": rows, "cmp": compare(rows)}
         for key, study in (extra or {}).items():
             data[key] = study(grid, tick)
-    report(args, name, grid, data, tables, json_keys=["rows", *(extra or {})])
+    report(args, name, grid, data, tables, json_keys=["rows", "cmp", *(extra or {})])
     return 0
 
 
