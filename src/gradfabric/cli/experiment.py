@@ -25,6 +25,9 @@ from gradfabric.core.errors import ConfigError
 Study = Callable[[Any, Tick], Rows]
 
 
+_JSON_GRID = "one JSON object per line: each run, then each comparison row (the gains)"
+
+
 def add(sub: Sub) -> None:
     e = sub.add_parser("experiment", help="run one experiment's grid and print its rows")
     esub = e.add_subparsers(dest="experiment", required=True)
@@ -106,9 +109,6 @@ def add(sub: Sub) -> None:
     ed.set_defaults(fn=dlcp)
 
     udp.add(esub)
-
-
-_JSON_GRID = "one JSON object per line: each run, then each comparison row (the gains)"
 
 
 def _sizes(p: argparse.ArgumentParser, quick: str, full: str) -> None:
