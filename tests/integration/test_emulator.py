@@ -473,9 +473,27 @@ def test_a_killed_rank_rejoins_and_training_resumes_from_the_checkpoint() -> Non
     """DDP through the switch under torchrun --max-restarts=1, 5% loss at the
     switch: rank 1 SIGKILLs itself at step 6; torchrun restarts the group,
     which revokes its old job, registers a new one and resumes from the step-4
-    checkpoint. Its loss curves (both replicas) equal those of an undisturbed
-    run bit for bit: the resumed steps start from the same state and batches,
-    and the switch's sums are exact."""
+    checkpoint, with the same state and batches as an undisturbed run.
+
+    Both replicas' loss curves equal the undisturbed run's bit for bit up to
+    the resumed step (its loss is computed from the restored weights), and
+    within 1e-6 relative after it. Not bit for bit, for a cause that is not
+    ours: a DDP module reduces its first step in its construction-time bucket
+    layout (the parameters in module order) and every later step in the
+    layout it rebuilds from autograd's ready order (here reversed), and the
+    resumed group is a new DDP module, so step 4 runs in a layout the
+    undisturbed run used only at step 0. A value's place in the flat bucket
+    decides (a) the order in which gloo's ring adds the 3 ranks' float32
+    values (the default hook; at most 2 roundings apart, 2 * 2**-24 of the
+    sum of their magnitudes), and (b) which block of ``values_per_packet``
+    values sets its quantisation exponent (``ina_hook``; the switch's int32
+    sums stay exact, the encode rounding moves by under 2**-30 of the block's
+    peak). Both move weights by ~1e-8 relative at step 4 (measured: 32
+    default and 2 switch values, by at most 7.5e-9 and 4.7e-10), which 5 SGD
+    steps carry into the loss at ~1e-7 (measured: 3.5e-8 and 8e-8 on two
+    CPUs); a resume that lost the default replica's momentum moves its loss
+    by 0.6-3% (measured). The
+    switch-trained replicas stay identical across ranks, exactly."""
     from gradfabric.emu.train import EmuTrainConfig, run_emu_training
 
     base = EmuTrainConfig(policy="atp", loss=0.05, steps=10, ranks=3, checkpoint_every=4)
@@ -483,7 +501,10 @@ def test_a_killed_rank_rejoins_and_training_resumes_from_the_checkpoint() -> Non
     hit = run_emu_training(replace(base, max_restarts=1, kill_rank=1, kill_step=6))
     assert (calm["attempts"], calm["resumed_from"]) == (1, 0)
     assert (hit["attempts"], hit["resumed_from"]) == (2, 4)
-    assert hit["loss"] == calm["loss"]
+    upto = hit["resumed_from"] + 1
+    for side in ("default", "switch"):
+        assert hit["loss"][side][:upto] == calm["loss"][side][:upto], side
+        np.testing.assert_allclose(hit["loss"][side], calm["loss"][side], rtol=1e-6, err_msg=side)
     assert hit["replica_spread"] == 0.0
     c = hit["switch"]["counters"]
     assert (c["jobs_registered"], c["jobs_unregistered"]) == (2, 1)
