@@ -168,7 +168,13 @@ def _daemon(hook: str) -> tuple[str, ...]:
     "hook", ["omnireduce", "auto", "ina", "dlcp", "omnireduce-compiled", "auto-compiled"]
 )
 def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
-    """(``dlcp_hook`` through an uncongested switch loses nothing; its server
+    """Each hook against DDP's default hook, to the bit where the arithmetic
+    allows it: on 2 ranks every summed value has two addends, and IEEE
+    addition commutes (a + b == b + a), so no reduction order (the ring's
+    chunking, a sparse exchange, the switch's arrival order) can change a
+    float sum; DDP's 1/world scaling before the sum and the hooks' after it
+    are the same exact halving (bar half precision, below).
+    (``dlcp_hook`` through an uncongested switch loses nothing; its server
     adds the two ranks' float32 values, exactly as the ring does.)"""
     from gradfabric.emu.harness import switch_daemon
 

@@ -258,6 +258,7 @@ def test_bench_on_shaped_links_in_namespaces() -> None:
         pytest.skip("network namespaces are not available here")
     rows = run_bench(2, 2.0, [0.02, 1.0], iters=2, link_gbps=1.0)
     sparse, dense = rows
+    # exact: on 2 ranks each sum has two addends, equal in either order
     assert sparse["max_abs_diff"] == 0 and dense["max_abs_diff"] == 0
     assert sparse["sparse_path"] and not dense["sparse_path"]
     # (speed is the bench command's business; here: it ran, it was exact, and the
