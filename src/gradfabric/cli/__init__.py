@@ -3,11 +3,17 @@ the order ``--help`` shows them.
 
 Exit codes: 0 success; 1 the run finished but a check it makes failed (an
 analytic bound missed, an experiment raised); 2 bad usage or config.
+
+Output: the ranks a command launches inherit quiet library logging (c10d's
+and torchrun's warnings, such as gloo's "hostname of the client socket
+cannot be retrieved" inside a network namespace, are nothing a user can act
+on); their errors still show. ``--verbose`` lets everything through.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 from gradfabric import __version__
@@ -32,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed DNN training that communicates less and waits less.",
     )
     p.add_argument("--version", action="version", version=version())
+    p.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="let the libraries' warnings through (c10d, gloo, torchrun)",
+    )  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add(sub)
@@ -40,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.verbose:  # read by the ranks' libtorch and torchrun at their start
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("LOGLEVEL", "ERROR")
     try:
         return int(args.fn(args))
     except ConfigError as e:

@@ -63,13 +63,18 @@ def add(sub: Sub) -> None:
 
     bw = bsub.add_parser(
         "switch",
-        help="the software switch vs gloo all-reduce on loopback",
+        help="the software switch vs gloo all-reduce, on loopback or on shaped links",
         description="For each worker count: a switch daemon and that many gloo ranks "
         "(torchrun) sum the same float32 tensor through the switch (what ina_hook does: "
         "block-exponent round, quantisation, packets, decoding) and with "
         "torch.distributed.all_reduce, alternating, medians of --iters after a warm-up. "
-        "goodput_gbps: tensor bits per second of switch time; switch_cpu_gbps: the same "
-        "per second of the switch process's CPU time (what one switch core sustains).",
+        "--link-gbps R (root): each worker in its own network namespace behind one "
+        "tbf-shaped link of R Gbit/s, the switch daemon where the top-of-rack switch sits "
+        "(the namespace that bridges them); gloo's ring crosses the same links; each way's "
+        "time is shown against its bytes floor (S/R through the switch, 2(n-1)/n*S/R for "
+        "the ring). goodput_gbps: tensor bits per second of wall time; switch_cpu_gbps: "
+        "the same per second of the switch process's CPU time (what one switch core "
+        "sustains); *_cpu_s: CPU seconds per sum (the switch; the slowest worker).",
     )
     bw.add_argument("--workers", default="2,4", help="comma-separated worker counts")
     bw.add_argument("--tensor-mb", type=float, default=4.0)
@@ -77,8 +82,15 @@ def add(sub: Sub) -> None:
     bw.add_argument("--policy", default="switchml", choices=["switchml", "atp", "esa"])
     bw.add_argument("--job-slots", type=int, default=8, help="the workers' window")
     bw.add_argument(
-        "--values-per-packet", type=int, default=16_000,
-        help="values per datagram (16000: 64 KB, whole on loopback)",
+        "--values-per-packet", type=int,
+        help="values per datagram (default 16000: 64 KB, whole on loopback; with "
+        "--link-gbps 2048: 8 KB, whole in the links' 9000-byte MTU)",
+    )  # fmt: skip
+    bw.add_argument("--rto-ms", type=float, default=20.0, help="workers' retransmission timeout")
+    bw.add_argument("--link-gbps", type=float, help="shape links in network namespaces (root)")
+    bw.add_argument(
+        "--kernel-loss", type=float, default=0.0,
+        help="with --link-gbps: nftables drops this share of the UDP reaching the switch",
     )  # fmt: skip
     add_output(bw, "bench-switch")
     bw.set_defaults(fn=switch)
@@ -200,10 +212,13 @@ def omnireduce(args: argparse.Namespace) -> int:
 def switch(args: argparse.Namespace) -> int:
     from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
 
+    shaped = args.link_gbps is not None
     cfgs = [
         SwitchBenchConfig(workers=w, tensor_mb=args.tensor_mb, iters=args.iters,
                           policy=args.policy, job_slots=args.job_slots,
-                          values_per_packet=args.values_per_packet)
+                          values_per_packet=args.values_per_packet or 0,
+                          link_gbps=args.link_gbps,
+                          kernel_loss=args.kernel_loss, rto_ms=args.rto_ms)
         for w in csv(args.workers, int) or (2, 4)
     ]  # fmt: skip
     rows = []
@@ -212,12 +227,17 @@ def switch(args: argparse.Namespace) -> int:
             tick(f"{c.workers} workers")
             rows.append(run_switch_bench(c))
     shown = [{k: v for k, v in r.items() if k != "switch_counters"} for r in rows]
+    where = f"{args.link_gbps:g} Gbit/s links" if shaped else "loopback"
+    times = ["workers", "tensor_mb", "switch_ms", "gloo_ms", "speedup", "goodput_gbps"]
+    if shaped:
+        times += ["floor_ms", "floor_ratio", "ring_floor_ms", "ring_floor_ratio"]
+    cpu = ["workers", "switch_cpu_s", "switch_cpu_gbps", "worker_cpu_s", "gloo_worker_cpu_s",
+           "max_error"]  # fmt: skip
     report(
         args, "bench-switch", {"runs": [asdict(c) for c in cfgs]}, {"rows": shown, "full": rows},
-        tables=[("rows", f"software switch ({args.policy}) vs gloo all-reduce, loopback "
-                 f"(medians of {args.iters})",
-                 ["workers", "tensor_mb", "switch_ms", "gloo_ms", "goodput_gbps",
-                  "switch_cpu_gbps", "max_error"])],
+        tables=[("rows", f"software switch ({args.policy}) vs gloo all-reduce, {where} "
+                 f"(medians of {args.iters}; speedup: gloo's time over the switch's)", times),
+                ("rows", "CPU seconds per sum (switch process; slowest worker)", cpu)],
     )  # fmt: skip
     # both sum float32; the switch adds only block quantisation (~1e-8 of a block's peak)
     return 0 if all(r["max_error"] < 1e-4 for r in rows) else 1

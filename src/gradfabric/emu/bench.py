@@ -1,16 +1,29 @@
 """``gradfabric bench switch``: the software switch against gloo all-reduce.
 
 For each worker count a switch daemon process starts and ``workers`` gloo
-ranks (torchrun, loopback) each sum the same float32 tensor ``iters`` times
-through the switch (``InaClient.allreduce``: the block-exponent round over
-gloo, quantisation, the packets through the switch, decoding; what
-``ina_hook`` pays) and ``iters`` times with ``torch.distributed.all_reduce``,
-alternating, after one warm-up of each. Reported: medians of the slowest
-rank's time, and the switch's gradient goodput (tensor bits per second of
-switch time), and the same per second of the switch process's CPU time
-(the rate one switch core sustains when it is busy). Every switch result
-is checked against gloo's (equal up to the quantisation bound) so a fast
-wrong answer cannot pass.
+ranks (torchrun) each sum the same float32 tensor ``iters`` times through
+the switch (``InaClient.allreduce``: the block-exponent round over gloo,
+quantisation, the packets through the switch, decoding; what ``ina_hook``
+pays) and ``iters`` times with ``torch.distributed.all_reduce``,
+alternating, after one warm-up of each. Every switch result is checked
+against gloo's (equal up to the quantisation bound) so a fast wrong answer
+cannot pass.
+
+Where: on loopback, or (``link_gbps``, root) on the star that in-network
+aggregation assumes (``net.netns.tor_star``): each worker in its own
+namespace behind one tbf-shaped link (both directions), the switch daemon
+in the namespace that bridges them, where the top-of-rack switch sits. gloo's
+ring runs over the very same links. There each way has a physical floor, its
+bytes over the link rate: aggregation moves the tensor once up and once down
+every worker's link (``S / R`` per direction, both at once), the ring
+``2 (n - 1) / n * S`` each way; a row reports each time against its floor.
+
+Reported per row: medians of the slowest rank's time for each way, the
+tensor's goodput (bits per second of wall time), each way's bytes floor and
+its time over that floor, the switch process's CPU seconds per sum (and the
+tensor bits per second of that CPU time: what one switch core sustains),
+and the workers' CPU seconds per sum for each way (the slowest rank's
+process time: its own and its client thread's).
 """
 
 from __future__ import annotations
@@ -31,6 +44,11 @@ import torch.distributed as dist
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV, InaClient
 
+# Values per datagram by default: 64 KB datagrams on loopback (it carries them
+# whole), 8 KB on shaped links (whole in their 9000-byte MTU, as jumbo frames
+# in a datacenter; gloo's TCP gets the same MTU).
+LOOPBACK_VALUES, SHAPED_VALUES = 16_000, 2048
+
 
 @dataclass(frozen=True)
 class SwitchBenchConfig:
@@ -39,40 +57,105 @@ class SwitchBenchConfig:
     iters: int = 5
     policy: str = "switchml"
     job_slots: int = 8  # the workers' window (and SwitchML's slots per job)
-    values_per_packet: int = 16_000  # 64 KB datagrams: loopback carries them whole
+    values_per_packet: int = 0  # 0: LOOPBACK_VALUES on loopback, SHAPED_VALUES on links
     seed: int = 0
+    rto_ms: float = 20.0  # the workers' retransmission timeout (the daemon's --rto-ms)
+    link_gbps: float | None = None  # the ToR star of shaped links (root), else loopback
+    kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.iters < 1 or self.tensor_mb <= 0:
             raise ConfigError("workers", "need >= 2 workers, >= 1 iteration, tensor_mb > 0")
+        if self.rto_ms <= 0:
+            raise ConfigError("rto_ms", f"must be > 0, got {self.rto_ms}")
+        if self.link_gbps is not None and self.link_gbps <= 0:
+            raise ConfigError("link_gbps", f"must be > 0, got {self.link_gbps}")
+        if self.kernel_loss and self.link_gbps is None:
+            raise ConfigError("kernel_loss", "kernel loss needs shaped links (link_gbps)")
+        if not self.values_per_packet:  # resolved here, so the stored config says it
+            auto = LOOPBACK_VALUES if self.link_gbps is None else SHAPED_VALUES
+            object.__setattr__(self, "values_per_packet", auto)
+        if self.link_gbps is not None:
+            from gradfabric.net.netns import MTU
+            from gradfabric.wire.envelope import TOKEN_BYTES
+            from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
+
+            fits = (int(MTU) - 28 - TOKEN_BYTES - HEADER_BYTES) // VALUE_BYTES
+            if self.values_per_packet > fits:
+                raise ConfigError(
+                    "values_per_packet", f"at most {fits} on shaped links (MTU {MTU}), "
+                    f"got {self.values_per_packet}",
+                )  # fmt: skip
 
 
 def run_switch_bench(cfg: SwitchBenchConfig) -> dict[str, Any]:
-    from gradfabric.emu.harness import switch_daemon
-    from gradfabric.net.launch import run_ranks
+    from contextlib import ExitStack
 
-    options = ("--policy", cfg.policy, "--job-slots", str(cfg.job_slots),
-               "--values-per-packet", str(cfg.values_per_packet))  # fmt: skip
-    with switch_daemon(*options) as sw, tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "bench.json")
-        run_ranks(
-            cfg.workers, "gradfabric.emu.bench", [json.dumps(asdict(cfg)), out],
-            timeout_s=600, extra_env={SWITCH_ENV: sw.control_text},
-        )  # fmt: skip
+    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.net.launch import run_on_hosts, run_ranks
+
+    options = ("--policy", cfg.policy, "--job-slots", str(cfg.job_slots), "--rto-ms",
+               str(cfg.rto_ms), "--values-per-packet", str(cfg.values_per_packet))  # fmt: skip
+    args = [json.dumps(asdict(cfg))]
+    dropped = None
+    with ExitStack() as stack:
+        out = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "bench.json")
+        if cfg.link_gbps is None:
+            sw = stack.enter_context(switch_daemon(*options))
+            env = {SWITCH_ENV: sw.control_text}
+            run_ranks(cfg.workers, MODULE, [*args, out], timeout_s=600, extra_env=env)
+        else:
+            from gradfabric.net.netns import drop_udp, tor_star, udp_dropped
+
+            hosts, tor = stack.enter_context(tor_star(cfg.workers, cfg.link_gbps))
+            if cfg.kernel_loss:
+                drop_udp(tor, cfg.kernel_loss)
+            sw = stack.enter_context(switch_daemon(*options, host=tor))
+            env = {SWITCH_ENV: sw.control_text}
+            run_on_hosts(hosts, MODULE, [*args, out], timeout_s=600, extra_env=env)
+            if cfg.kernel_loss:
+                dropped = udp_dropped(tor)
         with open(out) as f:
             rec: dict[str, Any] = json.load(f)
+    return _row(cfg, rec, sw.final.get("counters", {}), dropped)
+
+
+def _row(
+    cfg: SwitchBenchConfig, rec: dict[str, Any], counters: dict[str, Any], dropped: int | None
+) -> dict[str, Any]:
     switch_s = statistics.median(rec["switch_s"])
-    return {
+    gloo_s = statistics.median(rec["gloo_s"])
+    bits = cfg.tensor_mb * 8e6
+    row: dict[str, Any] = {
         "workers": cfg.workers,
         "tensor_mb": cfg.tensor_mb,
-        "switch_ms": switch_s * 1e3,
-        "gloo_ms": statistics.median(rec["gloo_s"]) * 1e3,
-        "goodput_gbps": cfg.tensor_mb * 8e6 / switch_s / 1e9,
-        "switch_cpu_gbps": cfg.iters * cfg.tensor_mb * 8e6 / rec["switch_cpu_s"] / 1e9,
         "policy": cfg.policy,
+        "link_gbps": cfg.link_gbps,
+        "kernel_loss": cfg.kernel_loss,
+        "switch_ms": switch_s * 1e3,
+        "gloo_ms": gloo_s * 1e3,
+        "speedup": gloo_s / switch_s,
+        "goodput_gbps": bits / switch_s / 1e9,
+        "gloo_goodput_gbps": bits / gloo_s / 1e9,
+        "switch_cpu_s": rec["switch_cpu_s"] / cfg.iters,
+        "switch_cpu_gbps": cfg.iters * bits / rec["switch_cpu_s"] / 1e9,
+        "worker_cpu_s": rec["worker_cpu_s"]["switch"],
+        "gloo_worker_cpu_s": rec["worker_cpu_s"]["gloo"],
         "max_error": rec["max_error"],
-        "switch_counters": sw.final.get("counters", {}),
+        "switch_counters": counters,
     }
+    if cfg.link_gbps is not None:
+        rate = cfg.link_gbps * 1e9
+        row["floor_ms"] = bits / rate * 1e3  # the tensor up (and down) each worker's link
+        row["ring_floor_ms"] = 2 * (cfg.workers - 1) / cfg.workers * bits / rate * 1e3
+        row["floor_ratio"] = row["switch_ms"] / row["floor_ms"]
+        row["ring_floor_ratio"] = row["gloo_ms"] / row["ring_floor_ms"]
+    if dropped is not None:
+        row["kernel_dropped"] = dropped
+    return row
+
+
+MODULE = "gradfabric.emu.bench"
 
 
 def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
@@ -81,6 +164,7 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
     x = np.random.default_rng(cfg.seed + rank).standard_normal(n).astype(np.float32)
     client = InaClient.join(timeout_s=120)
     times: dict[str, list[float]] = {"switch": [], "gloo": []}
+    cpu_s: dict[str, list[float]] = {"switch": [], "gloo": []}
     max_error = 0.0
     cpu = [0.0, 0.0]  # the switch process's CPU time after the warm-up and at the end
     for it in range(cfg.iters + 1):  # the first of each is a warm-up
@@ -88,21 +172,23 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
             cpu[0] = _switch_cpu(client)
         for kind in ("switch", "gloo") if it % 2 == 0 else ("gloo", "switch"):
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             if kind == "switch":
                 got = client.allreduce(x)
             else:
                 ref = torch.from_numpy(x.copy())
                 dist.all_reduce(ref)
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            took = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's
             if it:
-                times[kind].append(float(took))
+                times[kind].append(float(took[0]))
+                cpu_s[kind].append(float(took[1]))
         max_error = max(max_error, float(np.abs(got - ref.numpy()).max()))
     if rank == 0:
         cpu[1] = _switch_cpu(client)
         with open(out, "w") as f:
             json.dump({"switch_s": times["switch"], "gloo_s": times["gloo"],
+                       "worker_cpu_s": {k: statistics.median(v) for k, v in cpu_s.items()},
                        "max_error": max_error, "switch_cpu_s": cpu[1] - cpu[0]}, f)  # fmt: skip
     client.close()
 

@@ -4,7 +4,12 @@
 namespace holding a bridge; each host has a veth to the bridge shaped with
 ``tbf`` to ``link_gbps`` in both directions (the kernel has no netem here, so
 only rate is shaped; ``drop_udp`` adds random loss with nftables). Host ``i``
-gets ``10.77.<k>.<i+1>/24`` on ``gfh<i>``.
+gets ``10.77.<k>.<i+1>/24`` on ``gfh<i>``. ``tor_star`` is the same star and
+also yields the switch namespace as a host (``10.77.<k>.254`` on the bridge):
+a process there sits where the top-of-rack switch does, one shaped hop from
+every host and behind no shaped link of its own, which is where in-network
+aggregation runs (host-to-host traffic, such as gloo's ring, is bridged past
+it over the same two links per hop).
 Everything is deleted on exit, also after an error. ``available()`` tells
 whether namespaces can be made at all (tests skip where not).
 """
@@ -93,6 +98,20 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 @contextmanager
 def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
+    with tor_star(n, link_gbps) as (hosts, _tor):
+        yield hosts
+
+
+TOR_HOST = 254  # the bridge's address in the switch namespace: 10.77.<k>.254
+
+
+@contextmanager
+def tor_star(n: int, link_gbps: float) -> Iterator[tuple[list[NsHost], NsHost]]:
+    """``n`` hosts on the shaped star, and the switch namespace as a host."""
+    if not 1 <= n < TOR_HOST:
+        raise ConfigError("n", f"a star has 1..{TOR_HOST - 1} hosts, got {n}")
+    if link_gbps <= 0:
+        raise ConfigError("link_gbps", f"must be > 0, got {link_gbps}")
     tag = os.getpid() % 250
     sw = f"gf{tag}sw"
     names = [f"gf{tag}h{i}" for i in range(n)]
@@ -107,6 +126,9 @@ def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
         made.append(sw)
         _ip("-n", sw, "link", "add", "br0", "type", "bridge")
         _ip("-n", sw, "link", "set", "br0", "up")
+        _ip("-n", sw, "link", "set", "lo", "up")
+        _ip("-n", sw, "addr", "add", f"10.77.{tag}.{TOR_HOST}/24", "dev", "br0")
+        tor = NsHost(sw, f"10.77.{tag}.{TOR_HOST}", "br0")
         hosts = []
         for i, ns in enumerate(names):
             _ip("netns", "add", ns)
@@ -173,7 +195,7 @@ def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
                     capture_output=True,
                 )
             hosts.append(NsHost(ns, addr, a))
-        yield hosts
+        yield hosts, tor
     finally:
         for ns in reversed(made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
