@@ -10,6 +10,11 @@ A manifest (``src/gradfabric/_compiled.json``) records each compiled
 source's hash; ``gradfabric`` refuses extensions whose sources have changed
 since (it warns and runs the sources), and this script rebuilds only then.
 
+The switch clients' block-exponent quantiser runs in a small C library
+(``wire/_fastquant.c``, loaded with ctypes, see ``gradfabric.wire.fastquant``),
+built with the C compiler alone; ``_fastquant.json`` records its source's
+digest, and the clients use it only while that still matches.
+
 The DDP hooks' dense calls run in a small C++ extension
 (``collectives/_fast_hook.cpp``, see ``gradfabric.collectives.fast``), built
 against the installed torch; ``_fast_hook.json`` records its source's digest
@@ -136,6 +141,38 @@ def compile_hook() -> None:
     print(f"compile: the C++ hook built in {time.perf_counter() - t0:.0f} s")
 
 
+QUANT = SRC / "gradfabric" / "wire" / "_fastquant.c"
+QUANT_LIBRARY = QUANT.with_suffix(".so")
+QUANT_MANIFEST = QUANT.with_suffix(".json")
+
+
+def compile_quant(cc: str) -> None:
+    """The quantiser's C library; no fused or reassociated floating point, so
+    its results stay the numpy reference's bit for bit."""
+    import hashlib
+
+    digest = hashlib.sha256(QUANT.read_bytes()).hexdigest()[:16]
+    try:
+        if json.loads(QUANT_MANIFEST.read_text()) == {"source": digest} and QUANT_LIBRARY.exists():
+            print("compile: the C quantiser is up to date")
+            return
+    except (OSError, ValueError):
+        pass
+    QUANT_MANIFEST.unlink(missing_ok=True)
+    tmp = QUANT_LIBRARY.with_suffix(".so.tmp")
+    cmd = [cc, "-O3", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared",
+           f'-DGRADFABRIC_SOURCE="{digest}"', "-o", str(tmp), str(QUANT), "-lm"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        print(f"compile: the C quantiser did not build; the numpy path will run\n{r.stderr}",
+              file=sys.stderr)  # fmt: skip
+        return
+    tmp.replace(QUANT_LIBRARY)
+    QUANT_MANIFEST.write_text(json.dumps({"source": digest}) + "\n")
+    print("compile: the C quantiser built")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clean", action="store_true", help="remove the compiled extensions")
@@ -144,15 +181,19 @@ def main() -> int:
     if args.clean or args.force:
         _build.clean(SRC / "gradfabric")  # the hook's extension too
         HOOK_MANIFEST.unlink(missing_ok=True)
+        QUANT_MANIFEST.unlink(missing_ok=True)
+        QUANT_LIBRARY.unlink(missing_ok=True)
         if args.clean:
             print("compile: removed the compiled extensions")
             return 0
     if os.environ.get("GRADFABRIC_PURE"):
         print("compile: GRADFABRIC_PURE is set; the pure-Python modules will run")
         return 0
-    if compiler() is None:
+    cc = compiler()
+    if cc is None:
         print("compile: no C compiler found; the pure-Python modules will run", file=sys.stderr)
         return 0
+    compile_quant(cc)
     compile_hot()
     compile_hook()  # after: a mypyc build removes every extension first
     return 0

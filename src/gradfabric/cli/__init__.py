@@ -27,9 +27,13 @@ COMMANDS = (reproduce, simulate, experiment, plan, bench, daemon, models)
 
 
 def version() -> str:
-    """The version and which simulator path runs (``mypyc``: the compiled hot
-    path; ``python``: the sources, where nothing was compiled)."""
-    return f"gradfabric {__version__} (simulator hot path: {compiled_path()})"
+    """The version and which paths run: the simulator's (``mypyc``: the
+    compiled hot path; ``python``: the sources, where nothing was compiled)
+    and the switch clients' quantiser (``compiled`` C, or ``python``: numpy)."""
+    from gradfabric.wire import fastquant
+
+    return (f"gradfabric {__version__} (simulator hot path: {compiled_path()}; "
+            f"client quantiser: {fastquant.PATH})")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,127 @@
+"""The block-exponent quantiser's compiled path, and its numpy reference.
+
+The clients of the switch daemon put every float32 tensor into the int32
+domain block by block (``emu.client``): the block exponents, the encode with
+each block's agreed scale, the decode of the summed integers. In numpy that
+is several passes and a float64 copy of the tensor, the largest share of a
+worker's CPU per sum. ``_fastquant.c`` does each step in one pass with the
+same IEEE operations per value, so its results equal the reference's bit for
+bit (``tests/property/test_fastquant.py`` holds them equal on seeded and
+adversarial inputs).
+
+``scripts/compile.py`` builds it with the C compiler into ``_fastquant.so``
+beside this file and records the source's digest in ``_fastquant.json``;
+it is used only while that digest matches the source and ``GRADFABRIC_PURE``
+is unset. Elsewhere the numpy functions here run: same results, more CPU.
+``PATH`` says which one serves (``gradfabric --version`` prints it).
+
+Only numpy and the standard library: the switch daemon may use this too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from gradfabric.wire.quant import block_exponents
+
+SOURCE = Path(__file__).with_name("_fastquant.c")
+LIBRARY = Path(__file__).with_name("_fastquant.so")
+MANIFEST = Path(__file__).with_name("_fastquant.json")  # written by scripts/compile.py
+COMPILED, PYTHON = "compiled", "python"
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
+F64 = npt.NDArray[np.float64]
+
+
+def source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """The library, or None and why it cannot serve."""
+    if os.environ.get("GRADFABRIC_PURE"):
+        return None, "GRADFABRIC_PURE is set"
+    try:
+        built = json.loads(MANIFEST.read_text())
+    except (OSError, ValueError):
+        return None, "not built (scripts/compile.py builds it)"
+    digest = source_digest()
+    if built.get("source") != digest:
+        return None, "its source changed since it was built (run scripts/compile.py)"
+    try:
+        lib = ctypes.CDLL(str(LIBRARY))
+    except OSError as e:
+        return None, f"does not load: {e}"
+    lib.gf_source.restype = ctypes.c_char_p
+    if lib.gf_source().decode() != digest:
+        return None, "the library on disk is from another source"
+    p, n = ctypes.c_void_p, ctypes.c_int64
+    lib.gf_exponents.argtypes = [p, n, n, p]
+    lib.gf_exponents.restype = ctypes.c_int
+    lib.gf_encode.argtypes = [p, n, n, p, p]
+    lib.gf_decode.argtypes = [p, n, n, p, p]
+    return lib, None
+
+
+_LIB, WHY_NOT = _load()
+PATH = COMPILED if _LIB is not None else PYTHON
+
+
+def exponents(x: F32, block: int) -> I32 | None:
+    """Each ``block``-value slice's exponent (``wire.quant.block_exponents``),
+    or None if ``x`` holds a NaN or an infinity."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if _LIB is None:
+        return exponents_reference(x, block)
+    out = np.empty(-(-len(x) // block), dtype=np.int32)
+    bad = _LIB.gf_exponents(x.ctypes.data, len(x), block, out.ctypes.data)
+    return None if bad else out
+
+
+def encode(x: F32, block: int, scale: F64) -> I32:
+    """``rint(x * scale[b])`` as int32 for the values of each block ``b``
+    (finite ``x``; scales that keep every value within int32)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    scale = np.ascontiguousarray(scale, dtype=np.float64)
+    if _LIB is None:
+        return encode_reference(x, block, scale)
+    out = np.empty(len(x), dtype=np.int32)
+    _LIB.gf_encode(x.ctypes.data, len(x), block, scale.ctypes.data, out.ctypes.data)
+    return out
+
+
+def decode(r: I64, block: int, scale: F64) -> F32:
+    """``r / scale[b]`` as float32 for the values of each block ``b``."""
+    r = np.ascontiguousarray(r, dtype=np.int64)
+    scale = np.ascontiguousarray(scale, dtype=np.float64)
+    if _LIB is None:
+        return decode_reference(r, block, scale)
+    out = np.empty(len(r), dtype=np.float32)
+    _LIB.gf_decode(r.ctypes.data, len(r), block, scale.ctypes.data, out.ctypes.data)
+    return out
+
+
+# -- the reference (numpy), what runs where nothing was compiled --------------
+def exponents_reference(x: F32, block: int) -> I32 | None:
+    return block_exponents(x, block) if np.isfinite(x).all() else None
+
+
+def encode_reference(x: F32, block: int, scale: F64) -> I32:
+    return np.rint(x.astype(np.float64) * _per_value(scale, block, len(x))).astype(np.int32)
+
+
+def decode_reference(r: I64, block: int, scale: F64) -> F32:
+    return (r / _per_value(scale, block, len(r))).astype(np.float32)
+
+
+def _per_value(scale: F64, block: int, n: int) -> F64:
+    return np.repeat(scale, block)[:n]
