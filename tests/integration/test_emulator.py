@@ -565,9 +565,10 @@ def test_ddp_training_over_dlcp_through_a_congested_port() -> None:
     reason="needs root, network namespaces and nftables (apt-get install nftables)",
 )
 def test_training_through_a_switch_in_its_own_namespace_with_kernel_loss() -> None:
-    """Each rank and the switch in a network namespace behind 1 Gbit/s tbf
-    links, nftables dropping 5% of the UDP arriving at the switch: exact sums,
-    the same loss curve; the namespaces are gone afterwards."""
+    """Each rank in a network namespace behind a 1 Gbit/s tbf link, the switch
+    in the namespace that bridges them (where the ToR switch sits), nftables
+    dropping 5% of the UDP arriving at the switch: exact sums, the same loss
+    curve; the namespaces are gone afterwards."""
     from gradfabric.emu.train import EmuTrainConfig, run_emu_training
 
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -785,3 +786,24 @@ def test_bench_switch_on_shaped_links_meets_the_bytes_floor_both_ways() -> None:
     assert (
         "gf" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     )
+
+
+@pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")
+def test_bench_ddp_starts_its_switch_where_the_tor_sits() -> None:
+    """``bench ddp --switch-policy`` with shaped links: the daemon it starts
+    serves 2 ranks from the bridging namespace; ``ina_hook``'s replica ends
+    within SwitchML's quantisation of the default hook's (~2**-30 of a
+    block's peak per value, 1e-6 after 3 steps leaves room) and both steps
+    take at least the ring's bytes over the link (32 MB MLP gradients, 2(n-1)/n
+    of them each way at 1 Gbit/s: 268 ms; the tbf burst is 1.3 ms of it)."""
+    from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
+
+    cfg = DdpBenchConfig(models=("mlp",), ranks=2, link_gbps=1.0, steps=3, warmup=1,
+                         hooks=("default", "ina"), switch_policy="switchml")  # fmt: skip
+    rows = {r["hook"]: r for r in run_ddp_bench(cfg)}
+    assert set(rows) == {"default", "ina"}
+    assert rows["ina"]["max_param_diff_vs_default"] <= 1e-6
+    floor_ms = rows["default"]["grad_mb"] * 2**20 * 8 / 1e9 * 1e3
+    assert all(r["iter_ms"] >= 0.95 * floor_ms for r in rows.values())
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "gf" not in left

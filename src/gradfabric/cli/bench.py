@@ -156,6 +156,11 @@ def add(sub: Sub) -> None:
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
                     "calls in Python, not the compiled path)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
+    bd.add_argument(
+        "--switch-policy", choices=["switchml", "atp", "esa"],
+        help="start a switch daemon with this policy for the run (with --link-gbps: where "
+        "the top-of-rack switch sits, so ina_hook and gloo cross the same links)",
+    )  # fmt: skip
     add_output(bd, "bench-ddp")
     bd.set_defaults(fn=ddp)
 
@@ -253,6 +258,7 @@ def ddp(args: argparse.Namespace) -> int:
             bucket_cap_mb=args.bucket_cap_mb,
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             hooks=tuple(csv(args.hooks, str) or ()), switch=args.switch,
+            switch_policy=args.switch_policy,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench ddp", str(e)) from None

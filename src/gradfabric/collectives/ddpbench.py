@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from gradfabric.collectives.fast import PYTHON, register_hook
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 
 HOOKS = ("default", "omnireduce", "auto")
+SWITCH_POLICIES = ("switchml", "atp", "esa")  # what --switch-policy may start
 # ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
 ALL_HOOKS = (*HOOKS, "allreduce", "builtin", "ina", "omnireduce-python", "auto-python")
 
@@ -60,14 +61,20 @@ class DdpBenchConfig:
     gradient_as_bucket_view: bool = False
     hooks: tuple[str, ...] = HOOKS
     switch: str | None = None  # a switch daemon's control address: adds ina_hook
+    switch_policy: str | None = None  # start a daemon with this policy for the run instead
     seed: int = 0
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in MODELS]
         if unknown:
             raise ValueError(f"unknown models {unknown}; valid: {sorted(MODELS)}")
+        if self.switch is not None and self.switch_policy is not None:
+            raise ValueError("give a running switch (switch) or a policy to start one, not both")
+        if self.switch_policy not in (None, *SWITCH_POLICIES):
+            raise ValueError(f"switch_policy must be one of {SWITCH_POLICIES}")
         bad = [h for h in self.hooks if h not in ALL_HOOKS]
-        if bad or not self.hooks or ("ina" in self.hooks and self.switch is None):
+        has_switch = self.switch is not None or self.switch_policy is not None
+        if bad or not self.hooks or ("ina" in self.hooks and not has_switch):
             raise ValueError(f"hooks must be some of {ALL_HOOKS} (ina with a switch), got {bad}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
             raise ValueError("need ranks >= 2 and steps > warmup >= 0")
@@ -131,15 +138,43 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Batch, Callable[..., torch.Tenso
 
 
 def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
-    """Run every model's replicas on ``cfg.ranks`` torchrun ranks; the rows."""
-    from gradfabric.net.launch import run_ranks
+    """Run every model's replicas on ``cfg.ranks`` torchrun ranks; the rows.
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        run_ranks(cfg.ranks, "gradfabric.collectives.ddpbench",
-                  [json.dumps(asdict(cfg)), out], link_gbps=cfg.link_gbps)  # fmt: skip
+    With ``switch_policy`` a switch daemon serves the run: on loopback, or
+    with ``link_gbps`` in the namespace that bridges the ranks' shaped links,
+    where the top-of-rack switch sits (``net.netns.tor_star``), so that
+    ``ina_hook``'s packets and the default hook's ring cross the same links."""
+    from contextlib import ExitStack
+
+    from gradfabric.net.launch import run_on_hosts, run_ranks
+
+    module = "gradfabric.collectives.ddpbench"
+    with ExitStack() as stack:
+        out = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "rows.json")
+        if cfg.switch_policy is None:
+            run_ranks(cfg.ranks, module, [json.dumps(asdict(cfg)), out], link_gbps=cfg.link_gbps)
+        else:
+            from gradfabric.emu.bench import LOOPBACK_VALUES, SHAPED_VALUES
+            from gradfabric.emu.harness import switch_daemon
+
+            vpp = SHAPED_VALUES if cfg.link_gbps is not None else LOOPBACK_VALUES
+            options = ("--policy", cfg.switch_policy, "--values-per-packet", str(vpp))
+            hosts, tor = None, None
+            if cfg.link_gbps is not None:
+                from gradfabric.net.netns import tor_star
+
+                hosts, tor = stack.enter_context(tor_star(cfg.ranks, cfg.link_gbps))
+            sw = stack.enter_context(switch_daemon(*options, host=tor))
+            run = replace(cfg, switch=sw.control_text, switch_policy=None)
+            args = [json.dumps(asdict(run)), out]
+            if hosts is None:
+                run_ranks(cfg.ranks, module, args)
+            else:
+                run_on_hosts(hosts, module, args)
         with open(out) as f:
             rows: list[dict[str, Any]] = json.load(f)
+    for r in rows:
+        r["switch_policy"] = cfg.switch_policy
     return rows
 
 

@@ -76,8 +76,9 @@ MODULE = "gradfabric.emu.train"
 
 
 def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
-    """On loopback, or with ``link_gbps`` each rank and the switch in their own
-    network namespaces on a star of tbf-shaped links (root only)."""
+    """On loopback, or with ``link_gbps`` each rank in its own network
+    namespace behind a tbf-shaped link and the switch in the namespace that
+    bridges them, where the top-of-rack switch sits (root only)."""
     from contextlib import ExitStack
 
     from gradfabric.emu.harness import switch_daemon
@@ -99,9 +100,9 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
                 max_restarts=cfg.max_restarts,
             )  # fmt: skip
         else:
-            from gradfabric.net.netns import drop_udp, shaped_star, udp_dropped
+            from gradfabric.net.netns import drop_udp, tor_star, udp_dropped
 
-            *hosts, at = stack.enter_context(shaped_star(cfg.ranks + 1, cfg.link_gbps))
+            hosts, at = stack.enter_context(tor_star(cfg.ranks, cfg.link_gbps))
             if cfg.kernel_loss:
                 drop_udp(at, cfg.kernel_loss)
             sw = stack.enter_context(switch_daemon(*options, host=at))
