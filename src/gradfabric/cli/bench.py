@@ -84,10 +84,11 @@ def add(sub: Sub) -> None:
     bw.add_argument(
         "--values-per-packet", type=int,
         help="values per datagram (default 16000: 64 KB, whole on loopback; with "
-        "--link-gbps 2048: 8 KB, whole in the links' 9000-byte MTU)",
+        "--link-gbps the most multiples of 256 one datagram of --mtu carries: 2048 at 9000)",
     )  # fmt: skip
     bw.add_argument("--rto-ms", type=float, default=20.0, help="workers' retransmission timeout")
     bw.add_argument("--link-gbps", type=float, help="shape links in network namespaces (root)")
+    bw.add_argument("--mtu", type=int, default=9000, help=MTU_HELP)
     bw.add_argument(
         "--kernel-loss", type=float, default=0.0,
         help="with --link-gbps: nftables drops this share of the UDP reaching the switch",
@@ -156,6 +157,7 @@ def add(sub: Sub) -> None:
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
                     "calls in Python, not the compiled path)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
+    bd.add_argument("--mtu", type=int, default=9000, help=MTU_HELP)
     bd.add_argument(
         "--switch-policy", choices=["switchml", "atp", "esa"],
         help="start a switch daemon with this policy for the run (with --link-gbps: where "
@@ -214,6 +216,13 @@ def omnireduce(args: argparse.Namespace) -> int:
     return 0 if all(r["max_abs_diff"] < 1e-3 for r in rows) else 1
 
 
+MTU_HELP = (
+    "with --link-gbps: every link's MTU, the same for gloo and the switch (9000: "
+    "jumbo frames; up to 65535, which takes the kernel's per-packet cost out of the "
+    "way: see net.netns.tor_star)"
+)
+
+
 def switch(args: argparse.Namespace) -> int:
     from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
 
@@ -223,7 +232,7 @@ def switch(args: argparse.Namespace) -> int:
                           policy=args.policy, job_slots=args.job_slots,
                           values_per_packet=args.values_per_packet or 0,
                           link_gbps=args.link_gbps,
-                          kernel_loss=args.kernel_loss, rto_ms=args.rto_ms)
+                          kernel_loss=args.kernel_loss, rto_ms=args.rto_ms, mtu=args.mtu)
         for w in csv(args.workers, int) or (2, 4)
     ]  # fmt: skip
     rows = []
@@ -258,7 +267,7 @@ def ddp(args: argparse.Namespace) -> int:
             bucket_cap_mb=args.bucket_cap_mb,
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             hooks=tuple(csv(args.hooks, str) or ()), switch=args.switch,
-            switch_policy=args.switch_policy,
+            switch_policy=args.switch_policy, mtu=args.mtu,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench ddp", str(e)) from None

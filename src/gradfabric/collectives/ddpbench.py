@@ -62,6 +62,7 @@ class DdpBenchConfig:
     hooks: tuple[str, ...] = HOOKS
     switch: str | None = None  # a switch daemon's control address: adds ina_hook
     switch_policy: str | None = None  # start a daemon with this policy for the run instead
+    mtu: int = 9000  # with link_gbps: every link's MTU (net.netns.tor_star)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -152,18 +153,19 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
     with ExitStack() as stack:
         out = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "rows.json")
         if cfg.switch_policy is None:
-            run_ranks(cfg.ranks, module, [json.dumps(asdict(cfg)), out], link_gbps=cfg.link_gbps)
+            run_ranks(cfg.ranks, module, [json.dumps(asdict(cfg)), out], link_gbps=cfg.link_gbps,
+                      mtu=cfg.mtu)  # fmt: skip
         else:
-            from gradfabric.emu.bench import LOOPBACK_VALUES, SHAPED_VALUES
+            from gradfabric.emu.bench import LOOPBACK_VALUES, shaped_values
             from gradfabric.emu.harness import switch_daemon
 
-            vpp = SHAPED_VALUES if cfg.link_gbps is not None else LOOPBACK_VALUES
+            vpp = shaped_values(cfg.mtu) if cfg.link_gbps is not None else LOOPBACK_VALUES
             options = ("--policy", cfg.switch_policy, "--values-per-packet", str(vpp))
             hosts, tor = None, None
             if cfg.link_gbps is not None:
                 from gradfabric.net.netns import tor_star
 
-                hosts, tor = stack.enter_context(tor_star(cfg.ranks, cfg.link_gbps))
+                hosts, tor = stack.enter_context(tor_star(cfg.ranks, cfg.link_gbps, cfg.mtu))
             sw = stack.enter_context(switch_daemon(*options, host=tor))
             run = replace(cfg, switch=sw.control_text, switch_policy=None)
             args = [json.dumps(asdict(run)), out]

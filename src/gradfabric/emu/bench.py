@@ -45,9 +45,22 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV, InaClient
 
 # Values per datagram by default: 64 KB datagrams on loopback (it carries them
-# whole), 8 KB on shaped links (whole in their 9000-byte MTU, as jumbo frames
-# in a datacenter; gloo's TCP gets the same MTU).
-LOOPBACK_VALUES, SHAPED_VALUES = 16_000, 2048
+# whole); on shaped links the most multiples of 256 values (SwitchML's packet)
+# that one datagram of the links' MTU carries: 2048 (8 KB) in jumbo frames of
+# 9000 bytes, as in a datacenter (gloo's TCP gets the same MTU).
+LOOPBACK_VALUES = 16_000
+
+
+def values_fitting(mtu: int) -> int:
+    """The most values one datagram carries whole on links of ``mtu`` bytes."""
+    from gradfabric.wire.envelope import TOKEN_BYTES
+    from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
+
+    return (mtu - 28 - TOKEN_BYTES - HEADER_BYTES) // VALUE_BYTES  # less IPv4 and UDP
+
+
+def shaped_values(mtu: int) -> int:
+    return min(LOOPBACK_VALUES, values_fitting(mtu) // 256 * 256)
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class SwitchBenchConfig:
     seed: int = 0
     rto_ms: float = 20.0  # the workers' retransmission timeout (the daemon's --rto-ms)
     link_gbps: float | None = None  # the ToR star of shaped links (root), else loopback
+    mtu: int = 9000  # with link_gbps: every link's MTU (netns.MTU; up to netns.MAX_MTU)
     kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
 
     def __post_init__(self) -> None:
@@ -72,20 +86,18 @@ class SwitchBenchConfig:
             raise ConfigError("link_gbps", f"must be > 0, got {self.link_gbps}")
         if self.kernel_loss and self.link_gbps is None:
             raise ConfigError("kernel_loss", "kernel loss needs shaped links (link_gbps)")
-        if not self.values_per_packet:  # resolved here, so the stored config says it
-            auto = LOOPBACK_VALUES if self.link_gbps is None else SHAPED_VALUES
-            object.__setattr__(self, "values_per_packet", auto)
-        if self.link_gbps is not None:
-            from gradfabric.net.netns import MTU
-            from gradfabric.wire.envelope import TOKEN_BYTES
-            from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
+        from gradfabric.net.netns import MAX_MTU
 
-            fits = (int(MTU) - 28 - TOKEN_BYTES - HEADER_BYTES) // VALUE_BYTES
-            if self.values_per_packet > fits:
-                raise ConfigError(
-                    "values_per_packet", f"at most {fits} on shaped links (MTU {MTU}), "
-                    f"got {self.values_per_packet}",
-                )  # fmt: skip
+        if not 1280 <= self.mtu <= MAX_MTU:
+            raise ConfigError("mtu", f"must be in 1280..{MAX_MTU}, got {self.mtu}")
+        if not self.values_per_packet:  # resolved here, so the stored config says it
+            auto = LOOPBACK_VALUES if self.link_gbps is None else shaped_values(self.mtu)
+            object.__setattr__(self, "values_per_packet", auto)
+        if self.link_gbps is not None and self.values_per_packet > values_fitting(self.mtu):
+            raise ConfigError(
+                "values_per_packet", f"at most {values_fitting(self.mtu)} on shaped links "
+                f"(MTU {self.mtu}), got {self.values_per_packet}",
+            )  # fmt: skip
 
 
 def run_switch_bench(cfg: SwitchBenchConfig) -> dict[str, Any]:
@@ -107,7 +119,7 @@ def run_switch_bench(cfg: SwitchBenchConfig) -> dict[str, Any]:
         else:
             from gradfabric.net.netns import drop_udp, tor_star, udp_dropped
 
-            hosts, tor = stack.enter_context(tor_star(cfg.workers, cfg.link_gbps))
+            hosts, tor = stack.enter_context(tor_star(cfg.workers, cfg.link_gbps, cfg.mtu))
             if cfg.kernel_loss:
                 drop_udp(tor, cfg.kernel_loss)
             sw = stack.enter_context(switch_daemon(*options, host=tor))
@@ -131,6 +143,7 @@ def _row(
         "tensor_mb": cfg.tensor_mb,
         "policy": cfg.policy,
         "link_gbps": cfg.link_gbps,
+        "mtu": cfg.mtu if cfg.link_gbps is not None else None,
         "kernel_loss": cfg.kernel_loss,
         "switch_ms": switch_s * 1e3,
         "gloo_ms": gloo_s * 1e3,

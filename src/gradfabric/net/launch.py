@@ -101,21 +101,23 @@ def run_ranks(
     timeout_s: float = 3600,
     extra_env: dict[str, str] | None = None,
     max_restarts: int = 0,
+    mtu: int | None = None,
 ) -> None:
     """Run ``python -m module *args`` on ``ranks`` ranks; raise if any fails
     (after ``max_restarts`` restarts of the group on loopback).
 
     ``link_gbps``: run each rank in its own network namespace behind a link
-    shaped to that rate (root only; see ``gradfabric.net.netns``).
+    shaped to that rate (root only; see ``gradfabric.net.netns``), of ``mtu``
+    bytes (default ``netns.MTU``).
     """
     if link_gbps is None:
         cmd = _torchrun(ranks, *STANDALONE, max_restarts=max_restarts)
         proc = subprocess.Popen([*cmd, "-m", module, *args], env=_env(ranks, extra_env))
         _wait([proc], timeout_s)
         return
-    from gradfabric.net.netns import shaped_star
+    from gradfabric.net.netns import MTU, shaped_star
 
-    with shaped_star(ranks, link_gbps) as hosts:
+    with shaped_star(ranks, link_gbps, mtu or MTU) as hosts:
         run_on_hosts(hosts, module, args, timeout_s, extra_env)
 
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from gradfabric.core.errors import ConfigError
 
-MTU = "9000"
+MTU = 9000  # jumbo frames, as in a datacenter; up to MAX_MTU where a run asks
+MAX_MTU = 65_535  # a veth's largest: per-packet costs out of the way (see tor_star)
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 @contextmanager
-def shaped_star(n: int, link_gbps: float) -> Iterator[list[NsHost]]:
-    with tor_star(n, link_gbps) as (hosts, _tor):
+def shaped_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[list[NsHost]]:
+    with tor_star(n, link_gbps, mtu) as (hosts, _tor):
         yield hosts
 
 
@@ -106,12 +107,21 @@ TOR_HOST = 254  # the bridge's address in the switch namespace: 10.77.<k>.254
 
 
 @contextmanager
-def tor_star(n: int, link_gbps: float) -> Iterator[tuple[list[NsHost], NsHost]]:
-    """``n`` hosts on the shaped star, and the switch namespace as a host."""
+def tor_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[tuple[list[NsHost], NsHost]]:
+    """``n`` hosts on the shaped star, and the switch namespace as a host.
+
+    ``mtu`` is every link's, so TCP (gloo) and UDP (the switch) get the same.
+    Above the 9000 of jumbo frames it is no datacenter's, but it shows what
+    the kernel's per-packet cost takes: every datagram crosses the whole
+    stack of both namespaces (on a veth, the receiver's side runs in the
+    sender's system call), while TCP hands the veth 64 KB segments at any
+    MTU; a hardware switch and kernel-bypass workers pay no such cost."""
     if not 1 <= n < TOR_HOST:
         raise ConfigError("n", f"a star has 1..{TOR_HOST - 1} hosts, got {n}")
     if link_gbps <= 0:
         raise ConfigError("link_gbps", f"must be > 0, got {link_gbps}")
+    if not 1280 <= mtu <= MAX_MTU:
+        raise ConfigError("mtu", f"must be in 1280..{MAX_MTU}, got {mtu}")
     tag = os.getpid() % 250
     sw = f"gf{tag}sw"
     names = [f"gf{tag}h{i}" for i in range(n)]
@@ -120,7 +130,8 @@ def tor_star(n: int, link_gbps: float) -> Iterator[tuple[list[NsHost], NsHost]]:
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
     rate = f"{int(link_gbps * 1000)}mbit"
-    burst = f"{max(160, int(link_gbps * 160))}kb"  # enough tokens for line rate at 1 ms
+    # enough tokens for line rate at 1 ms, and at least two of the largest packets
+    burst = f"{max(160, int(link_gbps * 160), 2 * mtu // 1000 + 1)}kb"
     try:
         _ip("netns", "add", sw)
         made.append(sw)
@@ -141,7 +152,7 @@ def tor_star(n: int, link_gbps: float) -> Iterator[tuple[list[NsHost], NsHost]]:
                 "netns",
                 ns,
                 "mtu",
-                MTU,
+                str(mtu),
                 "type",
                 "veth",
                 "peer",
@@ -150,7 +161,7 @@ def tor_star(n: int, link_gbps: float) -> Iterator[tuple[list[NsHost], NsHost]]:
                 "netns",
                 sw,
                 "mtu",
-                MTU,
+                str(mtu),
             )
             addr = f"10.77.{tag}.{i + 1}"
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", a)
