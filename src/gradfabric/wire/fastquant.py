@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -90,23 +91,26 @@ def exponents(x: F32, block: int) -> I32 | None:
 def encode(x: F32, block: int, scale: F64) -> I32:
     """``rint(x * scale[b])`` as int32 for the values of each block ``b``
     (finite ``x``; scales that keep every value within int32)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    scale = np.ascontiguousarray(scale, dtype=np.float64)
-    if _LIB is None:
-        return encode_reference(x, block, scale)
-    out = np.empty(len(x), dtype=np.int32)
-    _LIB.gf_encode(x.ctypes.data, len(x), block, scale.ctypes.data, out.ctypes.data)
+    out: I32 = _per_block("gf_encode", encode_reference, x, np.float32, np.int32, block, scale)
     return out
 
 
 def decode(r: I64, block: int, scale: F64) -> F32:
     """``r / scale[b]`` as float32 for the values of each block ``b``."""
-    r = np.ascontiguousarray(r, dtype=np.int64)
+    out: F32 = _per_block("gf_decode", decode_reference, r, np.int64, np.float32, block, scale)
+    return out
+
+
+def _per_block(
+    name: str, reference: Any, src: Any, src_type: Any, out_type: Any, block: int, scale: F64
+) -> Any:
+    """One loop of the library over ``src`` with a scale per block, or the reference."""
+    src = np.ascontiguousarray(src, dtype=src_type)
     scale = np.ascontiguousarray(scale, dtype=np.float64)
     if _LIB is None:
-        return decode_reference(r, block, scale)
-    out = np.empty(len(r), dtype=np.float32)
-    _LIB.gf_decode(r.ctypes.data, len(r), block, scale.ctypes.data, out.ctypes.data)
+        return reference(src, block, scale)
+    out = np.empty(len(src), dtype=out_type)
+    getattr(_LIB, name)(src.ctypes.data, len(src), block, scale.ctypes.data, out.ctypes.data)
     return out
 
 
