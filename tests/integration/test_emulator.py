@@ -740,10 +740,12 @@ def test_float_allreduce_through_the_switch_carries_nan_and_inf_as_nan() -> None
 def test_bench_switch_on_loopback_goes_through_the_switch_and_is_exact() -> None:
     """Every packet of every sum (the warm-up's too) reached the switch, and
     the switch's sums equal gloo's within the block quantisation (float32
-    rounding at 2 ranks); loopback has no link rate, so no floor."""
+    rounding at 2 ranks); loopback has no link rate, so no floor. (A 2 s
+    retransmission timeout: no packet is sent twice on a loaded machine.)"""
     from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
 
-    cfg = SwitchBenchConfig(workers=2, tensor_mb=0.5, iters=1, values_per_packet=4000)
+    cfg = SwitchBenchConfig(workers=2, tensor_mb=0.5, iters=1, values_per_packet=4000,
+                            rto_ms=2000.0)  # fmt: skip
     row = run_switch_bench(cfg)
     packets = -(-125_000 // 4000)
     assert row["switch_counters"]["rx_gradient"] == 2 * packets * (cfg.iters + 1)
