@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from gradfabric.core.trace import ListSink
@@ -220,3 +222,38 @@ def test_esa_preempts_lower_priority_and_reuses_complete_aggregators() -> None:
     other = _grad(1, 0, 4, i1, [3])
     assert sw.on_packet(other, 6) == []
     assert sw.counters["reclaimed_complete"] == 1 and sw.policy.pool[i1].job == 1  # type: ignore[attr-defined]
+
+
+def _result(seq: int) -> Packet:
+    return Packet(1, 0, seq, seq % 8, 0b11, 2, Flag.ACK, count=4, payload=np.zeros(4, np.int32))
+
+
+def test_fast_retransmit_resends_a_loss_after_k_later_results_not_a_timeout() -> None:
+    """Window 8, k = 3: seq 0's result is lost, so the window stays at 0..7;
+    the results of 1 and 2 change nothing, that of 3 (three past it) resends
+    0 at once, due again one RTO later (its stale timer does nothing); the
+    next resend waits for 3 more results past the highest one seen at the
+    last (3), or for the timer; the deadlines it supersedes fire nothing.
+    Off (k = 0), only the timer resends."""
+    cfg = WorkerConfig(job_id=1, worker_id=0, fan_in=2, window=8, rto_ns=RTO,
+                       values_per_packet=4, max_retries=5, fast_retransmit=3)  # fmt: skip
+    w = WorkerEngine("w0", cfg, StaticSlots("sw", 0, 8))
+    assert [a.pkt.seq for a in _sends(w.push(40, 0, np.zeros(40, np.int32)))] == list(range(8))
+    for seq in (1, 2):
+        assert _sends(w.on_packet(_result(seq), 100 + seq)) == []
+    again = _sends(w.on_packet(_result(3), 200))
+    assert [a.pkt.seq for a in again] == [0] and w.counters["fast_retransmits"] == 1
+    for seq in (4, 5):
+        assert _sends(w.on_packet(_result(seq), 300 + seq)) == []
+    assert [a.pkt.seq for a in _sends(w.on_packet(_result(6), 400))] == [0]
+    assert w.counters["fast_retransmits"] == 2
+    # at RTO only 7 (never answered) is resent: 0's first two deadlines are stale
+    assert [a.pkt.seq for a in _sends(w.on_timer(RTO))] == [7]
+    assert w.next_deadline() == 400 + RTO  # 0's latest
+    assert [a.pkt.seq for a in _sends(w.on_packet(_result(0), 1100))] == [8, 9]
+    assert w.base == 7  # 0 answered, 1..6 were in
+    off = WorkerEngine("w0", replace(cfg, fast_retransmit=0), StaticSlots("sw", 0, 8))
+    off.push(40, 0, np.zeros(40, np.int32))
+    assert all(_sends(off.on_packet(_result(seq), 100)) == [] for seq in range(1, 8))
+    assert off.counters["fast_retransmits"] == 0
+    assert [a.pkt.seq for a in _sends(off.on_timer(RTO))] == [0]  # the timer, at last

@@ -159,8 +159,14 @@ def scheme_worker(ticket: Ticket, rank: int, timeout_s: float) -> Engine:
         pool_slots=t.pool_slots, slot_base=t.slot_base, rto_ns=t.rto_ns,
         values_per_packet=t.values_per_packet, streams=t.streams,
         max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)), resumable=True,
+        fast_retransmit=FAST_RETRANSMIT,
     )  # fmt: skip
     return SCHEMES.get(t.policy).worker(p, rank)
+
+
+# A loss costs a round trip, not a timeout (``proto.worker``): on real links a
+# timeout must allow for queueing, which makes it many round trips long.
+FAST_RETRANSMIT = 3
 
 
 C = TypeVar("C", bound="Attached")

@@ -110,6 +110,7 @@ class Placement:
     push_bound: float = 0.1  # DLCP: the loss bound of the workers' pushes
     help: HelpConfig | None = None  # SA-ATP straggler help at the switch
     resumable: bool = False  # workers keep what a restarted switch needs (ResumableWorker)
+    fast_retransmit: int = 0  # workers resend a loss after this many later results (0: off)
 
     @property
     def switch(self) -> str:
@@ -199,6 +200,7 @@ class Scheme:
             job_id=p.job_id, worker_id=rank, fan_in=len(p.workers), window=p.window,
             rto_ns=p.rto_ns, max_retries=p.max_retries,
             values_per_packet=p.values_per_packet, ecn_window=self.ecn_window,
+            fast_retransmit=p.fast_retransmit,
         )  # fmt: skip
         kind = ResumableWorker if p.resumable else WorkerEngine
         return kind(name, cfg, self.route(p, name))

@@ -16,6 +16,17 @@ holds them sorted: O(1) per packet instead of a heap. The earliest is
 reported through ``next_deadline``. After
 ``max_retries`` retransmissions of one packet it gives up with ``Fail``.
 
+With ``fast_retransmit = k`` a loss costs about a round trip instead of a
+timeout: once a result ``k`` or more sequences past the oldest unanswered
+one (``base``) has come back, ``base`` is sent again at once (as TCP does on
+three duplicate acks), and again each time results reach ``k`` past the
+highest one seen at its last resend (a resend can be lost too); where no
+more results come (the window is stuck on it), the timer resends it. A
+needless resend is a duplicate the switch answers from its copy or drops,
+so sums stay exact either way. Its deadline is ``now + rto_ns``, later than
+every pending one, so the FIFO stays sorted. Off (0) in the simulator's
+schemes unless asked; the emulator's clients turn it on.
+
 With ``ecn_window`` (ATP) the window reacts to ECN echoed in results: halved
 at most once per window of data, otherwise grown by one packet per window.
 A result is delivered exactly once; later copies are counted duplicates.
@@ -75,6 +86,7 @@ class WorkerConfig:
     helping: int = -1  # SA-ATP shadow stream: send this worker's share, flagged HELP
     values_per_packet: int = 256
     ecn_window: bool = False
+    fast_retransmit: int = 0  # resend base once a result this far past it came (0: off)
 
     def __post_init__(self) -> None:
         if not 1 <= self.fan_in <= MAX_FAN_IN:
@@ -87,6 +99,8 @@ class WorkerConfig:
             raise ConfigError("rto_ns", f"must be > 0, got {self.rto_ns}")
         if self.values_per_packet < 1:
             raise ConfigError("values_per_packet", "must be >= 1")
+        if self.fast_retransmit < 0:
+            raise ConfigError("fast_retransmit", f"must be >= 0, got {self.fast_retransmit}")
         if self.helping >= self.fan_in or self.helping == self.worker_id:
             raise ConfigError("helping", "must name another worker of the job (or -1)")
 
@@ -129,6 +143,10 @@ class WorkerEngine:
         self.timers: deque[tuple[int, int]] = deque()
         self.recover_seq = 0
         self.cap: WorkerEngine | None = None
+        self.fast = cfg.fast_retransmit
+        self.highest = -1  # the highest sequence a result came back for
+        self.fast_seq = -1  # the oldest unanswered sequence, and the highest
+        self.fast_from = -1  # result when it was last sent (fast retransmit)
 
     # -- application side -------------------------------------------------
     def push(
@@ -200,8 +218,26 @@ class WorkerEngine:
         if self.ecn_window:
             self._adjust_window(pkt)
         actions = self._pump(now_ns)
+        if self.fast:
+            self._fast_retransmit(seq, now_ns, actions)
         actions.append(Deliver(seq, pkt))
         return actions
+
+    def _fast_retransmit(self, seq: int, now_ns: int, actions: list[Action]) -> None:
+        if seq > self.highest:
+            self.highest = seq
+        base = self.base
+        if self.fast_seq != base:  # a new oldest: count from itself
+            self.fast_seq = self.fast_from = base
+        if self.highest - self.fast_from < self.fast:
+            return
+        o = self.out.get(base)
+        if o is None or o[_TRIES] >= self.cfg.max_retries:  # answered, or the timer's to fail
+            return
+        self.fast_from = self.highest  # once more only after k results past this point
+        o[_TRIES] += 1
+        self.counters["fast_retransmits"] += 1
+        actions.append(self._resend(base, o, now_ns + self.cfg.rto_ns))
 
     def on_timer(self, now_ns: int) -> list[Action]:
         actions: list[Action] = []
