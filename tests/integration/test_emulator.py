@@ -490,7 +490,7 @@ def test_a_killed_rank_rejoins_and_training_resumes_from_the_checkpoint() -> Non
     sums stay exact, the encode rounding moves by under 2**-30 of the block's
     peak). Both move weights by ~1e-8 relative at step 4 (measured: 32
     default and 2 switch values, by at most 7.5e-9 and 4.7e-10), which 5 SGD
-    steps carry into the loss at ~1e-7 (measured: 3.5e-8 and 8e-8 on two
+    steps carry into the loss at ~1e-7 (measured: 3.5e-8 and 3.7e-8 on two
     CPUs); a resume that lost the default replica's momentum moves its loss
     by 0.6-3% (measured). The
     switch-trained replicas stay identical across ranks, exactly."""
