@@ -148,6 +148,11 @@ class Ticket:
         return cls(control=control, **args | {"switch": tuple(reply["switch"])})
 
 
+# A loss costs a round trip, not a timeout (``proto.worker``): on real links a
+# timeout must allow for queueing, which makes it many round trips long.
+FAST_RETRANSMIT = 3
+
+
 def scheme_worker(ticket: Ticket, rank: int, timeout_s: float) -> Engine:
     """Rank ``rank``'s engine for the ticket's job, from the scheme registry
     (retrying each packet for up to ``timeout_s``; a switch job's workers can
@@ -162,11 +167,6 @@ def scheme_worker(ticket: Ticket, rank: int, timeout_s: float) -> Engine:
         fast_retransmit=FAST_RETRANSMIT,
     )  # fmt: skip
     return SCHEMES.get(t.policy).worker(p, rank)
-
-
-# A loss costs a round trip, not a timeout (``proto.worker``): on real links a
-# timeout must allow for queueing, which makes it many round trips long.
-FAST_RETRANSMIT = 3
 
 
 C = TypeVar("C", bound="Attached")
