@@ -7,7 +7,9 @@ from dataclasses import asdict
 
 from gradfabric.cli.common import Sub, add_output, csv, progress, report
 from gradfabric.core.errors import ConfigError
+from gradfabric.net.netns import MAX_MTU, MTU
 from gradfabric.planner.spec import REFERENCE_GFLOPS
+from gradfabric.proto.switch import ALLOCATORS
 
 OMNI_FLOOR = (
     "floor = max over ranks r of max(|N_r|, |U_-r|) * B * 8 / link rate, where N_r "
@@ -79,7 +81,7 @@ def add(sub: Sub) -> None:
     bw.add_argument("--workers", default="2,4", help="comma-separated worker counts")
     bw.add_argument("--tensor-mb", type=float, default=4.0)
     bw.add_argument("--iters", type=int, default=5)
-    bw.add_argument("--policy", default="switchml", choices=["switchml", "atp", "esa"])
+    bw.add_argument("--policy", default="switchml", choices=ALLOCATORS.names())
     bw.add_argument("--job-slots", type=int, default=8, help="the workers' window")
     bw.add_argument(
         "--values-per-packet", type=int,
@@ -88,7 +90,7 @@ def add(sub: Sub) -> None:
     )  # fmt: skip
     bw.add_argument("--rto-ms", type=float, default=20.0, help="workers' retransmission timeout")
     bw.add_argument("--link-gbps", type=float, help="shape links in network namespaces (root)")
-    bw.add_argument("--mtu", type=int, default=9000, help=MTU_HELP)
+    bw.add_argument("--mtu", type=int, default=MTU, help=MTU_HELP)
     bw.add_argument(
         "--kernel-loss", type=float, default=0.0,
         help="with --link-gbps: nftables drops this share of the UDP reaching the switch",
@@ -157,9 +159,9 @@ def add(sub: Sub) -> None:
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
                     "calls in Python, not the compiled path)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
-    bd.add_argument("--mtu", type=int, default=9000, help=MTU_HELP)
+    bd.add_argument("--mtu", type=int, default=MTU, help=MTU_HELP)
     bd.add_argument(
-        "--switch-policy", choices=["switchml", "atp", "esa"],
+        "--switch-policy", choices=ALLOCATORS.names(),
         help="start a switch daemon with this policy for the run (with --link-gbps: where "
         "the top-of-rack switch sits, so ina_hook and gloo cross the same links)",
     )  # fmt: skip
@@ -217,8 +219,8 @@ def omnireduce(args: argparse.Namespace) -> int:
 
 
 MTU_HELP = (
-    "with --link-gbps: every link's MTU, the same for gloo and the switch (9000: "
-    "jumbo frames; up to 65535, which takes the kernel's per-packet cost out of the "
+    f"with --link-gbps: every link's MTU, the same for gloo and the switch ({MTU}: "
+    f"jumbo frames; up to {MAX_MTU}, which takes the kernel's per-packet cost out of the "
     "way: see net.netns.tor_star)"
 )
 

@@ -42,10 +42,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.collectives.fast import PYTHON, register_hook
+from gradfabric.net.netns import MTU
+from gradfabric.proto.switch import ALLOCATORS
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 
 HOOKS = ("default", "omnireduce", "auto")
-SWITCH_POLICIES = ("switchml", "atp", "esa")  # what --switch-policy may start
 # ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
 ALL_HOOKS = (*HOOKS, "allreduce", "builtin", "ina", "omnireduce-python", "auto-python")
 
@@ -62,7 +63,7 @@ class DdpBenchConfig:
     hooks: tuple[str, ...] = HOOKS
     switch: str | None = None  # a switch daemon's control address: adds ina_hook
     switch_policy: str | None = None  # start a daemon with this policy for the run instead
-    mtu: int = 9000  # with link_gbps: every link's MTU (net.netns.tor_star)
+    mtu: int = MTU  # with link_gbps: every link's MTU (net.netns.tor_star)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -71,8 +72,8 @@ class DdpBenchConfig:
             raise ValueError(f"unknown models {unknown}; valid: {sorted(MODELS)}")
         if self.switch is not None and self.switch_policy is not None:
             raise ValueError("give a running switch (switch) or a policy to start one, not both")
-        if self.switch_policy not in (None, *SWITCH_POLICIES):
-            raise ValueError(f"switch_policy must be one of {SWITCH_POLICIES}")
+        if self.switch_policy is not None:
+            ALLOCATORS.get(self.switch_policy)  # a pool policy the daemon serves, or a ValueError
         bad = [h for h in self.hooks if h not in ALL_HOOKS]
         has_switch = self.switch is not None or self.switch_policy is not None
         if bad or not self.hooks or ("ina" in self.hooks and not has_switch):

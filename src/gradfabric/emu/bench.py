@@ -43,12 +43,14 @@ import torch.distributed as dist
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV, InaClient
+from gradfabric.net.netns import MTU, check_mtu
 
 # Values per datagram by default: 64 KB datagrams on loopback (it carries them
 # whole); on shaped links the most multiples of 256 values (SwitchML's packet)
 # that one datagram of the links' MTU carries: 2048 (8 KB) in jumbo frames of
 # 9000 bytes, as in a datacenter (gloo's TCP gets the same MTU).
 LOOPBACK_VALUES = 16_000
+MODULE = "gradfabric.emu.bench"  # what torchrun runs on each rank
 
 
 def values_fitting(mtu: int) -> int:
@@ -70,11 +72,11 @@ class SwitchBenchConfig:
     iters: int = 5
     policy: str = "switchml"
     job_slots: int = 8  # the workers' window (and SwitchML's slots per job)
-    values_per_packet: int = 0  # 0: LOOPBACK_VALUES on loopback, SHAPED_VALUES on links
+    values_per_packet: int = 0  # 0: LOOPBACK_VALUES on loopback, shaped_values(mtu) on links
     seed: int = 0
     rto_ms: float = 20.0  # the workers' retransmission timeout (the daemon's --rto-ms)
     link_gbps: float | None = None  # the ToR star of shaped links (root), else loopback
-    mtu: int = 9000  # with link_gbps: every link's MTU (netns.MTU; up to netns.MAX_MTU)
+    mtu: int = MTU  # with link_gbps: every link's MTU (up to netns.MAX_MTU)
     kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
 
     def __post_init__(self) -> None:
@@ -86,10 +88,7 @@ class SwitchBenchConfig:
             raise ConfigError("link_gbps", f"must be > 0, got {self.link_gbps}")
         if self.kernel_loss and self.link_gbps is None:
             raise ConfigError("kernel_loss", "kernel loss needs shaped links (link_gbps)")
-        from gradfabric.net.netns import MAX_MTU
-
-        if not 1280 <= self.mtu <= MAX_MTU:
-            raise ConfigError("mtu", f"must be in 1280..{MAX_MTU}, got {self.mtu}")
+        check_mtu(self.mtu)
         if not self.values_per_packet:  # resolved here, so the stored config says it
             auto = LOOPBACK_VALUES if self.link_gbps is None else shaped_values(self.mtu)
             object.__setattr__(self, "values_per_packet", auto)
@@ -166,9 +165,6 @@ def _row(
     if dropped is not None:
         row["kernel_dropped"] = dropped
     return row
-
-
-MODULE = "gradfabric.emu.bench"
 
 
 def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:

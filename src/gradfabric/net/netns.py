@@ -106,6 +106,12 @@ def shaped_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[list[NsHos
 TOR_HOST = 254  # the bridge's address in the switch namespace: 10.77.<k>.254
 
 
+def check_mtu(mtu: int) -> None:
+    """A link MTU a star can take (IPv6's minimum up to a veth's largest)."""
+    if not 1280 <= mtu <= MAX_MTU:
+        raise ConfigError("mtu", f"must be in 1280..{MAX_MTU}, got {mtu}")
+
+
 @contextmanager
 def tor_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[tuple[list[NsHost], NsHost]]:
     """``n`` hosts on the shaped star, and the switch namespace as a host.
@@ -120,8 +126,7 @@ def tor_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[tuple[list[Ns
         raise ConfigError("n", f"a star has 1..{TOR_HOST - 1} hosts, got {n}")
     if link_gbps <= 0:
         raise ConfigError("link_gbps", f"must be > 0, got {link_gbps}")
-    if not 1280 <= mtu <= MAX_MTU:
-        raise ConfigError("mtu", f"must be in 1280..{MAX_MTU}, got {mtu}")
+    check_mtu(mtu)
     tag = os.getpid() % 250
     sw = f"gf{tag}sw"
     names = [f"gf{tag}h{i}" for i in range(n)]
