@@ -10,10 +10,11 @@ A manifest (``src/gradfabric/_compiled.json``) records each compiled
 source's hash; ``gradfabric`` refuses extensions whose sources have changed
 since (it warns and runs the sources), and this script rebuilds only then.
 
-The switch clients' block-exponent quantiser runs in a small C library
-(``wire/_fastquant.c``, loaded with ctypes, see ``gradfabric.wire.fastquant``),
-built with the C compiler alone; ``_fastquant.json`` records its source's
-digest, and the clients use it only while that still matches.
+The switch clients' block-exponent quantiser (``wire/_fastquant.c``, see
+``gradfabric.wire.fastquant``) and the workers' datapath (``net/_datapath.c``,
+see ``gradfabric.net.datapath``) are small C libraries loaded with ctypes,
+built with the C compiler alone; ``NAME.json`` records each source's digest,
+and they serve only while that still matches (``gradfabric.core.native``).
 
 The DDP hooks' dense calls run in a small C++ extension
 (``collectives/_fast_hook.cpp``, see ``gradfabric.collectives.fast``), built
@@ -141,36 +142,40 @@ def compile_hook() -> None:
     print(f"compile: the C++ hook built in {time.perf_counter() - t0:.0f} s")
 
 
-QUANT = SRC / "gradfabric" / "wire" / "_fastquant.c"
-QUANT_LIBRARY = QUANT.with_suffix(".so")
-QUANT_MANIFEST = QUANT.with_suffix(".json")
+# The small C libraries loaded with ctypes (``gradfabric.core.native``).
+LIBRARIES = (
+    SRC / "gradfabric" / "wire" / "_fastquant.c",  # the clients' quantiser
+    SRC / "gradfabric" / "net" / "_datapath.c",  # the workers' datapath
+)
 
 
-def compile_quant(cc: str) -> None:
-    """The quantiser's C library; no fused or reassociated floating point, so
-    its results stay the numpy reference's bit for bit."""
+def compile_library(cc: str, source: Path) -> None:
+    """One C library beside its source, with the source's digest in its
+    manifest; no fused or reassociated floating point, so the quantiser's
+    results stay the numpy reference's bit for bit."""
     import hashlib
 
-    digest = hashlib.sha256(QUANT.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    library, manifest = source.with_suffix(".so"), source.with_suffix(".json")
     try:
-        if json.loads(QUANT_MANIFEST.read_text()) == {"source": digest} and QUANT_LIBRARY.exists():
-            print("compile: the C quantiser is up to date")
+        if json.loads(manifest.read_text()) == {"source": digest} and library.exists():
+            print(f"compile: {source.name} is up to date")
             return
     except (OSError, ValueError):
         pass
-    QUANT_MANIFEST.unlink(missing_ok=True)
-    tmp = QUANT_LIBRARY.with_suffix(".so.tmp")
+    manifest.unlink(missing_ok=True)
+    tmp = library.with_suffix(".so.tmp")
     cmd = [cc, "-O3", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared",
-           f'-DGRADFABRIC_SOURCE="{digest}"', "-o", str(tmp), str(QUANT), "-lm"]  # fmt: skip
+           f'-DGRADFABRIC_SOURCE="{digest}"', "-o", str(tmp), str(source), "-lm"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
-        print(f"compile: the C quantiser did not build; the numpy path will run\n{r.stderr}",
+        print(f"compile: {source.name} did not build; its Python reference will run\n{r.stderr}",
               file=sys.stderr)  # fmt: skip
         return
-    tmp.replace(QUANT_LIBRARY)
-    QUANT_MANIFEST.write_text(json.dumps({"source": digest}) + "\n")
-    print("compile: the C quantiser built")
+    tmp.replace(library)
+    manifest.write_text(json.dumps({"source": digest}) + "\n")
+    print(f"compile: {source.name} built")
 
 
 def main() -> int:
@@ -181,8 +186,9 @@ def main() -> int:
     if args.clean or args.force:
         _build.clean(SRC / "gradfabric")  # the hook's extension too
         HOOK_MANIFEST.unlink(missing_ok=True)
-        QUANT_MANIFEST.unlink(missing_ok=True)
-        QUANT_LIBRARY.unlink(missing_ok=True)
+        for source in LIBRARIES:
+            source.with_suffix(".json").unlink(missing_ok=True)
+            source.with_suffix(".so").unlink(missing_ok=True)
         if args.clean:
             print("compile: removed the compiled extensions")
             return 0
@@ -193,7 +199,8 @@ def main() -> int:
     if cc is None:
         print("compile: no C compiler found; the pure-Python modules will run", file=sys.stderr)
         return 0
-    compile_quant(cc)
+    for source in LIBRARIES:
+        compile_library(cc, source)
     compile_hot()
     compile_hook()  # after: a mypyc build removes every extension first
     return 0

@@ -95,6 +95,11 @@ def add(sub: Sub) -> None:
         "--kernel-loss", type=float, default=0.0,
         help="with --link-gbps: nftables drops this share of the UDP reaching the switch",
     )  # fmt: skip
+    bw.add_argument(
+        "--datapath", default="auto", choices=("auto", "native", "python"),
+        help="the workers' datapath: native (C, batched socket I/O), python (the reference "
+        "engine), auto (native where built)",
+    )  # fmt: skip
     add_output(bw, "bench-switch")
     bw.set_defaults(fn=switch)
 
@@ -234,7 +239,8 @@ def switch(args: argparse.Namespace) -> int:
                           policy=args.policy, job_slots=args.job_slots,
                           values_per_packet=args.values_per_packet or 0,
                           link_gbps=args.link_gbps,
-                          kernel_loss=args.kernel_loss, rto_ms=args.rto_ms, mtu=args.mtu)
+                          kernel_loss=args.kernel_loss, rto_ms=args.rto_ms, mtu=args.mtu,
+                          datapath=args.datapath)
         for w in csv(args.workers, int) or (2, 4)
     ]  # fmt: skip
     rows = []
@@ -248,7 +254,7 @@ def switch(args: argparse.Namespace) -> int:
     if shaped:
         times += ["floor_ms", "floor_ratio", "ring_floor_ms", "ring_floor_ratio"]
     cpu = ["workers", "switch_cpu_s", "switch_cpu_gbps", "worker_cpu_s", "gloo_worker_cpu_s",
-           "max_error"]  # fmt: skip
+           "max_error", "datapath"]  # fmt: skip
     report(
         args, "bench-switch", {"runs": [asdict(c) for c in cfgs]}, {"rows": shown, "full": rows},
         tables=[("rows", f"software switch ({args.policy}) vs gloo all-reduce, {where} "

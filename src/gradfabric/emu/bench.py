@@ -51,6 +51,7 @@ from gradfabric.net.netns import MTU, check_mtu
 # 9000 bytes, as in a datacenter (gloo's TCP gets the same MTU).
 LOOPBACK_VALUES = 16_000
 MODULE = "gradfabric.emu.bench"  # what torchrun runs on each rank
+DATAPATHS = {"auto": None, "native": True, "python": False}  # InaClient's ``native``
 
 
 def values_fitting(mtu: int) -> int:
@@ -78,6 +79,7 @@ class SwitchBenchConfig:
     link_gbps: float | None = None  # the ToR star of shaped links (root), else loopback
     mtu: int = MTU  # with link_gbps: every link's MTU (up to netns.MAX_MTU)
     kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
+    datapath: str = "auto"  # the workers': native (C), python (reference), auto (native if built)
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.iters < 1 or self.tensor_mb <= 0:
@@ -89,6 +91,8 @@ class SwitchBenchConfig:
         if self.kernel_loss and self.link_gbps is None:
             raise ConfigError("kernel_loss", "kernel loss needs shaped links (link_gbps)")
         check_mtu(self.mtu)
+        if self.datapath not in DATAPATHS:
+            raise ConfigError("datapath", f"one of {', '.join(DATAPATHS)}; got {self.datapath!r}")
         if not self.values_per_packet:  # resolved here, so the stored config says it
             auto = LOOPBACK_VALUES if self.link_gbps is None else shaped_values(self.mtu)
             object.__setattr__(self, "values_per_packet", auto)
@@ -154,6 +158,7 @@ def _row(
         "worker_cpu_s": rec["worker_cpu_s"]["switch"],
         "gloo_worker_cpu_s": rec["worker_cpu_s"]["gloo"],
         "max_error": rec["max_error"],
+        "datapath": rec["datapath"],
         "switch_counters": counters,
     }
     if cfg.link_gbps is not None:
@@ -171,7 +176,7 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
     rank = dist.get_rank()
     n = int(cfg.tensor_mb * 1e6 / 4)
     x = np.random.default_rng(cfg.seed + rank).standard_normal(n).astype(np.float32)
-    client = InaClient.join(timeout_s=120)
+    client = InaClient.join(timeout_s=120, native=DATAPATHS[cfg.datapath])
     times: dict[str, list[float]] = {"switch": [], "gloo": []}
     cpu_s: dict[str, list[float]] = {"switch": [], "gloo": []}
     max_error = 0.0
@@ -198,7 +203,8 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
         with open(out, "w") as f:
             json.dump({"switch_s": times["switch"], "gloo_s": times["gloo"],
                        "worker_cpu_s": {k: statistics.median(v) for k, v in cpu_s.items()},
-                       "max_error": max_error, "switch_cpu_s": cpu[1] - cpu[0]}, f)  # fmt: skip
+                       "max_error": max_error, "switch_cpu_s": cpu[1] - cpu[0],
+                       "datapath": client.path}, f)  # fmt: skip
     client.close()
 
 

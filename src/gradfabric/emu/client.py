@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import json
 import os
@@ -56,15 +57,16 @@ import numpy.typing as npt
 from gradfabric.core.errors import ConfigError, PeerTimeoutError, ProtocolError
 from gradfabric.core.registry import Registry
 from gradfabric.emu.switchd import control_call, worker_name
+from gradfabric.net import datapath
 from gradfabric.net.overlap import Overlapped
-from gradfabric.net.udp import Address, EngineProtocol, open_engine
+from gradfabric.net.udp import Address, EngineProtocol, open_engine, sockaddr
 from gradfabric.proto.actions import Action, Deliver
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniWorker
 from gradfabric.proto.schemes import SCHEMES, Placement
 from gradfabric.proto.worker import ResumableWorker
 from gradfabric.wire import fastquant
-from gradfabric.wire.packet import Flag
+from gradfabric.wire.packet import Flag, Packet
 from gradfabric.wire.quant import block_exponents, block_scales
 
 SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
@@ -153,10 +155,11 @@ class Ticket:
 FAST_RETRANSMIT = 3
 
 
-def scheme_worker(ticket: Ticket, rank: int, timeout_s: float) -> Engine:
+def scheme_worker(ticket: Ticket, rank: int, timeout_s: float, takes_help: bool = False) -> Engine:
     """Rank ``rank``'s engine for the ticket's job, from the scheme registry
     (retrying each packet for up to ``timeout_s``; a switch job's workers can
-    replay after a restart)."""
+    replay after a restart; ``takes_help``: results for sequences it has not
+    sent are taken, as SA-ATP's helped hosts do, else dropped)."""
     t = ticket
     names = tuple(worker_name(t.job_id, r) for r in range(t.workers))
     p = Placement(
@@ -164,7 +167,7 @@ def scheme_worker(ticket: Ticket, rank: int, timeout_s: float) -> Engine:
         pool_slots=t.pool_slots, slot_base=t.slot_base, rto_ns=t.rto_ns,
         values_per_packet=t.values_per_packet, streams=t.streams,
         max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)), resumable=True,
-        fast_retransmit=FAST_RETRANSMIT,
+        fast_retransmit=FAST_RETRANSMIT, takes_help=takes_help,
     )  # fmt: skip
     return SCHEMES.get(t.policy).worker(p, rank)
 
@@ -208,7 +211,7 @@ class Attached(Overlapped):
     epoch = ""  # the daemon incarnation this client's job state lives in
     refused: str | None = None  # why the job could not be taken back after a restart
     _watcher: asyncio.Task[None] | None = None
-    _call: _Call | None = None  # the collective in flight
+    _call: Call | None = None  # the collective in flight
     proto: EngineProtocol
 
     def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0, **kw: Any) -> None:
@@ -326,19 +329,27 @@ class Attached(Overlapped):
             return False
         # A new socket before reporting: a late result of the old switch could
         # otherwise pass for the new one's answer to a replay (proto.worker).
+        await self._stop_native()
         await self._new_socket()
         resume = job | {"op": "resume", "rank": self.rank, "base": self.replayer.base}
         while "floor" not in (reply := await control_call(t.control, resume)):
             await asyncio.sleep(RESUME_POLL_S)
         self.proto.execute(self.replayer.replay(int(reply["floor"]), time.monotonic_ns()))
         self.epoch = epoch
+        self._native_again()
         return True
+
+    async def _stop_native(self) -> None:
+        """A restart: a call in the native datapath hands its state to the engine."""
+
+    def _native_again(self) -> None:
+        """The restart is handled: calls may take the native datapath again."""
 
     def _wait(self, coro: Any, timeout_s: float | None = None) -> Any:
         fut: CFuture[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return fut.result(timeout_s)
 
-    def _run(self, call: _Call, start: Callable[[], list[Action]]) -> npt.NDArray[np.int64]:
+    def _run(self, call: Call, start: Callable[[], list[Action]]) -> npt.NDArray[np.int64]:
         """Start a collective in the loop thread and wait for it."""
 
         def begin() -> None:
@@ -415,15 +426,29 @@ class Attached(Overlapped):
         agreed = np.where(lost_blocks, 0, e.numpy())
         scale = block_scales(agreed, self.ticket.workers)  # per block
         out = fastquant.decode(
-            self.allreduce_ints(fastquant.encode(x, vpp, np.where(lost_blocks, 0.0, scale))),
+            self.allreduce_ints(fastquant.encode(x, vpp, np.where(lost_blocks, 0.0, scale)),
+                                self._scratch(len(x))),
             vpp, scale,
         )  # fmt: skip
         if lost_blocks.any():  # (a lost block's values were encoded as 0 at every rank)
             out[np.repeat(lost_blocks, vpp)[: len(x)]] = np.nan
         return out
 
-    def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+    def allreduce_ints(
+        self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64] | None = None
+    ) -> npt.NDArray[np.int64]:
+        """Sum ``q`` over the job's workers into ``out`` (a new array if None)."""
         raise NotImplementedError
+
+    _sum: npt.NDArray[np.int64] | None = None
+
+    def _scratch(self, n: int) -> npt.NDArray[np.int64]:
+        """The float all-reduce's integer sum, reused from call to call: a
+        fresh array each time costs the kernel's zeroing of its pages, as
+        much CPU as the datagrams of a large tensor."""
+        if self._sum is None or len(self._sum) != n:
+            self._sum = np.empty(n, dtype=np.int64)
+        return self._sum
 
     def close(self) -> None:
         """Stop watching, close the socket, stop the loop and release its
@@ -457,36 +482,115 @@ class InaClient(Attached):
 
     def __init__(
         self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
-        bind_host: str | None = None,
+        bind_host: str | None = None, native: bool | None = None,
     ) -> None:  # fmt: skip
+        """``native``: serve calls through the C datapath (``net.datapath``);
+        None uses it where it is built, False keeps the Python engine."""
         engine = scheme_worker(ticket, rank, timeout_s)
         assert isinstance(engine, ResumableWorker)
         self.priority = priority
         self.engine = self.replayer = engine
         self._call = None
+        why = datapath.unsuitable(engine)
+        if native and why is not None:
+            raise ConfigError("native", why)
+        self.fast = None if native is False or why else datapath.NativeWorker(
+            engine, bytes.fromhex(ticket.token), priority
+        )  # fmt: skip
+        # A restart takes a native call over: the watcher raises ``abort`` and
+        # waits for the call to hand its state back (``_native``, ``_resync``).
+        self.abort = ctypes.c_int32(0)
+        self.native_lock = threading.Lock()
+        self.native_busy = self.resyncing = False
         self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
 
-    def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
-        """Sum ``q`` over the job's workers (every rank calls with the same
-        length, in the same order)."""
+    @property
+    def path(self) -> str:
+        """Which datapath serves this client's calls."""
+        return datapath.PATH if self.fast is not None else "python"
+
+    def allreduce_ints(
+        self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64] | None = None
+    ) -> npt.NDArray[np.int64]:
+        """Sum ``q`` over the job's workers into ``out`` (every rank calls with
+        the same length, in the same order)."""
         q = np.ascontiguousarray(q, dtype=np.int32)
-        call = self._call = _Call(len(q), self.ticket.values_per_packet)
+        call = self._call = Call(len(q), self.ticket.values_per_packet, out)
         call.first = self.engine.next_seq
         if len(q) == 0:
             return call.result
+        if self.fast is not None and datapath.unsuitable(self.engine) is None:
+            with self.native_lock:
+                self.native_busy = not self.resyncing
+            if self.native_busy:
+                return self._native(call, q)
         return self._run(call, lambda: self.engine.push(len(q), time.monotonic_ns(), q,
                                                         priority=self.priority))  # fmt: skip
+
+    def _native(self, call: Call, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+        """One call through the C datapath on this client's socket (its asyncio
+        reader paused meanwhile); the engine takes over whatever is left."""
+        fast = self.fast
+        assert fast is not None
+        sock = self._wait(self._pause())
+        addr = sockaddr(sock, self.ticket.switch)
+        outcome = datapath.ABORTED
+        try:
+            fast.start(q, call.result, time.monotonic_ns())
+            outcome = fast.run(sock.fileno(), addr, time.monotonic_ns() + int(self.timeout_s * 1e9),
+                               self.abort)  # fmt: skip
+        finally:
+            self._wait(self._hand_back(fast, call, outcome))
+        if outcome == datapath.DONE_RUN:
+            if call.error is not None:
+                raise call.error
+            return call.result
+        if outcome == datapath.OUT_OF_MEMORY:
+            raise MemoryError("the native datapath's buffers")
+        if outcome == datapath.ABORTED:  # a restart: the engine goes on with the call
+            remaining = self.timeout_s
+            if (not self.engine.idle and not call.done.wait(remaining)) or call.failed:
+                raise self._blame()
+            if call.error is not None:
+                raise call.error
+            return call.result
+        raise self._blame()
+
+    async def _stop_native(self) -> None:
+        with self.native_lock:
+            self.resyncing = True
+            if self.native_busy:
+                self.abort.value = 1
+        while self.native_busy:  # the call's hand-back runs in this loop meanwhile
+            await asyncio.sleep(0.001)
+
+    def _native_again(self) -> None:
+        with self.native_lock:
+            self.resyncing = False
+
+    async def _pause(self) -> Any:
+        transport = self.proto.transport
+        assert transport is not None
+        transport.pause_reading()  # type: ignore[attr-defined]  # selector transports have it
+        return transport.get_extra_info("socket")
+
+    async def _hand_back(self, fast: datapath.NativeWorker, call: Call, outcome: int) -> None:
+        """In the loop thread, which owns the engine: its state from the call,
+        the reader resumed, its timer armed for what is still outstanding."""
+        fast.finish()
+        call.error = fast.error()
+        with self.native_lock:
+            self.native_busy = False
+            self.abort.value = 0
+        if outcome != datapath.ABORTED and self.proto.transport is not None:
+            self.proto.transport.resume_reading()  # type: ignore[attr-defined]
+            self.proto.execute([])
 
     def _deliver(self, d: Deliver) -> None:
         call = self._call
         if call is None:
             return
-        pkt = d.pkt
-        if pkt.flags & Flag.FLOAT or pkt.payload is None:
-            call.error = ProtocolError(f"result {d.seq} left the integer domain")
-        else:
-            lo = (d.seq - call.first) * call.vpp
-            call.result[lo : lo + pkt.count] = pkt.payload
+        call.take(d.seq, d.pkt)
         if self.engine.idle:
             call.done.set()
 
@@ -505,9 +609,11 @@ class OmniClient(Attached):
         self._call = None
         self._attach(ticket, rank, timeout_s, self.engine, self._deliver, bind_host)
 
-    def allreduce_ints(self, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+    def allreduce_ints(
+        self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64] | None = None
+    ) -> npt.NDArray[np.int64]:
         q = np.ascontiguousarray(q, dtype=np.int32)
-        call = self._call = _Call(len(q), self.ticket.values_per_packet)
+        call = self._call = Call(len(q), self.ticket.values_per_packet, out)
         b, self.bucket = self.bucket, (self.bucket + 1) % 0x10000  # the header's bucket id
         if len(q) == 0:
             return call.result
@@ -526,14 +632,34 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
         await task
 
 
-class _Call:
-    def __init__(self, n: int, vpp: int) -> None:
+class Call:
+    """One collective of a client: its int64 sum, filled as results arrive."""
+
+    def __init__(self, n: int, vpp: int, out: npt.NDArray[np.int64] | None = None) -> None:
         self.vpp = vpp
-        self.result = np.zeros(n, dtype=np.int64)
+        if out is not None and (out.dtype != np.int64 or len(out) != n):
+            raise ValueError(f"out: an int64 array of {n} values")
+        # every value is written before the call returns (a partial sum never does)
+        self.result = np.zeros(n, dtype=np.int64) if out is None else out
         self.first = 0
         self.done = threading.Event()
         self.failed = False
         self.error: Exception | None = None
+
+    def take(self, seq: int, pkt: Packet) -> None:
+        """Sequence ``seq``'s result (the native datapath's delivery mirrors
+        this rule: an integer result of the count that was sent, else the
+        call's error)."""
+        lo = (seq - self.first) * self.vpp
+        sent = min(self.vpp, len(self.result) - lo)
+        if pkt.flags & Flag.FLOAT or pkt.payload is None:
+            self.error = self.error or ProtocolError(f"result {seq} left the integer domain")
+        elif pkt.count != sent:
+            self.error = self.error or ProtocolError(
+                f"result {seq} carries another count than was sent"
+            )
+        else:
+            self.result[lo : lo + sent] = pkt.payload
 
 
 # The client class of each scheme a daemon hosts (``emu.dlcp`` adds DLCP's).

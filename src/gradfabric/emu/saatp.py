@@ -133,7 +133,7 @@ class _Worker:
     def __init__(self, cfg: SaatpEmuConfig, ticket: Ticket, rank: int, conn: Connection) -> None:
         self.cfg, self.ticket, self.rank, self.conn = cfg, ticket, rank, conn
         t = ticket
-        own = scheme_worker(t, rank, cfg.timeout_s)
+        own = scheme_worker(t, rank, cfg.timeout_s, takes_help=True)
         assert isinstance(own, WorkerEngine)
         self.host = HostEngine(own)
         self.P, self.vpp = cfg.iteration_packets, t.values_per_packet

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import time
 from collections.abc import Callable
 from typing import cast
@@ -27,6 +28,20 @@ from gradfabric.wire.packet import Packet, decode, encode
 
 Address = tuple[str, int]
 SOCKET_BUFFER_BYTES = 4 * 2**20
+
+
+def sockaddr(sock: socket.socket, address: Address) -> bytes:
+    """``address`` as the raw ``struct sockaddr`` that ``sock``'s family sends
+    to (for the native datapaths, ``net.datapath`` and ``net.switchpath``)."""
+    info = socket.getaddrinfo(address[0], address[1], sock.family, socket.SOCK_DGRAM)
+    host, port = str(info[0][4][0]), int(info[0][4][1])
+    family = struct.pack("=H", sock.family)
+    if sock.family == socket.AF_INET:
+        return family + struct.pack("!H", port) + socket.inet_pton(socket.AF_INET, host) + bytes(8)
+    if sock.family == socket.AF_INET6:
+        return (family + struct.pack("!HI", port, 0) + socket.inet_pton(socket.AF_INET6, host)
+                + struct.pack("=I", 0))  # fmt: skip
+    raise ValueError(f"the native datapaths speak IPv4 and IPv6, not family {sock.family}")
 
 
 def size_buffers(sock: socket.socket) -> None:

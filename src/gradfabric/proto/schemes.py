@@ -111,6 +111,7 @@ class Placement:
     help: HelpConfig | None = None  # SA-ATP straggler help at the switch
     resumable: bool = False  # workers keep what a restarted switch needs (ResumableWorker)
     fast_retransmit: int = 0  # workers resend a loss after this many later results (0: off)
+    takes_help: bool = True  # workers take results for sequences others sent for them (SA-ATP)
 
     @property
     def switch(self) -> str:
@@ -201,6 +202,9 @@ class Scheme:
             rto_ns=p.rto_ns, max_retries=p.max_retries,
             values_per_packet=p.values_per_packet, ecn_window=self.ecn_window,
             fast_retransmit=p.fast_retransmit,
+            # a worker that takes no help has no reason to take a result for a
+            # sequence it has not sent: a forged or confused one is a drop
+            max_ahead=WorkerConfig.max_ahead if p.takes_help else 0,
         )  # fmt: skip
         kind = ResumableWorker if p.resumable else WorkerEngine
         return kind(name, cfg, self.route(p, name))

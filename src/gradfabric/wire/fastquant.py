@@ -10,9 +10,8 @@ bit (``tests/property/test_fastquant.py`` holds them equal on seeded and
 adversarial inputs).
 
 ``scripts/compile.py`` builds it with the C compiler into ``_fastquant.so``
-beside this file and records the source's digest in ``_fastquant.json``;
-it is used only while that digest matches the source and ``GRADFABRIC_PURE``
-is unset. Elsewhere the numpy functions here run: same results, more CPU.
+beside this file; it is used only while it is current and ``GRADFABRIC_PURE``
+is unset (``core.native``). Elsewhere the numpy functions here run: same results, more CPU.
 ``PATH`` says which one serves (``gradfabric --version`` prints it).
 
 Only numpy and the standard library: the switch daemon may use this too.
@@ -21,21 +20,17 @@ Only numpy and the standard library: the switch daemon may use this too.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from gradfabric.core import native
+from gradfabric.core.native import COMPILED, PYTHON
 from gradfabric.wire.quant import block_exponents
 
 SOURCE = Path(__file__).with_name("_fastquant.c")
-LIBRARY = Path(__file__).with_name("_fastquant.so")
-MANIFEST = Path(__file__).with_name("_fastquant.json")  # written by scripts/compile.py
-COMPILED, PYTHON = "compiled", "python"
 
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
@@ -43,34 +38,16 @@ I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 
 
-def source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-
-
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """The library, or None and why it cannot serve."""
-    if os.environ.get("GRADFABRIC_PURE"):
-        return None, "GRADFABRIC_PURE is set"
-    try:
-        built = json.loads(MANIFEST.read_text())
-    except (OSError, ValueError):
-        return None, "not built (scripts/compile.py builds it)"
-    digest = source_digest()
-    if built.get("source") != digest:
-        return None, "its source changed since it was built (run scripts/compile.py)"
-    try:
-        lib = ctypes.CDLL(str(LIBRARY))
-    except OSError as e:
-        return None, f"does not load: {e}"
-    lib.gf_source.restype = ctypes.c_char_p
-    if lib.gf_source().decode() != digest:
-        return None, "the library on disk is from another source"
-    p, n = ctypes.c_void_p, ctypes.c_int64
-    lib.gf_exponents.argtypes = [p, n, n, p]
-    lib.gf_exponents.restype = ctypes.c_int
-    lib.gf_encode.argtypes = [p, n, n, p, p]
-    lib.gf_decode.argtypes = [p, n, n, p, p]
-    return lib, None
+    lib, why = native.load(SOURCE)
+    if lib is not None:
+        p, n = ctypes.c_void_p, ctypes.c_int64
+        lib.gf_exponents.argtypes = [p, n, n, p]
+        lib.gf_exponents.restype = ctypes.c_int
+        lib.gf_encode.argtypes = [p, n, n, p, p]
+        lib.gf_decode.argtypes = [p, n, n, p, p]
+    return lib, why
 
 
 _LIB, WHY_NOT = _load()

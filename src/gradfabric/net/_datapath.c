@@ -1,0 +1,481 @@
+/* The worker's native datapath: one collective of an in-network aggregation
+ * worker (proto.worker.ResumableWorker, as emu.client.InaClient drives it),
+ * with the socket I/O batched (recvmmsg, sendmmsg) and no per-datagram
+ * Python work.
+ *
+ * Theory of operation
+ * -------------------
+ * The core is sans-I/O like the Python engine it mirrors: gf_w_start (the
+ * push of a whole tensor), gf_w_datagram (one received datagram), gf_w_timer
+ * and gf_w_deadline take the time as an argument; what they send is queued in
+ * an outbox of (sequence, flags). gf_w_run is the driver: it reads the clock,
+ * waits in ppoll, reads datagrams in batches and flushes the outbox with
+ * sendmmsg, each datagram gathered from a header and the int32 tensor in place
+ * (no copy of the values). Python's net.datapath wraps it; the Python engine
+ * stays the reference, and tests/property/test_datapath.py feeds both the same
+ * seeded datagrams (loss, duplicates, reordering, stale, foreign, forged and
+ * malformed ones) and requires the same datagrams out, the same counters and
+ * the same sums.
+ *
+ * The call covers sequences [first, first + npkts); per packet the state is
+ * UNSENT -> OUTSTANDING -> DONE, with its deadline and retransmissions in
+ * arrays the caller owns, so that Python can take the call over at any point
+ * (a switch restart: the reference replays; a timeout: the reference names
+ * the missing peer). Deadlines are created in increasing order (one RTO), so
+ * a FIFO holds them sorted; stale entries are skipped where they surface,
+ * exactly as in proto.worker.
+ *
+ * Semantics that must match the reference, in its order: the token first
+ * (drop_bad_token), then every check of wire.packet.decode (drop_malformed),
+ * then the engine (not a result of this job: drop_foreign; a result for a
+ * sequence with no packet outstanding: drop_duplicate_result), then the
+ * window (ATP's ECN window), new sends, fast retransmit, and the delivery of
+ * the values into the int64 result. A result in float (left the integer
+ * domain) or with a count other than what was sent marks the call's error.
+ *
+ * Plain C with the socket API alone, little-endian hosts (the wire is
+ * little-endian and the values are gathered from memory as they are).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#ifndef GRADFABRIC_SOURCE
+#define GRADFABRIC_SOURCE "unknown"
+#endif
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the wire is little-endian and values are sent from memory as they are"
+#endif
+
+#define TOKEN 8
+#define HEADER 32
+#define MAGIC 0x4647
+#define VERSION 1
+#define F_ACK 0x1
+#define F_RESEND 0x4
+#define F_ECN 0x8
+#define F_FLOAT 0x20
+#define KNOWN_FLAGS 0x1ff
+#define MAX_FAN_IN 64
+#define MAX_WIRE_VALUES 16000
+#define BATCH 32
+#define DGRAM 65536
+#define ABORT_CHECK_NS 10000000LL /* how often a waiting call looks at its abort flag */
+
+enum { UNSENT = 0, OUTSTANDING = 1, DONE = 2 };
+enum { ROUTE_STATIC = 0, ROUTE_HASHED = 1, ROUTE_ZERO = 2 };
+/* counter indices: net.datapath.COUNTERS names them */
+enum {
+    C_RESULTS, C_RETRANSMITS, C_FAST, C_DUPLICATE, C_FOREIGN, C_HALVINGS, C_MALFORMED,
+    C_BAD_TOKEN, C_SOCKET_ERROR, C_TX, C_RX, C_SYSCALLS, NCOUNTERS
+};
+enum { RUN_DONE = 0, RUN_ABORTED = 1, RUN_TIMEOUT = 2, RUN_FAILED = 3, RUN_ERROR = 4 };
+
+typedef struct {
+    /* the job (set by the caller) */
+    int64_t job, worker, fan_in, bitmap, priority, route, slot_base, slot_count, pool_slots,
+        resend_flag, rto_ns, max_retries, fast_k, ecn_window, vpp;
+    double max_cwnd;
+    uint8_t token[TOKEN];
+    /* the call (set by the caller; the arrays are the caller's) */
+    int64_t first, npkts, nvalues;
+    const int32_t *q;
+    int64_t *out;
+    uint8_t *st;
+    int64_t *deadline;
+    int64_t *tries;
+    /* state, in and out */
+    int64_t base, next, highest, fast_seq, fast_from, recover_seq, push_end;
+    double cwnd;
+    int64_t fail_seq, error_seq, error_kind;
+    int64_t counters[NCOUNTERS];
+    /* internal */
+    int64_t *fifo; /* pairs (deadline, seq) in a ring */
+    int64_t fifo_cap, fifo_head, fifo_len;
+    int64_t *outbox; /* pairs (seq, flags) */
+    int64_t outbox_cap, outbox_len;
+    uint8_t *rx; /* BATCH datagrams */
+} gf_worker;
+
+const char *gf_source(void) { return GRADFABRIC_SOURCE; }
+int64_t gf_w_size(void) { return (int64_t)sizeof(gf_worker); }
+
+static int grow(int64_t **buf, int64_t *cap, int64_t need) {
+    if (need <= *cap) return 0;
+    int64_t c = *cap ? *cap : 256;
+    while (c < need) c *= 2;
+    int64_t *n = realloc(*buf, (size_t)c * 2 * sizeof(int64_t));
+    if (!n) return -1;
+    *buf = n;
+    *cap = c;
+    return 0;
+}
+
+static int fifo_push(gf_worker *w, int64_t deadline, int64_t seq) {
+    if (w->fifo_len == w->fifo_cap) { /* unroll the ring into a larger one */
+        int64_t old = w->fifo_cap, c = old ? old * 2 : 256;
+        int64_t *n = malloc((size_t)c * 2 * sizeof(int64_t));
+        if (!n) return -1;
+        for (int64_t i = 0; i < w->fifo_len; i++) {
+            int64_t k = (w->fifo_head + i) % old;
+            n[2 * i] = w->fifo[2 * k];
+            n[2 * i + 1] = w->fifo[2 * k + 1];
+        }
+        free(w->fifo);
+        w->fifo = n;
+        w->fifo_cap = c;
+        w->fifo_head = 0;
+    }
+    int64_t k = (w->fifo_head + w->fifo_len) % w->fifo_cap;
+    w->fifo[2 * k] = deadline;
+    w->fifo[2 * k + 1] = seq;
+    w->fifo_len++;
+    return 0;
+}
+
+static void fifo_pop(gf_worker *w) {
+    w->fifo_head = (w->fifo_head + 1) % w->fifo_cap;
+    w->fifo_len--;
+}
+
+static int emit(gf_worker *w, int64_t seq, int64_t flags) {
+    if (grow(&w->outbox, &w->outbox_cap, w->outbox_len + 1)) return -1;
+    w->outbox[2 * w->outbox_len] = seq;
+    w->outbox[2 * w->outbox_len + 1] = flags;
+    w->outbox_len++;
+    return 0;
+}
+
+static int outstanding(const gf_worker *w, int64_t seq) {
+    return seq >= w->first && seq < w->first + w->npkts && w->st[seq - w->first] == OUTSTANDING;
+}
+
+/* proto.worker.WorkerEngine._pump */
+static int pump(gf_worker *w, int64_t now) {
+    int64_t limit = w->base + (int64_t)w->cwnd, deadline = now + w->rto_ns;
+    while (w->next < w->push_end && w->next < limit) {
+        int64_t seq = w->next++, i = seq - w->first;
+        if (seq < w->base || w->st[i] == DONE) continue;
+        w->st[i] = OUTSTANDING;
+        w->deadline[i] = deadline;
+        w->tries[i] = 0;
+        if (fifo_push(w, deadline, seq) || emit(w, seq, 0)) return -1;
+    }
+    return 0;
+}
+
+/* proto.worker.WorkerEngine._resend */
+static int resend(gf_worker *w, int64_t seq, int64_t deadline) {
+    w->deadline[seq - w->first] = deadline;
+    if (fifo_push(w, deadline, seq)) return -1;
+    return emit(w, seq, w->resend_flag ? F_RESEND : 0);
+}
+
+/* The values of packet ``seq``: where they start in the tensor, how many. */
+static int64_t count_of(const gf_worker *w, int64_t seq) {
+    int64_t lo = (seq - w->first) * w->vpp, n = w->nvalues - lo;
+    return n < w->vpp ? n : w->vpp;
+}
+
+static uint32_t agg_index(const gf_worker *w, int64_t seq) {
+    if (w->route == ROUTE_STATIC) return (uint32_t)(w->slot_base + seq % w->slot_count);
+    if (w->route == ROUTE_HASHED)
+        return (uint32_t)(((uint64_t)seq + (uint64_t)w->job * 2654435761ULL) % (uint64_t)w->pool_slots);
+    return 0;
+}
+
+static void wr16(uint8_t *p, int64_t v) { uint16_t u = (uint16_t)v; memcpy(p, &u, 2); }
+
+/* The token and header of packet ``seq`` (wire.envelope.seal of proto.worker's
+ * packet): magic, version, priority, flags, job, worker, fan_in, layer (0),
+ * count, seq, agg_index, bitmap. */
+static void header(const gf_worker *w, int64_t seq, int64_t flags, uint8_t *h) {
+    memcpy(h, w->token, TOKEN);
+    h += TOKEN;
+    wr16(h, MAGIC);
+    h[2] = VERSION;
+    h[3] = (uint8_t)w->priority;
+    wr16(h + 4, flags);
+    wr16(h + 6, w->job);
+    wr16(h + 8, w->worker);
+    wr16(h + 10, w->fan_in);
+    wr16(h + 12, 0);
+    wr16(h + 14, count_of(w, seq));
+    uint32_t s = (uint32_t)seq, a = agg_index(w, seq);
+    uint64_t b = (uint64_t)w->bitmap;
+    memcpy(h + 16, &s, 4);
+    memcpy(h + 20, &a, 4);
+    memcpy(h + 24, &b, 8);
+}
+
+int gf_w_init(gf_worker *w) {
+    w->fifo = NULL;
+    w->outbox = NULL;
+    w->fifo_cap = w->fifo_head = w->fifo_len = w->outbox_cap = w->outbox_len = 0;
+    w->rx = malloc((size_t)BATCH * DGRAM);
+    return w->rx ? 0 : -1;
+}
+
+void gf_w_free(gf_worker *w) {
+    free(w->fifo);
+    free(w->outbox);
+    free(w->rx);
+    w->fifo = w->outbox = NULL;
+    w->rx = NULL;
+}
+
+/* A new call: the engine pushes the whole tensor (proto.worker.WorkerEngine.push). */
+int gf_w_start(gf_worker *w, int64_t now) {
+    w->fifo_head = w->fifo_len = w->outbox_len = 0;
+    w->base = w->next = w->first;
+    w->push_end = w->first + w->npkts;
+    w->fail_seq = w->error_seq = -1;
+    w->error_kind = 0;
+    memset(w->st, UNSENT, (size_t)w->npkts);
+    return pump(w, now);
+}
+
+/* proto.worker.WorkerEngine._adjust_window */
+static void adjust_window(gf_worker *w, int64_t seq, int64_t flags) {
+    if (flags & F_ECN) {
+        if (seq >= w->recover_seq) {
+            w->cwnd = w->cwnd / 2 > 1.0 ? w->cwnd / 2 : 1.0;
+            w->recover_seq = w->push_end;
+            w->counters[C_HALVINGS]++;
+        }
+    } else {
+        double c = w->cwnd + 1.0 / w->cwnd;
+        w->cwnd = w->max_cwnd < c ? w->max_cwnd : c;
+    }
+}
+
+/* proto.worker.WorkerEngine._fast_retransmit */
+static int fast_retransmit(gf_worker *w, int64_t seq, int64_t now) {
+    if (seq > w->highest) w->highest = seq;
+    int64_t base = w->base;
+    if (w->fast_seq != base) w->fast_seq = w->fast_from = base;
+    if (w->highest - w->fast_from < w->fast_k) return 0;
+    if (!outstanding(w, base) || w->tries[base - w->first] >= w->max_retries) return 0;
+    w->fast_from = w->highest;
+    w->tries[base - w->first]++;
+    w->counters[C_FAST]++;
+    return resend(w, base, now + w->rto_ns);
+}
+
+static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* One datagram from the socket: unseal, decode, then the engine and the delivery.
+ * Returns -1 only when out of memory. */
+int gf_w_datagram(gf_worker *w, const uint8_t *data, int64_t len, int64_t now) {
+    if (len < TOKEN || memcmp(data, w->token, TOKEN) != 0) {
+        w->counters[C_BAD_TOKEN]++;
+        return 0;
+    }
+    const uint8_t *h = data + TOKEN;
+    len -= TOKEN;
+    if (len < HEADER) goto malformed;
+    uint16_t flags = rd16(h + 4), job = rd16(h + 6), wid = rd16(h + 8), fan_in = rd16(h + 10),
+             count = rd16(h + 14);
+    uint32_t seq32;
+    uint64_t bitmap;
+    memcpy(&seq32, h + 16, 4);
+    memcpy(&bitmap, h + 24, 8);
+    if (rd16(h) != MAGIC || h[2] != VERSION || (flags & ~KNOWN_FLAGS)) goto malformed;
+    if (fan_in < 1 || fan_in > MAX_FAN_IN || wid >= MAX_FAN_IN) goto malformed;
+    if (fan_in < 64 && (bitmap >> fan_in)) goto malformed;
+    if (count > MAX_WIRE_VALUES || len != HEADER + 4 * (int64_t)count) goto malformed;
+    const uint8_t *payload = h + HEADER;
+    if (flags & F_FLOAT) {
+        for (int64_t j = 0; j < count; j++) {
+            float f;
+            memcpy(&f, payload + 4 * j, 4);
+            if (!isfinite(f)) goto malformed;
+        }
+    }
+    if (!(flags & F_ACK) || job != w->job) {
+        w->counters[C_FOREIGN]++;
+        return 0;
+    }
+    int64_t seq = seq32;
+    if (!outstanding(w, seq)) { /* no help is taken: nothing ahead of what was sent */
+        w->counters[C_DUPLICATE]++;
+        return 0;
+    }
+    w->st[seq - w->first] = DONE;
+    w->counters[C_RESULTS]++;
+    if (seq == w->base) {
+        int64_t b = seq + 1, end = w->first + w->npkts;
+        while (b < end && w->st[b - w->first] == DONE) b++;
+        w->base = b;
+    }
+    if (w->ecn_window) adjust_window(w, seq, flags);
+    if (pump(w, now)) return -1;
+    if (w->fast_k && fast_retransmit(w, seq, now)) return -1;
+    /* the delivery (emu.client.InaClient._deliver) */
+    if (flags & F_FLOAT || count != count_of(w, seq)) {
+        if (w->error_seq < 0) {
+            w->error_seq = seq;
+            w->error_kind = flags & F_FLOAT ? 1 : 2;
+        }
+        return 0;
+    }
+    int64_t *dst = w->out + (seq - w->first) * w->vpp;
+    for (int64_t j = 0; j < count; j++) {
+        int32_t v;
+        memcpy(&v, payload + 4 * j, 4);
+        dst[j] = v;
+    }
+    return 0;
+malformed:
+    w->counters[C_MALFORMED]++;
+    return 0;
+}
+
+/* proto.worker.WorkerEngine.next_deadline: -1 for none. */
+int64_t gf_w_deadline(gf_worker *w) {
+    while (w->fifo_len) {
+        int64_t k = w->fifo_head, d = w->fifo[2 * k], seq = w->fifo[2 * k + 1];
+        if (outstanding(w, seq) && w->deadline[seq - w->first] == d) return d;
+        fifo_pop(w);
+    }
+    return -1;
+}
+
+/* proto.worker.WorkerEngine.on_timer: 1 if it gave up (fail_seq), -1 out of memory. */
+int gf_w_timer(gf_worker *w, int64_t now) {
+    int64_t mark = w->outbox_len;
+    while (w->fifo_len && w->fifo[2 * w->fifo_head] <= now) {
+        int64_t k = w->fifo_head, d = w->fifo[2 * k], seq = w->fifo[2 * k + 1];
+        fifo_pop(w);
+        if (!outstanding(w, seq) || w->deadline[seq - w->first] != d) continue;
+        if (++w->tries[seq - w->first] > w->max_retries) {
+            w->outbox_len = mark; /* the reference returns the Fail alone */
+            w->fail_seq = seq;
+            return 1;
+        }
+        w->counters[C_RETRANSMITS]++;
+        if (resend(w, seq, now + w->rto_ns)) return -1;
+    }
+    return 0;
+}
+
+/* The outbox as bytes (for the differential test): each datagram as a u32
+ * length and its bytes; returns the bytes written, or -1 if ``cap`` is short. */
+int64_t gf_w_take(gf_worker *w, uint8_t *buf, int64_t cap) {
+    int64_t at = 0;
+    for (int64_t i = 0; i < w->outbox_len; i++) {
+        int64_t seq = w->outbox[2 * i], n = count_of(w, seq);
+        uint32_t size = (uint32_t)(TOKEN + HEADER + 4 * n);
+        if (at + 4 + (int64_t)size > cap) return -1;
+        memcpy(buf + at, &size, 4);
+        header(w, seq, w->outbox[2 * i + 1], buf + at + 4);
+        memcpy(buf + at + 4 + TOKEN + HEADER, w->q + (seq - w->first) * w->vpp, (size_t)(4 * n));
+        at += 4 + size;
+    }
+    w->outbox_len = 0;
+    return at;
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Send the outbox: sendmmsg in batches, each datagram gathered from its header
+ * and the tensor. A full socket buffer waits for room (the kernel's pacing);
+ * another error is counted and the datagram is a loss the protocol recovers. */
+static void flush(gf_worker *w, int fd, const struct sockaddr *addr, socklen_t alen) {
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[BATCH][2];
+    uint8_t heads[BATCH][TOKEN + HEADER];
+    int64_t i = 0;
+    while (i < w->outbox_len) {
+        int n = 0;
+        for (; n < BATCH && i + n < w->outbox_len; n++) {
+            int64_t seq = w->outbox[2 * (i + n)];
+            header(w, seq, w->outbox[2 * (i + n) + 1], heads[n]);
+            iov[n][0].iov_base = heads[n];
+            iov[n][0].iov_len = TOKEN + HEADER;
+            iov[n][1].iov_base = (void *)(w->q + (seq - w->first) * w->vpp);
+            iov[n][1].iov_len = (size_t)(4 * count_of(w, seq));
+            memset(&msgs[n], 0, sizeof msgs[n]);
+            msgs[n].msg_hdr.msg_name = (void *)addr;
+            msgs[n].msg_hdr.msg_namelen = alen;
+            msgs[n].msg_hdr.msg_iov = iov[n];
+            msgs[n].msg_hdr.msg_iovlen = 2;
+        }
+        int sent = sendmmsg(fd, msgs, (unsigned)n, 0);
+        w->counters[C_SYSCALLS]++;
+        if (sent > 0) {
+            w->counters[C_TX] += sent;
+            i += sent;
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
+            struct pollfd p = {fd, POLLOUT, 0};
+            poll(&p, 1, 1);
+        } else if (errno != EINTR) {
+            w->counters[C_SOCKET_ERROR]++;
+            i++;
+        }
+    }
+    w->outbox_len = 0;
+}
+
+/* Drive the call on socket ``fd`` until every result is in (RUN_DONE), the
+ * caller sets ``*abort`` (RUN_ABORTED), ``wall_deadline`` passes (RUN_TIMEOUT),
+ * a packet runs out of retransmissions (RUN_FAILED, fail_seq) or memory does
+ * (RUN_ERROR). gf_w_start must have run. */
+int gf_w_run(gf_worker *w, int fd, const uint8_t *addr, int64_t alen, int64_t wall_deadline,
+             volatile const int32_t *abort) {
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[BATCH];
+    const struct sockaddr *sa = (const struct sockaddr *)addr;
+    flush(w, fd, sa, (socklen_t)alen);
+    while (w->base < w->push_end) {
+        if (*abort) return RUN_ABORTED;
+        int64_t now = now_ns();
+        if (now >= wall_deadline) return RUN_TIMEOUT;
+        int64_t d = gf_w_deadline(w);
+        if (d >= 0 && d <= now) {
+            int r = gf_w_timer(w, now);
+            if (r) return r > 0 ? RUN_FAILED : RUN_ERROR;
+            flush(w, fd, sa, (socklen_t)alen);
+            continue;
+        }
+        int64_t wait = wall_deadline - now;
+        if (d >= 0 && d - now < wait) wait = d - now;
+        if (wait > ABORT_CHECK_NS) wait = ABORT_CHECK_NS;
+        struct timespec ts = {wait / 1000000000LL, wait % 1000000000LL};
+        struct pollfd p = {fd, POLLIN, 0};
+        if (ppoll(&p, 1, &ts, NULL) <= 0) continue;
+        for (int k = 0; k < BATCH; k++) {
+            iov[k].iov_base = w->rx + (size_t)k * DGRAM;
+            iov[k].iov_len = DGRAM;
+            memset(&msgs[k], 0, sizeof msgs[k]);
+            msgs[k].msg_hdr.msg_iov = &iov[k];
+            msgs[k].msg_hdr.msg_iovlen = 1;
+        }
+        int got = recvmmsg(fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+        w->counters[C_SYSCALLS]++;
+        if (got < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                w->counters[C_SOCKET_ERROR]++;
+            continue;
+        }
+        now = now_ns();
+        w->counters[C_RX] += got;
+        for (int k = 0; k < got; k++) {
+            int64_t n = (msgs[k].msg_hdr.msg_flags & MSG_TRUNC) ? DGRAM + 1 : msgs[k].msg_len;
+            if (gf_w_datagram(w, w->rx + (size_t)k * DGRAM, n, now)) return RUN_ERROR;
+        }
+        flush(w, fd, sa, (socklen_t)alen);
+    }
+    return RUN_DONE;
+}
