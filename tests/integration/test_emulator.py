@@ -32,7 +32,7 @@ from gradfabric.emu.client import (
     together,
 )
 from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
-from gradfabric.net import netns
+from gradfabric.net import netns, switchpath
 from gradfabric.net.peers import GRACE_S
 from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import Flag, Packet, encode
@@ -127,11 +127,14 @@ def _fire(
 UNAUTHENTICATED_DROPS = ("drop_unknown_job", "drop_bad_token", "drop_malformed")
 
 
-def _fuzz_while_training(fuzz_packets: int, jobs: int = 1) -> dict[str, int]:
-    """``jobs`` jobs of 3 workers train exact rounds through one ATP switch
-    while ``fuzz_packets`` datagrams aimed at them (random bytes, their
-    packets under guessed tokens) arrive; returns the switch's counters."""
-    with switch_daemon("--policy", "atp") as sw:
+def _fuzz_while_training(fuzz_packets: int, jobs: int = 1, policy: str = "atp") -> dict[str, int]:
+    """``jobs`` jobs of 3 workers train exact rounds through one switch while
+    ``fuzz_packets`` datagrams aimed at them (random bytes, their packets
+    under guessed tokens) arrive; returns the switch's counters. A SwitchML
+    switch serves from its native datapath where it is built (asserted)."""
+    with switch_daemon("--policy", policy) as sw:
+        if policy == "switchml" and switchpath.PATH == "compiled":
+            assert _stats(sw)["datapath"] == "native"
         victims = [Ticket.register(sw.control, 3) for _ in range(jobs)]
         clients = [[InaClient(v, r, timeout_s=60) for r in range(3)] for v in victims]
         firing = [
@@ -173,12 +176,16 @@ def _fuzz_while_training(fuzz_packets: int, jobs: int = 1) -> dict[str, int]:
     return cast(dict[str, int], c)
 
 
-def test_random_and_forged_packets_are_counted_drops_while_a_job_runs_exactly() -> None:
-    _fuzz_while_training(30_000)
+@pytest.mark.parametrize("policy", ["atp", "switchml"])  # switchml: the native datapath
+def test_random_and_forged_packets_are_counted_drops_while_a_job_runs_exactly(
+    policy: str,
+) -> None:
+    _fuzz_while_training(30_000, policy=policy)
 
 
-def test_eight_jobs_stay_exact_under_fuzz_aimed_at_all_of_them() -> None:
-    _fuzz_while_training(40_000, jobs=8)
+@pytest.mark.parametrize("policy", ["atp", "switchml"])
+def test_eight_jobs_stay_exact_under_fuzz_aimed_at_all_of_them(policy: str) -> None:
+    _fuzz_while_training(40_000, jobs=8, policy=policy)
 
 
 @pytest.mark.slow
@@ -187,10 +194,12 @@ def test_a_million_random_and_forged_packets_at_eight_jobs() -> None:
     print("counters:", json.dumps({k: v for k, v in c.items() if v}, sort_keys=True))
 
 
-def test_mutated_packets_of_another_job_never_touch_this_one() -> None:
-    """An attacker that holds its own job's token mutates its headers: the
-    switch survives and the victim's sums stay exact."""
-    with switch_daemon("--policy", "esa") as sw:
+@pytest.mark.parametrize("policy", ["esa", "switchml"])  # switchml: the native datapath
+def test_mutated_packets_of_another_job_never_touch_this_one(policy: str) -> None:
+    """An attacker that holds its own job's token mutates its headers (slot
+    indices, bitmaps, fan-ins): the switch survives, counts them, and the
+    victim's sums stay exact."""
+    with switch_daemon("--policy", policy) as sw:
         victim = Ticket.register(sw.control, 2)
         attacker = Ticket.register(sw.control, 2)
         clients = [InaClient(victim, r, timeout_s=60) for r in range(2)]
@@ -204,7 +213,9 @@ def test_mutated_packets_of_another_job_never_touch_this_one() -> None:
         finally:
             for c in clients:
                 c.close()
-        assert sw.proc.poll() is None and _stats(sw)["counters"]["drop_bad_worker"] > 0
+        counters = _stats(sw)["counters"]
+        assert sw.proc.poll() is None
+        assert counters.get("drop_bad_worker", 0) + counters.get("drop_bad_slot", 0) > 0, counters
 
 
 def _join_and_hang(ticket: Ticket, rank: int) -> None:

@@ -28,12 +28,16 @@ COMMANDS = (reproduce, simulate, experiment, plan, bench, daemon, models)
 
 def version() -> str:
     """The version and which paths run: the simulator's (``mypyc``: the
-    compiled hot path; ``python``: the sources, where nothing was compiled)
-    and the switch clients' quantiser (``compiled`` C, or ``python``: numpy)."""
+    compiled hot path; ``python``: the sources, where nothing was compiled),
+    the switch clients' quantiser (``compiled`` C, or ``python``: numpy) and
+    the datapaths of the workers and of a SwitchML daemon (``compiled`` C, or
+    ``python``: the reference engines)."""
+    from gradfabric.net import datapath, switchpath
     from gradfabric.wire import fastquant
 
     return (f"gradfabric {__version__} (simulator hot path: {compiled_path()}; "
-            f"client quantiser: {fastquant.PATH})")  # fmt: skip
+            f"client quantiser: {fastquant.PATH}; worker datapath: {datapath.PATH}; "
+            f"switch datapath: {switchpath.PATH})")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

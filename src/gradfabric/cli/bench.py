@@ -97,8 +97,8 @@ def add(sub: Sub) -> None:
     )  # fmt: skip
     bw.add_argument(
         "--datapath", default="auto", choices=("auto", "native", "python"),
-        help="the workers' datapath: native (C, batched socket I/O), python (the reference "
-        "engine), auto (native where built)",
+        help="the workers' and the switch's datapath: native (C, batched socket I/O, where "
+        "built; the switch's for switchml), python (the reference engines), auto (native)",
     )  # fmt: skip
     add_output(bw, "bench-switch")
     bw.set_defaults(fn=switch)

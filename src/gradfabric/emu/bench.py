@@ -79,7 +79,8 @@ class SwitchBenchConfig:
     link_gbps: float | None = None  # the ToR star of shaped links (root), else loopback
     mtu: int = MTU  # with link_gbps: every link's MTU (up to netns.MAX_MTU)
     kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
-    datapath: str = "auto"  # the workers': native (C), python (reference), auto (native if built)
+    # the workers' and the switch's: native (C where it serves), python (the reference)
+    datapath: str = "auto"
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.iters < 1 or self.tensor_mb <= 0:
@@ -110,7 +111,8 @@ def run_switch_bench(cfg: SwitchBenchConfig) -> dict[str, Any]:
     from gradfabric.net.launch import run_on_hosts, run_ranks
 
     options = ("--policy", cfg.policy, "--job-slots", str(cfg.job_slots), "--rto-ms",
-               str(cfg.rto_ms), "--values-per-packet", str(cfg.values_per_packet))  # fmt: skip
+               str(cfg.rto_ms), "--values-per-packet", str(cfg.values_per_packet),
+               "--datapath", "python" if cfg.datapath == "python" else "auto")  # fmt: skip
     args = [json.dumps(asdict(cfg))]
     dropped = None
     with ExitStack() as stack:
@@ -183,7 +185,7 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
     cpu = [0.0, 0.0]  # the switch process's CPU time after the warm-up and at the end
     for it in range(cfg.iters + 1):  # the first of each is a warm-up
         if it == 1 and rank == 0:
-            cpu[0] = _switch_cpu(client)
+            cpu[0], switch_path = _switch_cpu(client)
         for kind in ("switch", "gloo") if it % 2 == 0 else ("gloo", "switch"):
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
@@ -199,21 +201,24 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
                 cpu_s[kind].append(float(took[1]))
         max_error = max(max_error, float(np.abs(got - ref.numpy()).max()))
     if rank == 0:
-        cpu[1] = _switch_cpu(client)
+        cpu[1], switch_path = _switch_cpu(client)
         with open(out, "w") as f:
             json.dump({"switch_s": times["switch"], "gloo_s": times["gloo"],
                        "worker_cpu_s": {k: statistics.median(v) for k, v in cpu_s.items()},
                        "max_error": max_error, "switch_cpu_s": cpu[1] - cpu[0],
-                       "datapath": client.path}, f)  # fmt: skip
+                       "datapath": f"workers {client.path}, switch {switch_path}"},
+                      f)  # fmt: skip
     client.close()
 
 
-def _switch_cpu(client: InaClient) -> float:
+def _switch_cpu(client: InaClient) -> tuple[float, str]:
+    """The switch process's CPU seconds so far, and its datapath."""
     import asyncio
 
     from gradfabric.emu.switchd import control_call
 
-    return float(asyncio.run(control_call(client.ticket.control, {"op": "stats"}))["cpu_s"])
+    st = asyncio.run(control_call(client.ticket.control, {"op": "stats"}))
+    return float(st["cpu_s"]), str(st["datapath"])
 
 
 if __name__ == "__main__":  # one rank, started by torchrun

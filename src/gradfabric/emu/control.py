@@ -355,6 +355,7 @@ class ControlPlane:
                 except (ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
                     self.d.counters["control_errors"] += 1
                     reply = {"error": str(e)}
+                self.d.sync_native()  # the datapath in C learns what changed
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):

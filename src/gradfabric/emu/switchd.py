@@ -50,7 +50,9 @@ from gradfabric.emu.control import server_name as server_name
 from gradfabric.emu.control import worker_name as worker_name
 from gradfabric.emu.impair import Impairer, Impairment
 from gradfabric.emu.metrics import registry, serve_metrics
-from gradfabric.net.udp import Address, size_buffers
+from gradfabric.net import switchpath
+from gradfabric.net.switchpath import NativeSwitchML
+from gradfabric.net.udp import Address, size_buffers, sockaddr
 from gradfabric.proto.actions import Fail
 from gradfabric.proto.dispatch import Port
 from gradfabric.proto.interface import Engine
@@ -100,6 +102,11 @@ class SwitchConfig:
     state_dir: str | None = _opt(
         None, "keep job registrations here: restarted on it, the daemon knows its jobs"
     )
+    datapath: str = _opt(
+        "auto", "native: SwitchML's datapath in C (net.switchpath); python: the reference "
+        "engines; auto: native where it is built and can serve (switchml, no impairments)",
+        ("auto", "native", "python"),
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.policy not in DAEMON_SCHEMES:
@@ -115,6 +122,44 @@ class SwitchConfig:
         for name in ("push_bound", "pull_bound"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.datapath not in ("auto", "native", "python"):
+            raise ConfigError("datapath", f"one of auto, native, python; got {self.datapath!r}")
+        why = self.native_unsuitable()
+        if self.datapath == "native" and why is not None:
+            raise ConfigError("datapath", f"native cannot serve: {why}")
+
+    def native_unsuitable(self) -> str | None:
+        """Why the native switch datapath cannot serve this daemon (None: it can)."""
+        if self.datapath == "python":
+            return "python was asked for"
+        if self.policy != "switchml":
+            return f"it runs SwitchML only, not {self.policy}"
+        if self.impair != Impairment():
+            return "impairments run in the reference"
+        return None if switchpath.PATH == "compiled" else str(switchpath.WHY_NOT)
+
+
+def accept(
+    data: bytes, jobs: dict[int, DaemonJob], counters: Counters
+) -> tuple[DaemonJob, Packet] | None:
+    """The daemon's checks of a datagram before any engine sees it (see the
+    module doc): its job and packet, or None and a counted drop (the
+    daemon's ``counters`` where no job is known, else the job's)."""
+    job = None
+    try:
+        job = jobs.get(job_of(data))
+        if job is None:
+            counters["drop_unknown_job"] += 1
+            return None
+        pkt = unseal(data, job.token)
+    except ProtocolError as e:
+        (counters if job is None else job.counters)[drop_reason(e)] += 1
+        return None
+    job.counters["rx_datagrams"] += 1
+    if job.resync is not None:  # restored after a restart: replays start from the floor
+        job.counters["drop_resyncing"] += 1
+        return None
+    return job, pkt
 
 
 class _Hosted(Port):
@@ -157,7 +202,13 @@ class SwitchDaemon:
         self.scheme = SCHEMES.get(cfg.policy)
         # Where the scheme keeps no switch state (PS, OmniReduce, DLCP) the
         # switch engine idles with an empty ATP pool.
-        self.switch = SwitchEngine.build(self.SWITCH, self.scheme.policy or "atp", cfg.slots)
+        self.native: NativeSwitchML | None = None
+        if cfg.native_unsuitable() is None:  # SwitchML's pool in C (net.switchpath)
+            counters = Counters()
+            self.native = NativeSwitchML(cfg.slots, counters)
+            self.switch = SwitchEngine(self.SWITCH, self.native, counters)
+        else:
+            self.switch = SwitchEngine.build(self.SWITCH, self.scheme.policy or "atp", cfg.slots)
         self.local: dict[str, _Hosted] = {}
         self.host(self.SWITCH, self.switch)
         self.work: deque[tuple[str, Packet]] = deque()  # packets between hosted engines
@@ -194,7 +245,9 @@ class SwitchDaemon:
     def register(
         self, workers: int, sa_atp: dict[str, Any] | None = None, kind: str | None = None
     ) -> dict[str, Any]:
-        return self.control.register(workers, sa_atp, kind)
+        out = self.control.register(workers, sa_atp, kind)
+        self.sync_native()
+        return out
 
     # -- lifecycle ------------------------------------------------------
     async def start(self) -> dict[str, Address]:
@@ -209,6 +262,7 @@ class SwitchDaemon:
         sock.bind((cfg.host, cfg.port))
         loop.add_reader(sock.fileno(), self._drain)
         self.control.load()
+        self.sync_native()
         control = await asyncio.start_server(self.control.serve, cfg.host, cfg.control_port)
         self.servers.append(control)
         out = {
@@ -246,6 +300,13 @@ class SwitchDaemon:
     # -- data path ------------------------------------------------------
     def _drain(self) -> None:
         sock = self.sock
+        if self.native is not None and sock is not None:
+            self.native.native.drain(sock.fileno())
+            self.native.native.fold(
+                self.counters, self.switch.counters,
+                {i: j.counters for i, j in self.jobs.items()},
+            )  # fmt: skip
+            return
         for _ in range(DRAIN_BATCH):  # then let the control plane and timers run
             if sock is None:
                 return
@@ -264,20 +325,10 @@ class SwitchDaemon:
             self._received(data)
 
     def _received(self, data: bytes) -> None:
-        job = None
-        try:
-            job = self.jobs.get(job_of(data))
-            if job is None:
-                self.counters["drop_unknown_job"] += 1
-                return
-            pkt = unseal(data, job.token)
-        except ProtocolError as e:
-            (self.counters if job is None else job.counters)[drop_reason(e)] += 1
+        got = accept(data, self.jobs, self.counters)
+        if got is None:
             return
-        job.counters["rx_datagrams"] += 1
-        if job.resync is not None:  # restored after a restart: replays start from the floor
-            job.counters["drop_resyncing"] += 1
-            return
+        job, pkt = got
         if job.shaped:
             self._port_offer(job, pkt, len(data))
         else:
@@ -374,6 +425,20 @@ class SwitchDaemon:
         except OSError:
             self.counters["socket_error"] += 1
 
+    def sync_native(self) -> None:
+        """Tell the native datapath what the control plane decided: every job's
+        token, slot range, worker addresses and whether it resynchronises;
+        jobs that left are forgotten."""
+        if self.native is None or self.sock is None:
+            return
+        nat, sock = self.native.native, self.sock
+        for job_id in set(nat.known) - set(self.jobs):
+            nat.forget(job_id)
+        for j in self.jobs.values():
+            addrs = {r: sockaddr(sock, a) for r, a in j.addrs.items()}
+            nat.job(j.job_id, j.token, j.workers, j.slot_base, self.cfg.job_slots,
+                    j.resync is not None, addrs)  # fmt: skip
+
     # -- state ------------------------------------------------------------
     def occupancy(self) -> int:
         """Aggregators now held by some job (ATP/ESA pool; SwitchML's ranges)."""
@@ -391,8 +456,11 @@ class SwitchDaemon:
             for k, v in c.items():
                 merged[k] += v
         merged["rx_datagrams"] -= sum(j.counters["rx_datagrams"] for j in self.jobs.values())
+        if self.native is not None:
+            self.native.refresh_stats()
         return {
             "policy": self.cfg.policy,
+            "datapath": "native" if self.native is not None else "python",
             "epoch": self.epoch,
             "uptime_s": (time.monotonic_ns() - self.started_ns) / 1e9,
             "cpu_s": time.process_time(),  # this process's CPU time (one core at most)

@@ -1,0 +1,188 @@
+"""The switch daemon's native SwitchML datapath against the reference, datagram for datagram.
+
+The reference is what the daemon runs in Python: ``emu.switchd.accept`` (the
+job, its token, the decoding, a job that resynchronises) and a
+``SwitchEngine`` with ``SwitchMLPolicy``, whose actions become datagrams
+sealed with the job's token for the workers that said hello. Seeded
+traffic from several jobs' workers (their windows of sequences, every copy
+reuse, retransmissions, duplicates, reordering) is mixed with stale
+packets, packets for another job's slots or another worker's bit, forged
+tokens, unknown jobs, float payloads, wrong counts, results from below,
+random and truncated bytes, and a job that resynchronises for a while;
+every datagram goes to both, which must send the same datagrams to the same
+ranks, count the same drops under the same names, and report the same
+missing workers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradfabric.core.trace import Counters
+from gradfabric.emu.control import DaemonJob
+from gradfabric.emu.switchd import accept
+from gradfabric.net import switchpath
+from gradfabric.proto.actions import Multicast, Send
+from gradfabric.proto.schemes import Placement
+from gradfabric.proto.switch import SwitchEngine
+from gradfabric.proto.switch.job import SwitchJob
+from gradfabric.wire.envelope import TOKEN_BYTES, seal
+from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, encode
+
+pytestmark = pytest.mark.skipif(switchpath.PATH != "compiled", reason=str(switchpath.WHY_NOT))
+
+SLOTS = 16
+
+
+class Reference:
+    """The daemon's Python datapath for a SwitchML switch."""
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self.switch = SwitchEngine.build("sw", "switchml", SLOTS)
+        self.jobs: dict[int, DaemonJob] = {}
+        self.addressed: dict[int, set[int]] = {}
+
+    def add(self, job_id: int, token: bytes, workers: int, base: int, window: int) -> None:
+        names = tuple(f"j{job_id}w{r}" for r in range(workers))
+        p = Placement(job_id, names, {"sw": names})
+        self.jobs[job_id] = DaemonJob(job_id, token, workers, base, "ina", p, entry="sw")
+        self.switch.add_job(SwitchJob(job_id, names, slot_base=base, slot_count=window))
+        self.addressed[job_id] = set()
+
+    def datagram(self, data: bytes, now: int) -> list[tuple[int, bytes]]:
+        self.counters["rx_datagrams"] += 1
+        got = accept(data, self.jobs, self.counters)
+        if got is None:
+            return []
+        job, pkt = got
+        out = []
+        for a in self.switch.on_packet(pkt, now):
+            if isinstance(a, Send):
+                dsts, p = (a.dst,), a.pkt
+            else:
+                assert isinstance(a, Multicast)
+                dsts, p = a.dsts, a.pkt
+            for d in dsts:
+                rank = int(d.split("w")[1])
+                if rank in self.addressed[job.job_id]:
+                    out.append((rank, seal(job.token, p)))
+                else:
+                    self.counters["drop_no_address"] += 1
+        return out
+
+
+def _scenario(seed: int) -> None:
+    rng = random.Random(seed)
+    ref, nat = Reference(), switchpath.NativeSwitch(SLOTS)
+    jobs = []  # (id, token, workers, base, window, vpp)
+    base = 0
+    for job_id in (3, 9):
+        workers, window, vpp = rng.randrange(1, 5), rng.choice([1, 2, 4]), rng.choice([1, 5, 300])
+        token = rng.randbytes(TOKEN_BYTES)
+        ref.add(job_id, token, workers, base, window)
+        nat.job(job_id, token, workers, base, window, False, {})
+        jobs.append((job_id, token, workers, base, window, vpp))
+        base += window
+    try:
+        for job_id, _, workers, *_ in jobs:  # hellos: all but maybe one worker
+            for r in range(workers):
+                if rng.random() < 0.9:
+                    ref.addressed[job_id].add(r)
+                    nat.job(*_native_args(jobs, job_id, ref))
+        now = 0
+        sent: list[bytes] = []
+        for _step in range(600):
+            now += rng.randrange(0, 10_000)
+            job_id, token, workers, base, window, vpp = rng.choice(jobs)
+            if rng.random() < 0.03:  # the job resynchronises for a while (a restart)
+                dj = ref.jobs[job_id]
+                dj.resync = None if dj.resync is not None else {}
+                nat.job(*_native_args(jobs, job_id, ref))
+            seq = rng.randrange(0, 6 * window)
+            wid = rng.randrange(workers)
+            values = np.random.default_rng((seed, seq, wid)).integers(-(2**30), 2**30, vpp,
+                                                                       dtype=np.int32)  # fmt: skip
+            pkt = Packet(job_id, wid, seq, base + seq % window, 1 << wid, workers, 0, 0, 0, vpp,
+                         values)  # fmt: skip
+            data = token + encode(pkt)
+            r = rng.random()
+            if r < 0.25 and sent:
+                data = rng.choice(sent)  # a duplicate, or a retransmission
+            elif r < 0.4:
+                data = _bad(rng, pkt, token, jobs)
+            sent.append(data)
+            a = ref.datagram(data, now)
+            nat.datagram(data, now)
+            assert nat.take() == a
+            for jid, *_ in jobs:
+                sj = ref.switch.jobs[jid]
+                assert nat.missing(jid) == ref.switch.policy.missing(sj)
+        daemon, engine = Counters(), Counters()
+        job_counters = {jid: Counters() for jid in ref.jobs}
+        nat.fold(daemon, engine, job_counters)
+        assert _nonzero(daemon) == _nonzero(ref.counters)
+        assert _nonzero(engine) == _nonzero(ref.switch.counters)
+        for jid, dj in ref.jobs.items():
+            assert _nonzero(job_counters[jid]) == _nonzero(dj.counters)
+        stats = ref.switch.policy.stats
+        assert nat.pool() == (stats.busy_ns, stats.held_ns, stats.claims)
+    finally:
+        nat.close()
+
+
+def _native_args(jobs: list[tuple], job_id: int, ref: Reference) -> tuple:
+    _, token, workers, base, window, _ = next(j for j in jobs if j[0] == job_id)
+    addrs = {r: bytes([r]) * 16 for r in ref.addressed[job_id]}
+    return job_id, token, workers, base, window, ref.jobs[job_id].resync is not None, addrs
+
+
+def _nonzero(c: Counters) -> dict[str, int]:
+    return {k: v for k, v in c.items() if v}
+
+
+def _bad(rng: random.Random, pkt: Packet, token: bytes, jobs: list[tuple]) -> bytes:
+    kind = rng.randrange(11)
+    good = token + encode(pkt)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(0, 60))
+    if kind == 1:  # a forged token
+        return rng.randbytes(TOKEN_BYTES) + good[TOKEN_BYTES:]
+    if kind == 2:  # truncated
+        return good[: rng.randrange(TOKEN_BYTES + HEADER_BYTES, len(good))]
+    if kind == 3:  # a header byte mutated (the job id's bytes left alone)
+        b = bytearray(good)
+        at = rng.choice([i for i in range(HEADER_BYTES) if i not in (6, 7)])
+        b[TOKEN_BYTES + at] = rng.randrange(256)
+        return bytes(b)
+    assert pkt.payload is not None
+    if kind == 4:  # an unknown job
+        pkt.job_id = 77
+    elif kind == 5:  # another worker's bit, or a bitmap of two
+        pkt.bitmap = rng.choice([pkt.bitmap << 1, pkt.bitmap | 1 << pkt.fan_in - 1, 3])
+    elif kind == 6:  # another job's slot
+        pkt.agg_index = (pkt.agg_index + 1 + rng.randrange(SLOTS)) % (SLOTS + 2)
+    elif kind == 7:  # in float
+        pkt.flags |= Flag.FLOAT
+        pkt.payload = pkt.payload.astype(np.float32)
+    elif kind == 8:  # another count
+        pkt.count = max(0, pkt.count - 1)
+        pkt.payload = pkt.payload[: pkt.count]
+    elif kind == 9:  # a result from below (a root has no parent)
+        pkt.flags |= Flag.ACK
+        pkt.bitmap, pkt.fan_in = rng.choice([(1, 1), (1, 2)])
+    else:  # help under another's bit (SA-ATP)
+        pkt.flags |= Flag.HELP
+        pkt.bitmap = 1 << rng.randrange(pkt.fan_in)
+    return token + encode(pkt)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_native_switch_equals_the_reference_datagram_for_datagram(seed: int) -> None:
+    _scenario(seed)
