@@ -5,8 +5,10 @@ behind the emulator's sealing and decoding, and ``emu.client.Call``'s
 delivery): results come back late, reordered, duplicated or not at all,
 some carry ECN, and among them arrive stale results, another job's, forged
 tokens, random bytes, truncated and mutated datagrams, results in float and
-results of the wrong length. Every event (a start, a datagram, a due timer,
-with its time) is recorded and replayed into the C core, which must emit
+results of the wrong length; half the calls quantise inside the datapath
+(``net.datapath.Fused``), whose datagrams and decoded sums must equal the
+reference's whole-tensor encode and decode bit for bit. Every event (a
+start, a datagram, a due timer, with its time) goes to both; the C core must emit
 the same datagrams byte for byte at every step, report the same deadlines,
 give up on the same sequence, count the same drops, produce the same sums and
 hand back the same engine state.
@@ -29,10 +31,14 @@ from gradfabric.net import datapath
 from gradfabric.proto.actions import Deliver, Fail, Send
 from gradfabric.proto.schemes import SCHEMES, Placement
 from gradfabric.proto.worker import ResumableWorker
+from gradfabric.wire import fastquant
 from gradfabric.wire.envelope import TOKEN_BYTES, drop_reason, seal, unseal
 from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, decode, encode
 
-pytestmark = pytest.mark.skipif(datapath.PATH != "compiled", reason=str(datapath.WHY_NOT))
+pytestmark = pytest.mark.skipif(
+    datapath.PATH != "compiled" or fastquant.PATH != "compiled",
+    reason=str(datapath.WHY_NOT or fastquant.WHY_NOT),
+)
 
 TOKEN = bytes.fromhex("0123456789abcdef")
 JOB, WORKERS = 7, 3
@@ -167,11 +173,22 @@ def _scenario(seed: int, policy: str) -> None:
     try:
         for call in range(rng.randrange(1, 4)):
             n = rng.randrange(1, 40 * vpp)
-            q = np.random.default_rng((seed, call)).integers(-(2**20), 2**20, n, np.int32)
             out = np.zeros(n, np.int64)
             assert datapath.unsuitable(nat_engine) is None
-            sent = ref.start(q, now)
-            nat.start(q, out, now)
+            fused = None
+            if rng.random() < 0.5:  # the quantiser in the datapath: floats in, floats out
+                x = np.random.default_rng((seed, call)).standard_normal(n).astype(np.float32)
+                blocks = -(-n // vpp)
+                scale = np.exp2(np.random.default_rng(call).integers(10, 20, blocks)).astype(float)
+                enc = np.where(np.arange(blocks) % 5 == 4, 0.0, scale)  # as lost blocks are
+                q = fastquant.encode(x, vpp, enc)
+                fused = datapath.Fused(x, enc, scale, np.zeros(n, np.float32))
+                sent = ref.start(q, now)
+                nat.start(np.zeros(n, np.int32), out, now, fused)
+            else:
+                q = np.random.default_rng((seed, call)).integers(-(2**20), 2**20, n, np.int32)
+                sent = ref.start(q, now)
+                nat.start(q, out, now)
             assert nat.take() == sent
             for _ in sent:
                 sw.take(_)
@@ -215,6 +232,9 @@ def _scenario(seed: int, policy: str) -> None:
             assert ref_engine.idle
             if err is None:
                 np.testing.assert_array_equal(out, ref.call.result)
+                if fused is not None:  # decoded as each result came, as the whole is at once
+                    want = fastquant.decode(ref.call.result, vpp, fused.dec_scale)
+                    np.testing.assert_array_equal(fused.out.view(np.int32), want.view(np.int32))
             nat.finish()
             _same_state(ref_engine, nat_engine)
     finally:
@@ -236,7 +256,7 @@ def _same_state(a: ResumableWorker, b: ResumableWorker) -> None:
     assert out(a) == out(b)
     live = sorted((d, s) for d, s in a.timers if s in a.out and a.out[s][1] == d)
     assert live == list(b.timers)
-    assert [x[:2] for x in a.queue] == [x[:2] for x in b.queue]
+    assert [(*x[:2], bytes(x[2])) for x in a.queue] == [(*x[:2], bytes(x[2])) for x in b.queue]
     low = a.base - a.keep
     kept = {s: encode(p) for s, p in a.kept.items() if s >= low}
     assert kept == {s: encode(p) for s, p in b.kept.items()}

@@ -425,14 +425,19 @@ class Attached(Overlapped):
         lost_blocks = e.numpy() == NON_FINITE
         agreed = np.where(lost_blocks, 0, e.numpy())
         scale = block_scales(agreed, self.ticket.workers)  # per block
-        out = fastquant.decode(
-            self.allreduce_ints(fastquant.encode(x, vpp, np.where(lost_blocks, 0.0, scale)),
-                                self._scratch(len(x))),
-            vpp, scale,
-        )  # fmt: skip
+        out = self._sum_floats(x, np.where(lost_blocks, 0.0, scale), scale)
         if lost_blocks.any():  # (a lost block's values were encoded as 0 at every rank)
             out[np.repeat(lost_blocks, vpp)[: len(x)]] = np.nan
         return out
+
+    def _sum_floats(
+        self, x: npt.NDArray[np.float32], enc_scale: npt.NDArray[np.float64],
+        dec_scale: npt.NDArray[np.float64],
+    ) -> npt.NDArray[np.float32]:  # fmt: skip
+        """The integer round of ``allreduce``: encode, sum, decode."""
+        vpp = self.ticket.values_per_packet
+        q = fastquant.encode(x, vpp, enc_scale)
+        return fastquant.decode(self.allreduce_ints(q, self._scratch(len(x))), vpp, dec_scale)
 
     def allreduce_ints(
         self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64] | None = None
@@ -519,24 +524,55 @@ class InaClient(Attached):
         call.first = self.engine.next_seq
         if len(q) == 0:
             return call.result
-        if self.fast is not None and datapath.unsuitable(self.engine) is None:
-            with self.native_lock:
-                self.native_busy = not self.resyncing
-            if self.native_busy:
-                return self._native(call, q)
+        if self._claim_native():
+            self._native(call, q)
+            return call.result
         return self._run(call, lambda: self.engine.push(len(q), time.monotonic_ns(), q,
                                                         priority=self.priority))  # fmt: skip
 
-    def _native(self, call: Call, q: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
+    def _sum_floats(
+        self, x: npt.NDArray[np.float32], enc_scale: npt.NDArray[np.float64],
+        dec_scale: npt.NDArray[np.float64],
+    ) -> npt.NDArray[np.float32]:  # fmt: skip
+        """With the native datapath and the C quantiser, the quantiser runs
+        inside the datapath (``net.datapath.Fused``): the first packet leaves
+        without waiting for the whole tensor's encoding, the sum is decoded
+        as its results arrive."""
+        if not len(x) or fastquant.functions() is None or not self._claim_native():
+            return super()._sum_floats(x, enc_scale, dec_scale)
+        vpp = self.ticket.values_per_packet
+        call = self._call = Call(len(x), vpp, self._scratch(len(x)))
+        call.first = self.engine.next_seq
+        if self._q is None or len(self._q) != len(x):
+            self._q = np.empty(len(x), dtype=np.int32)  # kept: its pages are touched once
+        fused = datapath.Fused(x, enc_scale, dec_scale, np.empty(len(x), dtype=np.float32))
+        if self._native(call, self._q, fused):
+            return fused.out
+        return fastquant.decode(call.result, vpp, dec_scale)  # the engine finished the call
+
+    _q: npt.NDArray[np.int32] | None = None
+
+    def _claim_native(self) -> bool:
+        """Whether this call takes the native datapath (not while a restart is handled)."""
+        if self.fast is None or datapath.unsuitable(self.engine) is not None:
+            return False
+        with self.native_lock:
+            self.native_busy = not self.resyncing
+        return self.native_busy
+
+    def _native(
+        self, call: Call, q: npt.NDArray[np.int32], fused: datapath.Fused | None = None
+    ) -> bool:
         """One call through the C datapath on this client's socket (its asyncio
-        reader paused meanwhile); the engine takes over whatever is left."""
+        reader paused meanwhile); the engine takes over whatever is left. The
+        int64 sum is in ``call.result``; True if ``fused.out`` holds it decoded."""
         fast = self.fast
         assert fast is not None
         sock = self._wait(self._pause())
         addr = sockaddr(sock, self.ticket.switch)
         outcome = datapath.ABORTED
         try:
-            fast.start(q, call.result, time.monotonic_ns())
+            fast.start(q, call.result, time.monotonic_ns(), fused)
             outcome = fast.run(sock.fileno(), addr, time.monotonic_ns() + int(self.timeout_s * 1e9),
                                self.abort)  # fmt: skip
         finally:
@@ -544,7 +580,7 @@ class InaClient(Attached):
         if outcome == datapath.DONE_RUN:
             if call.error is not None:
                 raise call.error
-            return call.result
+            return fused is not None
         if outcome == datapath.OUT_OF_MEMORY:
             raise MemoryError("the native datapath's buffers")
         if outcome == datapath.ABORTED:  # a restart: the engine goes on with the call
@@ -553,7 +589,7 @@ class InaClient(Attached):
                 raise self._blame()
             if call.error is not None:
                 raise call.error
-            return call.result
+            return False
         raise self._blame()
 
     async def _stop_native(self) -> None:

@@ -78,6 +78,9 @@ enum {
 };
 enum { RUN_DONE = 0, RUN_ABORTED = 1, RUN_TIMEOUT = 2, RUN_FAILED = 3, RUN_ERROR = 4 };
 
+typedef void (*encode_fn)(const float *, int64_t, int64_t, const double *, int32_t *);
+typedef void (*decode_fn)(const int64_t *, int64_t, int64_t, const double *, float *);
+
 typedef struct {
     /* the job (set by the caller) */
     int64_t job, worker, fan_in, bitmap, priority, route, slot_base, slot_count, pool_slots,
@@ -86,7 +89,7 @@ typedef struct {
     uint8_t token[TOKEN];
     /* the call (set by the caller; the arrays are the caller's) */
     int64_t first, npkts, nvalues;
-    const int32_t *q;
+    int32_t *q;
     int64_t *out;
     uint8_t *st;
     int64_t *deadline;
@@ -96,6 +99,14 @@ typedef struct {
     double cwnd;
     int64_t fail_seq, error_seq, error_kind;
     int64_t counters[NCOUNTERS];
+    /* the fused quantiser (optional, x NULL: off): each packet's values are
+     * encoded into q when it is first sent, each result decoded into outf on
+     * arrival, by wire/_fastquant.c's own functions (enc, dec), one block a packet */
+    const float *x;
+    const double *enc_scale, *dec_scale;
+    float *outf;
+    encode_fn enc;
+    decode_fn dec;
     /* internal */
     int64_t *fifo; /* pairs (deadline, seq) in a ring */
     int64_t fifo_cap, fifo_head, fifo_len;
@@ -157,12 +168,16 @@ static int outstanding(const gf_worker *w, int64_t seq) {
     return seq >= w->first && seq < w->first + w->npkts && w->st[seq - w->first] == OUTSTANDING;
 }
 
-/* proto.worker.WorkerEngine._pump */
+static int64_t count_of(const gf_worker *w, int64_t seq);
+
+/* proto.worker.WorkerEngine._pump (a packet's values quantised as it first leaves) */
 static int pump(gf_worker *w, int64_t now) {
     int64_t limit = w->base + (int64_t)w->cwnd, deadline = now + w->rto_ns;
     while (w->next < w->push_end && w->next < limit) {
         int64_t seq = w->next++, i = seq - w->first;
         if (seq < w->base || w->st[i] == DONE) continue;
+        if (w->x) /* the fused quantiser: this packet is one block */
+            w->enc(w->x + i * w->vpp, count_of(w, seq), w->vpp, w->enc_scale + i, w->q + i * w->vpp);
         w->st[i] = OUTSTANDING;
         w->deadline[i] = deadline;
         w->tries[i] = 0;
@@ -326,12 +341,13 @@ int gf_w_datagram(gf_worker *w, const uint8_t *data, int64_t len, int64_t now) {
         }
         return 0;
     }
-    int64_t *dst = w->out + (seq - w->first) * w->vpp;
+    int64_t i = seq - w->first, *dst = w->out + i * w->vpp;
     for (int64_t j = 0; j < count; j++) {
         int32_t v;
         memcpy(&v, payload + 4 * j, 4);
         dst[j] = v;
     }
+    if (w->x) w->dec(dst, count, w->vpp, w->dec_scale + i, w->outf + i * w->vpp);
     return 0;
 malformed:
     w->counters[C_MALFORMED]++;

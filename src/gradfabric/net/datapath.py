@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -43,6 +44,7 @@ from gradfabric.core import native
 from gradfabric.core.errors import ProtocolError
 from gradfabric.proto.routes import HashedPool, Sharded, StaticSlots
 from gradfabric.proto.worker import ResumableWorker
+from gradfabric.wire import fastquant
 from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import Packet, ina_packet
 
@@ -79,6 +81,7 @@ class _Worker(ctypes.Structure):
         ("cwnd", _f64),
         ("fail_seq", _i64), ("error_seq", _i64), ("error_kind", _i64),
         ("counters", _i64 * len(COUNTERS)),
+        ("x", _p), ("enc_scale", _p), ("dec_scale", _p), ("outf", _p), ("enc", _p), ("dec", _p),
         ("fifo", _p), ("fifo_cap", _i64), ("fifo_head", _i64), ("fifo_len", _i64),
         ("outbox", _p), ("outbox_cap", _i64), ("outbox_len", _i64),
         ("rx", _p),
@@ -124,6 +127,19 @@ def unsuitable(engine: ResumableWorker) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Fused:
+    """A float sum with the quantiser in the datapath: each packet's block of
+    ``x`` is encoded with ``enc_scale`` as it first leaves, each result decoded
+    with ``dec_scale`` into ``out`` as it arrives (``wire.fastquant``'s own C
+    functions), so neither pass waits for the whole tensor."""
+
+    x: npt.NDArray[np.float32]
+    enc_scale: npt.NDArray[np.float64]
+    dec_scale: npt.NDArray[np.float64]
+    out: npt.NDArray[np.float32]
+
+
 class NativeWorker:
     """``engine``'s calls through the C core; the engine stays the record."""
 
@@ -152,14 +168,19 @@ class NativeWorker:
         w.max_cwnd = engine.max_cwnd
         w.token[:] = token
         self.q: npt.NDArray[np.int32] = np.zeros(0, np.int32)
+        self.fused: Fused | None = None
         self.out: npt.NDArray[np.int64] = np.zeros(0, np.int64)
 
     def close(self) -> None:
         self.lib.gf_w_free(ctypes.byref(self.w))
 
     # -- a call -------------------------------------------------------------
-    def start(self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64], now_ns: int) -> None:
-        """Push ``q`` (its sum goes to ``out``) from the engine's next sequence."""
+    def start(
+        self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64], now_ns: int,
+        fused: Fused | None = None,
+    ) -> None:  # fmt: skip
+        """Push ``q`` (its sum goes to ``out``) from the engine's next sequence;
+        with ``fused``, ``q`` is filled from ``fused.x`` packet by packet."""
         e, w = self.engine, self.w
         why = unsuitable(e)
         if why is not None:
@@ -182,6 +203,21 @@ class NativeWorker:
         w.highest, w.fast_seq, w.fast_from = e.highest, e.fast_seq, e.fast_from
         w.recover_seq, w.cwnd = e.recover_seq, e.cwnd
         ctypes.memset(w.counters, 0, ctypes.sizeof(w.counters))
+        self.fused = fused
+        w.x = w.enc_scale = w.dec_scale = w.outf = w.enc = w.dec = None
+        if fused is not None:
+            fns = fastquant.functions()
+            blocks = n
+            if fns is None or q.flags.writeable is False:
+                raise ValueError("the fused quantiser needs the C quantiser and a writable q")
+            f = fused
+            if not (len(f.x) == len(f.out) == len(q) and len(f.enc_scale) == len(f.dec_scale)
+                    == blocks and f.x.dtype == np.float32 and f.out.dtype == np.float32
+                    and f.enc_scale.dtype == f.dec_scale.dtype == np.float64):  # fmt: skip
+                raise ValueError("fused: x, out float32 of q's length; a float64 scale per packet")
+            w.x, w.outf = f.x.ctypes.data, f.out.ctypes.data
+            w.enc_scale, w.dec_scale = f.enc_scale.ctypes.data, f.dec_scale.ctypes.data
+            w.enc, w.dec = fns
         if self.lib.gf_w_start(ctypes.byref(w), now_ns):
             raise MemoryError("the native datapath's buffers")
 
@@ -238,13 +274,16 @@ class NativeWorker:
     def finish(self) -> None:
         """Write the call's state back into the engine (see the module doc)."""
         e, w = self.engine, self.w
-        first = int(w.first)
+        first, vpp = int(w.first), e.cfg.values_per_packet
         e.base, e.next_seq = int(w.base), first + int(w.npkts)
         e.highest, e.fast_seq, e.fast_from = int(w.highest), int(w.fast_seq), int(w.fast_from)
         e.recover_seq, e.cwnd = int(w.recover_seq), float(w.cwnd)
         for name, v in self.stats.items():
             if v:
                 e.counters[name] += v
+        if self.fused is not None and w.next < w.push_end:  # not quantised yet: now
+            lo, f = (int(w.next) - first) * vpp, self.fused
+            self.q[lo:] = fastquant.encode(f.x[lo:], vpp, f.enc_scale[lo // vpp :])
         e.out.clear()
         timers = []
         for i in np.flatnonzero(self.st == OUTSTANDING).tolist():

@@ -54,6 +54,16 @@ _LIB, WHY_NOT = _load()
 PATH = COMPILED if _LIB is not None else PYTHON
 
 
+def functions() -> tuple[int, int] | None:
+    """The addresses of the C encode and decode (for the workers' datapath,
+    which quantises each packet as it leaves and decodes each result as it
+    arrives with these very functions), or None where numpy serves."""
+    if _LIB is None:
+        return None
+    enc, dec = (ctypes.cast(f, ctypes.c_void_p).value for f in (_LIB.gf_encode, _LIB.gf_decode))
+    return (enc, dec) if enc and dec else None
+
+
 def exponents(x: F32, block: int) -> I32 | None:
     """Each ``block``-value slice's exponent (``wire.quant.block_exponents``),
     or None if ``x`` holds a NaN or an infinity."""
