@@ -208,7 +208,8 @@ def _client(cfg: DdpBenchConfig) -> Any:
         return None
     from gradfabric.emu.client import InaClient, parse_address
 
-    return InaClient.join(control=parse_address(cfg.switch))
+    # on shaped links the workers know their link's rate and pace to it
+    return InaClient.join(control=parse_address(cfg.switch), pace_gbps=cfg.link_gbps or 0.0)
 
 
 def _density(state: Any) -> float | None:

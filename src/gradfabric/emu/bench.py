@@ -178,7 +178,9 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
     rank = dist.get_rank()
     n = int(cfg.tensor_mb * 1e6 / 4)
     x = np.random.default_rng(cfg.seed + rank).standard_normal(n).astype(np.float32)
-    client = InaClient.join(timeout_s=120, native=DATAPATHS[cfg.datapath])
+    # on shaped links the workers know their link's rate and pace to it
+    client = InaClient.join(timeout_s=120, native=DATAPATHS[cfg.datapath],
+                            pace_gbps=cfg.link_gbps or 0.0)  # fmt: skip
     times: dict[str, list[float]] = {"switch": [], "gloo": []}
     cpu_s: dict[str, list[float]] = {"switch": [], "gloo": []}
     max_error = 0.0

@@ -487,10 +487,13 @@ class InaClient(Attached):
 
     def __init__(
         self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
-        bind_host: str | None = None, native: bool | None = None,
+        bind_host: str | None = None, native: bool | None = None, pace_gbps: float = 0.0,
     ) -> None:  # fmt: skip
         """``native``: serve calls through the C datapath (``net.datapath``);
-        None uses it where it is built, False keeps the Python engine."""
+        None uses it where it is built, False keeps the Python engine.
+        ``pace_gbps``: the rate of this worker's link, where known: the native
+        datapath paces its sends to it (resends first) instead of queueing a
+        window in the link (0: unpaced)."""
         engine = scheme_worker(ticket, rank, timeout_s)
         assert isinstance(engine, ResumableWorker)
         self.priority = priority
@@ -500,7 +503,7 @@ class InaClient(Attached):
         if native and why is not None:
             raise ConfigError("native", why)
         self.fast = None if native is False or why else datapath.NativeWorker(
-            engine, bytes.fromhex(ticket.token), priority
+            engine, bytes.fromhex(ticket.token), priority, pace_gbps
         )  # fmt: skip
         # A restart takes a native call over: the watcher raises ``abort`` and
         # waits for the call to hand its state back (``_native``, ``_resync``).

@@ -68,6 +68,12 @@
 #define BATCH 32
 #define DGRAM 65536
 #define ABORT_CHECK_NS 10000000LL /* how often a waiting call looks at its abort flag */
+#define A_RESEND (1 << 16)         /* outbox mark of a resend (not a wire flag) */
+#define FRAME_BYTES 42             /* Ethernet, IPv4 and UDP headers: what a paced link carries */
+#define PACE_BURST_NS 100000LL     /* credit a paced queue keeps after idling */
+#define PACE_AHEAD_NS 300000LL     /* how far a paced queue may run ahead of its pace: it
+                                      sends in small batches, and the link's queue holds
+                                      no more than this much before a resend */
 
 enum { UNSENT = 0, OUTSTANDING = 1, DONE = 2 };
 enum { ROUTE_STATIC = 0, ROUTE_HASHED = 1, ROUTE_ZERO = 2 };
@@ -113,6 +119,13 @@ typedef struct {
     int64_t *outbox; /* pairs (seq, flags) */
     int64_t outbox_cap, outbox_len;
     uint8_t *rx; /* BATCH datagrams */
+    /* the driver's send queue, pairs (seq, flags): what the core emitted, in
+     * order, but resends ahead of new packets when paced (a resend must not
+     * wait behind a window of new data: the loss it repairs blocks the window) */
+    int64_t *txq;
+    int64_t txq_cap, txq_head, txq_len;
+    double pace_ns_per_byte; /* 0: send at once; else each datagram's wire bytes at this pace */
+    int64_t next_tx;         /* when the paced queue may send next */
 } gf_worker;
 
 const char *gf_source(void) { return GRADFABRIC_SOURCE; }
@@ -129,21 +142,24 @@ static int grow(int64_t **buf, int64_t *cap, int64_t need) {
     return 0;
 }
 
-static int fifo_push(gf_worker *w, int64_t deadline, int64_t seq) {
-    if (w->fifo_len == w->fifo_cap) { /* unroll the ring into a larger one */
-        int64_t old = w->fifo_cap, c = old ? old * 2 : 256;
-        int64_t *n = malloc((size_t)c * 2 * sizeof(int64_t));
-        if (!n) return -1;
-        for (int64_t i = 0; i < w->fifo_len; i++) {
-            int64_t k = (w->fifo_head + i) % old;
-            n[2 * i] = w->fifo[2 * k];
-            n[2 * i + 1] = w->fifo[2 * k + 1];
-        }
-        free(w->fifo);
-        w->fifo = n;
-        w->fifo_cap = c;
-        w->fifo_head = 0;
+/* A full ring of pairs unrolled into one twice as large. */
+static int ring_grow(int64_t **buf, int64_t *cap, int64_t *head, int64_t len) {
+    int64_t old = *cap, c = old ? old * 2 : 256;
+    int64_t *n = malloc((size_t)c * 2 * sizeof(int64_t));
+    if (!n) return -1;
+    for (int64_t i = 0; i < len; i++) {
+        int64_t k = (*head + i) % old;
+        n[2 * i] = (*buf)[2 * k];
+        n[2 * i + 1] = (*buf)[2 * k + 1];
     }
+    free(*buf);
+    *buf = n, *cap = c, *head = 0;
+    return 0;
+}
+
+static int fifo_push(gf_worker *w, int64_t deadline, int64_t seq) {
+    if (w->fifo_len == w->fifo_cap && ring_grow(&w->fifo, &w->fifo_cap, &w->fifo_head, w->fifo_len))
+        return -1;
     int64_t k = (w->fifo_head + w->fifo_len) % w->fifo_cap;
     w->fifo[2 * k] = deadline;
     w->fifo[2 * k + 1] = seq;
@@ -190,7 +206,7 @@ static int pump(gf_worker *w, int64_t now) {
 static int resend(gf_worker *w, int64_t seq, int64_t deadline) {
     w->deadline[seq - w->first] = deadline;
     if (fifo_push(w, deadline, seq)) return -1;
-    return emit(w, seq, w->resend_flag ? F_RESEND : 0);
+    return emit(w, seq, (w->resend_flag ? F_RESEND : 0) | A_RESEND);
 }
 
 /* The values of packet ``seq``: where they start in the tensor, how many. */
@@ -233,6 +249,8 @@ static void header(const gf_worker *w, int64_t seq, int64_t flags, uint8_t *h) {
 int gf_w_init(gf_worker *w) {
     w->fifo = NULL;
     w->outbox = NULL;
+    w->txq = NULL;
+    w->txq_cap = w->txq_head = w->txq_len = w->next_tx = 0;
     w->fifo_cap = w->fifo_head = w->fifo_len = w->outbox_cap = w->outbox_len = 0;
     w->rx = malloc((size_t)BATCH * DGRAM);
     return w->rx ? 0 : -1;
@@ -241,6 +259,8 @@ int gf_w_init(gf_worker *w) {
 void gf_w_free(gf_worker *w) {
     free(w->fifo);
     free(w->outbox);
+    free(w->txq);
+    w->txq = NULL;
     free(w->rx);
     w->fifo = w->outbox = NULL;
     w->rx = NULL;
@@ -405,19 +425,45 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* Send the outbox: sendmmsg in batches, each datagram gathered from its header
- * and the tensor. A full socket buffer waits for room (the kernel's pacing);
- * another error is counted and the datagram is a loss the protocol recovers. */
-static void flush(gf_worker *w, int fd, const struct sockaddr *addr, socklen_t alen) {
+static int tx_push(gf_worker *w, int64_t seq, int64_t flags, int front) {
+    if (w->txq_len == w->txq_cap && ring_grow(&w->txq, &w->txq_cap, &w->txq_head, w->txq_len))
+        return -1;
+    int64_t k;
+    if (front) {
+        w->txq_head = (w->txq_head + w->txq_cap - 1) % w->txq_cap;
+        k = w->txq_head;
+    } else {
+        k = (w->txq_head + w->txq_len) % w->txq_cap;
+    }
+    w->txq[2 * k] = seq, w->txq[2 * k + 1] = flags;
+    w->txq_len++;
+    return 0;
+}
+
+/* Send what the pace allows of the send queue (all of it, unpaced): sendmmsg
+ * in batches, each datagram gathered from its header and the tensor. A full
+ * socket buffer waits for room (the kernel's own pacing); another error is
+ * counted and the datagram is a loss the protocol recovers. Returns -1 only
+ * when out of memory. */
+static int flush(gf_worker *w, int fd, const struct sockaddr *addr, socklen_t alen) {
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH][2];
     uint8_t heads[BATCH][TOKEN + HEADER];
-    int64_t i = 0;
-    while (i < w->outbox_len) {
+    for (int64_t i = 0; i < w->outbox_len; i++) {
+        int64_t flags = w->outbox[2 * i + 1];
+        if (tx_push(w, w->outbox[2 * i], flags, w->pace_ns_per_byte > 0 && (flags & A_RESEND)))
+            return -1;
+    }
+    w->outbox_len = 0;
+    int64_t now = now_ns();
+    if (w->next_tx < now - PACE_BURST_NS) w->next_tx = now - PACE_BURST_NS;
+    while (w->txq_len) {
         int n = 0;
-        for (; n < BATCH && i + n < w->outbox_len; n++) {
-            int64_t seq = w->outbox[2 * (i + n)];
-            header(w, seq, w->outbox[2 * (i + n) + 1], heads[n]);
+        int64_t due = w->next_tx;
+        for (; n < BATCH && n < w->txq_len; n++) {
+            if (w->pace_ns_per_byte > 0 && due > now + PACE_AHEAD_NS) break;
+            int64_t k = (w->txq_head + n) % w->txq_cap, seq = w->txq[2 * k];
+            header(w, seq, w->txq[2 * k + 1], heads[n]);
             iov[n][0].iov_base = heads[n];
             iov[n][0].iov_len = TOKEN + HEADER;
             iov[n][1].iov_base = (void *)(w->q + (seq - w->first) * w->vpp);
@@ -427,21 +473,33 @@ static void flush(gf_worker *w, int fd, const struct sockaddr *addr, socklen_t a
             msgs[n].msg_hdr.msg_namelen = alen;
             msgs[n].msg_hdr.msg_iov = iov[n];
             msgs[n].msg_hdr.msg_iovlen = 2;
+            due += (int64_t)(w->pace_ns_per_byte * (double)(TOKEN + HEADER + FRAME_BYTES + iov[n][1].iov_len));
         }
+        if (n == 0) break; /* the pace holds the rest back: gf_w_run waits for next_tx */
         int sent = sendmmsg(fd, msgs, (unsigned)n, 0);
         w->counters[C_SYSCALLS]++;
-        if (sent > 0) {
-            w->counters[C_TX] += sent;
-            i += sent;
-        } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
-            struct pollfd p = {fd, POLLOUT, 0};
-            poll(&p, 1, 1);
-        } else if (errno != EINTR) {
+        if (sent <= 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
+                struct pollfd p = {fd, POLLOUT, 0};
+                poll(&p, 1, 1);
+                now = now_ns();
+                continue;
+            }
+            if (errno == EINTR) continue;
             w->counters[C_SOCKET_ERROR]++;
-            i++;
+            sent = 1; /* that datagram is lost */
+        } else {
+            w->counters[C_TX] += sent;
+        }
+        for (int k = 0; k < sent; k++) {
+            int64_t seq = w->txq[2 * w->txq_head];
+            if (w->pace_ns_per_byte > 0)
+                w->next_tx += (int64_t)(w->pace_ns_per_byte * (double)(TOKEN + HEADER + FRAME_BYTES + 4 * count_of(w, seq)));
+            w->txq_head = (w->txq_head + 1) % w->txq_cap;
+            w->txq_len--;
         }
     }
-    w->outbox_len = 0;
+    return 0;
 }
 
 /* Drive the call on socket ``fd`` until every result is in (RUN_DONE), the
@@ -453,7 +511,8 @@ int gf_w_run(gf_worker *w, int fd, const uint8_t *addr, int64_t alen, int64_t wa
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
     const struct sockaddr *sa = (const struct sockaddr *)addr;
-    flush(w, fd, sa, (socklen_t)alen);
+    w->txq_head = w->txq_len = 0;
+    if (flush(w, fd, sa, (socklen_t)alen)) return RUN_ERROR;
     while (w->base < w->push_end) {
         if (*abort) return RUN_ABORTED;
         int64_t now = now_ns();
@@ -462,11 +521,16 @@ int gf_w_run(gf_worker *w, int fd, const uint8_t *addr, int64_t alen, int64_t wa
         if (d >= 0 && d <= now) {
             int r = gf_w_timer(w, now);
             if (r) return r > 0 ? RUN_FAILED : RUN_ERROR;
-            flush(w, fd, sa, (socklen_t)alen);
+            if (flush(w, fd, sa, (socklen_t)alen)) return RUN_ERROR;
+            continue;
+        }
+        if (w->txq_len && w->next_tx <= now + PACE_AHEAD_NS) {
+            if (flush(w, fd, sa, (socklen_t)alen)) return RUN_ERROR;
             continue;
         }
         int64_t wait = wall_deadline - now;
         if (d >= 0 && d - now < wait) wait = d - now;
+        if (w->txq_len && w->next_tx - PACE_AHEAD_NS - now < wait) wait = w->next_tx - PACE_AHEAD_NS - now;
         if (wait > ABORT_CHECK_NS) wait = ABORT_CHECK_NS;
         struct timespec ts = {wait / 1000000000LL, wait % 1000000000LL};
         struct pollfd p = {fd, POLLIN, 0};
@@ -491,7 +555,7 @@ int gf_w_run(gf_worker *w, int fd, const uint8_t *addr, int64_t alen, int64_t wa
             int64_t n = (msgs[k].msg_hdr.msg_flags & MSG_TRUNC) ? DGRAM + 1 : msgs[k].msg_len;
             if (gf_w_datagram(w, w->rx + (size_t)k * DGRAM, n, now)) return RUN_ERROR;
         }
-        flush(w, fd, sa, (socklen_t)alen);
+        if (flush(w, fd, sa, (socklen_t)alen)) return RUN_ERROR;
     }
     return RUN_DONE;
 }

@@ -85,6 +85,8 @@ class _Worker(ctypes.Structure):
         ("fifo", _p), ("fifo_cap", _i64), ("fifo_head", _i64), ("fifo_len", _i64),
         ("outbox", _p), ("outbox_cap", _i64), ("outbox_len", _i64),
         ("rx", _p),
+        ("txq", _p), ("txq_cap", _i64), ("txq_head", _i64), ("txq_len", _i64),
+        ("pace_ns_per_byte", _f64), ("next_tx", _i64),
     ]  # fmt: skip
 
 
@@ -143,7 +145,12 @@ class Fused:
 class NativeWorker:
     """``engine``'s calls through the C core; the engine stays the record."""
 
-    def __init__(self, engine: ResumableWorker, token: bytes, priority: int = 0) -> None:
+    def __init__(
+        self, engine: ResumableWorker, token: bytes, priority: int = 0, pace_gbps: float = 0.0
+    ) -> None:
+        """``pace_gbps``: the rate of this worker's link where it is known; the
+        driver then sends at that pace (frames included), resends ahead of new
+        packets, instead of a window's burst into the link's queue (0: off)."""
         why = unsuitable(engine)
         if why is not None:
             raise ValueError(f"the native datapath cannot serve this worker: {why}")
@@ -166,6 +173,9 @@ class NativeWorker:
             cfg.values_per_packet,
         )
         w.max_cwnd = engine.max_cwnd
+        if pace_gbps < 0:
+            raise ValueError(f"pace_gbps must be >= 0, got {pace_gbps}")
+        w.pace_ns_per_byte = 8.0 / pace_gbps if pace_gbps else 0.0
         w.token[:] = token
         self.q: npt.NDArray[np.int32] = np.zeros(0, np.int32)
         self.fused: Fused | None = None
