@@ -27,9 +27,14 @@ def digest(source: Path) -> str:
     return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
 
 
-def load(source: Path) -> tuple[ctypes.CDLL | None, str | None]:
-    """The library built from ``source`` (``X.c`` -> ``X.so``, ``X.json``),
-    or None and why it cannot serve."""
+Signature = tuple[str, list[type], type | None]  # a function's name, argtypes, restype
+
+
+def load(
+    source: Path, signatures: tuple[Signature, ...] = ()
+) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library built from ``source`` (``X.c`` -> ``X.so``, ``X.json``)
+    with its functions' ``signatures`` set, or None and why it cannot serve."""
     if os.environ.get("GRADFABRIC_PURE"):
         return None, "GRADFABRIC_PURE is set"
     try:
@@ -46,4 +51,7 @@ def load(source: Path) -> tuple[ctypes.CDLL | None, str | None]:
     lib.gf_source.restype = ctypes.c_char_p
     if lib.gf_source().decode() != want:
         return None, "the library on disk is from another source"
+    for name, args, res in signatures:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
     return lib, None

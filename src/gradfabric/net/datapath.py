@@ -91,24 +91,19 @@ class _Worker(ctypes.Structure):
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    lib, why = native.load(SOURCE)
-    if lib is None:
-        return None, why
     ref = ctypes.POINTER(_Worker)
-    lib.gf_w_size.restype = _i64
-    if lib.gf_w_size() != ctypes.sizeof(_Worker):
-        return None, "the library's worker layout differs from this module's"
-    for name, args, res in (
+    lib, why = native.load(SOURCE, (
+        ("gf_w_size", [], _i64),
         ("gf_w_init", [ref], ctypes.c_int), ("gf_w_free", [ref], None),
         ("gf_w_start", [ref, _i64], ctypes.c_int),
         ("gf_w_datagram", [ref, ctypes.c_char_p, _i64, _i64], ctypes.c_int),
         ("gf_w_deadline", [ref], _i64), ("gf_w_timer", [ref, _i64], ctypes.c_int),
         ("gf_w_take", [ref, _p, _i64], _i64),
         ("gf_w_run", [ref, ctypes.c_int, ctypes.c_char_p, _i64, _i64, _p], ctypes.c_int),
-    ):  # fmt: skip
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    return lib, None
+    ))  # fmt: skip
+    if lib is not None and lib.gf_w_size() != ctypes.sizeof(_Worker):
+        return None, "the library's worker layout differs from this module's"
+    return lib, why
 
 
 _LIB, WHY_NOT = _load()

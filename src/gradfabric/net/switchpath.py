@@ -54,26 +54,16 @@ _i64, _p = ctypes.c_int64, ctypes.c_void_p
 _I64P = ctypes.POINTER(_i64)
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    lib, why = native.load(SOURCE)
-    if lib is None:
-        return None, why
-    for name, args, res in (
-        ("gf_s_new", [_i64], _p), ("gf_s_free", [_p], None),
-        ("gf_s_job", [_p, _i64, ctypes.c_char_p, _i64, _i64, _i64, _i64], ctypes.c_int),
-        ("gf_s_addr", [_p, _i64, _i64, ctypes.c_char_p, _i64], ctypes.c_int),
-        ("gf_s_forget", [_p, _i64], None), ("gf_s_missing", [_p, _i64], ctypes.c_uint64),
-        ("gf_s_counters", [_p], _I64P), ("gf_s_job_counters", [_p, _i64], _I64P),
-        ("gf_s_pool", [_p], _I64P),
-        ("gf_s_datagram", [_p, ctypes.c_char_p, _i64, _i64], None),
-        ("gf_s_take", [_p, _p, _i64], _i64), ("gf_s_drain", [_p, ctypes.c_int, _i64], _i64),
-    ):  # fmt: skip
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, res
-    return lib, None
-
-
-_LIB, WHY_NOT = _load()
+_LIB, WHY_NOT = native.load(SOURCE, (
+    ("gf_s_new", [_i64], _p), ("gf_s_free", [_p], None),
+    ("gf_s_job", [_p, _i64, ctypes.c_char_p, _i64, _i64, _i64, _i64], ctypes.c_int),
+    ("gf_s_addr", [_p, _i64, _i64, ctypes.c_char_p, _i64], ctypes.c_int),
+    ("gf_s_forget", [_p, _i64], None), ("gf_s_missing", [_p, _i64], ctypes.c_uint64),
+    ("gf_s_counters", [_p], _I64P), ("gf_s_job_counters", [_p, _i64], _I64P),
+    ("gf_s_pool", [_p], _I64P),
+    ("gf_s_datagram", [_p, ctypes.c_char_p, _i64, _i64], None),
+    ("gf_s_take", [_p, _p, _i64], _i64), ("gf_s_drain", [_p, ctypes.c_int, _i64], _i64),
+))  # fmt: skip
 PATH = native.COMPILED if _LIB is not None else native.PYTHON
 
 

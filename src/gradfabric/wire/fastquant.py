@@ -38,19 +38,12 @@ I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """The library, or None and why it cannot serve."""
-    lib, why = native.load(SOURCE)
-    if lib is not None:
-        p, n = ctypes.c_void_p, ctypes.c_int64
-        lib.gf_exponents.argtypes = [p, n, n, p]
-        lib.gf_exponents.restype = ctypes.c_int
-        lib.gf_encode.argtypes = [p, n, n, p, p]
-        lib.gf_decode.argtypes = [p, n, n, p, p]
-    return lib, why
-
-
-_LIB, WHY_NOT = _load()
+_p, _n = ctypes.c_void_p, ctypes.c_int64
+_LIB, WHY_NOT = native.load(SOURCE, (
+    ("gf_exponents", [_p, _n, _n, _p], ctypes.c_int),
+    ("gf_encode", [_p, _n, _n, _p, _p], None),
+    ("gf_decode", [_p, _n, _n, _p, _p], None),
+))  # fmt: skip
 PATH = COMPILED if _LIB is not None else PYTHON
 
 
