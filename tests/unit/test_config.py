@@ -43,3 +43,21 @@ def test_bad_yaml_is_a_config_error(tmp_path: Path) -> None:
     p.write_text("models: [resnet50\n")
     with pytest.raises(ConfigError, match="YAML"):
         load_yaml(SimulateConfig, p)
+
+
+def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
+    """``switch serve --datapath native`` names why it cannot serve: another
+    policy than SwitchML, impairments (they run in the reference), or no build."""
+    from gradfabric.emu.impair import Impairment
+    from gradfabric.emu.switchd import SwitchConfig
+    from gradfabric.net import switchpath
+
+    for kw in ({"policy": "atp"}, {"policy": "switchml", "impair": Impairment(loss=0.1)}):
+        with pytest.raises(ConfigError, match="datapath: native cannot serve"):
+            SwitchConfig(datapath="native", **kw)  # type: ignore[arg-type]
+        assert SwitchConfig(**kw).native_unsuitable() is not None  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="datapath: one of auto, native, python"):
+        SwitchConfig(datapath="fast")
+    serves = SwitchConfig(policy="switchml").native_unsuitable() is None
+    assert serves == (switchpath.PATH == "compiled")
+    assert SwitchConfig(policy="switchml", datapath="python").native_unsuitable() is not None
