@@ -166,6 +166,10 @@ def add(sub: Sub) -> None:
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
     bd.add_argument("--mtu", type=int, default=MTU, help=MTU_HELP)
     bd.add_argument(
+        "--switch-window", type=int, default=32,
+        help="with --switch-policy: the workers' window in packets (the daemon's --job-slots)",
+    )  # fmt: skip
+    bd.add_argument(
         "--switch-policy", choices=ALLOCATORS.names(),
         help="start a switch daemon with this policy for the run (with --link-gbps: where "
         "the top-of-rack switch sits, so ina_hook and gloo cross the same links)",
@@ -275,7 +279,7 @@ def ddp(args: argparse.Namespace) -> int:
             bucket_cap_mb=args.bucket_cap_mb,
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             hooks=tuple(csv(args.hooks, str) or ()), switch=args.switch,
-            switch_policy=args.switch_policy, mtu=args.mtu,
+            switch_policy=args.switch_policy, mtu=args.mtu, switch_window=args.switch_window,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench ddp", str(e)) from None

@@ -66,6 +66,7 @@ class DdpBenchConfig:
     switch: str | None = None  # a switch daemon's control address: adds ina_hook
     switch_policy: str | None = None  # start a daemon with this policy for the run instead
     mtu: int = MTU  # with link_gbps: every link's MTU (net.netns.tor_star)
+    switch_window: int = 32  # with switch_policy: the workers' window (the daemon's job slots)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,6 +81,8 @@ class DdpBenchConfig:
         has_switch = self.switch is not None or self.switch_policy is not None
         if bad or not self.hooks or ("ina" in self.hooks and not has_switch):
             raise ValueError(f"hooks must be some of {ALL_HOOKS} (ina with a switch), got {bad}")
+        if self.switch_window < 1:
+            raise ValueError(f"switch_window must be >= 1, got {self.switch_window}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
             raise ValueError("need ranks >= 2 and steps > warmup >= 0")
 
@@ -195,7 +198,8 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
             from gradfabric.emu.harness import switch_daemon
 
             vpp = shaped_values(cfg.mtu) if cfg.link_gbps is not None else LOOPBACK_VALUES
-            options = ("--policy", cfg.switch_policy, "--values-per-packet", str(vpp))
+            options = ("--policy", cfg.switch_policy, "--values-per-packet", str(vpp),
+                       "--job-slots", str(cfg.switch_window))  # fmt: skip
             hosts, tor = None, None
             if cfg.link_gbps is not None:
                 from gradfabric.net.netns import tor_star
