@@ -358,7 +358,9 @@ def test_two_jobs_share_the_switch_under_esa_with_preemptions() -> None:
         rng = np.random.default_rng(9)
         try:
             for _ in range(3):
-                xs = [rng.integers(-1000, 1000, 60_000, dtype=np.int32) for _ in range(4)]
+                # long enough (490 packets a job) that the jobs' calls overlap
+                # whichever datapath serves them: a fast one ends short calls apart
+                xs = [rng.integers(-1000, 1000, 500_000, dtype=np.int32) for _ in range(4)]
                 outs = _allreduce_all(clients, xs)
                 for job in (0, 1):
                     ref = xs[2 * job].astype(np.int64) + xs[2 * job + 1]
