@@ -587,8 +587,7 @@ class InaClient(Attached):
         if outcome == datapath.OUT_OF_MEMORY:
             raise MemoryError("the native datapath's buffers")
         if outcome == datapath.ABORTED:  # a restart: the engine goes on with the call
-            remaining = self.timeout_s
-            if (not self.engine.idle and not call.done.wait(remaining)) or call.failed:
+            if (not self.engine.idle and not call.done.wait(self.timeout_s)) or call.failed:
                 raise self._blame()
             if call.error is not None:
                 raise call.error

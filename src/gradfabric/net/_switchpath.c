@@ -183,11 +183,14 @@ int64_t *gf_s_job_counters(gf_switch *s, int64_t id) {
 }
 int64_t *gf_s_pool(gf_switch *s) { return &s->busy_ns; } /* busy_ns, held_ns, claims */
 
+/* SwitchJob.full: every child's bit. */
+static uint64_t full_mask(int64_t fan_in) { return fan_in == 64 ? ~0ULL : (1ULL << fan_in) - 1; }
+
 /* SwitchMLPolicy.missing: children some partly filled copy of the job waits on. */
 uint64_t gf_s_missing(gf_switch *s, int64_t id) {
     job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
     if (!j) return 0;
-    uint64_t full = j->fan_in == 64 ? ~0ULL : (1ULL << j->fan_in) - 1, bits = 0;
+    uint64_t full = full_mask(j->fan_in), bits = 0;
     for (int64_t i = 2 * j->slot_base; i < 2 * (j->slot_base + j->slot_count); i++)
         if (s->copies[i].state == AGGREGATING) bits |= full & ~s->copies[i].bitmap;
     return bits;
@@ -200,7 +203,7 @@ static void wr16(uint8_t *p, int64_t v) { uint16_t u = (uint16_t)v; memcpy(p, &u
 static void send_result(gf_switch *s, const job_t *j, const copy_t *c, int64_t agg, int64_t to) {
     if (s->nout == BATCH) return; /* cannot happen: one result per datagram of a batch */
     uint8_t *d = s->arena + (size_t)s->nout * (TOKEN + HEADER + 4 * MAX_WIRE_VALUES), *h = d + TOKEN;
-    uint64_t full = j->fan_in == 64 ? ~0ULL : (1ULL << j->fan_in) - 1;
+    uint64_t full = full_mask(j->fan_in);
     uint32_t seq = (uint32_t)c->seq, a = (uint32_t)agg;
     memcpy(d, j->token, TOKEN);
     wr16(h, MAGIC);
@@ -263,7 +266,6 @@ void gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now) 
         return;
     }
     int64_t seq = seq32, agg = agg32, n = j->fan_in;
-    uint64_t full = n == 64 ? ~0ULL : (1ULL << n) - 1;
     if (flags & F_ACK) { /* a result from above: a root has no parent */
         if (fan_in != 1 || bitmap != 1) {
             s->counters[E_BAD_RESULT]++;
@@ -336,7 +338,6 @@ void gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now) 
     s->busy_ns += now - c->claim_ns;
     s->held_ns += now - c->claim_ns;
     c->state = COMPLETE;
-    (void)full;
     send_result(s, j, c, agg, -1);
 }
 

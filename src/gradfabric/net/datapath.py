@@ -211,13 +211,11 @@ class NativeWorker:
         self.fused = fused
         w.x = w.enc_scale = w.dec_scale = w.outf = w.enc = w.dec = None
         if fused is not None:
-            fns = fastquant.functions()
-            blocks = n
-            if fns is None or q.flags.writeable is False:
+            fns, f = fastquant.functions(), fused
+            if fns is None or not q.flags.writeable:
                 raise ValueError("the fused quantiser needs the C quantiser and a writable q")
-            f = fused
             if not (len(f.x) == len(f.out) == len(q) and len(f.enc_scale) == len(f.dec_scale)
-                    == blocks and f.x.dtype == np.float32 and f.out.dtype == np.float32
+                    == n and f.x.dtype == np.float32 and f.out.dtype == np.float32
                     and f.enc_scale.dtype == f.dec_scale.dtype == np.float64):  # fmt: skip
                 raise ValueError("fused: x, out float32 of q's length; a float64 scale per packet")
             w.x, w.outf = f.x.ctypes.data, f.out.ctypes.data
@@ -302,11 +300,13 @@ class NativeWorker:
             for s in (first + i for i in np.flatnonzero(self.st == UNSENT).tolist())
             if (p := self.packet(s)).payload is not None
         )
-        done = (first + np.flatnonzero(self.st == DONE)).tolist()
-        e.done_above = {s for s in done if s > e.base}
+        # answered sequences, filtered in numpy: a call holds thousands, and
+        # only those past base (none, once done) and the last window matter
+        done = first + np.flatnonzero(self.st == DONE)
+        e.done_above = set(done[done > e.base].tolist())
         low = e.base - e.keep
         e.kept = {s: p for s, p in e.kept.items() if s >= low}
-        e.kept.update((s, self.packet(s)) for s in done if s >= low)
+        e.kept.update((s, self.packet(s)) for s in done[done >= low].tolist())
 
     def packet(self, seq: int) -> Packet:
         """Sequence ``seq`` of the call as the reference engine builds it."""
