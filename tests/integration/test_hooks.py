@@ -44,6 +44,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradfabric.collectives import AutoState, OmniState, auto_hook, omnireduce_hook
 from gradfabric.collectives.fast import register_hook, why_not
 from gradfabric.collectives.spawn import spawn
+from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.net.overlap import Overlapped
 
 FEATURES = (
     "plain", "gradient_as_bucket_view", "static_graph", "find_unused_parameters",
@@ -234,6 +236,56 @@ def test_the_hook_returns_before_its_bucket_is_reduced() -> None:
             assert len(returned) == len(done) == 3
             # every call returned before its own future completed
             assert all(a < b for a, b in zip(returned, done, strict=True))
+
+
+class _Staged(Overlapped):
+    pass
+
+
+def _staged_rank(rank: int, world: int, out: str) -> None:
+    """Six buckets in two stages, each stage a collective on its own group:
+    the first a MAX, the second a SUM of the first's result. Bucket 3's first
+    stage fails on both ranks before its collective: on rank 1 as a rank
+    whose exponent round names a dead peer would, on rank 0 otherwise."""
+    state = _Staged()
+    futures = []
+    for k in range(6):
+        buf = torch.full((4,), float(10 * k + rank))
+
+        def first(group: Any, buf: torch.Tensor = buf, k: int = k) -> torch.Tensor:
+            if k == 3:
+                raise PeerTimeoutError("rank 7", 1.0) if rank else ValueError("bad bucket")
+            m = buf.clone()
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            return m
+
+        def then(group: Any, m: torch.Tensor, buf: torch.Tensor = buf) -> torch.Tensor:
+            dist.all_reduce(m, group=group)
+            return buf.copy_(m)
+
+        futures.append(state.run_staged(buf, first, then))
+    got: list[Any] = []
+    for f in futures:
+        try:
+            got.append(f.wait().tolist())
+        except RuntimeError as e:
+            got.append(str(e))
+    torch.save((got, repr(state.failure)), f"{out}/{rank}.pt")
+
+
+def test_staged_buckets_pair_up_in_order_and_keep_their_errors() -> None:
+    """``Overlapped.run_staged``: each bucket's second stage gets its own
+    first stage's result, the collectives of both stages pair up across ranks
+    in submission order (a bucket out of order would sum another bucket's
+    maximum), and an error in a first stage fails that bucket alone, with its
+    text, and stays typed as the state's ``failure``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_staged_rank, 2, (tmp,))
+        (got0, failure0), (got1, failure1) = (torch.load(f"{tmp}/{r}.pt") for r in range(2))
+    for k in (0, 1, 2, 4, 5):  # max over ranks is 10k + 1; summed over 2 ranks
+        assert got0[k] == got1[k] == [2.0 * (10 * k + 1)] * 4
+    assert "bad bucket" in got0[3] and failure0.startswith("ValueError")
+    assert "rank 7" in got1[3] and failure1.startswith("PeerTimeoutError")
 
 
 def _auto_rank(rank: int, world: int, compiled: bool, out: str) -> None:

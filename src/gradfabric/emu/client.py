@@ -398,6 +398,13 @@ class Attached(Overlapped):
 
     def allreduce(self, x: npt.NDArray[np.float32], group: Any = None) -> npt.NDArray[np.float32]:
         """Sum float32 ``x`` over the job (see the module doc for the quantisation)."""
+        return self.sum_agreed(self.agree(x, group))
+
+    def agree(self, x: npt.NDArray[np.float32], group: Any = None) -> Agreed:
+        """The first half of ``allreduce``: the job's ranks agree on each
+        block's exponent (an all-reduce of the maxima on ``group``). It needs
+        nothing of the switch, so a hook runs it for the next bucket while the
+        switch sums this one (``emu.hook.ina_hook``)."""
         import torch
         import torch.distributed as dist
 
@@ -422,12 +429,14 @@ class Attached(Overlapped):
             raise name_the_missing(
                 "emu", group, world, self.rank, self.calls, self.timeout_s, err
             ) from err
-        lost_blocks = e.numpy() == NON_FINITE
-        agreed = np.where(lost_blocks, 0, e.numpy())
-        scale = block_scales(agreed, self.ticket.workers)  # per block
-        out = self._sum_floats(x, np.where(lost_blocks, 0.0, scale), scale)
-        if lost_blocks.any():  # (a lost block's values were encoded as 0 at every rank)
-            out[np.repeat(lost_blocks, vpp)[: len(x)]] = np.nan
+        lost = e.numpy() == NON_FINITE
+        return Agreed(x, block_scales(np.where(lost, 0, e.numpy()), self.ticket.workers), lost)
+
+    def sum_agreed(self, a: Agreed) -> npt.NDArray[np.float32]:
+        """The second half of ``allreduce``: the integer round through the switch."""
+        out = self._sum_floats(a.x, np.where(a.lost, 0.0, a.scale), a.scale)
+        if a.lost.any():  # (a lost block's values were encoded as 0 at every rank)
+            out[np.repeat(a.lost, self.ticket.values_per_packet)[: len(a.x)]] = np.nan
         return out
 
     def _sum_floats(
@@ -668,6 +677,17 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """A float all-reduce between its two rounds: the values (non-finite ones
+    zeroed), each block's agreed scale, and the blocks some rank lost to NaN
+    or inf (their sums read NaN)."""
+
+    x: npt.NDArray[np.float32]
+    scale: npt.NDArray[np.float64]
+    lost: npt.NDArray[np.bool_]
 
 
 class Call:

@@ -25,9 +25,14 @@ def ina_hook(
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
 ) -> torch.futures.Future[torch.Tensor]:
     """Each bucket summed through the switch and averaged, on the client's
-    communication thread (``net.overlap``): the hook returns at once."""
+    communication thread (``net.overlap``): the hook returns at once. The
+    ranks agree on a bucket's block exponents on a stage thread ahead of
+    it, while the switch sums the bucket before (``Overlapped.run_staged``)."""
     buf = bucket.buffer()
-    return state.run(buf, lambda group: switch_sum(state, buf, group, state.ticket.workers))
+    return state.run_staged(
+        buf, lambda group: state.agree(_flat(buf), group),
+        lambda _, agreed: _written(buf, state.sum_agreed(agreed) / state.ticket.workers),
+    )  # fmt: skip
 
 
 def dlcp_hook(
