@@ -73,7 +73,9 @@ def _stats(sw: RunningSwitch) -> dict[str, Any]:
 def test_aggregates_exact_under_loss_duplication_and_reordering(policy: str) -> None:
     """In the switch (SwitchML, ATP, ESA), at a parameter server daemon, or at an
     OmniReduce aggregator daemon (only non-zero blocks travel); the workers'
-    two datapaths in one job."""
+    two datapaths in one job, and a native worker that goes over to the
+    engine mid-job: its calls leave the socket's reader paused, with late
+    duplicates waiting in it, and the engine's first call must resume it."""
     with switch_daemon(
         "--policy", policy, "--loss", "0.05", "--dup", "0.02", "--jitter-us", "300",
         "--rto-ms", "10",
@@ -87,6 +89,11 @@ def test_aggregates_exact_under_loss_duplication_and_reordering(policy: str) -> 
         try:
             # lengths: under one packet, not a multiple of it, many windows
             _exact_rounds(clients, 4, np.random.default_rng(1), (1, 1000, 1025, 70_001))
+            if policy != "omni" and clients[1].fast is not None:
+                assert clients[1]._parked is not None  # the reader stayed paused
+                clients[1].fast = None  # its next calls: the engine's
+                _exact_rounds(clients, 2, np.random.default_rng(2), (1025, 70_001))
+                assert clients[1]._parked is None
         finally:
             for c in clients:
                 c.close()
