@@ -822,16 +822,18 @@ def test_bench_ddp_starts_its_switch_where_the_tor_sits() -> None:
     """``bench ddp --switch-policy`` with shaped links: the daemon it starts
     serves 2 ranks from the bridging namespace; ``ina_hook``'s replica ends
     within SwitchML's quantisation of the default hook's (~2**-30 of a
-    block's peak per value, 1e-6 after 3 steps leaves room) and both steps
+    block's peak per value, 1e-6 after 3 steps leaves room; its replica with
+    buckets of its own size, 16 MB, beside the default hook's 4) and both steps
     take at least the ring's bytes over the link (32 MB MLP gradients, 2(n-1)/n
     of them each way at 1 Gbit/s: 268 ms; the tbf burst is 1.3 ms of it)."""
     from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
 
     cfg = DdpBenchConfig(models=("mlp",), ranks=2, link_gbps=1.0, steps=3, warmup=1,
-                         hooks=("default", "ina"), switch_policy="switchml")  # fmt: skip
+                         hooks=("default", "ina@16"), switch_policy="switchml")  # fmt: skip
     rows = {r["hook"]: r for r in run_ddp_bench(cfg)}
-    assert set(rows) == {"default", "ina"}
-    assert rows["ina"]["max_param_diff_vs_default"] <= 1e-6
+    assert set(rows) == {"default", "ina@16"}
+    assert (rows["default"]["bucket_cap_mb"], rows["ina@16"]["bucket_cap_mb"]) == (4.0, 16.0)
+    assert rows["ina@16"]["max_param_diff_vs_default"] <= 1e-6
     floor_ms = rows["default"]["grad_mb"] * 2**20 * 8 / 1e9 * 1e3
     assert all(r["iter_ms"] >= 0.95 * floor_ms for r in rows.values())
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -61,3 +61,29 @@ def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
     serves = SwitchConfig(policy="switchml").native_unsuitable() is None
     assert serves == (switchpath.PATH == "compiled")
     assert SwitchConfig(policy="switchml", datapath="python").native_unsuitable() is not None
+
+
+@pytest.mark.parametrize(
+    ("hooks", "ok"),
+    [
+        (("default", "ina@16"), True),
+        (("default", "default@32", "omnireduce@0.5"), True),
+        (("default", "ina@0"), False),
+        (("default", "ina@x"), False),
+        (("default", "nope@4"), False),
+        (("default", "default"), False),
+    ],
+)
+def test_bench_ddp_hooks_with_their_own_bucket_caps(hooks: tuple[str, ...], ok: bool) -> None:
+    """``bench ddp --hooks default,ina@16``: a replica's own bucket cap; a
+    cap that is not a positive number, an unknown hook or a hook twice is a
+    ValueError naming the hooks."""
+    from gradfabric.collectives.ddpbench import DdpBenchConfig, bucket_cap, hook_name
+
+    if not ok:
+        with pytest.raises(ValueError, match="hook"):
+            DdpBenchConfig(hooks=hooks, switch_policy="switchml")
+        return
+    DdpBenchConfig(hooks=hooks, switch_policy="switchml")
+    caps = {hook_name(h): bucket_cap(h, 4.0) for h in hooks[1:]}
+    assert caps == {"ina": 16.0} or caps == {"default": 32.0, "omnireduce": 0.5}

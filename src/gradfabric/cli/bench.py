@@ -162,7 +162,8 @@ def add(sub: Sub) -> None:
     bd.add_argument("--hooks", default="default,omnireduce,auto",
                     help="comma-separated; also: allreduce (PyTorch's own Python hook), "
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
-                    "calls in Python, not the compiled path)")  # fmt: skip
+                    "calls in Python, not the compiled path); HOOK@MB gives that replica "
+                    "its own bucket cap (each at its best in one run: default,ina@16)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
     bd.add_argument("--mtu", type=int, default=MTU, help=MTU_HELP)
     bd.add_argument(

@@ -77,14 +77,39 @@ class DdpBenchConfig:
             raise ValueError("give a running switch (switch) or a policy to start one, not both")
         if self.switch_policy is not None:
             ALLOCATORS.get(self.switch_policy)  # a pool policy the daemon serves, or a ValueError
-        bad = [h for h in self.hooks if h not in ALL_HOOKS]
+        bad = [h for h in self.hooks if not _valid_hook(h)]
+        names = [hook_name(h) for h in self.hooks]
         has_switch = self.switch is not None or self.switch_policy is not None
-        if bad or not self.hooks or ("ina" in self.hooks and not has_switch):
-            raise ValueError(f"hooks must be some of {ALL_HOOKS} (ina with a switch), got {bad}")
+        if bad or not self.hooks or ("ina" in names and not has_switch):
+            raise ValueError(
+                f"hooks must be some of {ALL_HOOKS}, each with an optional @MB bucket cap "
+                f"(ina with a switch), got {bad}"
+            )
+        if len(set(self.hooks)) != len(self.hooks):
+            raise ValueError(f"a hook twice: {list(self.hooks)}")
         if self.switch_window < 1:
             raise ValueError(f"switch_window must be >= 1, got {self.switch_window}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
             raise ValueError("need ranks >= 2 and steps > warmup >= 0")
+
+
+def hook_name(hook: str) -> str:
+    """``ina@16`` -> ``ina``: a replica's hook, less its own bucket cap."""
+    return hook.partition("@")[0]
+
+
+def bucket_cap(hook: str, default: float) -> float:
+    """A replica's bucket cap in MB: its ``@MB`` suffix, else ``default``
+    (each hook at its best bucket size, side by side in one run)."""
+    _, at, cap = hook.partition("@")
+    return float(cap) if at else default
+
+
+def _valid_hook(hook: str) -> bool:
+    try:
+        return hook_name(hook) in ALL_HOOKS and bucket_cap(hook, 1.0) > 0
+    except ValueError:
+        return False
 
 
 Batch = Callable[[int, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # (rank, step)
@@ -257,7 +282,10 @@ def _density(state: Any) -> float | None:
 
 def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
     rank = dist.get_rank()
-    hooks = [*cfg.hooks, *(["ina"] if cfg.switch and "ina" not in cfg.hooks else [])]
+    names = [hook_name(h) for h in cfg.hooks]
+    hooks = [*cfg.hooks, *(["ina"] if cfg.switch and "ina" not in names else [])]
+    # the reference: DDP's default hook (the first such replica)
+    ref_hook = next((h for h in hooks if hook_name(h) == "default"), None)
     rows = []
     path: dict[str, str | None] = {}  # each hook's dense calls: compiled or Python
     for name in cfg.models:
@@ -265,16 +293,16 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         for hook in hooks:
             torch.manual_seed(cfg.seed)
             module, batch, loss_fn = MODELS[name]()
-            ddp = DDP(module, bucket_cap_mb=cfg.bucket_cap_mb,
+            ddp = DDP(module, bucket_cap_mb=bucket_cap(hook, cfg.bucket_cap_mb),
                       gradient_as_bucket_view=cfg.gradient_as_bucket_view)  # fmt: skip
-            state, fn = _state(hook, cfg)
+            state, fn = _state(hook_name(hook), cfg)
             path[hook] = None
-            if fn is not None and hook.endswith("-python"):
+            if fn is not None and hook_name(hook).endswith("-python"):
                 ddp.register_comm_hook(state, fn)
                 path[hook] = PYTHON
             elif fn is not None:
                 path[hook] = register_hook(ddp, state, fn)
-            if hook == "builtin":  # PyTorch's C++ all-reduce hook: a hook without Python
+            if hook_name(hook) == "builtin":  # PyTorch's C++ all-reduce hook: a hook without Python
                 ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # type: ignore[no-untyped-call,attr-defined]
             replicas[hook] = (ddp, torch.optim.SGD(module.parameters(), lr=0.01), state)
         times: dict[str, list[float]] = {h: [] for h in hooks}
@@ -292,8 +320,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
                 if step >= cfg.warmup:
                     times[hook].append(float(took))
-        base = statistics.median(times["default"]) if "default" in times else None
-        ref = list(replicas["default"][0].module.parameters()) if "default" in replicas else None
+        base = statistics.median(times[ref_hook]) if ref_hook else None
+        ref = list(replicas[ref_hook][0].module.parameters()) if ref_hook else None
         omni = replicas.get("omnireduce", (None, None, None))[2]
         for hook in hooks:
             ddp, _, state = replicas[hook]
@@ -308,7 +336,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "model": name, "ranks": cfg.ranks, "link_gbps": cfg.link_gbps, "hook": hook,
                 "iter_ms": iter_s * 1e3,
                 "speedup_vs_default": base / iter_s if base else None,
-                "paired_vs_default": _paired(times.get("default"), times[hook]),
+                "paired_vs_default": _paired(times[ref_hook] if ref_hook else None, times[hook]),
+                "bucket_cap_mb": bucket_cap(hook, cfg.bucket_cap_mb),
                 "density": _density(omni), "iter_ms_all": [t * 1e3 for t in times[hook]],
                 "max_param_diff_vs_default": diff,
                 "paths": _paths(state), "dense_calls_in": path[hook],
