@@ -45,7 +45,10 @@ def grouped_bars(
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    top = max((r[value] for r in rows), default=0.0)
+    if top > 0:  # room above the bars for the legend
+        ax.set_ylim(0, top * 1.25)
+    ax.legend(ncol=min(3, len(names)))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
