@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.collectives import AutoState, OmniState, auto_hook, omnireduce_hook
 from gradfabric.collectives.fast import register_hook, why_not
+from gradfabric.collectives.rows import RowState, rows_hook
 from gradfabric.collectives.spawn import spawn
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.net.overlap import Overlapped
@@ -75,10 +76,14 @@ class Net(nn.Module):
         return out
 
 
-def _state(hook: str, control: str | None, explore: bool = True) -> tuple[Any, Callable[..., Any]]:
+def _state(
+    hook: str, control: str | None, model: nn.Module, explore: bool = True
+) -> tuple[Any, Callable[..., Any]]:
     """``explore`` False: ``auto_hook`` never tries a runner-up (its choices
     then follow bytes, not this host's timings)."""
     hook = hook.removesuffix("-compiled")
+    if hook == "rows":  # verifying its ids at every call
+        return RowState.track(model, verify_every=1), rows_hook
     if hook == "omnireduce":
         return OmniState(dense_skip=1), omnireduce_hook
     if hook == "auto":
@@ -105,7 +110,7 @@ def _train(
     ddp = DDP(model, **kw)
     state = None
     if hook is not None:
-        state, fn = _state(hook, control, explore=width == 64)  # the wide runs: by bytes
+        state, fn = _state(hook, control, model, explore=width == 64)  # the wide runs: by bytes
         if hook.endswith("-compiled"):
             assert register_hook(ddp, state, fn) == "compiled"
         else:
@@ -131,6 +136,10 @@ def _train(
                     (run(batches[2 * step], use_branch).float().pow(2).mean() * scale).backward()
             (run(batches[2 * step + 1], use_branch).float().pow(2).mean() * scale).backward()
             opt.step()
+    if hook == "rows" and feature == "compile":  # compiled: no forward hooks, no ids
+        assert state.untracked == ["emb"]  # seen at the first call: the table went dense
+    elif hook == "rows":  # the table went by rows, its ids verified at every call
+        assert state.rows_sent > 0 and state.calls > 0 and not state.untracked, feature
     if state is not None and hasattr(state, "close"):
         state.close()
     if hook is not None and hook.endswith("-compiled"):  # C++ ran the skipped calls, counted
@@ -167,7 +176,7 @@ def _daemon(hook: str) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize(
-    "hook", ["omnireduce", "auto", "ina", "dlcp", "omnireduce-compiled", "auto-compiled"]
+    "hook", ["omnireduce", "auto", "rows", "ina", "dlcp", "omnireduce-compiled", "auto-compiled"]
 )
 def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
     """Each hook against DDP's default hook, to the bit where the arithmetic
@@ -236,6 +245,91 @@ def test_the_hook_returns_before_its_bucket_is_reduced() -> None:
             assert len(returned) == len(done) == 3
             # every call returned before its own future completed
             assert all(a < b for a, b in zip(returned, done, strict=True))
+
+
+class _Tied(nn.Module):
+    """An embedding whose weight, from ``tie`` on, is also the output layer:
+    every row's gradient is non-zero, looked up or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, 16)
+        self.dense = nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor, tie: bool) -> torch.Tensor:
+        h = torch.tanh(self.dense(self.emb(ids).mean(1)))
+        out: torch.Tensor = h @ self.emb.weight.T if tie else h
+        return out
+
+
+def _rows_rank(rank: int, world: int, out: str) -> None:
+    results = []
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model = _Tied()
+        ddp = DDP(model)
+        state = None
+        if hooked:
+            state = RowState.track(model)  # full checks every 100 calls: the probe must see it
+            ddp.register_comm_hook(state, rows_hook)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            opt.zero_grad()
+            ddp(torch.randint(0, 1000, (8, 3), generator=g), step >= 2).pow(2).mean().backward()
+            opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+        if state is not None:
+            results.append((state.untracked, state.calls, state.rows_sent))
+    torch.save(results, f"{out}/{rank}.pt")
+
+
+def test_rows_hook_with_adam_and_a_table_used_outside_its_lookups() -> None:
+    """``rows_hook`` under Adam (which ``sparse=True`` cannot serve) equals
+    DDP's all-reduce to the bit on 2 ranks; from step 2 the table is also the
+    output layer, so rows outside the looked-up ids carry gradient: the
+    sampled check of the first such call (not a full one) sees it, the table
+    goes dense on both ranks, and the result is still DDP's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_rows_rank, 2, (tmp,))
+        for r in range(2):
+            ref, got, (untracked, calls, rows_sent) = torch.load(f"{tmp}/{r}.pt")
+            for a, b in zip(ref, got, strict=True):
+                torch.testing.assert_close(b, a, atol=0.0, rtol=0.0)
+            # steps 0-1 by rows, step 2's probe found the tie, step 3 all-reduced whole
+            assert untracked == ["emb"] and calls == 4 and 0 < rows_sent <= 2 * 8 * 3
+
+
+def _rows_dying_rank(rank: int, world: int, out: str) -> None:
+    import os
+
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model)
+    state = RowState.track(model, peer_timeout_s=3.0)
+    ddp.register_comm_hook(state, rows_hook)
+    g = torch.Generator().manual_seed(rank)
+    msg = "no error"
+    try:
+        for step in range(4):
+            if step == 2 and rank == 2:  # dies in the middle of its backward pass
+                model.dense.weight.register_hook(lambda _: os._exit(0))
+            ddp(torch.randint(0, 4096, (8, 4), generator=g)).pow(2).mean().backward()
+    except RuntimeError as e:  # DDP re-raises the hook's error; the state keeps it typed
+        failure = state.failure
+        ok = isinstance(failure, PeerTimeoutError) and str(failure) in str(e)
+        msg = f"{failure.peer}|{e}" if ok and isinstance(failure, PeerTimeoutError) else f"-|{e}"
+    with open(f"{out}/{rank}.txt", "w") as f:
+        f.write(msg)
+
+
+def test_rows_hook_names_a_rank_that_died_in_backward() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_rows_dying_rank, 3, (tmp,), timeout_s=20, deadline_s=90, barrier_at_exit=False)
+        for r in (0, 1):
+            with open(f"{tmp}/{r}.txt") as f:
+                peer, msg = f.read().split("|", 1)
+            assert peer == "rank 2", msg
 
 
 class _Staged(Overlapped):
