@@ -160,7 +160,8 @@ def add(sub: Sub) -> None:
     bd.add_argument("--gradient-as-bucket-view", action="store_true",
                     help="DDP(gradient_as_bucket_view=True) for every replica")  # fmt: skip
     bd.add_argument("--hooks", default="default,omnireduce,auto",
-                    help="comma-separated; also: allreduce (PyTorch's own Python hook), "
+                    help="comma-separated; also: rows (rows_hook: embedding tables by the "
+                    "rows looked up), allreduce (PyTorch's own Python hook), "
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
                     "calls in Python, not the compiled path); HOOK@MB gives that replica "
                     "its own bucket cap (each at its best in one run: default,ina@16)")  # fmt: skip

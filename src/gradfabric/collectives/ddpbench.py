@@ -50,7 +50,9 @@ from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 
 HOOKS = ("default", "omnireduce", "auto")
 # ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
-ALL_HOOKS = (*HOOKS, "allreduce", "builtin", "ina", "omnireduce-python", "auto-python")
+ALL_HOOKS = (
+    *HOOKS, "allreduce", "builtin", "ina", "rows", "omnireduce-python", "auto-python",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -244,9 +246,13 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def _state(hook: str, cfg: DdpBenchConfig) -> tuple[Any, Any]:
+def _state(hook: str, cfg: DdpBenchConfig, module: nn.Module) -> tuple[Any, Any]:
     """(state, hook function) for ``hook``; (None, None) for DDP's own."""
     hook = hook.removesuffix("-python")
+    if hook == "rows":
+        from gradfabric.collectives.rows import RowState, rows_hook
+
+        return RowState.track(module), rows_hook
     if hook == "omnireduce":
         from gradfabric.collectives.sparse import OmniState, omnireduce_hook
 
@@ -295,7 +301,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             module, batch, loss_fn = MODELS[name]()
             ddp = DDP(module, bucket_cap_mb=bucket_cap(hook, cfg.bucket_cap_mb),
                       gradient_as_bucket_view=cfg.gradient_as_bucket_view)  # fmt: skip
-            state, fn = _state(hook_name(hook), cfg)
+            state, fn = _state(hook_name(hook), cfg, module)
             path[hook] = None
             if fn is not None and hook_name(hook).endswith("-python"):
                 ddp.register_comm_hook(state, fn)

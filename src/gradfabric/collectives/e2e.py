@@ -1,11 +1,12 @@
 """End-to-end DDP training with ``omnireduce_hook`` against the default hook.
 
 ``run_e2e`` launches ``ranks`` gloo processes with torchrun (on loopback, or
-each in its own network namespace behind a tbf-shaped link) that train three
+each in its own network namespace behind a tbf-shaped link) that train four
 replicas of NeuMF on the synthetic click log side by side: one with DDP's
 default all-reduce, one with ``nn.Embedding(sparse=True)`` under plain DDP
 (what a PyTorch user with embeddings tries first: DDP all-reduces the sparse
-gradients as index/value tensors), and one with ``omnireduce_hook``. All start
+gradients as index/value tensors), one with ``omnireduce_hook`` and one with
+``rows_hook`` (dense gradients, exchanged as the rows the batch looked up). All start
 from the same weights and see the same batches; each step times all three
 (rotating which goes first) and records the global mean loss. The result: the
 loss curves, the per-iteration times, the hook's traffic statistics, and how
@@ -28,9 +29,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.collectives.fast import register_hook
+from gradfabric.collectives.rows import RowState, rows_hook
 from gradfabric.collectives.sparse import OmniState, omnireduce_hook
 from gradfabric.core.records import compare_sides, loss_gap, median_ms
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
+
+# DDP's default hook; nn.Embedding(sparse=True) under plain DDP; omnireduce_hook;
+# rows_hook (the looked-up rows of dense embedding gradients)
+REPLICAS = ("default", "sparse-embedding", "omnireduce", "rows")
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,10 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
             rec: dict[str, Any] = json.load(f)
     rec["config"] = asdict(cfg)
     compare_sides(rec, "default", "omnireduce")
-    rec["sparse-embedding_ms"] = median_ms(rec, "sparse-embedding")
-    rec["sparse_embedding_loss_diff"] = loss_gap(rec, "default", "sparse-embedding")
+    for side in ("sparse-embedding", "rows"):
+        rec[f"{side}_ms"] = median_ms(rec, side)
+        rec[f"{side.replace('-', '_')}_loss_diff"] = loss_gap(rec, "default", side)
+    rec["rows_vs_sparse_embedding"] = rec["sparse-embedding_ms"] / rec["rows_ms"]
     rec["speedup"] = rec["default_ms"] / rec["omnireduce_ms"]
     rec["speedup_vs_sparse_embedding"] = rec["sparse-embedding_ms"] / rec["omnireduce_ms"]
     return rec
@@ -78,18 +86,22 @@ def _rank_main(cfg: E2EConfig, out: str) -> None:
     log = ClickLog(ClickLogConfig(users=cfg.users, items=cfg.items, seed=cfg.seed))
     replicas = {}
     state = OmniState()
-    for name in ("default", "sparse-embedding", "omnireduce"):
+    for name in REPLICAS:
         torch.manual_seed(cfg.seed)
-        model = DDP(NeuMF(cfg.users, cfg.items, cfg.dim, sparse=name == "sparse-embedding"))
+        net = NeuMF(cfg.users, cfg.items, cfg.dim, sparse=name == "sparse-embedding")
+        model = DDP(net)
         if name == "omnireduce":
             register_hook(model, state, omnireduce_hook)  # dense buckets' calls in C++
+        if name == "rows":
+            model.register_comm_hook(RowState.track(net), rows_hook)
         replicas[name] = (model, torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9))
     loss_log: dict[str, list[float]] = {k: [] for k in replicas}
     times: dict[str, list[float]] = {k: [] for k in replicas}
     for step in range(cfg.steps):
         users, items, clicks = log.batch(cfg.batch, rank, step)
         names = list(replicas)
-        order = names[step % 3 :] + names[: step % 3]  # each goes first in turn
+        k = step % len(names)
+        order = names[k:] + names[:k]  # each goes first in turn
         for name in order:
             model, opt = replicas[name]
             dist.barrier()
