@@ -84,6 +84,8 @@ def _state(
     hook = hook.removesuffix("-compiled")
     if hook == "rows":  # verifying its ids at every call
         return RowState.track(model, verify_every=1), rows_hook
+    if hook == "auto-rows":  # auto_hook, its tables by rows
+        return AutoState(dense_skip=1, rows=RowState.track(model, verify_every=1)), auto_hook
     if hook == "omnireduce":
         return OmniState(dense_skip=1), omnireduce_hook
     if hook == "auto":
@@ -140,6 +142,8 @@ def _train(
         assert state.untracked == ["emb"]  # seen at the first call: the table went dense
     elif hook == "rows":  # the table went by rows, its ids verified at every call
         assert state.rows_sent > 0 and state.calls > 0 and not state.untracked, feature
+    if hook == "auto-rows" and feature != "compile":
+        assert sum(b["paths"].get("rows", 0) for b in state.summary().values()) > 0, feature
     if state is not None and hasattr(state, "close"):
         state.close()
     if hook is not None and hook.endswith("-compiled"):  # C++ ran the skipped calls, counted
@@ -176,8 +180,10 @@ def _daemon(hook: str) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize(
-    "hook", ["omnireduce", "auto", "rows", "ina", "dlcp", "omnireduce-compiled", "auto-compiled"]
-)
+    "hook",
+    ["omnireduce", "auto", "rows", "auto-rows", "ina", "dlcp", "omnireduce-compiled",
+     "auto-compiled"],
+)  # fmt: skip
 def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
     """Each hook against DDP's default hook, to the bit where the arithmetic
     allows it: on 2 ranks every summed value has two addends, and IEEE

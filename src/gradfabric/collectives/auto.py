@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradfabric.collectives.rows import RowState, rows_hook
 from gradfabric.collectives.sparse import (
     DENSE_MARGIN,
     STATS_LOCK,
@@ -55,7 +56,7 @@ from gradfabric.collectives.sparse import (
 from gradfabric.emu.client import Attached
 from gradfabric.emu.hook import switch_sum
 
-PATHS = ("dense", "sparse", "ina")
+PATHS = ("dense", "sparse", "ina")  # scanned and chosen; "rows" where a table is tracked
 
 
 @dataclass
@@ -118,8 +119,12 @@ class AutoState(DenseSkip):
     """Picklable state of ``auto_hook`` (without its thread and switch client).
 
     ``switch``: an ``emu`` client of the job (``InaClient.join()``) to offer
-    the ``ina`` path; None: dense and sparse only. ``threshold``: values of at
-    most this magnitude count as zero (0: exact)."""
+    the ``ina`` path; None: dense and sparse only. ``rows``: a
+    ``RowState.track(model)`` of the model, to take a bucket that holds
+    embedding tables by the rows its batch looked up (``collectives.rows``:
+    no scan of the tables, any optimizer); its buckets of other parameters,
+    and tables found used outside their lookups, take the paths above.
+    ``threshold``: values of at most this magnitude count as zero (0: exact)."""
 
     block_size: int = 256
     threshold: float = 0.0
@@ -127,6 +132,7 @@ class AutoState(DenseSkip):
     explore_ratio: float = 2.0
     window: int = 32
     switch: Attached | None = None
+    rows: RowState | None = None  # ``RowState.track(model)``: tables by their looked-up rows
     costs: dict[str, PathCost] = field(default_factory=dict)
     buckets: dict[int, BucketLog] = field(default_factory=dict)
     scans: dict[int, int] = field(default_factory=dict)
@@ -262,6 +268,15 @@ def auto_hook(
     """DDP communication hook: average each bucket on the path ``state``
     predicts fastest (see the module doc). Returns at once."""
     buf, key = bucket.buffer(), bucket.index()
+    rows = state.rows
+    if rows is not None and rows.holds_tables(list(bucket.parameters())):
+        ring = ring_bytes(buf, dist.get_world_size())
+
+        def logged(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            state._log(key, "rows", rows.sent.get(key, ring), ring)
+            return fut.value()
+
+        return rows_hook(rows, bucket).then(logged)
     if state.take_skip(key):
         world = dist.get_world_size()
         ring = ring_bytes(buf, world)

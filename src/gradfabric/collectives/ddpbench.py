@@ -249,18 +249,20 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
 def _state(hook: str, cfg: DdpBenchConfig, module: nn.Module) -> tuple[Any, Any]:
     """(state, hook function) for ``hook``; (None, None) for DDP's own."""
     hook = hook.removesuffix("-python")
-    if hook == "rows":
-        from gradfabric.collectives.rows import RowState, rows_hook
+    if hook == "rows":  # (a model without tables: every bucket all-reduced on its thread)
+        from gradfabric.collectives.rows import RowState, rows_hook, tables
 
-        return RowState.track(module), rows_hook
+        return RowState.track(module) if tables(module) else RowState(), rows_hook
     if hook == "omnireduce":
         from gradfabric.collectives.sparse import OmniState, omnireduce_hook
 
         return OmniState(), omnireduce_hook
-    if hook == "auto":
+    if hook == "auto":  # every path it has: the switch where there is one, tables by rows
         from gradfabric.collectives.auto import AutoState, auto_hook
+        from gradfabric.collectives.rows import RowState, tables
 
-        return AutoState(switch=_client(cfg)), auto_hook
+        rows = RowState.track(module) if tables(module) else None
+        return AutoState(switch=_client(cfg), rows=rows), auto_hook
     if hook == "allreduce":  # PyTorch's own Python hook: what any Python hook costs
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

@@ -47,6 +47,15 @@ from torch import nn
 from gradfabric.net.overlap import Overlapped
 from gradfabric.net.peers import keep_alive, name_the_missing
 
+
+def tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The dense embedding tables of ``model`` (what ``RowState.track`` tracks)."""
+    return [
+        (name, mod) for name, mod in model.named_modules()
+        if isinstance(mod, nn.Embedding | nn.EmbeddingBag) and not mod.sparse
+    ]  # fmt: skip
+
+
 PROBE_ROWS = 256  # rows outside the ids checked at each call between full checks
 
 
@@ -63,6 +72,7 @@ class RowState(Overlapped):
     names: dict[int, str] = field(default_factory=dict)  # a table's weight (id) -> its name
     pending: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # ids since last bucket
     checks: dict[int, int] = field(default_factory=dict)  # calls per bucket index
+    sent: dict[int, int] = field(default_factory=dict)  # bytes per bucket index, last call
     rng: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
 
     @classmethod
@@ -70,10 +80,9 @@ class RowState(Overlapped):
         """A state that tracks every embedding table of ``model`` (before
         wrapping it in DDP or after: the modules are the same)."""
         state = cls(verify_every=verify_every, **kw)
-        for name, mod in model.named_modules():
-            if isinstance(mod, nn.Embedding | nn.EmbeddingBag) and not mod.sparse:
-                state.names[id(mod.weight)] = name.removeprefix("module.")
-                mod.register_forward_hook(state._looked_up)
+        for name, mod in tables(model):
+            state.names[id(mod.weight)] = name.removeprefix("module.")
+            mod.register_forward_hook(state._looked_up)
         if not state.names:
             raise ValueError("the model has no dense nn.Embedding or nn.EmbeddingBag to track")
         return state
@@ -81,6 +90,10 @@ class RowState(Overlapped):
     def _looked_up(self, mod: nn.Module, inputs: tuple[Any, ...], _: Any) -> None:
         if torch.is_grad_enabled():
             self.pending.setdefault(id(mod.weight), []).append(inputs[0].detach().reshape(-1))
+
+    def holds_tables(self, params: list[torch.Tensor]) -> bool:
+        """Whether a bucket of ``params`` holds a table this state still tracks."""
+        return any(self.names.get(id(p), "") not in ("", *self.untracked) for p in params)
 
     def take(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """For each of a bucket's parameters: its looked-up ids since the last
@@ -123,7 +136,7 @@ def rows_hook(
     def job(group: Any) -> torch.Tensor:
         keep_alive()
         try:
-            _rows_allreduce(state, buf, grads, ids, names, verify, group)
+            state.sent[key] = _rows_allreduce(state, buf, grads, ids, names, verify, group)
         except RuntimeError as e:  # gloo: a closed connection or the group's timeout
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             raise name_the_missing(
@@ -143,7 +156,9 @@ def _rows_allreduce(
     names: list[str],
     verify: bool,
     group: Any,
-) -> None:
+) -> int:
+    """The bucket averaged; the bytes this rank sent (the all-gathers'
+    and ring's shares, as ``ring_bytes`` counts a dense call)."""
     world = dist.get_world_size(group)
     tracked = [k for k, i in enumerate(ids) if i is not None]
     if not tracked:
@@ -154,23 +169,23 @@ def _rows_allreduce(
     if not by_rows:  # the whole bucket, in place
         dist.all_reduce(buf.div_(world), group=group)
         state.values_dense += buf.numel()
-        return
+        return 2 * (world - 1) * buf.numel() * buf.element_size() // world
     dense = [g for k, g in enumerate(grads) if k not in by_rows]
     work = None
     if dense:  # one all-reduce of the rest, in flight while the rows are gathered
         flat = torch.cat([g.reshape(-1) for g in dense]).div_(world)
         work = dist.all_reduce(flat, group=group, async_op=True)
         state.values_dense += flat.numel()
-    if by_rows:
-        _gather_rows(state, [grads[k] for k in by_rows],
-                     [ids[k] for k in by_rows], counts[:, [tracked.index(k) for k in by_rows]],
-                     group)  # fmt: skip
+    sent = _gather_rows(state, [grads[k] for k in by_rows], [ids[k] for k in by_rows],
+                        counts[:, [tracked.index(k) for k in by_rows]], group)  # fmt: skip
     if work is not None:
         work.wait()
         at = 0
         for g in dense:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
+        sent += 2 * (world - 1) * flat.numel() * flat.element_size() // world
+    return sent
 
 
 def _promises(
@@ -214,9 +229,10 @@ def _gather_rows(
     ids: list[Any],
     counts: torch.Tensor,
     group: Any,
-) -> None:
+) -> int:
     """All-gather each table's (ids, rows), padded to the largest rank's
-    count, and sum them into the zeroed rows in rank order."""
+    count, and sum them into the zeroed rows in rank order; the bytes this
+    rank sent (a ring all-gather forwards the others' shares: n-1 of them)."""
     world = dist.get_world_size(group)
     tables = [g.reshape(len(g), -1) for g in grads]
     widest = counts.max(0).values.tolist()
@@ -246,3 +262,5 @@ def _gather_rows(
             t.index_add_(0, got_ids[s][at_i : at_i + n],
                          got_rows[s][at_v : at_v + n * d].view(n, d))  # fmt: skip
             at_i, at_v = at_i + w, at_v + w * d
+    per_rank = send_ids.numel() * 8 + send_rows.numel() * send_rows.element_size()
+    return (world - 1) * per_rank
