@@ -3,7 +3,7 @@
 Each model is trained by ``ranks`` gloo processes under torchrun (on
 loopback, or each rank in a network namespace behind a tbf-shaped link), one
 replica per hook, all from the same initial weights, fed the same batches.
-Every step runs each replica once (forward, backward, SGD step), rotating
+Every step runs each replica once (forward, backward, optimizer step), rotating
 which goes first, so that machine noise falls on all alike; a step's time is
 its slowest rank's. Reported per model and hook: the median iteration time
 after ``warmup`` steps, the speedup against DDP without a hook (its built-in
@@ -13,7 +13,10 @@ density, and how far the replica's weights ended from the default replica's
 (a check that the hook averages what DDP would: with 2 ranks, to the bit),
 and where each hook's dense calls ran (``dense_calls_in``: ``compiled``, the
 C++ path of ``collectives.fast``, or ``python``; the ``-python`` hooks force
-the latter, for a side-by-side of the two).
+the latter, for a side-by-side of the two). ``sparse`` is no hook: the same
+model with ``sparse=True`` tables under plain DDP (what PyTorch offers for
+embeddings), with SGD, or under ``optimizer="adam"`` the usual hybrid of
+SparseAdam on the tables and Adam on the rest; ``rows`` is ``rows_hook``.
 
 Models (``MODELS``):
 
@@ -44,6 +47,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.collectives.fast import PYTHON, register_hook
+from gradfabric.collectives.rows import tables
 from gradfabric.net.netns import MTU
 from gradfabric.proto.switch import ALLOCATORS
 from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
@@ -51,8 +55,9 @@ from gradfabric.workloads.ctr import ClickLog, ClickLogConfig, NeuMF
 HOOKS = ("default", "omnireduce", "auto")
 # ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
 ALL_HOOKS = (
-    *HOOKS, "allreduce", "builtin", "ina", "rows", "omnireduce-python", "auto-python",
+    *HOOKS, "allreduce", "builtin", "ina", "rows", "sparse", "omnireduce-python", "auto-python",
 )  # fmt: skip
+OPTIMIZERS = ("sgd", "adam")
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class DdpBenchConfig:
     switch_policy: str | None = None  # start a daemon with this policy for the run instead
     mtu: int = MTU  # with link_gbps: every link's MTU (net.netns.tor_star)
     switch_window: int = 32  # with switch_policy: the workers' window (the daemon's job slots)
+    optimizer: str = "sgd"  # sgd (lr 0.01) or adam (lr 1e-3); see ``_optimizers``
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +95,8 @@ class DdpBenchConfig:
             )
         if len(set(self.hooks)) != len(self.hooks):
             raise ValueError(f"a hook twice: {list(self.hooks)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.switch_window < 1:
             raise ValueError(f"switch_window must be >= 1, got {self.switch_window}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
@@ -250,7 +258,7 @@ def _state(hook: str, cfg: DdpBenchConfig, module: nn.Module) -> tuple[Any, Any]
     """(state, hook function) for ``hook``; (None, None) for DDP's own."""
     hook = hook.removesuffix("-python")
     if hook == "rows":  # (a model without tables: every bucket all-reduced on its thread)
-        from gradfabric.collectives.rows import RowState, rows_hook, tables
+        from gradfabric.collectives.rows import RowState, rows_hook
 
         return RowState.track(module) if tables(module) else RowState(), rows_hook
     if hook == "omnireduce":
@@ -259,7 +267,7 @@ def _state(hook: str, cfg: DdpBenchConfig, module: nn.Module) -> tuple[Any, Any]
         return OmniState(), omnireduce_hook
     if hook == "auto":  # every path it has: the switch where there is one, tables by rows
         from gradfabric.collectives.auto import AutoState, auto_hook
-        from gradfabric.collectives.rows import RowState, tables
+        from gradfabric.collectives.rows import RowState
 
         rows = RowState.track(module) if tables(module) else None
         return AutoState(switch=_client(cfg), rows=rows), auto_hook
@@ -272,6 +280,19 @@ def _state(hook: str, cfg: DdpBenchConfig, module: nn.Module) -> tuple[Any, Any]
 
         return _client(cfg), ina_hook
     return None, None
+
+
+def _optimizers(module: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    """``sgd``: SGD at lr 0.01 (sparse gradients too). ``adam``: Adam at lr
+    1e-3; a replica with sparse embedding gradients, which Adam refuses, gets
+    the usual hybrid instead: SparseAdam on the tables, Adam on the rest (a
+    lazy Adam on the tables: its weights differ from the others' by design)."""
+    if kind == "sgd":
+        return [torch.optim.SGD(module.parameters(), lr=0.01)]
+    sparse = [t.weight for _, t in tables(module, sparse=True)]
+    rest = [p for p in module.parameters() if all(p is not q for q in sparse)]
+    opts: list[torch.optim.Optimizer] = [torch.optim.Adam(rest, lr=1e-3)] if rest else []
+    return opts + ([torch.optim.SparseAdam(sparse, lr=1e-3)] if sparse else [])
 
 
 def _client(cfg: DdpBenchConfig) -> Any:
@@ -301,6 +322,9 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         for hook in hooks:
             torch.manual_seed(cfg.seed)
             module, batch, loss_fn = MODELS[name]()
+            if hook_name(hook) == "sparse":  # the stock option: sparse embedding gradients
+                for _, table in tables(module):
+                    table.sparse = True
             ddp = DDP(module, bucket_cap_mb=bucket_cap(hook, cfg.bucket_cap_mb),
                       gradient_as_bucket_view=cfg.gradient_as_bucket_view)  # fmt: skip
             state, fn = _state(hook_name(hook), cfg, module)
@@ -312,7 +336,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 path[hook] = register_hook(ddp, state, fn)
             if hook_name(hook) == "builtin":  # PyTorch's C++ all-reduce hook: a hook without Python
                 ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # type: ignore[no-untyped-call,attr-defined]
-            replicas[hook] = (ddp, torch.optim.SGD(module.parameters(), lr=0.01), state)
+            replicas[hook] = (ddp, _optimizers(module, cfg.optimizer), state)
         times: dict[str, list[float]] = {h: [] for h in hooks}
         for step in range(cfg.steps):
             inputs, target = batch(rank, step)
@@ -321,9 +345,11 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 dist.barrier()
                 t0 = time.perf_counter()
                 loss = loss_fn(ddp(*inputs), target)
-                opt.zero_grad()
+                for o in opt:
+                    o.zero_grad()
                 loss.backward()  # type: ignore[no-untyped-call]
-                opt.step()
+                for o in opt:
+                    o.step()
                 took = torch.tensor([time.perf_counter() - t0])
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
                 if step >= cfg.warmup:

@@ -48,11 +48,14 @@ from gradfabric.net.overlap import Overlapped
 from gradfabric.net.peers import keep_alive, name_the_missing
 
 
-def tables(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The dense embedding tables of ``model`` (what ``RowState.track`` tracks)."""
+def tables(
+    model: nn.Module, sparse: bool = False
+) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
+    """The embedding tables of ``model`` with dense gradients (what
+    ``RowState.track`` tracks), or with ``sparse`` ones."""
     return [
         (name, mod) for name, mod in model.named_modules()
-        if isinstance(mod, nn.Embedding | nn.EmbeddingBag) and not mod.sparse
+        if isinstance(mod, nn.Embedding | nn.EmbeddingBag) and mod.sparse == sparse
     ]  # fmt: skip
 
 
