@@ -158,3 +158,18 @@ def test_the_calibrated_cluster_file_prices_plans_as_the_calibrated_model(tmp_pa
         assert evaluate(w, loaded, p, spec.link_latency_us * 1e-6).batch_time_s == pytest.approx(
             want, rel=1e-12
         )
+
+
+def test_the_budget_claim_says_exceeded_when_it_is() -> None:
+    """The report's budget row: $17.20/h against $16.80/h is exceeded (by
+    2.4%), not kept; the price per batch is each slot's hourly price times
+    its batch time, averaged (here by hand: $36/h for 0.1 s and $72/h for
+    0.05 s are both 0.1 cents)."""
+    from gradfabric.experiments.planner import _kept, _per_batch
+    from gradfabric.planner.online import OnlineResult, SlotRecord
+
+    assert _kept(17.20, 16.80) == "EXCEEDED by 2.4%"
+    assert _kept(16.00, 16.80).startswith("kept (4.8% under")
+    run = OnlineResult([SlotRecord(0, 0.1, 36.0, 0.0, 4, False),
+                        SlotRecord(1, 0.05, 72.0, 0.0, 8, False)])  # fmt: skip
+    assert abs(_per_batch(run) - 0.001) < 1e-12
