@@ -108,18 +108,26 @@ def hook_name(hook: str) -> str:
     return hook.partition("@")[0]
 
 
-def bucket_cap(hook: str, default: float) -> float:
-    """A replica's bucket cap in MB: its ``@MB`` suffix, else ``default``
-    (each hook at its best bucket size, side by side in one run)."""
-    _, at, cap = hook.partition("@")
-    return float(cap) if at else default
+def bucket_caps(hook: str, default: float) -> list[float]:
+    """A replica's bucket caps in MB: its ``@MB`` suffix, else ``default``
+    (each hook at its best bucket size, side by side in one run); ``@4/16``:
+    DDP's ``bucket_cap_mb_list``, the first bucket (the last layers, whose
+    gradients are ready first) 4 MB, the others 16."""
+    _, at, caps = hook.partition("@")
+    return [float(c) for c in caps.split("/")] if at else [default]
 
 
 def _valid_hook(hook: str) -> bool:
     try:
-        return hook_name(hook) in ALL_HOOKS and bucket_cap(hook, 1.0) > 0
+        return hook_name(hook) in ALL_HOOKS and min(bucket_caps(hook, 1.0)) > 0
     except ValueError:
         return False
+
+
+def _ddp(module: nn.Module, caps: list[float], **kw: Any) -> DDP:
+    if len(caps) == 1:
+        return DDP(module, bucket_cap_mb=caps[0], **kw)
+    return DDP(module, bucket_cap_mb_list=caps, **kw)  # type: ignore[arg-type]  # (MB * bytes, int())
 
 
 Batch = Callable[[int, int], tuple[tuple[torch.Tensor, ...], torch.Tensor]]  # (rank, step)
@@ -325,8 +333,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             if hook_name(hook) == "sparse":  # the stock option: sparse embedding gradients
                 for _, table in tables(module):
                     table.sparse = True
-            ddp = DDP(module, bucket_cap_mb=bucket_cap(hook, cfg.bucket_cap_mb),
-                      gradient_as_bucket_view=cfg.gradient_as_bucket_view)  # fmt: skip
+            ddp = _ddp(module, bucket_caps(hook, cfg.bucket_cap_mb),
+                       gradient_as_bucket_view=cfg.gradient_as_bucket_view)  # fmt: skip
             state, fn = _state(hook_name(hook), cfg, module)
             path[hook] = None
             if fn is not None and hook_name(hook).endswith("-python"):
@@ -371,7 +379,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "iter_ms": iter_s * 1e3,
                 "speedup_vs_default": base / iter_s if base else None,
                 "paired_vs_default": _paired(times[ref_hook] if ref_hook else None, times[hook]),
-                "bucket_cap_mb": bucket_cap(hook, cfg.bucket_cap_mb),
+                "bucket_cap_mb": bucket_caps(hook, cfg.bucket_cap_mb)[-1],
+                "bucket_caps_mb": bucket_caps(hook, cfg.bucket_cap_mb),
                 "density": _density(omni), "iter_ms_all": [t * 1e3 for t in times[hook]],
                 "max_param_diff_vs_default": diff,
                 "paths": _paths(state), "dense_calls_in": path[hook],

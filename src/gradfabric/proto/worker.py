@@ -263,8 +263,9 @@ class WorkerEngine:
     def _resend(self, seq: int, o: list[Any], deadline_ns: int) -> Send:
         """``seq`` once more, flagged as a resend where the route says so, due
         again at ``deadline_ns`` (later than every pending deadline)."""
+        if o[_DEADLINE] != deadline_ns:  # (a second resend in the same instant: one timer)
+            self.timers.append((deadline_ns, seq))
         o[_DEADLINE] = deadline_ns
-        self.timers.append((deadline_ns, seq))
         pkt = o[_PKT].clone()
         if self.route.resend_flag:
             pkt.flags |= Flag.RESEND
