@@ -26,7 +26,7 @@ alone; a path that looks within ``explore_ratio`` of the best is tried every
 ``explore_every`` scans of a bucket, so a wrong first guess is corrected. A
 bucket that went dense runs dense for its next calls without the scan (an
 asynchronous all-reduce started on the autograd thread, like DDP's own hook;
-how many: ``sparse.DenseSkip``), then is scanned again: densities drift
+how many: ``skip.DenseSkip``), then is scanned again: densities drift
 during training.
 """
 
@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.collectives.rows import RowState, rows_hook
+from gradfabric.collectives.skip import DenseSkip
 from gradfabric.collectives.sparse import (
     DENSE_MARGIN,
     STATS_LOCK,
-    DenseSkip,
     Plan,
     as_blocks,
     occupancy,

@@ -9,7 +9,7 @@ all-reduce hook ran at 1.001x (``gradfabric bench ddp --models mlp --hooks
 default,builtin,allreduce,omnireduce``, one run of 60 steps).
 
 gradfabric's hooks make a host decision only when they scan a bucket; a
-bucket whose scan went dense skips its next scans (``sparse.DenseSkip``), and
+bucket whose scan went dense skips its next scans (``skip.DenseSkip``), and
 those calls need no decision. ``register_hook`` installs a small C++ hook
 (``_fast_hook.cpp``, built by ``scripts/compile.py``) that runs exactly those
 calls itself (divide, then an asynchronous all-reduce on the default group,
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradfabric.collectives.sparse import DenseSkip
+from gradfabric.collectives.skip import DenseSkip
 
 SOURCE = Path(__file__).with_name("_fast_hook.cpp")
 MANIFEST = Path(__file__).with_name("_fast_hook.json")  # written by scripts/compile.py
