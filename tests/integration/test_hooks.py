@@ -306,6 +306,49 @@ def test_rows_hook_with_adam_and_a_table_used_outside_its_lookups() -> None:
             assert untracked == ["emb"] and calls == 4 and 0 < rows_sent <= 2 * 8 * 3
 
 
+def _rows_bytes_rank(rank: int, world: int, out: str) -> None:
+    results = []
+    for rows in (50, 100_000):  # every row touched each step; a few of many
+        results_for: list[Any] = []
+        for hook in (False, True):
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Embedding(rows, 8), nn.Flatten(), nn.Linear(8 * 64, 1))
+            ddp = DDP(m)
+            state = None
+            if hook:
+                state = RowState.track(m)
+                ddp.register_comm_hook(state, rows_hook)
+            g = torch.Generator().manual_seed(rank)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for _ in range(3):
+                opt.zero_grad()
+                ids = torch.randint(0, rows, (16, 64), generator=g)
+                ddp(ids).pow(2).mean().backward()
+                opt.step()
+            results_for.append([p.detach().clone() for p in m.parameters()])
+            if state is not None:
+                results_for.append((state.dense_by_bytes, state.rows_sent))
+        results.append(results_for)
+    torch.save(results, f"{out}/{rank}.pt")
+
+
+def test_rows_hook_takes_the_ring_where_it_moves_fewer_bytes() -> None:
+    """3 ranks, 1,024 lookups a step: a 50-row table is touched everywhere, so
+    the rows' all-gather would move more than the ring (each rank receives 2
+    others' 50 rows against the ring's 2/3 of 50 rows): those calls all-reduce
+    the table; a 100,000-row table goes by rows. Both end where DDP's
+    all-reduce does (3 addends in another order: float32 rounding)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_rows_bytes_rank, 3, (tmp,))
+        for r in range(3):
+            (small_ref, small, (small_dense, _)), (big_ref, big, (big_dense, big_rows)) = (
+                torch.load(f"{tmp}/{r}.pt")
+            )
+            assert small_dense == 3 and big_dense == 0 and big_rows > 0
+            for a, b in [*zip(small_ref, small, strict=True), *zip(big_ref, big, strict=True)]:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
 def _rows_dying_rank(rank: int, world: int, out: str) -> None:
     import os
 

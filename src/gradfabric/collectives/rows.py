@@ -34,7 +34,9 @@ then on, on every rank alike (the flag travels with the counts), and
 caught at the next full check, not before: a model whose tables are touched
 outside their lookups should not use this hook. Collectives per bucket: one all-gather of the
 counts and flags, one all-gather of ids and one of rows (padded to the
-largest rank's count per table), and one all-reduce for the rest.
+largest rank's count per table), and one all-reduce for the rest. Where the
+ring all-reduce of the tables would move fewer bytes (most rows touched), the
+call all-reduces them instead (``_rows_pay``; ``state.dense_by_bytes``).
 """
 
 from dataclasses import dataclass, field
@@ -76,6 +78,7 @@ class RowState(Overlapped):
     pending: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # ids since last bucket
     checks: dict[int, int] = field(default_factory=dict)  # calls per bucket index
     sent: dict[int, int] = field(default_factory=dict)  # bytes per bucket index, last call
+    dense_by_bytes: int = 0  # calls whose tables went dense: the ring moved fewer bytes
     rng: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
 
     @classmethod
@@ -168,6 +171,10 @@ def _rows_allreduce(
         by_rows: list[int] = []
     else:
         counts, by_rows = _promises(state, grads, ids, names, tracked, verify, group)
+        if by_rows and not _rows_pay(grads, by_rows, counts[:, [tracked.index(k) for k in by_rows]],
+                                     world):  # fmt: skip
+            state.dense_by_bytes += 1
+            by_rows = []
     state.calls += 1
     if not by_rows:  # the whole bucket, in place
         dist.all_reduce(buf.div_(world), group=group)
@@ -189,6 +196,21 @@ def _rows_allreduce(
             at += g.numel()
         sent += 2 * (world - 1) * flat.numel() * flat.element_size() // world
     return sent
+
+
+def _rows_pay(grads: list[torch.Tensor], by_rows: list[int], counts: torch.Tensor,
+              world: int) -> bool:  # fmt: skip
+    """Whether the rows' all-gather puts fewer bytes on each rank's link than
+    the ring all-reduce of the same tables: each rank receives every other
+    rank's rows (padded to the largest count, with 8-byte ids), the ring
+    ``2(n-1)/n`` of the tables. Where most rows are touched (a small table, a
+    large batch, many ranks) the ring wins; every rank decides alike, from the
+    gathered counts."""
+    widest: list[int] = counts.max(0).values.tolist()
+    rows: int = sum(w * (grads[k][0].numel() * grads[k].element_size() + 8)
+               for w, k in zip(widest, by_rows, strict=True))  # fmt: skip
+    ring: float = sum(2 * grads[k].numel() * grads[k].element_size() / world for k in by_rows)
+    return rows < ring  # (both sides times n-1)
 
 
 def _promises(
