@@ -272,3 +272,25 @@ def test_bench_sim_runs_each_path_and_the_same_events(
     if "mypyc" not in paths:
         assert main([*args, "--paths", "mypyc", "--out", str(tmp_path / "c")]) == 2
     assert main([*args, "--paths", "pypy", "--out", str(tmp_path / "d")]) == 2
+
+
+def test_library_warnings_are_quiet_unless_verbose(tmp_path: Path) -> None:
+    """In a network namespace every rank's c10d warns that it cannot name its
+    client socket's host, which no user can act on: the CLI's ranks keep
+    quiet (nothing on stderr), and ``--verbose`` lets the warnings through
+    (so this test would see them if the quieting broke)."""
+    import subprocess
+    import sys
+
+    from gradfabric.net import netns
+
+    if not netns.usable():
+        pytest.skip("needs root and network namespaces")
+    args = ["bench", "ddp", "--models", "mlp", "--ranks", "2", "--steps", "2", "--warmup", "1",
+            "--hooks", "default", "--link-gbps", "1", "--json", "--out", str(tmp_path)]  # fmt: skip
+    cli = [sys.executable, "-m", "gradfabric.cli"]
+    quiet = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=300)
+    loud = subprocess.run([*cli, "--verbose", *args], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == loud.returncode == 0, quiet.stderr[-2000:] + loud.stderr[-2000:]
+    assert quiet.stderr.strip() == ""
+    assert "c10d" in loud.stderr
