@@ -279,6 +279,7 @@ def test_library_warnings_are_quiet_unless_verbose(tmp_path: Path) -> None:
     client socket's host, which no user can act on: the CLI's ranks keep
     quiet (nothing on stderr), and ``--verbose`` lets the warnings through
     (so this test would see them if the quieting broke)."""
+    import os
     import subprocess
     import sys
 
@@ -289,8 +290,11 @@ def test_library_warnings_are_quiet_unless_verbose(tmp_path: Path) -> None:
     args = ["bench", "ddp", "--models", "mlp", "--ranks", "2", "--steps", "2", "--warmup", "1",
             "--hooks", "default", "--link-gbps", "1", "--json", "--out", str(tmp_path)]  # fmt: skip
     cli = [sys.executable, "-m", "gradfabric.cli"]
-    quiet = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=300)
-    loud = subprocess.run([*cli, "--verbose", *args], capture_output=True, text=True, timeout=300)
+    # as from a shell: not what an in-process main() of another test set here
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CPP_LOG_LEVEL", "LOGLEVEL")}
+    quiet = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=300, env=env)
+    loud = subprocess.run([*cli, "--verbose", *args], capture_output=True, text=True, timeout=300,
+                          env=env)  # fmt: skip
     assert quiet.returncode == loud.returncode == 0, quiet.stderr[-2000:] + loud.stderr[-2000:]
     assert quiet.stderr.strip() == ""
     assert "c10d" in loud.stderr
