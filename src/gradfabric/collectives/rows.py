@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradfabric.collectives.sparse import ring_bytes
 from gradfabric.net.overlap import Overlapped
 from gradfabric.net.peers import keep_alive, name_the_missing
 
@@ -122,7 +123,7 @@ class RowState(Overlapped):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, rng=torch.Generator().manual_seed(self.calls))
+        self.__dict__.update(state, rng=torch.Generator().manual_seed(state["calls"]))
 
 
 def rows_hook(
@@ -171,30 +172,29 @@ def _rows_allreduce(
         by_rows: list[int] = []
     else:
         counts, by_rows = _promises(state, grads, ids, names, tracked, verify, group)
-        if by_rows and not _rows_pay(grads, by_rows, counts[:, [tracked.index(k) for k in by_rows]],
-                                     world):  # fmt: skip
+        if by_rows and not _rows_pay(grads, by_rows, counts, world):
             state.dense_by_bytes += 1
             by_rows = []
     state.calls += 1
     if not by_rows:  # the whole bucket, in place
         dist.all_reduce(buf.div_(world), group=group)
         state.values_dense += buf.numel()
-        return 2 * (world - 1) * buf.numel() * buf.element_size() // world
+        return ring_bytes(buf, world)
     dense = [g for k, g in enumerate(grads) if k not in by_rows]
     work = None
     if dense:  # one all-reduce of the rest, in flight while the rows are gathered
         flat = torch.cat([g.reshape(-1) for g in dense]).div_(world)
         work = dist.all_reduce(flat, group=group, async_op=True)
         state.values_dense += flat.numel()
-    sent = _gather_rows(state, [grads[k] for k in by_rows], [ids[k] for k in by_rows],
-                        counts[:, [tracked.index(k) for k in by_rows]], group)  # fmt: skip
+    sent = _gather_rows(state, [grads[k] for k in by_rows], [ids[k] for k in by_rows], counts,
+                        group)  # fmt: skip
     if work is not None:
         work.wait()
         at = 0
         for g in dense:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
-        sent += 2 * (world - 1) * flat.numel() * flat.element_size() // world
+        sent += ring_bytes(flat, world)
     return sent
 
 
@@ -222,9 +222,9 @@ def _promises(
     verify: bool,
     group: Any,
 ) -> tuple[torch.Tensor, list[int]]:
-    """Every rank's count of ids per tracked table, and the tables that go by
-    rows: those whose promise no rank found broken (the rest are untracked
-    from now on, alike on every rank)."""
+    """The tables that go by rows, those whose promise no rank found broken
+    (the rest are untracked from now on, alike on every rank), and every
+    rank's count of ids for each of them (a column per table)."""
     world = dist.get_world_size(group)
     mine = torch.zeros(2 * len(tracked), dtype=torch.int64)
     for j, k in enumerate(tracked):
@@ -245,7 +245,8 @@ def _promises(
     broken = torch.stack(every)[:, len(tracked) :].any(0)
     for j in broken.nonzero().flatten().tolist():
         state.untracked.append(names[tracked[j]])
-    return counts, [k for j, k in enumerate(tracked) if not broken[j]]
+    kept = [j for j in range(len(tracked)) if not broken[j]]
+    return counts[:, kept], [tracked[j] for j in kept]
 
 
 def _gather_rows(
