@@ -207,6 +207,7 @@ class Attached(Overlapped):
     timeout_s: float
     calls = 0  # float all-reduces so far (keys the check-in after a failure)
     _group: tuple[Any] | None = None  # the process group of the float all-reduces, once known
+    _summing: int | None = None  # the float all-reduce the switch serves now (its ``calls``)
     replayer: ResumableWorker | None = None  # set: the job survives a daemon restart
     epoch = ""  # the daemon incarnation this client's job state lives in
     refused: str | None = None  # why the job could not be taken back after a restart
@@ -400,7 +401,8 @@ class Attached(Overlapped):
             import torch.distributed as dist
 
             group = self._group[0]
-            roll = Roll("emu", group, dist.get_world_size(group), self.rank, self.calls)
+            call = self.calls if self._summing is None else self._summing
+            roll = Roll("emu", group, dist.get_world_size(group), self.rank, call)
         t = self.ticket
         req = {"op": "missing", "job_id": t.job_id, "token": t.token}
         switch = f"switch {t.switch[0]}:{t.switch[1]}"
@@ -451,10 +453,12 @@ class Attached(Overlapped):
                 "emu", group, world, self.rank, self.calls, self.timeout_s, err
             ) from err
         lost = e.numpy() == NON_FINITE
-        return Agreed(x, block_scales(np.where(lost, 0, e.numpy()), self.ticket.workers), lost)
+        scale = block_scales(np.where(lost, 0, e.numpy()), self.ticket.workers)
+        return Agreed(x, scale, lost, self.calls)
 
     def sum_agreed(self, a: Agreed) -> npt.NDArray[np.float32]:
         """The second half of ``allreduce``: the integer round through the switch."""
+        self._summing = a.call  # (the stage thread may have counted the next one already)
         out = self._sum_floats(a.x, np.where(a.lost, 0.0, a.scale), a.scale)
         if a.lost.any():  # (a lost block's values were encoded as 0 at every rank)
             out[np.repeat(a.lost, self.ticket.values_per_packet)[: len(a.x)]] = np.nan
@@ -728,12 +732,13 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
 @dataclass(frozen=True)
 class Agreed:
     """A float all-reduce between its two rounds: the values (non-finite ones
-    zeroed), each block's agreed scale, and the blocks some rank lost to NaN
-    or inf (their sums read NaN)."""
+    zeroed), each block's agreed scale, the blocks some rank lost to NaN or
+    inf (their sums read NaN), and which call it is."""
 
     x: npt.NDArray[np.float32]
     scale: npt.NDArray[np.float64]
     lost: npt.NDArray[np.bool_]
+    call: int  # its number among the client's float all-reduces (keys the check-in of ``_blame``)
 
 
 class Call:
