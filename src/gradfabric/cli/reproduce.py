@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
         plan_exec,
         planner,
         saatp,
+        saatp_train,
         simspeed,
     )
     from gradfabric.experiments.registry import EXPERIMENTS

@@ -24,9 +24,11 @@ sent). Every worker checks every result against the int64 sum.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -79,37 +81,11 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
             sa = {"lag_packets": cfg.lag_packets, "replicas": cfg.replicas,
                   "iteration_packets": cfg.iteration_packets}  # fmt: skip
         ticket = Ticket.register(sw.control, cfg.workers, help=sa)
-        ctx = mp.get_context("spawn")
-        procs, conns = [], []
-        for w in range(cfg.workers):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(cfg, ticket, w, child), daemon=True)
-            p.start()
-            procs.append(p)
-            conns.append(parent)
-        try:
-            for c in conns:  # every worker said hello
-                if not c.poll(cfg.timeout_s) or c.recv() != "ready":
-                    raise RuntimeError("a worker did not start")
-            for c in conns:
-                c.send("go")
-            recs = []
-            for w, c in enumerate(conns):
-                if not c.poll(cfg.timeout_s * cfg.iterations):
-                    raise TimeoutError(f"worker {w} did not finish")
-                msg = c.recv()
-                if isinstance(msg, str):
-                    raise RuntimeError(msg)
-                recs.append(msg)
-        finally:
-            for p in procs:
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-    # iteration i ends when its last worker has all of its results
-    ends = [max(r["ends"][i] for r in recs) for i in range(cfg.iterations)]
-    starts = min(r["t0"] for r in recs)
-    its = [ends[0] - starts] + [ends[i] - ends[i - 1] for i in range(1, cfg.iterations)]
+        recs = run_hosts(
+            _worker_main, [(cfg, ticket, w) for w in range(cfg.workers)], cfg.timeout_s,
+            cfg.timeout_s * cfg.iterations,
+        )  # fmt: skip
+    its = iteration_times(recs)
     return {
         "help": help,
         "iteration_ms": [x * 1e3 for x in its],
@@ -122,23 +98,76 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
     }
 
 
+def run_hosts(
+    target: Callable[..., None], args: list[tuple[Any, ...]], start_s: float, total_s: float
+) -> list[Any]:
+    """Start one spawned process per ``args`` running ``target(*args, conn)``;
+    once each said "ready", say "go" to all and collect each one's record (a
+    string is an error, raised here naming the worker)."""
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for a in args:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=target, args=(*a, child), daemon=True)
+        p.start()
+        procs.append(p)
+        conns.append(parent)
+    try:
+        for w, c in enumerate(conns):  # every worker said hello
+            if not c.poll(start_s):
+                raise TimeoutError(f"worker {w} did not start within {start_s:g} s")
+            if (msg := c.recv()) != "ready":
+                raise RuntimeError(msg)
+        for c in conns:
+            c.send("go")
+        recs = []
+        for w, c in enumerate(conns):
+            if not c.poll(total_s):
+                raise TimeoutError(f"worker {w} did not finish within {total_s:g} s")
+            msg = c.recv()
+            if isinstance(msg, str):
+                raise RuntimeError(msg)
+            recs.append(msg)
+        return recs
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def iteration_times(recs: list[dict[str, Any]]) -> list[float]:
+    """Seconds per iteration: iteration i ends when its last worker has all of its results."""
+    ends = [max(r["ends"][i] for r in recs) for i in range(len(recs[0]["ends"]))]
+    starts = min(r["t0"] for r in recs)
+    return [ends[0] - starts] + [ends[i] - ends[i - 1] for i in range(1, len(ends))]
+
+
 def _worker_main(cfg: SaatpEmuConfig, ticket: Ticket, rank: int, conn: Connection) -> None:
     try:
-        conn.send(asyncio.run(_Worker(cfg, ticket, rank, conn).run()))
+        conn.send(asyncio.run(_Sleeper(cfg, ticket, rank, conn).run()))
     except Exception as e:  # reported to the parent, never a hang
         conn.send(f"worker {rank}: {e!r}")
 
 
-class _Worker:
-    def __init__(self, cfg: SaatpEmuConfig, ticket: Ticket, rank: int, conn: Connection) -> None:
-        self.cfg, self.ticket, self.rank, self.conn = cfg, ticket, rank, conn
-        t = ticket
-        own = scheme_worker(t, rank, cfg.timeout_s, takes_help=True)
+class HelpedWorker:
+    """One SA-ATP host's iterations: its own share pushed when computed, a
+    straggler's share computed from the replica and pushed through a shadow
+    stream when the switch asks. What a share *is* (a sleep and seeded ints,
+    or a real backward pass) is the subclass's: ``own_share``,
+    ``other_share``, ``finish`` and ``report``."""
+
+    def __init__(
+        self, ticket: Ticket, rank: int, conn: Connection, iterations: int, packets: int,
+        timeout_s: float,
+    ) -> None:  # fmt: skip
+        self.ticket, self.rank, self.conn, self.timeout_s = ticket, rank, conn, timeout_s
+        own = scheme_worker(ticket, rank, timeout_s, takes_help=True)
         assert isinstance(own, WorkerEngine)
         self.host = HostEngine(own)
-        self.P, self.vpp = cfg.iteration_packets, t.values_per_packet
-        self.got = [0] * cfg.iterations  # results in, per iteration
-        self.sums = [np.zeros(self.P * self.vpp, dtype=np.int64) for _ in range(cfg.iterations)]
+        self.iterations, self.P, self.vpp = iterations, packets, ticket.values_per_packet
+        self.got = [0] * iterations  # results in, per iteration
+        self.sums = [np.zeros(self.P * self.vpp, dtype=np.int64) for _ in range(iterations)]
         self.done: list[asyncio.Event] = []
         self.computed: list[asyncio.Event] = []
         self.current = 0
@@ -146,13 +175,30 @@ class _Worker:
         self.helps = 0
         self.abandoned = 0
 
-    def speed(self, worker: int) -> float:
-        return self.cfg.slowdown if worker == self.cfg.straggler else 1.0
+    async def own_share(self, it: int) -> np.ndarray | None:
+        """This host's int32 share of iteration ``it`` (``P * vpp`` values), or
+        None when the iteration completed (helped through) before it was ready."""
+        raise NotImplementedError
+
+    async def other_share(self, it: int, straggler: int) -> np.ndarray | None:
+        """``straggler``'s share of ``it``, computed from the replica at this
+        host's speed; None when the iteration completed meanwhile."""
+        raise NotImplementedError
+
+    async def finish(self, it: int) -> None:
+        """Iteration ``it``'s sum is in ``self.sums[it]``: apply it."""
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+    def until_done(self, it: int, seconds: float) -> Awaitable[bool]:
+        """Wait up to ``seconds``; True if iteration ``it`` completed meanwhile."""
+        return _within(self.done[it], seconds)
 
     async def run(self) -> dict[str, Any]:
-        cfg, t = self.cfg, self.ticket
-        self.done = [asyncio.Event() for _ in range(cfg.iterations)]
-        self.computed = [asyncio.Event() for _ in range(cfg.iterations)]
+        t = self.ticket
+        self.done = [asyncio.Event() for _ in range(self.iterations)]
+        self.computed = [asyncio.Event() for _ in range(self.iterations)]
         transport, self.proto = await open_engine(
             self.host, {SWITCH: t.switch}, ("127.0.0.1", 0), self._deliver,
             bytes.fromhex(t.token), self._on_help,
@@ -165,28 +211,26 @@ class _Worker:
         await loop.run_in_executor(None, self.conn.recv)  # "go"
         t0 = time.monotonic()
         ends = []
-        for it in range(cfg.iterations):
+        for it in range(self.iterations):
             self.current = it
-            compute = cfg.compute_ms / 1e3 * self.speed(self.rank)
-            done = asyncio.create_task(self.done[it].wait())
-            finished, _ = await asyncio.wait({done}, timeout=compute)
-            if finished:  # helped through: drop this compute, skip its sequences
+            g = await self.own_share(it)
+            if g is None:  # helped through: this compute dropped, its sequences skipped
                 self.abandoned += 1
             else:
                 self.computed[it].set()
-                g = gradient(cfg.seed, it, self.rank, self.P * self.vpp)
                 now = time.monotonic_ns()
                 self.proto.execute(self.host.own.push(len(g), now, g, at_seq=it * self.P))
-                await asyncio.wait_for(done, cfg.timeout_s)
+                await asyncio.wait_for(self.done[it].wait(), self.timeout_s)
             self.computed[it].set()
+            await self.finish(it)
             ends.append(time.monotonic())
         transport.close()
         return {"t0": t0, "ends": ends, "helps": self.helps, "abandoned": self.abandoned,
-                "exact": self._check()}  # fmt: skip
+                "counters": dict(self.host.counters)} | self.report()  # fmt: skip
 
     def _deliver(self, d: Deliver) -> None:
         it, k = divmod(d.seq, self.P)
-        if d.pkt.payload is not None and it < self.cfg.iterations:
+        if d.pkt.payload is not None and it < self.iterations:
             self.sums[it][k * self.vpp : k * self.vpp + d.pkt.count] = d.pkt.payload
             self.got[it] += 1
             if self.got[it] == self.P:
@@ -200,13 +244,15 @@ class _Worker:
         asyncio.get_running_loop().create_task(self._help(req.straggler, it, req.from_seq))
 
     async def _help(self, s: int, it: int, from_seq: int) -> None:
-        """Compute ``s``'s gradient from the replica once our own is done, and send
+        """Compute ``s``'s share from the replica once our own is done, and send
         what is still missing through the shadow stream."""
         try:
             await self.computed[it].wait()
             if self.done[it].is_set():
                 return
-            await asyncio.sleep(self.cfg.compute_ms / 1e3 * self.speed(self.rank))
+            full = await self.other_share(it, s)
+            if full is None:
+                return
             shadow = self.host.shadow(s)
             start = max(from_seq, self.host.own.base, it * self.P)
             end = (it + 1) * self.P
@@ -214,12 +260,43 @@ class _Worker:
             if self.done[it].is_set() or start >= end or busy:
                 return
             shadow.skip_to(start)
-            skip = (start - it * self.P) * self.vpp  # what has its result already
-            g = gradient(self.cfg.seed, it, s, self.P * self.vpp)[skip:]
+            g = full[(start - it * self.P) * self.vpp :]  # what has no result yet
             self.helps += 1
             self.proto.execute(shadow.push(len(g), time.monotonic_ns(), g, at_seq=start))
         finally:
             self.helping = False
+
+
+async def _within(event: asyncio.Event, seconds: float) -> bool:
+    if seconds > 0 and not event.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)
+    return event.is_set()
+
+
+class _Sleeper(HelpedWorker):
+    """Compute is a sleep, a share seeded ints: every sum has an exact reference."""
+
+    def __init__(self, cfg: SaatpEmuConfig, ticket: Ticket, rank: int, conn: Connection) -> None:
+        super().__init__(ticket, rank, conn, cfg.iterations, cfg.iteration_packets, cfg.timeout_s)
+        self.cfg = cfg
+
+    def compute_s(self, worker: int) -> float:
+        slow = self.cfg.slowdown if worker == self.cfg.straggler else 1.0
+        return self.cfg.compute_ms / 1e3 * slow
+
+    async def own_share(self, it: int) -> np.ndarray | None:
+        if await self.until_done(it, self.compute_s(self.rank)):
+            return None
+        return gradient(self.cfg.seed, it, self.rank, self.P * self.vpp)
+
+    async def other_share(self, it: int, straggler: int) -> np.ndarray | None:
+        if await self.until_done(it, self.compute_s(self.rank)):
+            return None
+        return gradient(self.cfg.seed, it, straggler, self.P * self.vpp)
+
+    def report(self) -> dict[str, Any]:
+        return {"exact": self._check()}
 
     def _check(self) -> bool:
         """Every iteration's result equals the int64 sum of every worker's gradient."""

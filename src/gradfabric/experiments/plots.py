@@ -30,18 +30,22 @@ def grouped_bars(
     ylabel: str,
     title: str,
     path: Path,
+    err: str | None = None,
 ) -> Path:
+    """Bars of ``value`` per ``group`` and ``series``; with ``err``, each bar's
+    95% interval half-width from that key, drawn as an error bar."""
     groups = list(dict.fromkeys(r[group] for r in rows))
     names = list(dict.fromkeys(r[series] for r in rows))
     width = 0.8 / max(1, len(names))
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, name in enumerate(names):
-        ys = [
-            next((r[value] for r in rows if r[group] == g and r[series] == name), 0.0)
-            for g in groups
+        cell = [
+            next((r for r in rows if r[group] == g and r[series] == name), None) for g in groups
         ]
+        ys = [r[value] if r else 0.0 for r in cell]
+        yerr = [r[err] if r else 0.0 for r in cell] if err else None
         xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, ys, width, label=name)
+        ax.bar(xs, ys, width, label=name, yerr=yerr, capsize=3 if err else 0)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
