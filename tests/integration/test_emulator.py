@@ -845,7 +845,8 @@ def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> N
     helpers send the slow rank's gradients, and the loss curve and weights
     equal the in-process replay of the same fixed-point steps bit for bit;
     gloo's float all-reduce and speed-proportional shares (which re-balance
-    from measured speeds) train the same global batch to the same losses."""
+    from measured speeds) train the same global batch to the same losses;
+    backup workers' server leaves the slow rank's gradient out of every step."""
     from gradfabric.emu.saatp_train import SaatpTrainConfig, reference, run_mode
 
     cfg = SaatpTrainConfig(steps=5, move_every=2, compute_ms=30.0)
@@ -861,3 +862,6 @@ def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> N
     shares = r["shares"]  # the last step's, measured on the one before (slow rank 1 + 3 // 2)
     fast = [s for w, s in enumerate(shares) if w != 2]
     assert abs(shares[2] * cfg.slowdown / (sum(fast) / len(fast)) - 1) < 0.2, shares
+    backup = run_mode(cfg, "backup")  # the server steps on the first n - 1 gradients
+    assert backup["replicas_agree"] and backup["dropped"] == cfg.steps
+    assert all(cfg.straggler_at(t) not in used for t, used in enumerate(backup["used"]))

@@ -35,6 +35,14 @@ def test_random_models_are_seeded_and_at_least_one() -> None:
     assert set(np.unique(bursts)) == {1.0, 3.0}
 
 
+def test_moving_slows_one_worker_at_a_time_in_turn() -> None:
+    f = factors(StragglerConfig(model="moving", workers=(3,), slowdown=4, move_every=2), 6, 4, 0)
+    assert [int(np.argmax(row)) for row in f] == [3, 3, 0, 0, 1, 1]
+    assert np.all(np.sort(f, axis=1)[:, :-1] == 1.0) and np.all(f.max(axis=1) == 4.0)
+    with pytest.raises(ConfigError, match="move_every"):
+        factors(StragglerConfig(model="moving", workers=(0,), move_every=0), 2, 4, seed=0)
+
+
 def test_trace_file(tmp_path: Path) -> None:
     p = tmp_path / "trace.csv"
     p.write_text("0,1,2.0\n2,0,4\n9,9,9\n")
@@ -64,6 +72,18 @@ def test_compute_and_nic_slowdowns_stretch_the_iteration() -> None:
     nic = StragglerConfig(model="fixed", workers=(2,), slowdown=50.0, nic=True)
     net = run_training(TrainingConfig(scheme="atp", stragglers=nic, **base))  # type: ignore[arg-type]
     assert net.mean_iteration_ms > 1.2 * calm.mean_iteration_ms
+
+
+def test_a_given_compute_time_replaces_the_devices() -> None:
+    """``compute_ms`` (an emulated device's deadline) sets the iteration's
+    compute; one 4x-slower worker stretches it 4x (communication here is
+    microseconds: 4 workers, 200 KB, 100 Gbit/s)."""
+    base = dict(model="mlp", batch=32, iterations=3, workers=4, compute_ms=40.0)
+    calm = run_training(TrainingConfig(scheme="ring", **base))  # type: ignore[arg-type]
+    assert calm.mean_iteration_ms == pytest.approx(40.0, rel=0.02)
+    slow = StragglerConfig(model="fixed", workers=(1,), slowdown=4.0)
+    late = run_training(TrainingConfig(scheme="ring", stragglers=slow, **base))  # type: ignore[arg-type]
+    assert late.mean_iteration_ms == pytest.approx(160.0, rel=0.02)
 
 
 def test_fixed_point_scale_leaves_headroom_and_counts_what_it_clips() -> None:

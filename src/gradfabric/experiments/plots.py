@@ -31,9 +31,11 @@ def grouped_bars(
     title: str,
     path: Path,
     err: str | None = None,
+    mark: str | None = None,
 ) -> Path:
     """Bars of ``value`` per ``group`` and ``series``; with ``err``, each bar's
-    95% interval half-width from that key, drawn as an error bar."""
+    95% interval half-width from that key, drawn as an error bar; with
+    ``mark``, that key's value (a prediction) as a black tick on each bar."""
     groups = list(dict.fromkeys(r[group] for r in rows))
     names = list(dict.fromkeys(r[series] for r in rows))
     width = 0.8 / max(1, len(names))
@@ -46,16 +48,17 @@ def grouped_bars(
         yerr = [r[err] if r else 0.0 for r in cell] if err else None
         xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, ys, width, label=name, yerr=yerr, capsize=3 if err else 0)
+        if mark:
+            marks = [r[mark] if r else float("nan") for r in cell]
+            ax.plot(xs, marks, "k_", ms=width * 60, mew=2, label=mark if i == 0 else None)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    top = max((r[value] for r in rows), default=0.0)
-    if top > 0:  # room above the bars for the legend
-        ax.set_ylim(0, top * 1.25)
-    ax.legend(ncol=min(3, len(names)))
+    ax.set_ylim(bottom=0)  # ratios are read off bars: from zero
+    # below the axes, where it hides no bar however many series there are
+    ax.legend(ncol=min(3, len(names)), loc="upper center", bbox_to_anchor=(0.5, -0.1))
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -35,6 +35,7 @@ class StragglerConfig:
     burst_iterations: int = 2
     nic: bool = False
     trace_file: str = ""
+    move_every: int = 2  # "moving": the slow worker changes every this many iterations
 
     def __post_init__(self) -> None:
         MODELS.get(self.model)
@@ -64,6 +65,20 @@ def _fixed(
         if not 0 <= w < workers:
             raise ConfigError("stragglers.workers", f"worker {w} outside 0..{workers - 1}")
         f[:, w] = cfg.slowdown
+    return f
+
+
+@MODELS.register("moving")
+def _moving(
+    cfg: StragglerConfig, iterations: int, workers: int, rng: np.random.Generator
+) -> Factors:
+    """One worker slowed at a time: ``workers[0]`` first, then the next one
+    every ``move_every`` iterations (transient contention moving around)."""
+    if cfg.move_every < 1 or not cfg.workers:
+        raise ConfigError("stragglers.move_every", "need move_every >= 1 and a first worker")
+    f = np.ones((iterations, workers))
+    for it in range(iterations):
+        f[it, (cfg.workers[0] + it // cfg.move_every) % workers] = cfg.slowdown
     return f
 
 

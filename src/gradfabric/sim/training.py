@@ -93,6 +93,9 @@ class TrainingConfig:
     # (2 Gbit/s: about 2,300 ImageNet images/s on the helper's host)
     load_gbps: float = 2.0
     takeover: str = "all"
+    # an iteration's forward and backward on a speed-1 device, in ms, where it
+    # is known (an emulated device's deadline); 0: from the device and FLOPs
+    compute_ms: float = 0.0
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     help: HelpConfig = field(default_factory=HelpConfig)
     fabric: FabricConfig = field(default_factory=FabricConfig)
@@ -105,8 +108,8 @@ class TrainingConfig:
         device(self.device)
         if self.iterations < 1 or self.workers < 1:
             raise ConfigError("iterations", "iterations and workers must be >= 1")
-        if self.load_gbps <= 0:
-            raise ConfigError("load_gbps", f"must be > 0, got {self.load_gbps}")
+        if self.load_gbps <= 0 or self.compute_ms < 0:
+            raise ConfigError("load_gbps", "load_gbps > 0 and compute_ms >= 0")
 
 
 @dataclass
@@ -149,6 +152,8 @@ class _Trainer:
         spec = model_spec(cfg.model)
         self.dev = device(cfg.device)
         self.tl = timeline(spec, cfg.batch, self.dev, cfg.bucket_mb)
+        if cfg.compute_ms:
+            self.tl = self.tl.scaled(round(cfg.compute_ms * 1e6))
         self.J = len(self.tl.buckets)
         self.offsets = [b.ready_ns for b in self.tl.buckets]  # from the iteration's start
         buckets = [Bucket(0, b.values) for _ in range(cfg.iterations) for b in self.tl.buckets]

@@ -62,6 +62,13 @@ class Timeline:
     def compute_ns(self) -> int:
         return self.forward_ns + self.backward_ns
 
+    def scaled(self, compute_ns: int) -> Timeline:
+        """The same schedule stretched (or shrunk) to take ``compute_ns``."""
+        f = compute_ns / self.compute_ns
+        fwd = round(self.forward_ns * f)
+        buckets = tuple(GradBucket(round(b.ready_ns * f), b.values) for b in self.buckets)
+        return Timeline(fwd, compute_ns - fwd, buckets)
+
 
 def timeline(
     model: ModelSpec,
