@@ -552,6 +552,22 @@ def test_saatp_over_udp_helps_the_straggler_and_stays_exact() -> None:
     assert plain["exact"] and plain["helps_sent"] == 0 and "rx_help" not in plain["switch"]
 
 
+def test_a_helper_that_dies_mid_help_is_named_and_the_job_stops_cleanly() -> None:
+    """A helper's process exits while helping the slow rank: the run fails
+    at once naming that rank (not after the others' timeouts), and no
+    process is left behind."""
+    import multiprocessing as mp
+
+    from gradfabric.emu.saatp_train import SaatpTrainConfig, run_mode
+
+    cfg = SaatpTrainConfig(steps=6, compute_ms=30.0, kill_helper_at=2, timeout_s=60.0)
+    with pytest.raises(
+        RuntimeError, match=r"worker [23] died \(exit code 17\) before it could finish"
+    ):
+        run_mode(cfg, "saatp")
+    assert not [p for p in mp.active_children() if p.name.startswith("ForkServerProcess")]
+
+
 def test_dlcp_over_udp_completes_within_its_bounds_under_congestion() -> None:
     """Workers push through the switch's congested priority port (a background
     job loads it): reliable mode is exact; DLCP zero-fills no more than its

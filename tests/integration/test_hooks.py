@@ -455,8 +455,8 @@ def _auto_rank(rank: int, world: int, compiled: bool, out: str) -> None:
 def test_auto_hook_takes_sparse_for_sparse_buckets_and_decides_alike_everywhere() -> None:
     """An embedding of 200,000 x 16 (a batch touches <= 128 rows: under 1% of
     its blocks) and dense layers in their own buckets: the embedding's bucket
-    goes sparse, the dense buckets dense, every rank logs the same paths, and
-    the state pickles without its thread."""
+    goes sparse, the dense buckets never cost more bytes than the ring, every
+    rank logs the same paths, and the state pickles without its thread."""
     compiled = why_not() is None  # then also with the dense calls in C++
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_auto_rank, 2, (compiled, tmp))
@@ -475,8 +475,12 @@ def test_auto_hook_takes_sparse_for_sparse_buckets_and_decides_alike_everywhere(
         calls = s0[emb]["paths"]  # (a dense call is an exploration: it saves nothing)
         share = calls["sparse"] / sum(calls.values())
         assert s0[emb]["saved_bytes"] > 0.95 * share * s0[emb]["bytes_dense"]
+        # A dense bucket's sparse exchange moves exactly the ring's bytes at 2
+        # ranks (each rank's every block to the other), so there the measured
+        # times pick, and either path is right; neither may cost more bytes.
         dense = [k for k in s0 if k != emb]
-        assert dense and all(s0[k]["paths"].get("dense", 0) >= 8 for k in dense)
+        assert dense and all(set(s0[k]["paths"]) <= {"dense", "sparse"} for k in dense), runs0
+        assert all(s0[k]["saved_bytes"] >= 0 for k in dense), runs0
         assert comm0 is None and c0 == runs0[-1]  # the last run's state, pickled
 
 

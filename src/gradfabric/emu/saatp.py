@@ -30,7 +30,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
@@ -117,27 +117,51 @@ def run_hosts(
         procs.append(p)
         conns.append(parent)
     try:
-        for w, c in enumerate(conns):  # every worker said hello
-            if not c.poll(start_s):
-                raise TimeoutError(f"worker {w} did not start within {start_s:g} s")
-            if (msg := c.recv()) != "ready":
+        for msg in _collect(conns, procs, start_s, "start"):  # every worker said hello
+            if msg != "ready":
                 raise RuntimeError(msg)
         for c in conns:
             c.send("go")
-        recs = []
-        for w, c in enumerate(conns):
-            if not c.poll(total_s):
-                raise TimeoutError(f"worker {w} did not finish within {total_s:g} s")
-            msg = c.recv()
-            if isinstance(msg, str):
-                raise RuntimeError(msg)
-            recs.append(msg)
+        recs = _collect(conns, procs, total_s, "finish")
         return recs
-    finally:
+    finally:  # after a failure the others are stuck on the lost peer: stop them now
         for p in procs:
-            p.join(5)
+            if "recs" in locals():
+                p.join(5)
             if p.is_alive():
                 p.kill()
+                p.join(5)
+
+
+def _collect(conns: list[Connection], procs: list[Any], seconds: float, what: str) -> list[Any]:
+    """One message from each worker within ``seconds``. A worker that exits
+    without one is named at once (a killed helper must not cost the others'
+    timeouts); an error string it sent is raised as it is."""
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + seconds
+    while len(got) < len(conns):
+        waiting = [w for w in range(len(conns)) if w not in got]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"worker(s) {waiting} did not {what} within {seconds:g} s")
+        ready = set(wait([conns[w] for w in waiting] + [procs[w].sentinel for w in waiting], left))
+        for w in waiting:
+            if conns[w] in ready or conns[w].poll():
+                try:
+                    msg = conns[w].recv()
+                except EOFError:
+                    msg = None
+                if isinstance(msg, str) and msg != "ready":
+                    raise RuntimeError(msg)
+                if msg is not None:
+                    got[w] = msg
+                    continue
+            if procs[w].sentinel in ready or not procs[w].is_alive():
+                procs[w].join(1)
+                raise RuntimeError(
+                    f"worker {w} died (exit code {procs[w].exitcode}) before it could {what}"
+                )
+    return [got[w] for w in range(len(conns))]
 
 
 def iteration_times(recs: list[dict[str, Any]]) -> list[float]:

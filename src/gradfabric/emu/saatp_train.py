@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 import queue
 import statistics
 import tempfile
@@ -84,6 +85,8 @@ class SaatpTrainConfig:
     lr: float = 0.3
     seed: int = 0
     timeout_s: float = 60.0
+    # a fault to inject: the first helper asked at or after this step dies (exit 17)
+    kill_helper_at: int = -1
 
     def __post_init__(self) -> None:
         if self.workers < 3 or not 0 <= self.straggler < self.workers:
@@ -264,6 +267,8 @@ class _Trainer(HelpedWorker):
         return None if await self.until_done(it, deadline - time.monotonic()) else q
 
     async def other_share(self, it: int, straggler: int) -> np.ndarray | None:
+        if 0 <= self.cfg.kill_helper_at <= it:
+            os._exit(17)  # a helper host lost mid-help, without a word
         q, _, deadline = await self._compute(it, straggler)
         return None if await self.until_done(it, deadline - time.monotonic()) else q
 
