@@ -558,14 +558,25 @@ def test_a_helper_that_dies_mid_help_is_named_and_the_job_stops_cleanly() -> Non
     process is left behind."""
     import multiprocessing as mp
 
-    from gradfabric.emu.saatp_train import SaatpTrainConfig, run_mode
+    from gradfabric.emu.saatp_train import SaatpTrainConfig, run_switch
 
     cfg = SaatpTrainConfig(steps=6, compute_ms=30.0, kill_helper_at=2, timeout_s=60.0)
     with pytest.raises(
         RuntimeError, match=r"worker [23] died \(exit code 17\) before it could finish"
     ):
-        run_mode(cfg, "saatp")
+        run_switch(cfg, help=True)
     assert not [p for p in mp.active_children() if p.name.startswith("ForkServerProcess")]
+
+
+def test_real_jobs_share_a_scarce_esa_pool_exactly_with_preemptions() -> None:
+    """Three training jobs of a seeded trace (they overlap) share a daemon
+    whose 40 aggregators cannot hold two windows of 32: ESA preempts, and
+    every job's loss curve and weights equal its solo replay bit for bit."""
+    from gradfabric.emu.esa_train import EsaTrainConfig, run_trace
+
+    r = run_trace(EsaTrainConfig(seed=0, pool_slots=40), "esa")
+    assert [j["exact"] for j in r["jobs"]] == [True] * 3 and r["counters"]["preemptions"] > 0
+    assert all(j["clipped"] == 0 and j["jct_s"] > 0 for j in r["jobs"])
 
 
 def test_dlcp_over_udp_completes_within_its_bounds_under_congestion() -> None:
@@ -863,7 +874,9 @@ def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> N
     gloo's float all-reduce and speed-proportional shares (which re-balance
     from measured speeds) train the same global batch to the same losses;
     backup workers' server leaves the slow rank's gradient out of every step."""
-    from gradfabric.emu.saatp_train import SaatpTrainConfig, reference, run_mode
+    from gradfabric.emu.job import reference
+    from gradfabric.emu.saatp_train import SaatpTrainConfig
+    from gradfabric.experiments.saatp_train import run_mode
 
     cfg = SaatpTrainConfig(steps=5, move_every=2, compute_ms=30.0)
     ref = reference(cfg)

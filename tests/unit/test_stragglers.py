@@ -96,7 +96,7 @@ def test_fixed_point_scale_leaves_headroom_and_counts_what_it_clips() -> None:
     import numpy as np
     import torch
 
-    from gradfabric.emu.saatp_train import HEADROOM, mean_of, next_scale, quantise
+    from gradfabric.emu.job import HEADROOM, mean_of, next_scale, quantise
 
     n = 4
     scale = next_scale(0.37, n)

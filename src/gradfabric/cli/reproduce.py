@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
         dlcp,
         emulator,
         esa,
+        esa_train,
         granularity,
         omnireduce,
         plan_exec,

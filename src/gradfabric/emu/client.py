@@ -551,6 +551,15 @@ class InaClient(Attached):
         """Which datapath serves this client's calls."""
         return datapath.PATH if self.fast is not None else "python"
 
+    def set_priority(self, priority: int) -> None:
+        """The header priority of this client's next calls (ESA's preemption
+        compares it), on whichever datapath serves them."""
+        if not 0 <= priority <= 255:
+            raise ConfigError("priority", f"must be in 0..255, got {priority}")
+        self.priority = priority
+        if self.fast is not None:
+            self.fast.priority = self.fast.w.priority = priority
+
     def allreduce_ints(
         self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64] | None = None
     ) -> npt.NDArray[np.int64]:

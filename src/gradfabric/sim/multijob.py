@@ -66,6 +66,9 @@ class TenancyConfig:
     device: str = "v100"
     bucket_mb: float = 25.0
     trace_file: str = ""
+    # an iteration's forward and backward in ms where it is known (an emulated
+    # device's deadline); 0: from the device and the model's FLOPs
+    compute_ms: float = 0.0
     seed: int = 0
     # ATP's fallback parameter server: sharded by sequence over this many PS
     # hosts per job (0: one per worker, as ATP deploys it, BytePS style; 1: a
@@ -83,8 +86,8 @@ class TenancyConfig:
     def __post_init__(self) -> None:
         if self.ps_shards < 0 or self.ps_merge_gbps <= 0:
             raise ConfigError("ps_shards", "ps_shards must be >= 0 and ps_merge_gbps > 0")
-        if self.iteration_jitter_us < 0 or self.packet_jitter_ns < 0:
-            raise ConfigError("iteration_jitter_us", "jitter must be >= 0")
+        if self.iteration_jitter_us < 0 or self.packet_jitter_ns < 0 or self.compute_ms < 0:
+            raise ConfigError("iteration_jitter_us", "jitter and compute_ms must be >= 0")
         if self.scheme not in TENANCY_SCHEMES:
             raise ConfigError(
                 "scheme", f"unknown {self.scheme!r}; valid: {', '.join(TENANCY_SCHEMES)}"
@@ -166,6 +169,8 @@ class _Job:
     def __init__(self, spec: JobSpec, cfg: TenancyConfig, values: bool) -> None:
         self.spec = spec
         self.tl = timeline(model_spec(spec.model), cfg.batch, device(cfg.device), cfg.bucket_mb)
+        if cfg.compute_ms:
+            self.tl = self.tl.scaled(round(cfg.compute_ms * 1e6))
         self.J = len(self.tl.buckets)
         vpp = cfg.ina.values_per_sim_packet
         counts = [b.values for b in self.tl.buckets] * spec.iterations
