@@ -163,7 +163,8 @@ def esa_train(args: argparse.Namespace) -> int:
         {"setting": r["setting"], "pool": r["pool_slots"], "policy": "ESA over ATP",
          "mean JCT ms": f"{r['mean_jct_speedup']:.2f}x ± {r['mean_jct_speedup_half']:.2f}",
          "p99 JCT ms": f"{r['p99_jct_speedup']:.2f}x ± {r['p99_jct_speedup_half']:.2f}",
-         "sim mean ms": f"{r['sim_mean_jct_speedup']:.2f}x"}
+         "sim mean ms": f"{r['sim_mean_jct_speedup']:.2f}x", "preemptions": "",
+         "PS fallbacks": "", "exact": ""}
         for r in res["rows"]
     ]  # fmt: skip
     dest = report(
