@@ -28,20 +28,7 @@ import torch
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import InaClient, Ticket
-from gradfabric.emu.job import (
-    FIRST_MAX,
-    apply,
-    data,
-    fingerprint,
-    gradient,
-    mean_of,
-    model,
-    next_scale,
-    optimizer,
-    quantise,
-    reference,
-    shard_batch,
-)
+from gradfabric.emu.job import Replica, data, fingerprint, reference
 from gradfabric.emu.saatp import run_hosts
 from gradfabric.proto.priority import srpt_aging
 
@@ -95,29 +82,24 @@ def _worker(job: EsaJob, ticket: Ticket, rank: int, conn: Connection) -> None:
     try:
         torch.set_num_threads(1)
         data()
-        net, n = model(job), job.workers
-        opt = optimizer(job, net)
-        params = sum(p.numel() for p in net.parameters())
+        replica = Replica(job)
         client = InaClient(ticket, rank, timeout_s=60.0)
-        scale, clipped, losses = next_scale(FIRST_MAX, n), 0, []
+        losses = []
         conn.send("ready")
         conn.recv()
         t0 = time.monotonic()
         for step in range(job.steps):
             began = time.monotonic()
-            g, loss = gradient(net, shard_batch(job, step, rank))
+            q, loss = replica.share(step, rank)
             time.sleep(max(0.0, began + job.compute_ms / 1e3 - time.monotonic()))
-            q, c = quantise(g, scale, n, params)
-            left = (job.steps - step) * params * 4
+            left = (job.steps - step) * replica.params * 4
             client.set_priority(srpt_aging(left, time.monotonic() - t0, AGING_S))
-            mean = mean_of(client.allreduce_ints(q), scale, n, params)
-            apply(net, opt, mean)
-            scale, clipped = next_scale(float(mean.abs().max()), n), clipped + c
+            replica.step(client.allreduce_ints(q))
             losses.append(loss)
         end = time.monotonic()
         client.close()
-        conn.send({"t0": t0, "end": end, "losses": losses, "weights": fingerprint(net),
-                   "clipped": clipped})  # fmt: skip
+        conn.send({"t0": t0, "end": end, "losses": losses,
+                   "weights": fingerprint(replica.net), "clipped": replica.clipped})  # fmt: skip
     except Exception as e:  # reported to the parent, never a hang
         conn.send(f"job {job.seed} rank {rank}: {e!r}")
 

@@ -137,20 +137,43 @@ def reference(cfg: Job) -> dict[str, Any]:
         torch.set_num_threads(threads)
 
 
+class Replica:
+    """One worker's copy of the job: its model, optimizer and the agreed
+    scale. ``share`` computes a shard's int32 share at this step's scale,
+    ``step`` applies a step's int64 sum and derives the next scale."""
+
+    def __init__(self, cfg: Job, values: int = 0) -> None:
+        """``values``: a share's length (padded past the parameters; 0: none)."""
+        self.cfg, self.net = cfg, model(cfg)
+        self.opt = optimizer(cfg, self.net)
+        self.params = sum(p.numel() for p in self.net.parameters())
+        self.values = max(values, self.params)
+        self.scale = next_scale(FIRST_MAX, cfg.workers)
+        self.clipped = 0
+
+    def share(self, step: int, shard: int) -> tuple[np.ndarray, float]:
+        """Shard ``shard``'s int32 share of ``step`` and its micro-batch loss."""
+        g, loss = gradient(self.net, shard_batch(self.cfg, step, shard))
+        q, clipped = quantise(g, self.scale, self.cfg.workers, self.values)
+        self.clipped += clipped
+        return q, loss
+
+    def step(self, total: np.ndarray) -> None:
+        """Apply the step whose shares summed to ``total``."""
+        mean = mean_of(total, self.scale, self.cfg.workers, self.params)
+        apply(self.net, self.opt, mean)
+        self.scale = next_scale(float(mean.abs().max()), self.cfg.workers)
+
+
 def _replay(cfg: Job) -> dict[str, Any]:
-    net = model(cfg)
-    opt = optimizer(cfg, net)
-    n, params = cfg.workers, sum(p.numel() for p in net.parameters())
-    scale, losses = next_scale(FIRST_MAX, n), []
+    one, losses = Replica(cfg), []
     for step in range(cfg.steps):
-        total = np.zeros(params, dtype=np.int64)
+        total = np.zeros(one.params, dtype=np.int64)
         step_losses = []
-        for s in range(n):
-            g, loss = gradient(net, shard_batch(cfg, step, s))
-            total += quantise(g, scale, n, params)[0]
+        for s in range(cfg.workers):
+            q, loss = one.share(step, s)
+            total += q
             step_losses.append(loss)
-        losses.append(sum(step_losses) / n)
-        mean = mean_of(total, scale, n, params)
-        apply(net, opt, mean)
-        scale = next_scale(float(mean.abs().max()), n)
-    return {"loss": losses, "weights": fingerprint(net), "accuracy": accuracy(net)}
+        losses.append(sum(step_losses) / cfg.workers)
+        one.step(total)
+    return {"loss": losses, "weights": fingerprint(one.net), "accuracy": accuracy(one.net)}

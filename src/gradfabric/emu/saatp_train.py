@@ -39,20 +39,7 @@ import torch
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import Ticket
-from gradfabric.emu.job import (
-    FIRST_MAX,
-    accuracy,
-    apply,
-    data,
-    fingerprint,
-    gradient,
-    mean_of,
-    model,
-    next_scale,
-    optimizer,
-    quantise,
-    shard_batch,
-)
+from gradfabric.emu.job import Replica, accuracy, data, fingerprint, model
 from gradfabric.emu.saatp import HelpedWorker, run_hosts
 from gradfabric.proto.switch.straggler import holders
 
@@ -105,33 +92,27 @@ class _Trainer(HelpedWorker):
     def __init__(self, cfg: SaatpTrainConfig, ticket: Ticket, rank: int, conn: Connection) -> None:
         torch.set_num_threads(1)
         data()
-        self.cfg, self.net = cfg, model(cfg)
-        self.opt = optimizer(cfg, self.net)
-        self.params = sum(p.numel() for p in self.net.parameters())
-        packets = -(-self.params // ticket.values_per_packet)
+        self.cfg, self.replica = cfg, Replica(cfg)
+        packets = -(-self.replica.params // ticket.values_per_packet)
         super().__init__(ticket, rank, conn, cfg.steps, packets, cfg.timeout_s)
+        self.replica.values = self.P * self.vpp
         # the shards this rank can compute: its own and those it holds replicas of
         self.shards = {rank} | {
             s for s in range(cfg.workers) if rank in holders(s, cfg.workers, cfg.replicas)
         }
         self.pool = ThreadPoolExecutor(1)  # compute in order, off the event loop
-        self.scale = next_scale(FIRST_MAX, cfg.workers)
         self.losses: list[float] = []
-        self.clipped = 0
 
-    def _gradient(self, step: int, shard: int) -> tuple[np.ndarray, float]:
+    def _share(self, step: int, shard: int) -> tuple[np.ndarray, float]:
         if shard not in self.shards:
             raise RuntimeError(f"rank {self.rank} holds no replica of shard {shard}")
-        g, loss = gradient(self.net, shard_batch(self.cfg, step, shard))
-        q, clipped = quantise(g, self.scale, self.cfg.workers, self.P * self.vpp)
-        self.clipped += clipped
-        return q, loss
+        return self.replica.share(step, shard)
 
     async def _compute(self, step: int, shard: int) -> tuple[np.ndarray, float, float]:
         """Shard ``shard``'s share on this rank's device: (share, loss, deadline)."""
         t0 = time.monotonic()
         loop = asyncio.get_running_loop()
-        q, loss = await loop.run_in_executor(self.pool, self._gradient, step, shard)
+        q, loss = await loop.run_in_executor(self.pool, self._share, step, shard)
         return q, loss, t0 + self.cfg.device_s(self.rank, step, self.cfg.micro_batch)
 
     async def own_share(self, it: int) -> np.ndarray | None:
@@ -146,18 +127,14 @@ class _Trainer(HelpedWorker):
         return None if await self.until_done(it, deadline - time.monotonic()) else q
 
     async def finish(self, it: int) -> None:
-        await asyncio.get_running_loop().run_in_executor(self.pool, self._step, it)
-
-    def _step(self, it: int) -> None:
-        mean = mean_of(self.sums[it], self.scale, self.cfg.workers, self.params)
-        apply(self.net, self.opt, mean)
-        self.scale = next_scale(float(mean.abs().max()), self.cfg.workers)
+        step = self.replica.step
+        await asyncio.get_running_loop().run_in_executor(self.pool, step, self.sums[it])
 
     def report(self) -> dict[str, Any]:
         self.pool.shutdown()
-        return {"losses": self.losses, "weights": fingerprint(self.net),
-                "accuracy": accuracy(self.net), "clipped": self.clipped,
-                "replica_shards": len(self.shards) - 1}  # fmt: skip
+        net, held = self.replica.net, len(self.shards) - 1
+        return {"losses": self.losses, "weights": fingerprint(net), "accuracy": accuracy(net),
+                "clipped": self.replica.clipped, "replica_shards": held}  # fmt: skip
 
 
 def _trainer_main(cfg: SaatpTrainConfig, ticket: Ticket, rank: int, conn: Connection) -> None:
