@@ -34,7 +34,6 @@ from gradfabric.proto.priority import srpt_aging
 
 POLICIES = ("atp", "esa")
 AGING_S = 1.0
-VALUES_PER_PACKET = 1024
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
         raise ConfigError("policy", f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
     jobs = trace(cfg)
     results: list[Any] = [None] * len(jobs)
-    flags = ("--policy", policy, "--slots", str(cfg.pool_slots), "--job-slots",
-             str(cfg.window), "--values-per-packet", str(VALUES_PER_PACKET))  # fmt: skip
+    flags = ("--policy", policy, "--slots", str(cfg.pool_slots), "--job-slots", str(cfg.window))
     with switch_daemon(*flags) as sw:
         start = time.monotonic()
 

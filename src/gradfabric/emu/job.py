@@ -25,9 +25,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gradfabric.emu.switchd import SwitchConfig
+
 HEADROOM = 64.0
 FIRST_MAX = 1.0  # the largest mean gradient assumed before any step
 MODEL = "mlp"  # the catalog's digits MLP (64-256-128-10): the simulator models it too
+# The daemon settings these jobs run under (its defaults: the window, the
+# packet size, the workers' RTO), which a simulation of the same job reads too
+DAEMON = SwitchConfig()
 
 
 class Job(Protocol):

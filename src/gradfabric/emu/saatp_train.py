@@ -39,12 +39,9 @@ import torch
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import Ticket
-from gradfabric.emu.job import Replica, accuracy, data, fingerprint, model
+from gradfabric.emu.job import DAEMON, Replica, accuracy, data, fingerprint, model
 from gradfabric.emu.saatp import HelpedWorker, run_hosts
 from gradfabric.proto.switch.straggler import holders
-
-WINDOW = 32  # the daemon's ATP window (its default job_slots)
-VALUES_PER_PACKET = 1024
 
 
 @dataclass(frozen=True)
@@ -150,10 +147,8 @@ def run_switch(cfg: SaatpTrainConfig, help: bool) -> dict[str, Any]:
     from gradfabric.emu.harness import switch_daemon
 
     total_s = cfg.timeout_s + cfg.steps * cfg.device_s(0, 0, cfg.micro_batch) * cfg.slowdown * 2
-    vpp = VALUES_PER_PACKET
-    with switch_daemon(
-        "--policy", "atp", "--values-per-packet", str(vpp), "--job-slots", str(WINDOW)
-    ) as sw:  # fmt: skip
+    vpp = DAEMON.values_per_packet
+    with switch_daemon("--policy", "atp") as sw:
         sa = None
         if help:
             packets = -(-sum(p.numel() for p in model(cfg).parameters()) // vpp)

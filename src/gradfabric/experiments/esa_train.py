@@ -15,12 +15,11 @@ from gradfabric.core.stats import mean_ci
 from gradfabric.emu.esa_train import (
     AGING_S,
     POLICIES,
-    VALUES_PER_PACKET,
     EsaTrainConfig,
     run_trace,
     trace,
 )
-from gradfabric.emu.job import MODEL
+from gradfabric.emu.job import DAEMON, MODEL
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.proto.schemes import InaConfig
@@ -38,8 +37,8 @@ def simulated(cfg: EsaTrainConfig, policy: str) -> dict[str, float]:
             scheme=policy, pool_slots=cfg.pool_slots, hosts=max(8, sum(j.workers for j in jobs)),
             trace_file=f.name, workers_choices=(2, 3), batch=jobs[0].micro_batch,
             compute_ms=cfg.compute_ms, seed=cfg.seed, aging_s=AGING_S,
-            ina=InaConfig(values_per_packet=VALUES_PER_PACKET, train_packets=1,
-                          atp_window=cfg.window, rto_ns=20_000_000),
+            ina=InaConfig(values_per_packet=DAEMON.values_per_packet, train_packets=1,
+                          atp_window=cfg.window, rto_ns=DAEMON.rto_ns),
         )  # fmt: skip
         r = run_tenancy(tc)
     return {"mean_jct_s": r.avg_jct_s, "p99_jct_s": r.p99_jct_s}

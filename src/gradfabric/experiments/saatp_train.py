@@ -25,6 +25,7 @@ import torch
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.stats import mean_ci
 from gradfabric.emu.job import (
+    DAEMON,
     MODEL,
     accuracy,
     apply,
@@ -37,7 +38,7 @@ from gradfabric.emu.job import (
     shard_batch,
 )
 from gradfabric.emu.saatp import iteration_times, run_hosts
-from gradfabric.emu.saatp_train import VALUES_PER_PACKET, WINDOW, SaatpTrainConfig, run_switch
+from gradfabric.emu.saatp_train import SaatpTrainConfig, run_switch
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 
@@ -205,9 +206,6 @@ def run_mode(cfg: SaatpTrainConfig, mode: str) -> dict[str, Any]:
     fingerprint (one per rank: they must agree) and test accuracy."""
     if mode not in MODES:
         raise ConfigError("mode", f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    total_s = (
-        cfg.timeout_s + cfg.steps * cfg.device_s(0, 0, cfg.workers * cfg.micro_batch) * cfg.slowdown
-    )
     extra: dict[str, Any] = {}
     if mode in ("atp", "saatp"):
         through = run_switch(cfg, help=mode == "saatp")
@@ -217,6 +215,9 @@ def run_mode(cfg: SaatpTrainConfig, mode: str) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:  # the ranks meet in a file store
             store = f"file://{tmp}/store"
             world = cfg.workers + (mode == "backup")
+            total_s = cfg.timeout_s + cfg.steps * cfg.device_s(
+                0, 0, cfg.workers * cfg.micro_batch
+            ) * cfg.slowdown  # fmt: skip
             recs = run_hosts(
                 _gloo_main, [(cfg, mode, store, r) for r in range(world)], cfg.timeout_s, total_s
             )  # fmt: skip
@@ -231,7 +232,6 @@ def run_mode(cfg: SaatpTrainConfig, mode: str) -> dict[str, Any]:
     return {
         "mode": mode,
         "step_ms": [x * 1e3 for x in its],
-        "median_step_ms": statistics.median(its[1:]) * 1e3,  # the first warms up
         "loss": loss,
         "weights": recs[0]["weights"],
         "replicas_agree": len({r["weights"] for r in recs}) == 1,
@@ -261,7 +261,6 @@ def predicted_ms(cfg: SaatpTrainConfig, mode: str) -> float:
 
 
 SIMULATED = {"atp": "atp", "saatp": "saatp", "default": "ring"}
-RTO_NS = 20_000_000  # the daemon's default retransmission timeout
 
 
 def simulated_ms(cfg: SaatpTrainConfig, mode: str) -> float | None:
@@ -284,7 +283,8 @@ def simulated_ms(cfg: SaatpTrainConfig, mode: str) -> float | None:
         scheme=SIMULATED[mode], model=MODEL, workers=cfg.workers, iterations=cfg.steps,
         batch=cfg.micro_batch, compute_ms=cfg.compute_ms, load_gbps=1000.0, seed=cfg.seed,
         stragglers=stragglers, help=HelpConfig(lag_packets=cfg.lag_packets, replicas=cfg.replicas),
-        ina=InaConfig(values_per_packet=VALUES_PER_PACKET, atp_window=WINDOW, rto_ns=RTO_NS),
+        ina=InaConfig(values_per_packet=DAEMON.values_per_packet, atp_window=DAEMON.job_slots,
+                      rto_ns=DAEMON.rto_ns),
     )  # fmt: skip
     return statistics.fmean(run_training(tc).iteration_ns[1:]) / 1e6
 
