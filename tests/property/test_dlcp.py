@@ -203,3 +203,31 @@ def test_convergence_rows_are_the_same_serially_and_in_a_pool() -> None:
     assert [(r["policy"], r["loss_bound"]) for r in serial] == [
         ("lossless", 0.0), ("magnitude", 0.3), ("random", 0.3)]  # fmt: skip
     assert serial[0]["delta_pp"] == 0.0 and all(r["seeds"] == 2 for r in serial)
+
+
+@given(st.integers(0, 2**31 - 1), st.floats(0.05, 0.5))
+@settings(max_examples=40, deadline=None)
+def test_values_left_out_of_a_completed_tensor_are_counted_by_precedence(
+    seed: int, bound: float
+) -> None:
+    """Packets that arrive after a tensor completed at its bound count once,
+    by their drop precedence, as the loss the bound applied: equal to the
+    values missing at completion, split as the packets' classes say."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(int(rng.integers(256, 4096))).astype(np.float32)
+    rx = DlcpReceiver("ps", 1, 0, ["w0"], rto_ns=1000)
+    tx = DlcpSender("w0", 1, 0, "ps", 64, rto_ns=1000)
+    rx.expect(0, 7, len(values), bound, 0)
+    sends = [a for a in tx.send(7, len(values), 0, 1, values) if isinstance(a, Send)]
+    want = [0] * 4
+    done = False
+    for a in sends:  # in the sender's order: most important first
+        if done:  # late: its values were never summed
+            want[a.pkt.priority & 0xF] += a.pkt.count
+        out = rx.on_packet(a.pkt.clone(), 0)
+        done = done or any(isinstance(x, Deliver) for x in out)
+    for a in sends[-3:]:  # duplicates: counted once, or not at all if summed
+        rx.on_packet(a.pkt.clone(), 0)
+    got = [rx.counters.get(f"late_values_p{d}", 0) for d in range(4)]
+    assert sum(got) == len(values) - rx.tensors[(0, 7)].received
+    assert got == want

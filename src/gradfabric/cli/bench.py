@@ -117,7 +117,7 @@ def add(sub: Sub) -> None:
         "ending with the slowest rank), the cost model's prediction for the same plan "
         "before and after calibration, their relative errors, the throttle's overruns and "
         "both speedups over even data parallelism; the footer gives the planner's speedup "
-        "over the fastest baseline with a 95%% interval over runs. Calibration: "
+        "over the fastest baseline with a 95% interval over runs. Calibration: "
         "the device's effective FLOP/s, a pipeline hop's latency and the link rate solved "
         "from three separately measured plans (even DP, two pipelines) and an all-reduce.",
     )

@@ -55,7 +55,7 @@ def add(sub: Sub) -> None:
         "slot's steps run under the plan. Rows per slot: the plan, predicted and measured "
         "step time, the controller's migration term beside the measured transfers, bytes "
         "moved, and the loss beside the unsplit model's full-batch loss on the same seeds. "
-        "Default trace: all present; device 1 at 30%%; device 0 leaves; it returns; all "
+        "Default trace: all present; device 1 at 30%; device 0 leaves; it returns; all "
         "as at first.",
     )
     tp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")

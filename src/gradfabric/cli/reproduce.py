@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
         baselines,
         ddp,
         dlcp,
+        dlcp_train,
         emulator,
         esa,
         esa_train,

@@ -1,10 +1,11 @@
-"""``gradfabric experiment saatp-udp``, ``saatp-train``, ``esa-train`` and
-``dlcp-udp``: the systems through the switch daemon on real UDP sockets,
+"""``gradfabric experiment saatp-udp``, ``saatp-train``, ``esa-train``,
+``dlcp-udp`` and ``dlcp-train``: the systems through the switch daemon on real UDP sockets,
 side by side with their baselines."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict
 
 from gradfabric.cli.common import Sub, add_output, progress, report
@@ -35,7 +36,7 @@ def add(esub: Sub) -> None:
         "steps). Modes, interleaved in each of --repeats runs: ATP and SA-ATP through the "
         "switch daemon, gloo's all-reduce (DDP's default hook), speed-proportional batch "
         "shares re-balanced from measured speeds, and backup workers (a parameter server "
-        "stepping on the first n-1 gradients). Rows: mean step time (95%% interval over "
+        "stepping on the first n-1 gradients). Rows: mean step time (95% interval over "
         "runs), the straggler model's prediction, SA-ATP's paired speed-up over each mode, "
         "accuracy. Exit 1 if ATP or SA-ATP differ from the in-process replay of the same "
         "quantised steps in one bit.",
@@ -58,7 +59,7 @@ def add(esub: Sub) -> None:
         "below two jobs' windows) or ample (4096), under ATP and under ESA (srpt-aging "
         "priorities stamped by the workers). Rows: mean and p99 job completion time, the "
         "simulator's for the same trace, preemptions and PS fallbacks; ESA's speed-up over "
-        "ATP per trace, mean with its 95%% interval. Exit 1 if a job's loss curve or weights "
+        "ATP per trace, mean with its 95% interval. Exit 1 if a job's loss curve or weights "
         "differ in one bit from its solo replay.",
     )
     ee.add_argument("--seeds", type=int, default=5, help="traces per setting")
@@ -84,6 +85,27 @@ def add(esub: Sub) -> None:
     eq.add_argument("--background-mbps", type=float, default=50.0)
     add_output(eq, "dlcp-udp")
     eq.set_defaults(fn=dlcp_udp)
+
+    ed = esub.add_parser(
+        "dlcp-train",
+        help="DLCP in real DDP training over congested, shaped links, vs gloo and reliable mode",
+        description="Four ranks in network namespaces, each behind a --link-mbps link whose "
+        "ports serve three strict-priority classes; background UDP at each --loads share of "
+        "every link, both ways. The digits MLP trains under DDP with gloo's default hook "
+        "(unmarked, and marked into the top class: gloo-prio), dlcp_hook in reliable mode "
+        "and dlcp_hook within its loss bounds, the server where the top-of-rack switch sits. "
+        "Rows per load and scheme: time to the target test accuracy and final accuracy (95% "
+        "intervals over --seeds), step time, values lost, drop rate per class, CPU per step; "
+        "DLCP's speed-up over each, paired by seed. Root, namespaces and nftables needed "
+        "(exit 2 where missing).",
+    )
+    ed.add_argument("--seeds", type=int, default=5)
+    ed.add_argument("--loads", default="0.5,0.8", help="background loads (share of a link)")
+    ed.add_argument("--steps", type=int, default=40)
+    ed.add_argument("--link-mbps", type=float, default=50.0)
+    ed.add_argument("--push-bound", type=float, default=0.1)
+    add_output(ed, "dlcp-train")
+    ed.set_defaults(fn=dlcp_train)
 
 
 def saatp_udp(args: argparse.Namespace) -> int:
@@ -199,3 +221,47 @@ def dlcp_udp(args: argparse.Namespace) -> int:
     )  # fmt: skip
     ok = rows[0]["wrong_share"] == 0 and rows[1]["lost_push"] <= cfg.push_bound
     return 0 if ok and rows[1]["lost_pull"] <= cfg.pull_bound else 1
+
+
+def dlcp_train(args: argparse.Namespace) -> int:
+    from gradfabric.emu.dlcp_train import SCHEMES, DlcpTrainConfig
+    from gradfabric.experiments.dlcp_train import claims, draw, study
+    from gradfabric.net.netns import nft_available, usable
+
+    if not (usable() and nft_available()):
+        print("dlcp-train needs root, network namespaces and nftables", file=sys.stderr)
+        return 2
+    cfg = DlcpTrainConfig(steps=args.steps, link_mbps=args.link_mbps, push_bound=args.push_bound)
+    loads = tuple(float(x) for x in args.loads.split(","))
+    with progress(len(loads) * len(SCHEMES) * args.seeds, args.json) as tick:
+        res = study(cfg, args.seeds, loads, tick)
+    res["claims"] = [c.__dict__ for c in claims(res)]
+
+    def ci(r: dict[str, object], key: str, fmt: str) -> str:
+        v, h = r.get(key), r.get(f"{key}_half")
+        return "-" if v is None else f"{v:{fmt}} ± {h or 0:{fmt}}"
+
+    res["table"] = [
+        {"load": r["load"], "scheme": r["scheme"],
+         "to target s": ci(r, "tta_s", ".2f") + f" ({r['reached']}/{r['runs']})",
+         "step ms": ci(r, "step_ms", ".1f"), "accuracy": ci(r, "accuracy", ".3f"),
+         "lost push/pull": f"{r['lost_push']:.3f} / {r['lost_pull']:.3f}",
+         "top/mid/bottom drops": " / ".join(f"{v:.3f}" for v in r["drop_rate"].values()),
+         "CPU ms/step": f"{r['cpu_ms_per_step']:.0f}"}
+        if "speedup" not in r else
+        {"load": r["load"], "scheme": r["scheme"].replace("/", " over "),
+         "to target s": f"{r['speedup']:.2f}x ± {r['speedup_half']:.2f}", "step ms": "",
+         "accuracy": "", "lost push/pull": "", "top/mid/bottom drops": "", "CPU ms/step": ""}
+        for r in res["rows"]
+    ]  # fmt: skip
+    dest = report(
+        args, "dlcp-train", res["config"], res,
+        tables=[("table", f"{args.seeds} seeds per load; time to "
+                 f"{res['config']['target'] * 100:.0f}% test accuracy (reached/runs), 95% "
+                 "intervals; speed-ups paired by seed",
+                 ["load", "scheme", "to target s", "step ms", "accuracy", "lost push/pull",
+                  "top/mid/bottom drops", "CPU ms/step"])],
+    )  # fmt: skip
+    draw(res, dest)
+    dl = [r for r in res["rows"] if r["scheme"] == "dlcp"]
+    return 0 if all(r["lost_push"] <= cfg.push_bound + 1e-9 for r in dl) else 1

@@ -45,7 +45,13 @@ class DlcpClient(Attached):
     KIND = "dlcp"
     DAEMON_OPTIONS = ("--values-per-packet", "256")  # DLCP's loss bound counts 256-value packets
 
-    def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, ticket: Ticket, rank: int, timeout_s: float = 30.0, pace_kb: int = 0
+    ) -> None:
+        """``pace_kb``: a send buffer that small, so the kernel takes a tensor's
+        datagrams only as fast as the link drains them (the rest waits in the
+        socket's transport) instead of bursting a whole tensor into the
+        port's queue; 0 keeps the large default (loopback)."""
         t = ticket
         if t.kind != "dlcp":
             raise ConfigError("kind", f"a DLCP client needs a dlcp job, got {t.kind!r}")
@@ -59,6 +65,9 @@ class DlcpClient(Attached):
         self.buckets = 1  # DDP buckets seen (for dlcp_hook's layer order)
         self.results: dict[int, tuple[threading.Event, list[Any]]] = {}
         self._attach(ticket, rank, timeout_s, self.endpoint, self._deliver)
+        if pace_kb and self.proto.transport is not None:
+            sock = self.proto.transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, pace_kb * 1024)
 
     def allreduce(  # bounded loss on floats: no quantisation round
         self, x: npt.NDArray[np.float32], layer: int = 0, layers: int = 1

@@ -65,6 +65,7 @@ from gradfabric.wire.packet import MAX_WIRE_VALUES, Packet
 
 SWITCH: Final = "sw"  # the hosted switch engine's name
 DRAIN_BATCH: Final = 256  # datagrams read per wake-up
+MAX_BACKLOG: Final = 65_536  # datagrams waiting for a small send buffer (``sndbuf_kb``)
 BURST_S: Final = 0.001  # the DLCP port's credit after idling: one timer tick
 DAEMON_SCHEMES: Final = ("switchml", "atp", "esa", "dlcp", "ps", "omni")  # schemes a daemon hosts
 
@@ -96,6 +97,11 @@ class SwitchConfig:
     impair: Impairment = field(default_factory=Impairment)
     port_mbps: float = _opt(0.0, "dlcp: the rate of the port into the job servers (0: unshaped)")
     port_buffer_kb: int = _opt(256, "dlcp: that port's buffer")
+    sndbuf_kb: int = _opt(
+        0,
+        "the data socket's send buffer (0: 4 MB); a small one paces what the daemon sends "
+        "to its links' rate: what the kernel will not take yet waits, in order, in a backlog",
+    )
     push_bound: float = _opt(0.1, "dlcp: loss bound, push")
     pull_bound: float = _opt(0.02, "dlcp: loss bound, pull")
     omni_streams: int = _opt(16, "omni: streams per job's aggregator")
@@ -117,6 +123,8 @@ class SwitchConfig:
             raise ConfigError("values_per_packet", f"must be in 1..{MAX_WIRE_VALUES}")
         if self.rto_ns <= 0:
             raise ConfigError("rto_ns", "must be > 0")
+        if self.sndbuf_kb < 0:
+            raise ConfigError("sndbuf_kb", f"must be >= 0, got {self.sndbuf_kb}")
         if self.port_mbps < 0 or self.port_buffer_kb < 1:
             raise ConfigError("port_mbps", "must be >= 0, with a buffer of >= 1 KB")
         for name in ("push_bound", "pull_bound"):
@@ -225,6 +233,7 @@ class SwitchDaemon:
         self.gave_up: dict[int, set[str]] = {}  # job -> workers a hosted engine gave up on
         self.control = ControlPlane(self)
         self.sock: socket.socket | None = None
+        self.backlog: deque[tuple[bytes, Address]] = deque()
         self.servers: list[asyncio.Server] = []
         self.stopped = asyncio.Event()
         self.started_ns = time.monotonic_ns()
@@ -259,6 +268,8 @@ class SwitchDaemon:
         self.sock = sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setblocking(False)
         size_buffers(sock)
+        if cfg.sndbuf_kb:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.sndbuf_kb * 1024)
         sock.bind((cfg.host, cfg.port))
         loop.add_reader(sock.fileno(), self._drain)
         self.control.load()
@@ -282,6 +293,8 @@ class SwitchDaemon:
     def stop(self) -> None:
         if self.sock is not None:
             asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            if self.backlog:
+                asyncio.get_running_loop().remove_writer(self.sock.fileno())
             self.sock.close()
             self.sock = None
         for s in self.servers:
@@ -417,13 +430,43 @@ class SwitchDaemon:
     def _sendto(self, raw: bytes, addr: Address) -> None:
         if self.sock is None:
             return
+        if self.backlog:  # behind what waits for the kernel: in order, or not at all
+            self._wait_for_kernel(raw, addr)
+            return
         try:
             self.sock.sendto(raw, addr)
             self.counters["tx_datagrams"] += 1
-        except BlockingIOError:  # our socket buffer is full: a loss the workers recover
-            self.counters["drop_tx_full"] += 1
+        except BlockingIOError:  # the send buffer is full: wait until it drains
+            self._wait_for_kernel(raw, addr)
         except OSError:
             self.counters["socket_error"] += 1
+
+    def _wait_for_kernel(self, raw: bytes, addr: Address) -> None:
+        if (
+            len(self.backlog) >= MAX_BACKLOG
+        ):  # a link that does not drain: a loss the workers recover
+            self.counters["drop_tx_full"] += 1
+            return
+        if not self.backlog and self.sock is not None:
+            asyncio.get_running_loop().add_writer(self.sock.fileno(), self._flush)
+        self.backlog.append((raw, addr))
+
+    def _flush(self) -> None:
+        """Send what waits, until the kernel refuses again or nothing is left."""
+        sock = self.sock
+        while self.backlog and sock is not None:
+            raw, addr = self.backlog[0]
+            try:
+                sock.sendto(raw, addr)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.counters["socket_error"] += 1
+            else:
+                self.counters["tx_datagrams"] += 1
+            self.backlog.popleft()
+        if sock is not None:
+            asyncio.get_running_loop().remove_writer(sock.fileno())
 
     def sync_native(self) -> None:
         """Tell the native datapath what the control plane decided: every job's

@@ -97,6 +97,85 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally below
 
 
+# A strict-priority egress port (``tor_star(classes=True)``): htb serves
+# these classes in order, each may take the whole link when those above it
+# are idle; packets no rule places go to the middle one (``DEFAULT_CLASS``).
+CLASSES = ("1:10", "1:11", "1:12")
+DEFAULT_CLASS = CLASSES[1]
+
+
+def _tc(where: str, *args: str) -> None:
+    subprocess.run(["ip", "netns", "exec", where, "tc", *args], check=True, capture_output=True)
+
+
+def _shape(where: str, dev: str, rate: str, burst: str, queue_kb: int) -> None:
+    """``dev``'s egress at ``rate``: one tbf FIFO (``queue_kb`` 0: 20 ms of
+    queue), or strict priority over ``CLASSES`` with a ``queue_kb`` FIFO each
+    (htb: every class guaranteed a sliver, ceiling the link, spare rate
+    lent in class order, which is strict priority)."""
+    if not queue_kb:
+        _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+            "latency", "20ms")  # fmt: skip
+        return
+    default = DEFAULT_CLASS.split(":")[1]
+    _tc(where, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", default,
+        "r2q", "1000")  # fmt: skip
+    _tc(where, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
+        "ceil", rate, "burst", burst, "cburst", burst)  # fmt: skip
+    for prio, cls in enumerate(CLASSES):
+        shape = ("ceil", rate, "burst", burst, "cburst", burst, "prio", str(prio))
+        _tc(where, "class", "add", "dev", dev, "parent", "1:1", "classid", cls, "htb", "rate",
+            "100kbit", *shape)  # fmt: skip
+        _tc(where, "qdisc", "add", "dev", dev, "parent", cls, "bfifo", "limit",
+            str(queue_kb * 1024))  # fmt: skip
+
+
+def prioritise(host: NsHost, rules: list[str], table: str = "gfprio") -> None:
+    """Place packets in ``CLASSES`` in ``host``'s namespace: each rule is an
+    nftables match and a class (``"meta l4proto tcp" + " meta priority set
+    1:10"``), applied to what the namespace sends and what its bridge
+    forwards (the switch namespace's ports). Deleted with the namespace."""
+    if not nft_available():
+        raise ConfigError("nft", "nftables is not installed (apt-get install nftables)")
+    script = ""
+    for family, hook in (("inet", "output"), ("bridge", "forward")):
+        script += (
+            f"add table {family} {table}\n"
+            f"add chain {family} {table} c {{ type filter hook {hook} priority 0; }}\n"
+        )
+        script += "".join(f"add rule {family} {table} c {r}\n" for r in rules)
+    subprocess.run(["ip", "netns", "exec", host.netns, "nft", "-f", "-"], input=script.encode(),
+                   check=True, capture_output=True)  # fmt: skip
+
+
+def class_stats(host: NsHost, dev: str) -> dict[str, dict[str, int]]:
+    """Per class of ``dev``'s strict-priority port: packets sent and dropped."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", host.netns, "tc", "-s", "class", "show", "dev", dev],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    stats = {}
+    for m in re.finditer(r"class htb (\S+) .*?Sent \d+ bytes (\d+) pkt \(dropped (\d+)", out,
+                         re.S):  # fmt: skip
+        if m.group(1) in CLASSES:
+            stats[m.group(1)] = {"sent": int(m.group(2)), "dropped": int(m.group(3))}
+    return stats
+
+
+def class_totals(hosts: list[NsHost], tor: NsHost) -> dict[str, dict[str, int]]:
+    """``class_stats`` summed over a star's ports: every host's uplink and
+    the switch namespace's port down to each host."""
+    out = subprocess.run(["ip", "-n", tor.netns, "-o", "link", "show", "type", "veth"],
+                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    ports = [(tor, m) for m in re.findall(r"^\d+: ([^@:]+)", out, re.M)]
+    total: dict[str, dict[str, int]] = {c: {"sent": 0, "dropped": 0} for c in CLASSES}
+    for host, dev in [*((h, h.ifname) for h in hosts), *ports]:
+        for c, st in class_stats(host, dev).items():
+            for k, v in st.items():
+                total[c][k] += v
+    return total
+
+
 @contextmanager
 def shaped_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[list[NsHost]]:
     with tor_star(n, link_gbps, mtu) as (hosts, _tor):
@@ -113,8 +192,14 @@ def check_mtu(mtu: int) -> None:
 
 
 @contextmanager
-def tor_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[tuple[list[NsHost], NsHost]]:
+def tor_star(
+    n: int, link_gbps: float, mtu: int = MTU, classes: bool = False, queue_kb: int = 256
+) -> Iterator[tuple[list[NsHost], NsHost]]:
     """``n`` hosts on the shaped star, and the switch namespace as a host.
+
+    ``classes``: every link's egress is a strict-priority port instead of one
+    FIFO (``_shape``): the classes ``CLASSES`` name, each a ``queue_kb`` FIFO
+    that drops at its tail; ``prioritise`` says which packets go where.
 
     ``mtu`` is every link's, so TCP (gloo) and UDP (the switch) get the same.
     Above the 9000 of jumbo frames it is no datacenter's, but it shows what
@@ -187,29 +272,7 @@ def tor_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[tuple[list[Ns
             )
             _ip("-n", sw, "link", "set", b, "master", "br0", "up")
             for where, dev in ((ns, a), (sw, b)):
-                subprocess.run(
-                    [
-                        "ip",
-                        "netns",
-                        "exec",
-                        where,
-                        "tc",
-                        "qdisc",
-                        "add",
-                        "dev",
-                        dev,
-                        "root",
-                        "tbf",
-                        "rate",
-                        rate,
-                        "burst",
-                        burst,
-                        "latency",
-                        "20ms",
-                    ],
-                    check=True,
-                    capture_output=True,
-                )
+                _shape(where, dev, rate, burst, queue_kb if classes else 0)
             hosts.append(NsHost(ns, addr, a))
         yield hosts, tor
     finally:

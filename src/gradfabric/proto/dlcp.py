@@ -127,6 +127,7 @@ class _Incoming:
     received: int = 0
     started: bool = False
     done: bool = False
+    late: np.ndarray | None = None  # bool per value: arrived after completion
 
 
 class DlcpReceiver:
@@ -199,6 +200,12 @@ class DlcpReceiver:
         lo, hi = pkt.agg_index, pkt.agg_index + pkt.count
         fresh = ~t.have[lo:hi]
         n_new = int(fresh.sum())
+        if t.done and n_new and t.late is not None:
+            # values the completed tensor went without, arriving now: the loss
+            # the bound applied, by the packet's drop precedence (each counted once)
+            late = fresh & ~t.late[lo:hi]
+            self.counters[f"late_values_p{pkt.priority & 0xF}"] += int(late.sum())
+            t.late[lo:hi] |= fresh
         if t.done or n_new == 0:
             self.counters["duplicate"] += 1
             return False
@@ -236,6 +243,7 @@ class DlcpReceiver:
         if t.done or t.received < (1 - t.bound) * t.count - 1e-9:
             return None
         t.done = True
+        t.late = np.zeros(t.count, dtype=bool)
         self.counters["completed"] += 1
         if self.accept_bound is not None:  # a server: forget old tensors
             self.finished[(sender, tensor)] = None
@@ -474,6 +482,10 @@ class DlcpServer(DlcpEndpoint):
         if len(seen) < len(self.tx):
             return []
         del self.sums[tensor]
+        have = [self.rx.tensors.get((s, tensor)) for s in seen]
+        if all(h is not None for h in have):  # summed values that miss some worker's copy
+            whole = np.logical_and.reduce([h.have for h in have if h is not None])
+            self.counters["values_incomplete"] += len(whole) - int(whole.sum())
         total = acc.astype(np.float32)
         layer = self.back.pop(tensor, 0)
         self.counters["sums"] += 1

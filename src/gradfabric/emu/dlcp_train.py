@@ -1,0 +1,259 @@
+"""DLCP carrying a real DDP training job over congested, shaped links.
+
+The network: ``workers`` ranks, each in its own namespace behind a
+``link_mbps`` link (both directions), and the switch namespace that bridges
+them (``net.netns.tor_star``). Every link's egress is a strict-priority port
+(``classes=True``: three classes, a FIFO of ``queue_kb`` each, tail drop).
+Each host link also carries ``load`` x ``link_mbps`` of background UDP
+each way (``net.background``: another tenant's bulk traffic, which does
+not back off) in the middle class, where everything unmarked rides.
+
+The job: the catalog's digits MLP under DDP (``emu.job``: the same model,
+data shards and seeded micro-batches as the other real-training studies),
+SGD with momentum, and one of four ways to sum its gradients:
+
+* ``gloo``: DDP's default hook (gloo's ring over TCP), unmarked: it shares
+  the middle class with the background, as on a network without QoS;
+* ``gloo-prio``: the same, with the job's TCP marked into the top class (a
+  practitioner's QoS rule for training traffic: the strongest reliable
+  baseline here);
+* ``reliable``: ``dlcp_hook`` with loss bounds 0 (DLCP's reliable mode);
+* ``dlcp``: ``dlcp_hook`` within the bounds (push ``push_bound``, pull
+  ``pull_bound``) to the job's server in the switch daemon, which sits where
+  the top-of-rack switch does.
+
+For both DLCP schemes the ports read DLCP's traffic class from each
+datagram (``dlcp_rules``: the priority byte, as a switch reads DSCP): its
+datagrams ride in the top class, and where the push bound covers the
+smallest quarter of a tensor's packets (drop precedence 3, ``push_bound``
+>= 1/4) that quarter rides in the bottom class, below the background, first
+to wait and to be lost. Datagrams beyond the bound are never waited for
+(a tensor completes at ``1 - p``), so loss above the bound is never put on
+the network's side of the ledger. Workers and server pace by small send
+buffers (``pace_kb``: the kernel takes a datagram when the port has room).
+
+Recorded per run: each step's time (the slowest rank's), the global mean
+loss, test accuracy every ``eval_every`` steps, the per-class packets sent
+and dropped over all ports, the background's datagrams, and for DLCP the
+values lost at the server (push) and at the workers (pull).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.emu.client import SWITCH_ENV
+from gradfabric.emu.job import accuracy, apply, data, gradient, model, optimizer, shard_batch
+from gradfabric.proto.dlcp import MAG_CLASSES
+
+SCHEMES = ("gloo", "gloo-prio", "reliable", "dlcp")
+TOP, BOTTOM = "1:10", "1:12"  # netns.CLASSES' first and last
+PRIORITY_BITS = (8 + 8 + 3) * 8  # the priority byte: UDP header, token, 3 header bytes in
+
+
+@dataclass(frozen=True)
+class DlcpTrainConfig:
+    scheme: str = "dlcp"
+    workers: int = 4
+    steps: int = 40
+    micro_batch: int = 32
+    lr: float = 0.3
+    seed: int = 0
+    link_mbps: float = 50.0
+    load: float = 0.8  # background on every host link, each way, as a share of it
+    queue_kb: int = 256  # each class's FIFO at every port
+    push_bound: float = 0.1  # DLCP's loss bounds (the paper's); reliable: 0
+    pull_bound: float = 0.02
+    rto_ms: float = 5.0
+    pace_kb: int = 64  # DLCP's send buffers, worker and server: paced by the link (0: bursts)
+    bucket_kb: int = 0  # DDP's gradient buckets (0: DDP's default, 25 MB)
+    eval_every: int = 2
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ConfigError("scheme", f"one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        if self.workers < 2 or self.steps < 1 or self.eval_every < 1:
+            raise ConfigError("workers", "need >= 2 workers, >= 1 step, eval_every >= 1")
+        if not 0 <= self.load < 1 or self.link_mbps <= 0:
+            raise ConfigError("load", "load in [0, 1) of a link rate > 0")
+
+    @property
+    def dlcp(self) -> bool:
+        return self.scheme in ("reliable", "dlcp")
+
+
+MODULE = "gradfabric.emu.dlcp_train"
+
+
+def dlcp_rules(port: int, push_bound: float) -> list[str]:
+    """nftables rules that place the daemon's DLCP datagrams (to or from
+    ``port``) by their traffic class: the top class, and for a push whose
+    bound covers the smallest quarter of a tensor's packets (``push_bound``
+    >= 1/4), that quarter (drop precedence 3, the priority byte's low nibble)
+    in the bottom class. Only what the bound lets go may wait behind the
+    background: a tensor completes without it, and never waits for it."""
+    rules = [f"udp {way} {port} meta priority set {TOP}" for way in ("dport", "sport")]
+    if push_bound >= 1 / MAG_CLASSES:
+        rules.append(
+            f"udp dport {port} @th,{PRIORITY_BITS + 4},4 {MAG_CLASSES - 1} "
+            f"meta priority set {BOTTOM}"
+        )
+    return rules
+
+
+GLOO_PRIO_RULES = [f"meta l4proto tcp meta priority set {TOP}"]
+
+
+def run_dlcp_training(cfg: DlcpTrainConfig) -> dict[str, Any]:
+    """One run of ``cfg.scheme`` (root: namespaces, nftables)."""
+    from contextlib import ExitStack
+
+    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.net.background import background
+    from gradfabric.net.launch import run_on_hosts
+    from gradfabric.net.netns import class_totals, prioritise, tor_star
+
+    with ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        out = os.path.join(tmp, "train.json")
+        hosts, tor = stack.enter_context(
+            tor_star(cfg.workers, cfg.link_mbps / 1000, classes=True, queue_kb=cfg.queue_kb)
+        )
+        env: dict[str, str] = {}
+        sw = None
+        if cfg.dlcp:
+            bounds = (0.0, 0.0) if cfg.scheme == "reliable" else (cfg.push_bound, cfg.pull_bound)
+            sw = stack.enter_context(switch_daemon(
+                "--policy", "dlcp", "--values-per-packet", "256", "--rto-ms", str(cfg.rto_ms),
+                "--push-bound", str(bounds[0]), "--pull-bound", str(bounds[1]),
+                "--sndbuf-kb", str(cfg.pace_kb), host=tor,
+            ))  # fmt: skip
+            env[SWITCH_ENV] = sw.control_text
+            rules = dlcp_rules(sw.data[1], bounds[0])
+        else:
+            rules = GLOO_PRIO_RULES if cfg.scheme == "gloo-prio" else []
+        if rules:
+            for h in (*hosts, tor):
+                prioritise(h, rules)
+        sent = stack.enter_context(background(hosts, tor, cfg.load * cfg.link_mbps, cfg.seed))
+        time.sleep(0.2)  # the background's queues fill before the job starts
+        t0 = time.perf_counter()
+        daemon_cpu = cpu_s(sw.proc.pid) if sw else 0.0
+        run_on_hosts(hosts, MODULE, [json.dumps(asdict(cfg)), out],
+                     timeout_s=cfg.timeout_s * 4, extra_env=env)  # fmt: skip
+        daemon_cpu = cpu_s(sw.proc.pid) - daemon_cpu if sw else 0.0
+        classes = class_totals(hosts, tor)
+        with open(out) as f:
+            rec: dict[str, Any] = json.load(f)
+    rec["config"] = asdict(cfg)
+    rec["classes"] = classes
+    rec["background"] = dict(sent)
+    rec["wall_s"] = time.perf_counter() - t0
+    if sw is not None:
+        counters = sw.final.get("counters", {})
+        values = cfg.steps * rec["params"] * cfg.workers
+        rec["lost_push"] = counters.get("values_lost", 0) / values
+        rec["incomplete"] = counters.get("values_incomplete", 0) / (cfg.steps * rec["params"])
+        rec["late_push"] = [counters.get(f"late_values_p{d}", 0) / values for d in range(4)]
+        rec["switch"] = counters
+        rec["daemon_cpu_s"] = daemon_cpu  # while the ranks ran, torchrun's start included
+    return rec
+
+
+def replay(cfg: DlcpTrainConfig) -> list[float]:
+    """The reliable scheme's loss curve replayed in one process: every
+    rank's gradient in turn, summed in float64 as DLCP's server does, cast
+    to float32 and averaged as ``dlcp_hook`` does (on one thread, as each
+    rank computes). Reliable mode must equal it: nothing lost, nothing
+    reordered that could change a bit (four float32 values sum exactly in
+    float64, in any order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        net = model(cfg)
+        opt = optimizer(cfg, net)
+        losses = []
+        for step in range(cfg.steps):
+            grads, step_losses = zip(
+                *(gradient(net, shard_batch(cfg, step, r)) for r in range(cfg.workers)),
+                strict=True,
+            )
+            total = np.sum([g.numpy().astype(np.float64) for g in grads], axis=0)
+            apply(net, opt, torch.from_numpy(total.astype(np.float32) / np.float32(cfg.workers)))
+            losses.append(sum(step_losses) / cfg.workers)
+        return losses
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far (user and system)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rank_main(cfg: DlcpTrainConfig, out: str) -> None:
+    from gradfabric.emu.dlcp import DlcpClient
+    from gradfabric.emu.hook import dlcp_hook
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xtr, ytr, _, _ = data()
+    net = DDP(model(cfg), bucket_cap_mb=cfg.bucket_kb / 1024 if cfg.bucket_kb else None)
+    client = None
+    if cfg.dlcp:
+        client = DlcpClient.join(timeout_s=cfg.timeout_s, pace_kb=cfg.pace_kb)
+        net.register_comm_hook(client, dlcp_hook)
+    opt = optimizer(cfg, net)
+    times, losses, evals = [], [], []
+    start = resource.getrusage(resource.RUSAGE_SELF)
+    for step in range(cfg.steps):
+        rows = torch.from_numpy(shard_batch(cfg, step, rank))
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(net(xtr[rows]), ytr[rows])
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        rec = torch.tensor([time.perf_counter() - t0, loss.item()], dtype=torch.float64)
+        worst = rec[:1].clone()
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank's step
+        dist.all_reduce(rec[1:])
+        times.append(float(worst))
+        losses.append(float(rec[1]) / world)
+        if rank == 0 and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            evals.append((step + 1, accuracy(net.module)))
+    use = resource.getrusage(resource.RUSAGE_SELF)  # this rank, its DLCP client thread included
+    lost_pull = torch.tensor([client.lost() if client else 0], dtype=torch.float64)
+    dist.all_reduce(lost_pull, op=dist.ReduceOp.MAX)
+    spent = use.ru_utime + use.ru_stime - start.ru_utime - start.ru_stime  # the steps (and evals)
+    cpu = torch.tensor([spent], dtype=torch.float64)
+    dist.all_reduce(cpu)
+    if client is not None:
+        client.close()
+    if rank == 0:
+        params = sum(p.numel() for p in net.parameters())
+        with open(out, "w") as f:
+            json.dump({"times_s": times, "loss": losses, "evals": evals, "params": params,
+                       "lost_pull": float(lost_pull) / (cfg.steps * params),
+                       "ranks_cpu_s": float(cpu)}, f)  # fmt: skip
+
+
+if __name__ == "__main__":  # one rank, started by torchrun
+    from gradfabric.net.launch import run_rank
+
+    run_rank(_rank_main, DlcpTrainConfig(**json.loads(sys.argv[1])), sys.argv[2])
