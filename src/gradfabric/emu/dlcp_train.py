@@ -210,8 +210,9 @@ def cpu_s(pid: int) -> float:
 def _rank_main(cfg: DlcpTrainConfig, out: str) -> None:
     from gradfabric.emu.dlcp import DlcpClient
     from gradfabric.emu.hook import dlcp_hook
+    from gradfabric.emu.train import timed_step
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     xtr, ytr, _, _ = data()
     net = DDP(model(cfg), bucket_cap_mb=cfg.bucket_kb / 1024 if cfg.bucket_kb else None)
     client = None
@@ -223,18 +224,9 @@ def _rank_main(cfg: DlcpTrainConfig, out: str) -> None:
     start = resource.getrusage(resource.RUSAGE_SELF)
     for step in range(cfg.steps):
         rows = torch.from_numpy(shard_batch(cfg, step, rank))
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(net(xtr[rows]), ytr[rows])
-        opt.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        rec = torch.tensor([time.perf_counter() - t0, loss.item()], dtype=torch.float64)
-        worst = rec[:1].clone()
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank's step
-        dist.all_reduce(rec[1:])
-        times.append(float(worst))
-        losses.append(float(rec[1]) / world)
+        took, mean_loss = timed_step(net, opt, xtr[rows], ytr[rows])
+        times.append(took)
+        losses.append(mean_loss)
         if rank == 0 and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             evals.append((step + 1, accuracy(net.module)))
     use = resource.getrusage(resource.RUSAGE_SELF)  # this rank, its DLCP client thread included

@@ -118,6 +118,24 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
     return rec
 
 
+def timed_step(
+    net: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> tuple[float, float]:
+    """One synchronous DDP step after a barrier: the slowest rank's time for
+    it and the loss averaged over the ranks."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = torch.nn.functional.cross_entropy(net(x), y)
+    opt.zero_grad()
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    rec = torch.tensor([time.perf_counter() - t0, loss.item()], dtype=torch.float64)
+    worst = rec[:1].clone()
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank's step
+    dist.all_reduce(rec[1:])
+    return float(worst), float(rec[1]) / dist.get_world_size()
+
+
 def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -155,18 +173,9 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
         mine = idx[rank * cfg.batch : (rank + 1) * cfg.batch]
         for name in replicas if step % 2 == 0 else reversed(replicas):
             model, opt = replicas[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = torch.nn.functional.cross_entropy(model(xtr[mine]), ytr[mine])
-            opt.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            rec = torch.tensor([time.perf_counter() - t0, loss.item()], dtype=torch.float64)
-            worst = rec[:1].clone()
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank's step
-            dist.all_reduce(rec[1:])
-            times[name].append(float(worst))
-            loss_log[name].append(float(rec[1]) / world)
+            took, mean_loss = timed_step(model, opt, xtr[mine], ytr[mine])
+            times[name].append(took)
+            loss_log[name].append(mean_loss)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             if rank == 0:
                 torch.save(
