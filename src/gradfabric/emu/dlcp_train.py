@@ -213,6 +213,7 @@ def _rank_main(cfg: DlcpTrainConfig, out: str) -> None:
     from gradfabric.emu.train import timed_step
 
     rank = dist.get_rank()
+    torch.set_num_threads(1)  # as ``replay`` computes: a reduction's order follows the threads
     xtr, ytr, _, _ = data()
     net = DDP(model(cfg), bucket_cap_mb=cfg.bucket_kb / 1024 if cfg.bucket_kb else None)
     client = None

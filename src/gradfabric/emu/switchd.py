@@ -442,9 +442,8 @@ class SwitchDaemon:
             self.counters["socket_error"] += 1
 
     def _wait_for_kernel(self, raw: bytes, addr: Address) -> None:
-        if (
-            len(self.backlog) >= MAX_BACKLOG
-        ):  # a link that does not drain: a loss the workers recover
+        if len(self.backlog) >= MAX_BACKLOG:
+            # a link that does not drain: a loss the workers recover
             self.counters["drop_tx_full"] += 1
             return
         if not self.backlog and self.sock is not None:
