@@ -58,10 +58,13 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV
 from gradfabric.emu.job import accuracy, apply, data, gradient, model, optimizer, shard_batch
 from gradfabric.proto.dlcp import MAG_CLASSES
+from gradfabric.wire.envelope import TOKEN_BYTES
 
 SCHEMES = ("gloo", "gloo-prio", "reliable", "dlcp")
 TOP, BOTTOM = "1:10", "1:12"  # netns.CLASSES' first and last
-PRIORITY_BITS = (8 + 8 + 3) * 8  # the priority byte: UDP header, token, 3 header bytes in
+# the priority byte, in bits from the UDP header: its 8 bytes, the job token, then
+# the packet header's magic (2 bytes) and version (1)
+PRIORITY_BITS = (8 + TOKEN_BYTES + 3) * 8
 
 
 @dataclass(frozen=True)
