@@ -362,7 +362,7 @@ def test_two_jobs_share_the_switch_under_esa_with_preemptions() -> None:
         low, high = Ticket.register(sw.control, 2), Ticket.register(sw.control, 2)
         # The workers' reference datapath: with the native one, a loaded CI
         # pass twice saw no preemption at all (sums exact); why is not yet
-        # known (docs/STATUS.md). This test is about the switch's pool.
+        # known (NOTEBOOK.md). This test is about the switch's pool.
         clients = [InaClient(low, r, priority=1, native=False) for r in range(2)]
         clients += [InaClient(high, r, priority=9, native=False) for r in range(2)]
         rng = np.random.default_rng(9)

@@ -21,6 +21,7 @@ from gradfabric.cli.common import (
     report,
 )  # fmt: skip
 from gradfabric.core.errors import ConfigError
+from gradfabric.experiments.registry import Claim
 
 Study = Callable[[Any, Tick], Rows]
 
@@ -127,6 +128,7 @@ def _grid(
     compare: Callable[[Rows], Rows],
     tables: list[TableSpec],
     extra: dict[str, Study] | None = None,
+    claims: Callable[[dict[str, Any]], list[Claim]] | None = None,
 ) -> int:
     """Run an experiment grid (and any ``extra`` studies, each a named set of
     rows) and report it: ``rows``, ``cmp`` and each extra's rows (with
@@ -137,12 +139,14 @@ def _grid(
         data = {"rows": rows, "cmp": compare(rows)}
         for key, study in (extra or {}).items():
             data[key] = study(grid, tick)
+    if claims:  # the experiment's claims, as reproduce states them, for scripts/figures.py
+        data["claims"] = [asdict(c) for c in claims(data)]
     report(args, name, grid, data, tables, json_keys=["rows", "cmp", *(extra or {})])
     return 0
 
 
 def saatp(args: argparse.Namespace) -> int:
-    from gradfabric.experiments.saatp import SaatpGrid, compare, run_grid
+    from gradfabric.experiments.saatp import SaatpGrid, claims, compare, run_grid
 
     grid = SaatpGrid.quick() if args.quick else SaatpGrid() if args.full else SaatpGrid.default()
     given = {
@@ -160,11 +164,12 @@ def saatp(args: argparse.Namespace) -> int:
         lambda g, tick: run_grid(g, tick, where), compare,
         [("cmp", "SA-ATP vs ATP", ["model", "workers", "stragglers", "slowdown", "atp_ms",
                                    "saatp_ms", "reduction", "speedup"])],
+        claims=claims,
     )  # fmt: skip
 
 
 def esa(args: argparse.Namespace) -> int:
-    from gradfabric.experiments.esa import EsaGrid, compare, run_grid, train_error
+    from gradfabric.experiments.esa import EsaGrid, claims, compare, run_grid, train_error
 
     grid = EsaGrid.quick() if args.quick else EsaGrid() if args.full else EsaGrid.default()
     given = {
@@ -198,6 +203,7 @@ def esa(args: argparse.Namespace) -> int:
              ["error_scheme", "train", "jitter_us", "error_avg_jct_s", "train_error"]),
         ],
         studies,
+        claims=lambda data: claims(data | {"train": grid.train}),
     )  # fmt: skip
 
 

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         simspeed,
     )
     from gradfabric.experiments.registry import EXPERIMENTS
-    from gradfabric.experiments.report import write_report
+    from gradfabric.experiments.report import CLAIM_COLUMNS, claim_rows, write_report
 
     choose(executor(args))  # the grids' cells (SA-ATP, ESA, DLCP) run there
     names = args.only.split(",") if args.only else EXPERIMENTS.names()
@@ -67,14 +67,11 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        t = Table(title="claims")
-        for col in ("system", "claim", "paper", "ours", "ratio"):
+        t = Table(title="claims (speed-ups: above 1 is better)")
+        for col in CLAIM_COLUMNS:
             t.add_column(col)
-        for r in results:
-            for c in r.claims:
-                t.add_row(
-                    c.system, c.claim, c.paper, c.ours, "" if c.ratio is None else f"{c.ratio:.3f}"
-                )
+        for row in claim_rows([c for r in results for c in r.claims]):
+            t.add_row(*row)
         out.print(t)
         out.print(f"report: {report}")
     return 1 if failed else 0

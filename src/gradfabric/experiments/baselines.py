@@ -28,12 +28,9 @@ class Baselines:
         for c in checks:
             r.claims.append(
                 Claim(
-                    "baseline model",
-                    c["check"],
-                    "analytic bound",
-                    f"{c['measured']:.4g} vs {c['bound']:.4g} {c['unit']}",
-                    c["ratio"],
-                    c["subject"],
+                    "baseline model", c["check"], "sim", "analytic bound",
+                    f"{c['measured']:.4g} vs {c['bound']:.4g} {c['unit']}", "within 5%",
+                    bool(c["within_5pct"]), kind="check", note=c["subject"],
                 )
             )
         n = cfg.workers
@@ -44,13 +41,12 @@ class Baselines:
                 got = comm["ring"] / comm["switchml"]
                 r.claims.append(
                     Claim(
-                        "SwitchML",
-                        f"INA sends each byte once each way: all-reduce {expect:.2f}x "
-                        f"faster than ring at n={n}",
-                        f"{expect:.2f}x (analytic)",
-                        f"{got:.2f}x",
-                        got / expect,
-                        model,
+                        "in-network aggregation",
+                        f"each byte sent once each way: all-reduce faster than the ring, "
+                        f"n={n}, {model}", "sim", "ring all-reduce", f"{got:.2f}x",
+                        f"{expect:.2f}x (bytes bound)", got >= 0.95 * expect, kind="check",
+                        speedup=got, headline=model == cfg.models[0],
+                        note="within 5% of the bound counts as met",
                     )
                 )
             if "ps" in comm and "switchml" in comm:
@@ -58,11 +54,9 @@ class Baselines:
                 r.claims.append(
                     Claim(
                         "BytePS-style PS",
-                        "with one server per worker the PS moves S each way, like INA",
-                        "1.00x of SwitchML time",
-                        f"{got:.3f}x",
-                        got,
-                        model,
+                        f"with one server per worker the PS moves S each way, like INA, {model}",
+                        "sim", "SwitchML", f"{got:.3f}x SwitchML's time", "1.00x",
+                        abs(got - 1) <= 0.05, kind="check",
                     )
                 )
         r.plots.append(

@@ -26,7 +26,7 @@ from gradfabric.core.cells import Executor, chosen, run_cells
 from gradfabric.core.config import dump
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
-from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
+from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.multijob import TENANCY_SCHEMES, TenancyConfig, run_tenancy
 
@@ -190,6 +190,36 @@ def _median(cmp: list[dict[str, Any]]) -> float:
     return float(statistics.median(float(c["improvement"]) for c in cmp))
 
 
+def claims(res: dict[str, Any]) -> list[Claim]:
+    """The paper's claim and our own bound against the comparison rows
+    (``compare``) of a grid and its train-error rows, as ``reproduce`` and
+    ``experiment esa`` state them."""
+    cmp, err, train = res["cmp"], res.get("train_error") or [], res.get("train", 1)
+    best = max(cmp, key=lambda c: c["improvement"])
+    worst = min(cmp, key=lambda c: c["improvement"])
+    where = "pool {pool_slots}, load {load:g}, jitter {jitter_us:g} us"
+    accuracy = "packet level" if train == 1 else f"trains of {train} packets"
+    if err:
+        coarse = max(err, key=lambda e: abs(e["train_error"]))
+        accuracy += (f"; the train-error study: up to {abs(coarse['train_error']) * 100:.0f}% "
+                     f"off at trains of {coarse['train']}")  # fmt: skip
+    return [
+        Claim(
+            "ESA", "average JCT better than ATP by up to", "sim",
+            "ATP (PS sharded per worker, merge charged)", _gain(best, 2), "1.35x",
+            reaches(best["improvement"], 1.35), speedup=best["improvement"], headline=True,
+            note=where.format(**best) + f", {best['seeds']} seed(s)"
+            + (", 95% interval" if best["seeds"] > 1 else "")
+            + f"; {len(cmp)} settings, median {_median(cmp):.3f}x; {accuracy}",
+        ),
+        Claim(
+            "ESA", "never worse than ATP by more than 3% (avg JCT)", "sim", "ATP",
+            _gain(worst, 3), ">= 0.97x", reaches(worst["improvement"], 0.97), kind="goal",
+            speedup=worst["improvement"], note=where.format(**worst),
+        ),
+    ]
+
+
 class Esa:
     name = "esa"
     title = "ESA: preemptive, priority-scheduled switch memory"
@@ -205,36 +235,8 @@ class Esa:
             rows=cmp + rows + err,
             config={"grid": dump(grid), "tenancy": dump(TenancyConfig())},
         )
-        best = max(cmp, key=lambda c: c["improvement"])
-        worst = min(cmp, key=lambda c: c["improvement"])
-        where = "pool {pool_slots}, load {load:g}, jitter {jitter_us:g} us"
+        r.claims += claims({"cmp": cmp, "train_error": err, "train": grid.train})
         granularity = "packet level" if grid.train == 1 else f"trains of {grid.train} packets"
-        coarse = max((abs(e["train_error"]) for e in err), default=None)
-        accuracy = granularity + ("" if coarse is None else (
-            f"; the train-error study: up to {coarse * 100:.0f}% off at trains of "
-            f"{grid.error_trains[0]}"))  # fmt: skip
-        r.claims.append(
-            Claim(
-                "ESA",
-                "average JCT better than ATP (PS sharded per worker, merge charged) by up to",
-                "1.35x",
-                _gain(best, 2),
-                best["improvement"] / 1.35,
-                where.format(**best)
-                + f", {best['seeds']} seed(s), 95% interval; {len(cmp)} settings, median "
-                f"{_median(cmp):.3f}x; {accuracy}",
-            )
-        )
-        r.claims.append(
-            Claim(
-                "ESA",
-                "never worse than ATP by more than 3% (avg JCT)",
-                ">= 0.97x",
-                _gain(worst, 3),
-                worst["improvement"] / 0.97,
-                where.format(**worst),
-            )
-        )
         load, jitter = grid.loads[-1], grid.jitters_us[-1]
         pools = [float(p) for p in grid.pool_slots]
         series = {
@@ -261,6 +263,7 @@ class Esa:
                 f"Average JCT, load {load:g}, jitter {jitter:g} us",
                 out / "esa_jct.png",
                 logx=True,
+                from_zero=True,
             ).name
         )
         r.notes.append(

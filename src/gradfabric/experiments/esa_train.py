@@ -21,7 +21,7 @@ from gradfabric.emu.esa_train import (
 )
 from gradfabric.emu.job import DAEMON, MODEL
 from gradfabric.experiments import plots
-from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
+from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.multijob import TenancyConfig, run_tenancy
 
@@ -99,12 +99,14 @@ def claims(res: dict[str, Any]) -> list[Claim]:
         atp, esa = (next(x for x in res["rows"] if x["setting"] == r["setting"]
                          and x["policy"] == p) for p in ("atp", "esa"))  # fmt: skip
         out.append(Claim(
-            "ESA", f"average JCT of real training jobs vs ATP ({r['setting']} pool, "
-            f"{r['pool_slots']} aggregators)", "up to 1.35x",
-            f"{r['mean_jct_speedup']:.2f}x ± {r['mean_jct_speedup_half']:.2f}",
-            r["mean_jct_speedup"] / 1.35,
-            f"{res['config']['seeds']} seeded traces of {res['config']['jobs']} jobs; mean JCT "
-            f"{esa['mean_jct_s'] * 1e3:.0f} vs {atp['mean_jct_s'] * 1e3:.0f} ms, p99 "
+            "ESA", f"average JCT of real training jobs, {r['setting']} pool "
+            f"({r['pool_slots']} aggregators)", "training",
+            "ATP through the same daemon (PS fallback sharded per worker, merge charged)",
+            f"{r['mean_jct_speedup']:.2f}x ± {r['mean_jct_speedup_half']:.2f}", "1.35x",
+            reaches(r["mean_jct_speedup"], 1.35), speedup=r["mean_jct_speedup"],
+            headline=r["setting"] == "scarce",
+            note=f"{res['config']['seeds']} seeded traces of {res['config']['jobs']} jobs; mean "
+            f"JCT {esa['mean_jct_s'] * 1e3:.0f} vs {atp['mean_jct_s'] * 1e3:.0f} ms, p99 "
             f"{r['p99_jct_speedup']:.2f}x ± {r['p99_jct_speedup_half']:.2f}; simulated "
             f"{r['sim_mean_jct_speedup']:.2f}x; every job's loss curve equal to its solo "
             f"replay: {atp['exact'] and esa['exact']}; preemptions {esa['preemptions']}",

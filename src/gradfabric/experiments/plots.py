@@ -89,12 +89,23 @@ def lines(
     title: str,
     path: Path,
     logx: bool = False,
+    err: dict[str, list[float]] | None = None,
+    from_zero: bool = False,
 ) -> Path:
+    """One line per series; ``err``: a series' 95% interval half-widths,
+    drawn as a band; ``from_zero``: the y axis starts at 0 (where a ratio is
+    read off the lines)."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, ys in series.items():
-        ax.plot(xs, ys, marker="o", label=name)
+        (line,) = ax.plot(xs, ys, marker="o", label=name)
+        if err and name in err:
+            lo = [y - e for y, e in zip(ys, err[name], strict=True)]
+            hi = [y + e for y, e in zip(ys, err[name], strict=True)]
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
     if logx:
         ax.set_xscale("log")
+    if from_zero:
+        ax.set_ylim(bottom=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     return _finish(fig, ax, title, path)

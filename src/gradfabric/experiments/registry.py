@@ -10,21 +10,47 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from gradfabric.core.registry import Registry
 
 Tick = Callable[[str], None]
 
 
+Setting = Literal["sim", "udp", "training"]
+Kind = Literal["paper", "goal", "check"]
+SETTINGS: dict[str, str] = {"sim": "simulated", "udp": "over UDP", "training": "in training"}
+
+
 @dataclass
 class Claim:
+    """One figure of ours beside what it is held to.
+
+    ``kind``: a paper's claim, a goal of our own, or a check against an
+    analytic bound or a reference. ``setting``: where ours was measured.
+    ``speedup`` is oriented so that above 1 is better (ours over the
+    baseline's time, or a bound's time over ours), whatever the paper's
+    wording; ``met`` says whether ours reaches the paper's figure or the
+    target (None where there is nothing to meet). ``headline`` marks the one
+    claim per system and setting that the README's table shows.
+    """
+
     system: str
     claim: str
-    paper: str
-    ours: str
-    ratio: float | None
+    setting: Setting
+    baseline: str  # what ours is against (the strongest there), or the bound
+    ours: str  # as read, with its interval where the study has one
+    paper: str  # the paper's figure, or the target
+    met: bool | None
+    kind: Kind = "paper"
+    speedup: float | None = None
+    headline: bool = False
     note: str = ""
+
+
+def reaches(speedup: float | None, target: float) -> bool | None:
+    """A speed-up meets ``target`` when its estimate reaches it."""
+    return None if speedup is None else speedup >= target
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 from gradfabric.core.cells import Executor, chosen, run_cells
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
-from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
+from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.stragglers import StragglerConfig
 from gradfabric.sim.training import TrainingConfig, run_training
@@ -118,6 +118,37 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def claims(res: dict[str, Any]) -> list[Claim]:
+    """The paper's claims against the comparison rows (``compare``) of a grid,
+    as ``reproduce`` and ``experiment saatp`` state them."""
+    cmp = res["cmp"]
+    straggling = [c for c in cmp if c["slowdown"] > 1]
+    best = max(straggling, key=lambda c: c["reduction"])
+    fastest = max(straggling, key=lambda c: c["speedup"])
+    calm = [c for c in cmp if c["slowdown"] == 1]
+    worst = max(calm, key=lambda c: c["saatp_ms"] / c["atp_ms"])
+    where = "{model}, {workers} workers, {stragglers} straggler(s) at {slowdown:g}x"
+    return [
+        Claim(
+            "SA-ATP", "iteration time lower than ATP by up to", "sim", "ATP",
+            f"{best['reduction']:.1%} lower ({1 / (1 - best['reduction']):.2f}x)",
+            "57% lower (2.33x)", best["reduction"] >= 0.57,
+            speedup=1 / (1 - best["reduction"]), note=where.format(**best),
+        ),
+        Claim(
+            "SA-ATP", "training faster than ATP by up to", "sim", "ATP",
+            f"{fastest['speedup']:.2f}x", "1.8x", reaches(fastest["speedup"], 1.8),
+            speedup=fastest["speedup"], headline=True, note=where.format(**fastest),
+        ),
+        Claim(
+            "SA-ATP", "no straggler: iteration time within 2% of ATP", "sim", "ATP",
+            f"{worst['atp_ms'] / worst['saatp_ms']:.3f}x", ">= 0.98x",
+            reaches(worst["atp_ms"] / worst["saatp_ms"], 0.98), kind="goal",
+            speedup=worst["atp_ms"] / worst["saatp_ms"], note=where.format(**worst),
+        ),
+    ]  # fmt: skip
+
+
 class Saatp:
     name = "saatp"
     title = "SA-ATP: straggler-aware in-network aggregation"
@@ -127,42 +158,7 @@ class Saatp:
         rows = run_grid(grid, tick, chosen())
         cmp = compare(rows)
         r = ExperimentResult(self.name, self.title, rows=cmp + rows, config=dump(grid))
-        straggling = [c for c in cmp if c["slowdown"] > 1]
-        best = max(straggling, key=lambda c: c["reduction"])
-        fastest = max(straggling, key=lambda c: c["speedup"])
-        where = "{model}, {workers} workers, {stragglers} straggler(s) at {slowdown:g}x"
-        r.claims.append(
-            Claim(
-                "SA-ATP",
-                "iteration time lower than ATP by up to",
-                "57%",
-                f"{best['reduction']:.1%}",
-                best["reduction"] / 0.57,
-                where.format(**best),
-            )
-        )
-        r.claims.append(
-            Claim(
-                "SA-ATP",
-                "training faster than ATP by up to",
-                "1.8x",
-                f"{fastest['speedup']:.2f}x",
-                fastest["speedup"] / 1.8,
-                where.format(**fastest),
-            )
-        )
-        calm = [c for c in cmp if c["slowdown"] == 1]
-        worst = max(calm, key=lambda c: c["saatp_ms"] / c["atp_ms"])
-        r.claims.append(
-            Claim(
-                "SA-ATP",
-                "no straggler: iteration time within 2% of ATP",
-                "within 2%",
-                f"{worst['saatp_ms'] / worst['atp_ms'] - 1:+.2%}",
-                worst["saatp_ms"] / worst["atp_ms"],
-                where.format(**worst),
-            )
-        )
+        r.claims += claims({"cmp": cmp})
         first = [
             x
             for x in rows

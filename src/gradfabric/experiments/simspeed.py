@@ -162,12 +162,10 @@ class SimSpeed:
         best = max(eps, key=lambda p: eps[p])
         r.claims.append(
             Claim(
-                "simulator",
-                "8-worker ATP ResNet-50 iteration, packet level: events per wall second",
-                f">= {GOAL_EVENTS_PER_S:,} (our goal)",
-                f"{eps[best]:,.0f} ({best})",
-                eps[best] / GOAL_EVENTS_PER_S,
-                ", ".join(f"{p} {v:,.0f}" for p, v in eps.items())
+                "simulator", "8-worker ATP ResNet-50 iteration, packet level: events per wall "
+                "second", "sim", "", f"{eps[best]:,.0f} ({best})", f">= {GOAL_EVENTS_PER_S:,}",
+                eps[best] >= GOAL_EVENTS_PER_S, kind="goal",
+                note=", ".join(f"{p} {v:,.0f}" for p, v in eps.items())
                 + (f"; compiled/python {speed['compiled_vs_python']:.2f}x"
                    if "compiled_vs_python" in speed else "; nothing compiled"),
             )

@@ -2,7 +2,7 @@
 
 A sum through the switch costs a worker a few Python calls per datagram
 (decode, engine, encode, the event loop), which on 64 KB datagrams was most
-of its CPU besides the quantiser (docs/STATUS.md). ``_datapath.c`` runs the
+of its CPU besides the quantiser (NOTEBOOK.md). ``_datapath.c`` runs the
 same engine over the same socket for one whole collective: batched reads
 and writes (recvmmsg, sendmmsg), each datagram gathered from a header and
 the int32 tensor in place, results written straight into the int64 sum, the

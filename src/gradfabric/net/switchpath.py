@@ -3,7 +3,7 @@
 Per datagram the Python daemon spends a dozen calls (read, job and token,
 decode, engine, policy, encode, send): on 8 KB datagrams that was the
 daemon's CPU per sum and the switch's bound on shaped links
-(docs/STATUS.md). ``_switchpath.c`` does the same work for a SwitchML daemon
+(NOTEBOOK.md). ``_switchpath.c`` does the same work for a SwitchML daemon
 in C, a batch of datagrams per call (recvmmsg, sendmmsg), from the daemon's
 own event loop: the control plane runs in the same thread between calls,
 so it needs no locks. It tells the C table what it decides (jobs, tokens,

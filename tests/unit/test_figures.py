@@ -1,0 +1,69 @@
+"""The figures in the README and the docs are the stored results' (docs/data),
+written by scripts/figures.py: none stale, none typed by hand, and every
+stored claim the one its experiment computes from the stored rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _figures() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "scripts" / "figures.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["figures"] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+figures = _figures()
+
+
+def test_every_page_is_up_to_date_and_has_no_hand_typed_figure() -> None:
+    problems = figures.check_or_write(write=False)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_can_fail() -> None:
+    assert figures.hand_typed("DDP through the switch: 1.18x ± 0.03 over the default hook")
+    assert figures.hand_typed("loses 2.3% of its values")
+    assert not figures.hand_typed("the ring moves 2(n-1)/n of the bytes, rank 0 at 10 Gbit/s")
+    page = "a <!-- fig:main-job-time -->21 minutes<!-- /fig --> run"
+    assert figures.regenerate(page, figures.sources()) != page
+    block = "<!-- fig:systems-table -->| 9.99x |<!-- /fig -->"
+    assert not figures.hand_typed(block)  # inside a generated part: the generator's
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs" / "data").glob("*.json")), ids=str)
+def test_a_studys_stored_claims_are_its_rows_claims(path: Path) -> None:
+    """A stored study's claims, computed again from its stored rows by the
+    experiment's own code, are the stored ones: a figure cannot be edited in
+    the store without its rows."""
+    d = json.loads(path.read_text())
+    if "claims" not in d or not isinstance(d["result"], dict):
+        pytest.skip("no rows to compute claims from (timings; the quick suite)")
+    module = importlib.import_module(f"gradfabric.experiments.{path.stem.replace('-', '_')}")
+    assert [asdict(c) for c in module.claims(d["result"])] == d["claims"]
+
+
+def test_the_readme_table_shows_stored_headlines() -> None:
+    """Each figure in the README's systems table is a stored headline's, with
+    the baseline it was measured against."""
+    readme = (ROOT / "README.md").read_text()
+    table = re.search(r"<!-- fig:systems-table -->(.*?)<!-- /fig -->", readme, re.S)
+    assert table
+    shown = re.findall(r"\*\*(.+?)\*\* vs ([^;|]+?)(?: \(not met\))?(?:;|\s\|)", table[1])
+    stored = {(c.ours, c.baseline) for s in figures.sources() for c in s.claims if c.headline}
+    assert shown and all((ours, base.strip()) in stored for ours, base in shown), shown
+    systems = [row.split("|")[1].strip() for row in table[1].splitlines()[3:] if row]
+    assert systems == list(figures.SYSTEMS)
