@@ -43,7 +43,7 @@ SYSTEMS = ("in-network aggregation", "SA-ATP", "ESA", "DLCP", "OmniReduce", "pla
 PAPERS = {  # what each paper claims (their words, not our measurements)
     "in-network aggregation": "line rate (SwitchML); the ring moves 2(n-1)/n of it",
     "SA-ATP": "up to 1.8x training, 57% lower iteration time",
-    "ESA": "1.35x average JCT",
+    "ESA": "up to 1.35x average JCT",
     "DLCP": "up to 84.3% faster training",
     "OmniReduce": "up to 8.2x",
     "planner": "up to 68.59% lower batch time",
