@@ -34,7 +34,7 @@ def timed(args: list[str], log: Path) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", help="comma-separated experiments (default: every one)")
+    p.add_argument("--only", help="comma-separated experiments (default: every one; '': none)")
     p.add_argument("--main-job", action="store_true", help="also `gradfabric reproduce --quick`")
     args = p.parse_args()
     logs = ROOT / "results" / "timings"
@@ -44,7 +44,8 @@ def main() -> int:
     data = json.loads(OUT.read_text()) if OUT.exists() else {"experiments": []}
     when = {"date": datetime.date.today().isoformat(), "commit": commit}
     runs = {r["command"]: r for r in data["experiments"]}
-    for name in args.only.split(",") if args.only else EXPERIMENTS:
+    names = args.only.split(",") if args.only is not None else EXPERIMENTS
+    for name in [n for n in names if n]:  # (--only "" --main-job: the main job alone)
         seconds = timed(["experiment", name, "--json"], logs / f"{name}.log")
         command = f"gradfabric experiment {name}"
         runs[command] = {"command": command, "seconds": round(seconds, 1)} | when
