@@ -31,7 +31,13 @@ from typing import Any
 import yaml
 
 from gradfabric.experiments.registry import SETTINGS, Claim
-from gradfabric.experiments.report import CLAIM_COLUMNS, claim_rows, markdown
+from gradfabric.experiments.report import (
+    CLAIM_COLUMNS,
+    SYSTEMS,
+    claim_rows,
+    markdown,
+    system_order,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data"
@@ -39,7 +45,6 @@ PAGES = ("README.md", "docs")  # every Markdown file under these is checked
 BLOCK = re.compile(r"<!-- fig:([\w-]+) -->(.*?)<!-- /fig -->", re.S)
 # a measured figure typed by hand: a decimal speed-up or percentage, an interval
 HAND_TYPED = re.compile(r"\d\.\d+ ?x\b|\d\.\d+%|±|\+-")
-SYSTEMS = ("in-network aggregation", "SA-ATP", "ESA", "DLCP", "OmniReduce", "planner")
 PAPERS = {  # what each paper claims (their words, not our measurements)
     "in-network aggregation": "line rate (SwitchML); the ring moves 2(n-1)/n of it",
     "SA-ATP": "up to 1.8x training, 57% lower iteration time",
@@ -94,8 +99,10 @@ def headlines(srcs: list[Source], system: str, setting: str) -> list[tuple[Claim
 
 
 def _cell(claims: list[tuple[Claim, Source]]) -> str:
+    """A README cell: ours against the baseline's name (its details, in
+    brackets, are on the results page)."""
     return "; ".join(
-        f"**{c.ours}** vs {c.baseline}" + ("" if c.met is not False else " (not met)")
+        f"**{c.ours}** vs {c.baseline.split(' (')[0]}" + (" (not met)" if c.met is False else "")
         for c, _ in claims
     ) or "-"
 
@@ -127,7 +134,7 @@ def results_page(srcs: list[Source]) -> str:
             for x in headlines(srcs, system, setting)]  # fmt: skip
     lines += markdown([*CLAIM_COLUMNS, "measured by"],
                       claim_rows([c for c, _ in real], [[s.label] for _, s in real]))  # fmt: skip
-    for system in sorted({c.system for s in srcs for c in s.claims}, key=_system_order):
+    for system in sorted({c.system for s in srcs for c in s.claims}, key=system_order):
         mine = [(c, s) for s in srcs for c in s.claims if c.system == system]
         lines += ["", f"## {system}", ""]
         lines += markdown([*CLAIM_COLUMNS[1:], "measured by"],
@@ -136,10 +143,6 @@ def results_page(srcs: list[Source]) -> str:
         notes = [f"- {c.claim} ({SETTINGS[c.setting]}): {c.note}" for c, _ in mine if c.note]
         lines += ["", *notes] if notes else []
     return "\n".join(lines) + "\n"
-
-
-def _system_order(system: str) -> tuple[int, str]:
-    return (SYSTEMS.index(system) if system in SYSTEMS else len(SYSTEMS), system)
 
 
 def _timings() -> dict[str, Any]:

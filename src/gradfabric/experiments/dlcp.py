@@ -145,14 +145,13 @@ class Dlcp:
         res.plots.append(
             plots.lines(
                 list(cfg.bounds),
-                {p: [at[(p, b)]["accuracy"] * 100 for b in cfg.bounds] for p in cfg.policies}
-                | {"lossless": [base["accuracy"] * 100] * len(cfg.bounds)},
+                {p: [at[(p, b)]["delta_pp"] for b in cfg.bounds] for p in cfg.policies}
+                | {"lossless": [0.0] * len(cfg.bounds)},
                 "loss bound p (push; pull gets p x 0.2)",
-                "test accuracy (%), mean over seeds (band: 95% interval)",
-                "teacher task: accuracy against gradient loss, by drop policy",
+                "accuracy vs lossless (pp)",
+                "Teacher task: accuracy under loss, paired by seed (95% bands)",
                 out / "dlcp_convergence.png",
-                err={p: [at[(p, b)]["accuracy_ci"] * 100 for b in cfg.bounds]
-                     for p in cfg.policies},
+                err={p: [at[(p, b)]["delta_ci_pp"] for b in cfg.bounds] for p in cfg.policies},
             ).name
         )
         return res

@@ -37,6 +37,14 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|") or "-"
 
 
+# the systems in the order the README and the reports list them
+SYSTEMS = ("in-network aggregation", "SA-ATP", "ESA", "DLCP", "OmniReduce", "planner")
+
+
+def system_order(system: str) -> tuple[int, str]:
+    return (SYSTEMS.index(system) if system in SYSTEMS else len(SYSTEMS), system)
+
+
 CLAIM_COLUMNS = ("system", "setting", "claim", "against", "ours", "paper / target", "met")
 
 
@@ -85,7 +93,8 @@ def write_report(results: list[ExperimentResult], out: Path, quick: bool) -> Pat
         "Each system measured for real (over UDP sockets or in DDP training) against the "
         "best thing a practitioner could run instead.",
         "",
-        *table([x for x in claims if real_headline(x[0])], with_command=False),
+        *table(sorted((x for x in claims if real_headline(x[0])),
+                      key=lambda x: system_order(x[0].system)), with_command=False),
         "",
         "## The papers' claims",
         "",
