@@ -44,7 +44,10 @@ def test_the_check_can_fail() -> None:
     assert not figures.hand_typed(block)  # inside a generated part: the generator's
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "docs" / "data").glob("*.json")), ids=str)
+STORED = sorted((ROOT / "docs" / "data").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", STORED, ids=lambda p: p.name)
 def test_a_studys_stored_claims_are_its_rows_claims(path: Path) -> None:
     """A stored study's claims, computed again from its stored rows by the
     experiment's own code, are the stored ones: a figure cannot be edited in
