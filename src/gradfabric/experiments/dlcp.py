@@ -111,7 +111,7 @@ class Dlcp:
                     list(loads),
                     {s: [t[(coll, s, ld)]["p99_comm_ms"] for ld in loads] for s in schemes},
                     "background load (share of a host link)",
-                    "p99 tensor communication time (ms), mean over seeds (band: 95% interval)",
+                    "p99 tensor time (ms), mean over seeds, 95% band",
                     f"DLCP vs reliable transports, {label} on a leaf-spine (simulated)",
                     out / f"dlcp_p99_{coll}.png",
                     err={s: [t[(coll, s, ld)]["p99_ci_ms"] for ld in loads] for s in schemes},
