@@ -230,6 +230,10 @@ def test_experiment_dlcp_json_rows_and_bad_collective(
     assert {r["routing"] for r in rows if "routing" in r} == {"spray", "ECMP"}
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == transport and (tmp_path / "config.yaml").exists()
+    # the claim, from the gain at the highest load: only the ring ran, no accuracy study
+    (claim,) = saved["claims"]
+    gain = next(g["gain"] for g in rows if g.get("routing") == "spray")
+    assert claim["speedup"] == pytest.approx(1 / (1 - gain)) and claim["setting"] == "sim"
     assert main([*args, "--collectives", "tree"]) == 2
 
 

@@ -208,7 +208,7 @@ def esa(args: argparse.Namespace) -> int:
 
 
 def dlcp(args: argparse.Namespace) -> int:
-    from gradfabric.experiments.dlcp import LOADS, QUICK_SEEDS, SEEDS, gains, summarise
+    from gradfabric.experiments.dlcp import LOADS, QUICK_SEEDS, SEEDS, claims, gains, summarise
     from gradfabric.experiments.dlcp_convergence import ConvergenceConfig, cells, run_convergence
     from gradfabric.sim.dlcp import VARIANTS, experiment_configs, run_grid
 
@@ -238,6 +238,7 @@ def dlcp(args: argparse.Namespace) -> int:
                 "convergence": asdict(cfg) if convergence else None}  # fmt: skip
     results = {"rows": transport, "summary": summarise(transport), "gains": headline,
                "convergence": rows}  # fmt: skip
+    results["claims"] = [asdict(c) for c in claims(results | {"config": resolved})]
     report(
         args, "dlcp", resolved, results, json_keys=["rows", "gains", "convergence"],
         tables=[
