@@ -31,8 +31,10 @@ class Claim:
     ``speedup`` is oriented so that above 1 is better (ours over the
     baseline's time, or a bound's time over ours), whatever the paper's
     wording; ``met`` says whether ours reaches the paper's figure or the
-    target (None where there is nothing to meet). ``headline`` marks the one
-    claim per system and setting that the README's table shows.
+    target (None where there is nothing to meet), judged on the estimate:
+    where an interval is shown, a "not met" inside it is not resolved either
+    way. ``headline`` marks the claims per system and setting that the
+    README's table shows.
     """
 
     system: str

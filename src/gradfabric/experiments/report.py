@@ -20,8 +20,7 @@ def _fmt(v: object) -> str:
 
 def _table(rows: list[dict[str, object]]) -> list[str]:
     keys = list(dict.fromkeys(k for row in rows for k in row))
-    lines = ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return lines + ["| " + " | ".join(_fmt(row.get(k, "")) for k in keys) + " |" for row in rows]
+    return ["", *markdown(keys, [[row.get(k, "") for k in keys] for row in rows])]
 
 
 def command(name: str, quick: bool) -> str:
@@ -74,12 +73,12 @@ def write_report(results: list[ExperimentResult], out: Path, quick: bool) -> Pat
     claims = [(c, command(r.name, quick)) for r in results for c in r.claims]
 
     def table(chosen: list[tuple[Claim, str]], with_command: bool) -> list[str]:
-        cs = [c for c, _ in chosen]
-        if not cs:
+        if not chosen:
             return ["None in this run."]
-        header = [*CLAIM_COLUMNS, *(["measured by"] if with_command else [])]
-        return markdown(header, claim_rows(cs, [[cmd] for _, cmd in chosen] if with_command
-                                           else ()))  # fmt: skip
+        cs = [c for c, _ in chosen]
+        if not with_command:
+            return markdown(CLAIM_COLUMNS, claim_rows(cs))
+        return markdown([*CLAIM_COLUMNS, "measured by"], claim_rows(cs, [[x] for _, x in chosen]))
 
     lines = [
         "# gradfabric reproduction report",
