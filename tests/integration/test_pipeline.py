@@ -182,19 +182,26 @@ def test_train_plan_follows_the_controller_through_a_trace_and_trains_exactly() 
     tolerance argument as above, relative), no plan uses a device while it is
     gone, and each move sends exactly the layers the controller's migration
     term counts (its fp32 parameter bytes, here float64 and with momentum:
-    4x the bytes)."""
+    4x the bytes).
+    The other schedules of the comparison run in the same processes, each
+    from a fresh model through the same trace, and train exactly alike."""
     from gradfabric.planner.execute import ExecConfig
-    from gradfabric.planner.train_plan import DEFAULT_TRACE, TrainPlanConfig, train_plan
+    from gradfabric.planner.train_plan import DEFAULT_TRACE, SCHEDULES, TrainPlanConfig, train_plan
 
     cfg = TrainPlanConfig(ExecConfig(layers=4, width=32, batch=48), steps_per_slot=2,
-                          dtype="float64", calibrate=False)  # fmt: skip
+                          dtype="float64", calibrate=False, schedules=tuple(SCHEDULES))  # fmt: skip
     res = train_plan(cfg)
-    rows = res["rows"]
-    assert len(rows) == len(DEFAULT_TRACE) and res["summary"]["steps"] == 2 * len(rows)
-    assert res["summary"]["max_loss_rel_diff"] < 1e-12
-    assert res["summary"]["last_loss"] < res["summary"]["first_loss"]
-    for r, factors in zip(rows, DEFAULT_TRACE, strict=True):
+    sm = res["summary"]
+    assert len(res["rows"]) == len(SCHEDULES) * len(DEFAULT_TRACE)
+    assert sm["steps"] == 2 * len(DEFAULT_TRACE)
+    assert sm["max_loss_rel_diff"] < 1e-12
+    assert sm["last_loss"] < sm["first_loss"]
+    for r in res["rows"]:
         used = {d for g in r["groups"] for d, _, _ in g}
-        assert all(factors[d] > 0 for d in used), (r["slot"], used)
+        assert all(DEFAULT_TRACE[r["slot"]][d] > 0 for d in used), (r["schedule"], r["slot"], used)
         assert r["moved_mb"] == pytest.approx(4 * r["predicted_param_mb"], rel=1e-9)
-    assert res["summary"]["migrations"] >= 1
+    assert sm["migrations"] >= 1
+    by = sm["schedules"]
+    assert set(by) == set(SCHEDULES)
+    assert by["static"]["replans"] == 0 and by["static"]["moved_mb"] == 0
+    assert all(r["step_ms"] > 0 and r["dollars_per_1k_batches"] > 0 for r in by.values())

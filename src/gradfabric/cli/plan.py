@@ -56,7 +56,12 @@ def add(sub: Sub) -> None:
         "step time, the controller's migration term beside the measured transfers, bytes "
         "moved, and the loss beside the unsplit model's full-batch loss on the same seeds. "
         "Default trace: all present; device 1 at 30%; device 0 leaves; it returns; all "
-        "as at first.",
+        "as at first. With --compare, the controller against fixed rules on the same "
+        "trace (default: 24 slots of late joiners, contention and preemptions): the best "
+        "static plan in hindsight within the budget, re-planning every slot without the "
+        "budget, and speed-proportional DP re-balanced each slot; per schedule the "
+        "time-averaged step, price per hour and per batch, and the controller's paired "
+        "speed-up over it.",
     )
     tp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
     tp.add_argument("--trace", help="CSV with slot,device,speed rows (speed: a factor, 0: gone)")
@@ -79,6 +84,12 @@ def add(sub: Sub) -> None:
         help="the controller's cost model as is (default: calibrated first)",
     )
     tp.add_argument("--v", type=float, default=1000.0, help="time-vs-cost trade-off V")
+    tp.add_argument(
+        "--compare", action="store_true", help="run every schedule of the comparison (above)"
+    )
+    tp.add_argument("--repeats", type=int, default=1, help="runs of each schedule (intervals)")
+    tp.add_argument("--prices", help="$/h per device, comma-separated (default: 4 x its speed)")
+    tp.add_argument("--budget", type=float, help="$/h (default: 75%% of all the devices' price)")
     add_output(tp, "train-plan")
     tp.set_defaults(fn=train_plan)
 
@@ -86,7 +97,12 @@ def add(sub: Sub) -> None:
 def train_plan(args: argparse.Namespace) -> int:
     from gradfabric.planner.execute import ExecConfig
     from gradfabric.planner.online import load_trace, random_trace
-    from gradfabric.planner.train_plan import TrainPlanConfig, default_trace
+    from gradfabric.planner.train_plan import (
+        SCHEDULES,
+        TrainPlanConfig,
+        changing_trace,
+        default_trace,
+    )
     from gradfabric.planner.train_plan import train_plan as run_slots
 
     try:
@@ -94,24 +110,36 @@ def train_plan(args: argparse.Namespace) -> int:
                              layers=args.layers, width=args.width, batch=args.batch,
                              seed=args.seed, device_gflops=args.device_gflops)  # fmt: skip
         cfg = TrainPlanConfig(cluster, steps_per_slot=args.steps_per_slot, dtype=args.dtype,
-                              v=args.v, calibrate=not args.no_calibrate)  # fmt: skip
+                              v=args.v, calibrate=not args.no_calibrate,
+                              prices=tuple(csv(args.prices, float) or ()), budget=args.budget,
+                              schedules=tuple(SCHEDULES) if args.compare else ("controller",),
+                              repeats=args.repeats)  # fmt: skip
     except ValueError as e:
         raise ConfigError("train-plan", str(e)) from None
     n = len(cluster.speeds)
     trace = (load_trace(Path(args.trace), n) if args.trace
              else random_trace(n, args.slots, args.seed) if args.slots
+             else changing_trace(n) if args.compare
              else default_trace(n))  # fmt: skip
     with progress(1, args.json) as tick:
-        tick(f"{len(trace)} slots of {cfg.steps_per_slot} steps on {n} processes")
+        tick(f"{len(trace)} slots of {cfg.steps_per_slot} steps on {n} processes, "
+             f"{len(cfg.schedules)} schedules x {cfg.repeats}")  # fmt: skip
         res = run_slots(cfg, trace)
     sm = res["summary"]
+    slots = ("rows", "slots of the trace, each under the controller's plan",
+             ["slot", "factors", "plan", "predicted_step_ms", "measured_step_ms",
+              "predicted_migration_ms", "measured_migration_ms", "replan_ms",
+              "predicted_param_mb", "moved_mb", "loss", "reference_loss"])  # fmt: skip
+    schedules = ("schedules", f"the schedules over {sm['slots']} slots (budget "
+                 f"{sm['budget_per_hour']:.2f} $/h), means of {cfg.repeats} runs",
+                 ["schedule", "step_ms", "step_ms_half", "predicted_step_ms", "price_per_hour",
+                  "over_budget", "dollars_per_1k_batches", "replans", "moved_mb",
+                  "controller_speedup", "controller_speedup_half", "loss_rel_diff"])  # fmt: skip
     report(
         args, "train-plan", {**asdict(cfg), "trace": trace}, res,
-        tables=[("rows", "slots of the trace, each under the controller's plan",
-                 ["slot", "factors", "plan", "predicted_step_ms", "measured_step_ms",
-                  "predicted_migration_ms", "measured_migration_ms", "replan_ms",
-                  "predicted_param_mb", "moved_mb", "loss", "reference_loss"])],
-        footer=f"{sm['steps']} steps, {sm['migrations']} migrations; loss "
+        tables=[schedules] if args.compare else [slots],
+        json_keys=("schedules",) if args.compare else ("rows",),
+        footer=f"{sm['steps']} steps a run, {sm['migrations']} migrations; loss "
         f"{sm['first_loss']:.4g} -> {sm['last_loss']:.4g}, largest relative difference "
         f"from the unsplit full-batch run {sm['max_loss_rel_diff']:.1e} ({cfg.dtype})",
     )  # fmt: skip

@@ -49,8 +49,10 @@ def even_dp(w: Workload, devs: list[Device]) -> Plan:
 
 
 def proportional_dp(w: Workload, devs: list[Device]) -> Plan:
+    """Shares in proportion to each device's FLOP/s at the speed it is given
+    (``nominal`` devices: its type's; current speeds: re-balanced)."""
     live = [d for d in devs if d.speed > 0]
-    b = split(w.batch, [d.type.flops for d in live])
+    b = split(w.batch, [d.flops for d in live])
     return Plan(
         tuple(Group((Stage(d.index, 0, w.layers),), x) for d, x in zip(live, b, strict=True))
     )

@@ -247,9 +247,13 @@ class PlanRunner:
         schedule: str = "gpipe",
         speed: float = 1.0,
         layer_sample_s: list[float] | None = None,
+        groups: dict[tuple[int, ...], Any] | None = None,
     ) -> None:
         """``sample``: one input sample (batch dimension 1): the stages' shapes
-        are derived from it, so no shape inference runs between stages."""
+        are derived from it, so no shape inference runs between stages.
+        ``groups``: process groups made before, by their ranks, to reuse
+        (``replan`` passes its own on, so a job re-planned every slot does
+        not open a new set of gloo connections each time)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         if schedule not in ("gpipe", "1f1b"):
@@ -275,9 +279,11 @@ class PlanRunner:
         self.moved_s = 0.0  # in this many seconds of transfers
         self.batches = whole_batches(plan, total_batch)
         # every rank makes every group, in one order: new_group is collective
-        pp = [dist.new_group([st.device for st in g.stages]) for g in plan.groups]
+        # (and every rank holds the same cache, so all of them skip alike)
+        self.groups = {} if groups is None else groups
+        pp = [self._group([st.device for st in g.stages]) for g in plan.groups]
         self.sync = {
-            ranks: (dist.new_group(list(ranks)), layers)
+            ranks: (self._group(list(ranks)), layers)
             for ranks, layers in sorted(owner_sets(plan, len(model)).items())
         }
         self.active = rank in by_rank
@@ -317,6 +323,12 @@ class PlanRunner:
             kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
             # (every stage passes the loss: a schedule without one runs no backward)
             self.schedule = kind(stage, group.micro_batches, loss_fn=loss_fn)
+
+    def _group(self, ranks: list[int]) -> Any:
+        key = tuple(sorted(ranks))
+        if key not in self.groups:
+            self.groups[key] = dist.new_group(list(key))
+        return self.groups[key]
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """One step on the global batch ``(x, y)`` (the same on every rank).
@@ -404,7 +416,7 @@ class PlanRunner:
                 moved += moved_here
         moved_s = time.perf_counter() - t0
         args = self.args if speed is None else (*self.args[:6], speed, self.args[7])
-        new = PlanRunner(plan, *args)
+        new = PlanRunner(plan, *args, groups=self.groups)
         if new.active:
             for p in new.params:
                 if states.get(id(p)):
