@@ -119,7 +119,10 @@ def add(sub: Sub) -> None:
         "both speedups over even data parallelism; the footer gives the planner's speedup "
         "over the fastest baseline with a 95% interval over runs. Calibration: "
         "the device's effective FLOP/s, a pipeline hop's latency and the link rate solved "
-        "from three separately measured plans (even DP, two pipelines) and an all-reduce.",
+        "from three separately measured plans (even DP, two pipelines) and an all-reduce. "
+        "--devices quota runs no throttle: each rank in a CPU quota of speed x "
+        "--quota-cores of one core (root, cgroup v1), its speed what the host makes of it, "
+        "the model as is priced at this host's measured single-core FLOP/s times the quota.",
     )
     bp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
     bp.add_argument("--layers", type=int, default=8)
@@ -131,6 +134,10 @@ def add(sub: Sub) -> None:
                     help="the reference device (speed 1); keep it below what a host "
                     "core shared by two processes does, or the throttle overruns "
                     "(reported)")  # fmt: skip
+    bp.add_argument("--devices", choices=("throttle", "quota"), default="throttle",
+                    help="how a rank becomes a slower device (above)")  # fmt: skip
+    bp.add_argument("--quota-cores", type=float, default=0.5,
+                    help="with --devices quota: the speed-1 device's share of a core")  # fmt: skip
     bp.add_argument("--random", type=int, default=9, help="random plans measured too")
     bp.add_argument("--repeats", type=int, default=3, help="runs (samples of each speedup)")
     bp.add_argument("--apart", action="store_true",
@@ -316,7 +323,8 @@ def plan_bench(args: argparse.Namespace) -> int:
     try:
         cfg = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()), layers=args.layers,
                          width=args.width, batch=args.batch, steps=args.steps,
-                         link_gbps=args.link_gbps, device_gflops=args.device_gflops)  # fmt: skip
+                         link_gbps=args.link_gbps, device_gflops=args.device_gflops,
+                         devices=args.devices, quota_cores=args.quota_cores)  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench plan", str(e)) from None
     from gradfabric.experiments.plots import predicted_vs_measured
@@ -325,7 +333,7 @@ def plan_bench(args: argparse.Namespace) -> int:
     sm = res["summary"]
     dest = report(
         args, "bench-plan", asdict(cfg), res,
-        tables=[("rows", f"plans executed on {len(cfg.speeds)} throttled gloo processes "
+        tables=[("rows", f"plans executed on {len(cfg.speeds)} gloo processes ({cfg.devices}) "
                  f"(speeds {args.speeds}), medians of {cfg.steps - cfg.warmup} steps x "
                  f"{args.repeats} runs",
                  ["plan", "measured_ms", "predicted_ms", "calibrated_ms", "error",
@@ -345,7 +353,7 @@ def plan_bench(args: argparse.Namespace) -> int:
     )  # fmt: skip
     predicted_vs_measured(
         res["rows"], {"cost model": "predicted_ms", "calibrated": "calibrated_ms"},
-        f"{sm['plans']} plans on {len(cfg.speeds)} throttled processes",
+        f"{sm['plans']} plans on {len(cfg.speeds)} processes ({cfg.devices})",
         dest / "predicted_vs_measured.png",
     )  # fmt: skip
     return 0

@@ -129,3 +129,20 @@ def predicted_vs_measured(
     ax.set_xlabel("measured step time (ms)")
     ax.set_ylabel("predicted step time (ms)")
     return _finish(fig, ax, title, path)
+
+
+def time_vs_price(
+    rows: list[dict[str, Any]], budget: float, title: str, path: Path
+) -> Path:  # fmt: skip
+    """One point per schedule (``train_plan``'s rows): its time-averaged
+    price per hour (x) and measured step time with its 95% interval (y),
+    the budget a vertical line."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.axvline(budget, color="k", ls="--", lw=1, label=f"budget {budget:.2f} $/h")
+    for r in rows:
+        ax.errorbar([r["price_per_hour"]], [r["step_ms"]], yerr=[r["step_ms_half"]], fmt="o",
+                    capsize=3, label=r["schedule"])  # fmt: skip
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("price, averaged over the slots ($/h)")
+    ax.set_ylabel("time-averaged step (ms, migrations included)")
+    return _finish(fig, ax, title, path)

@@ -14,6 +14,13 @@ all alike), ``repeats`` times. Each row: the plan, its measured step time
 rank), the cost model's predicted batch time for the same plan before and
 after calibration, the relative errors, and the throttle's overruns.
 
+``devices="quota"`` runs no throttle: rank ``r`` runs in a CPU quota of
+``speeds[r] * quota_cores`` of one core (``core.cpuquota``; root and cgroup
+v1), so its speed is whatever the host's compute makes of that share, and the
+cost model's compute is a prediction like the rest: the reference device is
+priced at this host's measured single-core FLOP/s (``host_gflops``, on the
+same MLP) times ``quota_cores`` before calibration.
+
 The cost model sees the reference device (``device_gflops``) and each device
 as a type of its own at ``speeds[r]`` of it (a static heterogeneity every
 baseline knows of), and links at ``link_gbps``. The throttle makes the
@@ -33,6 +40,7 @@ import random
 import statistics
 import tempfile
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -40,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradfabric.core.cpuquota import quota
 from gradfabric.core.stats import mean_ci
 from gradfabric.planner.baselines import best_subset, even_dp, even_pipeline, proportional_dp
 from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evaluate
@@ -60,8 +69,14 @@ class ExecConfig:
     link_gbps: float = 10.0  # what the cost model assumes of loopback gloo
     seed: int = 0
     device_gflops: float = REFERENCE_GFLOPS  # the reference device, speed 1
+    devices: str = "throttle"  # or "quota": a CPU quota per rank, no throttle (module doc)
+    quota_cores: float = 0.5  # with "quota": the speed-1 device's share of one core
 
     def __post_init__(self) -> None:
+        if self.devices not in ("throttle", "quota"):
+            raise ValueError(f"devices must be 'throttle' or 'quota', got {self.devices!r}")
+        if not self.quota_cores > 0:
+            raise ValueError(f"quota_cores must be > 0, got {self.quota_cores}")
         if len(self.speeds) < 2 or not all(0 < s <= 1 for s in self.speeds):
             raise ValueError("need >= 2 speeds in (0, 1]")
         if self.steps <= self.warmup or self.layers < len(self.speeds):
@@ -74,6 +89,34 @@ class ExecConfig:
         """Each layer's forward and backward seconds per sample on the
         reference device (the throttle's budget, the model's compute)."""
         return [3 * f / (self.device_gflops * 1e9) for f in workload(self).fwd_flops]
+
+
+def host_gflops(cfg: ExecConfig, repeats: int = 5) -> float:
+    """This host's FLOP/s on one thread for the config's MLP (forward and
+    backward of the whole batch, the median of ``repeats``): what a device
+    with all of one core would sustain."""
+    torch.manual_seed(cfg.seed)
+    model, threads = mlp_stack(cfg.layers, cfg.width), torch.get_num_threads()
+    x = torch.randn(cfg.batch, cfg.width)
+    torch.set_num_threads(1)
+    try:
+        took = []
+        for _ in range(repeats + 1):  # (the first warms up)
+            t0 = time.perf_counter()
+            model(x).square().mean().backward()
+            took.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 3 * sum(workload(cfg).fwd_flops) * cfg.batch / statistics.median(took[1:]) / 1e9
+
+
+def _device(cfg: ExecConfig, rank: int) -> tuple[AbstractContextManager[Any], float,
+                                                  list[float] | None]:  # fmt: skip
+    """Rank ``rank``'s device: the context it runs in (a CPU quota or
+    nothing), and the throttle's speed and per-layer budget (none in a quota)."""
+    if cfg.devices == "quota":
+        return quota(cfg.speeds[rank] * cfg.quota_cores), 1.0, None
+    return nullcontext(), cfg.speeds[rank], cfg.sample_s
 
 
 def mlp_stack(layers: int, width: int) -> nn.Sequential:
@@ -235,6 +278,8 @@ def run_plans(
     95% interval in the summary)."""
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
+    if cfg.devices == "quota":  # the model as is: this host's core, at the quota
+        cfg = replace(cfg, device_gflops=host_gflops(cfg) * cfg.quota_cores)
     cal, cal_times = calibrate(cfg)
     w = workload(cfg)
     raw_devs, cal_cfg = devices(cfg), replace(cfg, link_gbps=cal.link_gbps)
@@ -290,6 +335,7 @@ def run_plans(
     total = {n: sum(sc[n] for sc in scores.values()) for n in ("calls", "overruns", "late_s")}
     summary = {
         "plans": len(rows), "repeats": repeats, "device_gflops": cfg.device_gflops,
+        "devices": cfg.devices, "quota_cores": cfg.quota_cores if cfg.devices == "quota" else None,
         "overrun_share": total["overruns"] / max(total["calls"], 1),
         "late_us_per_call": total["late_s"] * 1e6 / max(total["calls"], 1),
         "calibration": asdict(cal),
@@ -348,6 +394,15 @@ def _measure(
 def _rank(
     rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool, out: str
 ) -> None:
+    where, speed, sample_s = _device(cfg, rank)
+    with where:
+        _steps(rank, cfg, chosen, allreduce, out, speed, sample_s)
+
+
+def _steps(
+    rank: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool, out: str, speed: float,
+    sample_s: list[float] | None,
+) -> None:  # fmt: skip
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.batch, cfg.width, generator=g)
     y = torch.randn(cfg.batch, cfg.width, generator=g)
@@ -356,7 +411,7 @@ def _rank(
         torch.manual_seed(cfg.seed)
         runners[name] = PlanRunner(p, mlp_stack(cfg.layers, cfg.width), nn.functional.mse_loss,
                                    cfg.batch, lambda ps: torch.optim.SGD(ps, lr=0.01), x[:1],
-                                   speed=cfg.speeds[rank], layer_sample_s=cfg.sample_s)  # fmt: skip
+                                   speed=speed, layer_sample_s=sample_s)  # fmt: skip
     grads = torch.zeros(sum(workload(cfg).params))
     steps: dict[str, Any] = {k: r.step for k, r in runners.items()}
     if allreduce:  # the model's gradients summed over every rank, as a ring would

@@ -1,0 +1,72 @@
+"""A CPU quota for the calling process: a device as slow as the host makes it.
+
+``quota(cores)`` moves this process (all its threads, and those it starts
+later) into a cgroup of its own under the one it is in, whose CFS bandwidth
+is ``cores`` of one CPU per ``PERIOD_US``, and on exit moves it back and
+deletes the cgroup. The process's compute then runs at that share of a core,
+with whatever the host's caches, memory and scheduler make of it: no sleep
+stands in for compute (the planner's deadline throttle does that, and so
+matches its cost model by construction). It needs root and the cgroup v1
+``cpu`` controller (``/sys/fs/cgroup/cpu``); ``available()`` says whether
+both are here, and tests skip where not. cgroup v2 (``cpu.max``) is not
+supported yet.
+
+The period is short (10 ms) so that a quota spreads over a step of tens of
+milliseconds rather than letting a process run free and then stall for most
+of a 100 ms period.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from gradfabric.core.errors import ConfigError
+
+ROOT = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 10_000
+MIN_QUOTA_US = 1_000  # the kernel's least quota
+
+
+def available() -> bool:
+    return os.geteuid() == 0 and (ROOT / "cpu.cfs_quota_us").exists()
+
+
+def _own_cgroup() -> Path:
+    """The cpu cgroup this process is in (``/proc/self/cgroup``'s cpu line)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return ROOT / path.lstrip("/")
+    return ROOT
+
+
+def throttled(path: Path) -> dict[str, int]:
+    """The cgroup's ``cpu.stat``: periods, periods throttled, ns throttled."""
+    stat = dict(line.split() for line in (path / "cpu.stat").read_text().splitlines())
+    return {"periods": int(stat["nr_periods"]), "throttled": int(stat["nr_throttled"]),
+            "throttled_ns": int(stat["throttled_time"])}  # fmt: skip
+
+
+@contextmanager
+def quota(cores: float) -> Iterator[Path]:
+    """This process at ``cores`` of one CPU until the block ends; yields the
+    cgroup's path (``throttled`` reads it)."""
+    if not cores > 0:
+        raise ConfigError("cores", f"a CPU quota must be > 0 cores, got {cores}")
+    if not available():
+        raise ConfigError("cpu quota", "needs root and the cgroup v1 cpu controller at "
+                          f"{ROOT} (cgroup v2 hosts are not supported yet)")  # fmt: skip
+    home = _own_cgroup()
+    path = home / f"gradfabric-{os.getpid()}"
+    path.mkdir()
+    try:
+        (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (path / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US, round(cores * PERIOD_US))))
+        (path / "cgroup.procs").write_text(str(os.getpid()))
+        yield path
+    finally:
+        (home / "cgroup.procs").write_text(str(os.getpid()))
+        path.rmdir()
