@@ -129,7 +129,11 @@ def add(sub: Sub) -> None:
     bp.add_argument("--width", type=int, default=512)
     bp.add_argument("--batch", type=int, default=96)
     bp.add_argument("--steps", type=int, default=8)
-    bp.add_argument("--link-gbps", type=float, default=10.0, help="what the model assumes")
+    bp.add_argument("--link-gbps", type=float, default=10.0,
+                    help="what the model assumes (with --shaped: each rank's link)")  # fmt: skip
+    bp.add_argument("--shaped", action="store_true",
+                    help="each rank in a network namespace behind one link shaped to "
+                    "--link-gbps both ways (root)")  # fmt: skip
     bp.add_argument("--device-gflops", type=float, default=REFERENCE_GFLOPS,
                     help="the reference device (speed 1); keep it below what a host "
                     "core shared by two processes does, or the throttle overruns "
@@ -324,7 +328,8 @@ def plan_bench(args: argparse.Namespace) -> int:
         cfg = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()), layers=args.layers,
                          width=args.width, batch=args.batch, steps=args.steps,
                          link_gbps=args.link_gbps, device_gflops=args.device_gflops,
-                         devices=args.devices, quota_cores=args.quota_cores)  # fmt: skip
+                         devices=args.devices, quota_cores=args.quota_cores,
+                         shaped=args.shaped)  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench plan", str(e)) from None
     from gradfabric.experiments.plots import predicted_vs_measured

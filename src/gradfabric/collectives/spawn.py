@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.net.launch import end_group
+from gradfabric.net.netns import NsHost, enter
 
 RankFn = Callable[..., None]  # fn(rank, world, *args)
 
@@ -52,7 +53,10 @@ def _entry(
     barrier_at_exit: bool,
     backend: str,
     threads: int | None,
+    hosts: list[NsHost] | None,
 ) -> None:
+    if hosts is not None:  # (first: gloo's sockets must be made in the namespace)
+        enter(hosts[rank])
     if threads is not None:
         import torch
 
@@ -78,6 +82,7 @@ def spawn(
     barrier_at_exit: bool = True,
     backend: str = "gloo",
     threads: int | None = None,
+    hosts: list[NsHost] | None = None,
 ) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks inside a
     process group of ``backend`` and wait for all of them.
@@ -87,12 +92,17 @@ def spawn(
     ``PeerTimeoutError`` names them. A rank's exception or fatal signal is
     raised here as ``torch.multiprocessing``'s ``ProcessRaisedException`` /
     ``ProcessExitedException``. ``threads``: intra-op threads per rank (ranks
-    that share a few cores spin against each other otherwise)."""
+    that share a few cores spin against each other otherwise). ``hosts``:
+    rank ``r`` runs in ``hosts[r]``'s network namespace and its gloo sockets
+    on that host's link (``net.netns``; the rendezvous is a file, which every
+    namespace sees)."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    if hosts is not None and len(hosts) != world:
+        raise ValueError(f"{world} ranks need {world} hosts, got {len(hosts)}")
     with tempfile.TemporaryDirectory(prefix="gf-rdzv-") as tmp:
         store = os.path.join(tmp, "store")
-        entry_args = (fn, world, store, args, timeout_s, barrier_at_exit, backend, threads)
+        entry_args = (fn, world, store, args, timeout_s, barrier_at_exit, backend, threads, hosts)
         ctx = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _entry, args=entry_args, nprocs=world, join=False, start_method="spawn"
         )

@@ -1,7 +1,8 @@
 """A CPU quota for the calling process: a device as slow as the host makes it.
 
 ``quota(cores)`` moves this process (all its threads, and those it starts
-later) into a cgroup of its own under the one it is in, whose CFS bandwidth
+later; or, with ``thread=True``, only the calling thread) into a cgroup of its
+own under the one it is in, whose CFS bandwidth
 is ``cores`` of one CPU per ``PERIOD_US``, and on exit moves it back and
 deletes the cgroup. The process's compute then runs at that share of a core,
 with whatever the host's caches, memory and scheduler make of it: no sleep
@@ -19,6 +20,7 @@ of a 100 ms period.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,22 +53,28 @@ def throttled(path: Path) -> dict[str, int]:
 
 
 @contextmanager
-def quota(cores: float) -> Iterator[Path]:
+def quota(cores: float, thread: bool = False) -> Iterator[Path]:
     """This process at ``cores`` of one CPU until the block ends; yields the
-    cgroup's path (``throttled`` reads it)."""
+    cgroup's path (``throttled`` reads it). ``thread``: only the calling
+    thread (and threads it starts inside the block), the process's other
+    threads left free: a device whose compute is slow while its
+    communication threads are not."""
     if not cores > 0:
         raise ConfigError("cores", f"a CPU quota must be > 0 cores, got {cores}")
     if not available():
         raise ConfigError("cpu quota", "needs root and the cgroup v1 cpu controller at "
                           f"{ROOT} (cgroup v2 hosts are not supported yet)")  # fmt: skip
     home = _own_cgroup()
-    path = home / f"gradfabric-{os.getpid()}"
+    who, members = ((threading.get_native_id(), "tasks") if thread
+                    else (os.getpid(), "cgroup.procs"))  # fmt: skip
+    path = home / f"gradfabric-{os.getpid()}-{who}"
     path.mkdir()
     try:
         (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         (path / "cpu.cfs_quota_us").write_text(str(max(MIN_QUOTA_US, round(cores * PERIOD_US))))
-        (path / "cgroup.procs").write_text(str(os.getpid()))
+        (path / members).write_text(str(who))
         yield path
     finally:
-        (home / "cgroup.procs").write_text(str(os.getpid()))
+        for tid in (path / "tasks").read_text().split():  # (threads started inside too)
+            (home / "tasks").write_text(tid)
         path.rmdir()

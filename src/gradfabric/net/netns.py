@@ -93,6 +93,28 @@ def udp_dropped(host: NsHost, table: str = "gf") -> int:
     return int(m.group(1)) if m else 0
 
 
+CLONE_NEWNET = 0x40000000
+
+
+def enter(host: NsHost) -> None:
+    """Move the calling process (its thread; call it before starting any
+    other) into ``host``'s namespace, and point gloo at ``host``'s link
+    (``GLOO_SOCKET_IFNAME``): sockets made from now on are made there. For
+    a process already running, where ``ip netns exec`` cannot be used (a
+    ``torch.multiprocessing`` child)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{host.netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {host.netns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    os.environ["GLOO_SOCKET_IFNAME"] = host.ifname
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally below
 

@@ -14,9 +14,18 @@ all alike), ``repeats`` times. Each row: the plan, its measured step time
 rank), the cost model's predicted batch time for the same plan before and
 after calibration, the relative errors, and the throttle's overruns.
 
-``devices="quota"`` runs no throttle: rank ``r`` runs in a CPU quota of
-``speeds[r] * quota_cores`` of one core (``core.cpuquota``; root and cgroup
-v1), so its speed is whatever the host's compute makes of that share, and the
+``shaped``: each rank runs in a network namespace of its own behind one link
+shaped to ``link_gbps`` both ways (``net.netns.shaped_star``), so every
+transfer between devices, gradient rings and pipeline hops alike, crosses
+links of the rate the cost model prices (loopback, by default, is far
+faster than any such link).
+
+``devices="quota"`` runs no throttle: rank ``r``'s steps run on a thread in
+a CPU quota of ``speeds[r] * quota_cores`` of one core (``core.cpuquota``;
+root and cgroup v1), while its process groups' threads (made before, outside
+the quota) move its data at the host's speed, as a slow accelerator behind an
+ordinary NIC would have it; its speed is whatever the host's compute makes of
+that share, and the
 cost model's compute is a prediction like the rest: the reference device is
 priced at this host's measured single-core FLOP/s (``host_gflops``, on the
 same MLP) times ``quota_cores`` before calibration.
@@ -33,6 +42,7 @@ micro-batch work, synchronisation, which calibration measures.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -70,6 +80,7 @@ class ExecConfig:
     seed: int = 0
     device_gflops: float = REFERENCE_GFLOPS  # the reference device, speed 1
     devices: str = "throttle"  # or "quota": a CPU quota per rank, no throttle (module doc)
+    shaped: bool = False  # each rank behind its own link shaped to link_gbps (netns; root)
     quota_cores: float = 0.5  # with "quota": the speed-1 device's share of one core
 
     def __post_init__(self) -> None:
@@ -112,10 +123,11 @@ def host_gflops(cfg: ExecConfig, repeats: int = 5) -> float:
 
 def _device(cfg: ExecConfig, rank: int) -> tuple[AbstractContextManager[Any], float,
                                                   list[float] | None]:  # fmt: skip
-    """Rank ``rank``'s device: the context it runs in (a CPU quota or
-    nothing), and the throttle's speed and per-layer budget (none in a quota)."""
+    """Rank ``rank``'s device: the context its steps run in (a CPU quota on
+    the calling thread, or nothing), and the throttle's speed and per-layer
+    budget (none in a quota)."""
     if cfg.devices == "quota":
-        return quota(cfg.speeds[rank] * cfg.quota_cores), 1.0, None
+        return quota(cfg.speeds[rank] * cfg.quota_cores, thread=True), 1.0, None
     return nullcontext(), cfg.speeds[rank], cfg.sample_s
 
 
@@ -383,9 +395,14 @@ def _measure(
     """Per plan, its step times (each the slowest rank's) and the throttle's
     score summed over ranks."""
     from gradfabric.collectives.spawn import spawn
+    from gradfabric.net.netns import shaped_star
 
-    with tempfile.TemporaryDirectory() as tmp:
-        spawn(_rank, len(cfg.speeds), (cfg, chosen, allreduce, tmp), threads=1, deadline_s=900)
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        hosts = (stack.enter_context(shaped_star(len(cfg.speeds), cfg.link_gbps)) if cfg.shaped
+                 else None)  # fmt: skip
+        spawn(_rank, len(cfg.speeds), (cfg, chosen, allreduce, tmp), threads=1, deadline_s=900,
+              hosts=hosts)  # fmt: skip
         got: tuple[dict[str, list[float]], dict[str, dict[str, float]]] = torch.load(
             os.path.join(tmp, "times.pt"))  # fmt: skip
     return got
@@ -395,14 +412,6 @@ def _rank(
     rank: int, world: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool, out: str
 ) -> None:
     where, speed, sample_s = _device(cfg, rank)
-    with where:
-        _steps(rank, cfg, chosen, allreduce, out, speed, sample_s)
-
-
-def _steps(
-    rank: int, cfg: ExecConfig, chosen: dict[str, Plan], allreduce: bool, out: str, speed: float,
-    sample_s: list[float] | None,
-) -> None:  # fmt: skip
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.batch, cfg.width, generator=g)
     y = torch.randn(cfg.batch, cfg.width, generator=g)
@@ -418,14 +427,15 @@ def _steps(
         steps["allreduce"] = lambda x, y: dist.all_reduce(grads)
     times: dict[str, list[float]] = {k: [] for k in steps}
     names = list(steps)
-    for step in range(cfg.steps):
-        for name in names[step % len(names) :] + names[: step % len(names)]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            steps[name](x, y)
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
-            times[name].append(float(took))
+    with where:  # (after the runners: their process groups' threads stay out of a quota)
+        for step in range(cfg.steps):
+            for name in names[step % len(names) :] + names[: step % len(names)]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                steps[name](x, y)
+                took = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
+                times[name].append(float(took))
     throttle = {k: throttle_score([r.throttle_stats()]) for k, r in runners.items()}
     if rank == 0:
         torch.save((times, throttle), os.path.join(out, "times.pt"))

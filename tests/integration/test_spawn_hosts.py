@@ -1,0 +1,54 @@
+"""Spawned ranks in network namespaces: each rank on its own shaped link.
+
+The transfer bound is a lower one (bytes over the link's rate): a busy host
+only makes the collective slower, so noise cannot make it fail, while ranks
+that talked over loopback instead of their links would beat it by far."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradfabric.collectives.spawn import spawn
+from gradfabric.net import netns
+
+pytestmark = pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")
+
+RATE_GBPS = 0.1
+VALUES = 625_000  # 2.5 MB of float32
+
+
+def _rank(rank: int, world: int, out: str) -> None:
+    x = torch.ones(VALUES)
+    dist.all_reduce(x)  # (connections made)
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    took = time.perf_counter() - t0
+    with open(os.path.join(out, f"{rank}"), "w") as f:
+        f.write(f"{os.readlink('/proc/self/ns/net')} {os.environ['GLOO_SOCKET_IFNAME']} {took}"
+                f" {float(x[0])}")  # fmt: skip
+
+
+def test_each_rank_runs_behind_its_own_shaped_link(tmp_path: object) -> None:
+    out = str(tmp_path)
+    with netns.shaped_star(2, RATE_GBPS) as hosts:
+        spawn(_rank, 2, (out,), hosts=hosts, deadline_s=120)
+    got = [Path(out, f"{r}").read_text().split() for r in range(2)]
+    here = os.readlink("/proc/self/ns/net")
+    assert len({g[0] for g in got} | {here}) == 3  # two namespaces, neither this one
+    assert all(g[1] == h.ifname for g, h in zip(got, hosts, strict=True))
+    assert all(float(g[3]) == 4.0 for g in got)  # the sum of two ranks' 1 + 1, twice
+    # gloo's ring for 2 ranks: each sends half the tensor, and the other half
+    # of the sum back, over links of RATE_GBPS
+    floor_s = 2 * (VALUES // 2) * 4 * 8 / (RATE_GBPS * 1e9)
+    assert all(float(g[2]) >= 0.9 * floor_s for g in got)
+
+
+def test_a_host_per_rank() -> None:
+    with pytest.raises(ValueError, match="hosts"):
+        spawn(_rank, 2, ("",), hosts=[])
