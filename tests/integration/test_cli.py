@@ -311,3 +311,31 @@ def test_library_warnings_are_quiet_unless_verbose(tmp_path: Path) -> None:
     assert quiet.returncode == loud.returncode == 0, quiet.stderr[-2000:] + loud.stderr[-2000:]
     assert quiet.stderr.strip() == ""
     assert "c10d" in loud.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"link_gbps": 0}, "link_gbps"), ({"gpus": 4}, "gpus"), ({"speeds": [1, 2]}, "speeds"),
+     ({"devices": "tpu"}, "devices")],
+)  # fmt: skip
+def test_a_bad_cluster_file_exits_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict[str, object], field: str
+) -> None:
+    example = Path(__file__).parents[2] / "src/gradfabric/configs/emulated-cluster.yaml"
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(yaml.safe_dump({**yaml.safe_load(example.read_text()), **change}))
+    assert main(["bench", "plan", "--cluster", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_a_cluster_too_small_for_the_model_exits_2_naming_the_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = Path(__file__).parents[2] / "src/gradfabric/configs/cluster-example.yaml"
+    spec = yaml.safe_load(example.read_text())
+    for t in spec["device_types"]:
+        t["mem_gb"] = 0.001
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(spec))
+    assert main(["plan", str(cfg), "--model", "resnet50", "--out", str(tmp_path / "r")]) == 2
+    assert "mem_gb" in capsys.readouterr().err

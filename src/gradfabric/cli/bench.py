@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradfabric.cli.common import Sub, add_output, csv, progress, report
 from gradfabric.core.errors import ConfigError
 from gradfabric.net.netns import MAX_MTU, MTU
 from gradfabric.planner.spec import REFERENCE_GFLOPS
 from gradfabric.proto.switch import ALLOCATORS
+
+if TYPE_CHECKING:
+    from gradfabric.planner.execute import ExecConfig
 
 OMNI_FLOOR = (
     "floor = max over ranks r of max(|N_r|, |U_-r|) * B * 8 / link rate, where N_r "
@@ -124,6 +129,11 @@ def add(sub: Sub) -> None:
         "--quota-cores of one core (root, cgroup v1), its speed what the host makes of it, "
         "the model as is priced at this host's measured single-core FLOP/s times the quota.",
     )
+    bp.add_argument("--cluster", metavar="FILE",
+                    help="the emulated cluster and model from a YAML (the fields of "
+                    "planner.execute.ExecConfig: speeds, device_gflops, link_gbps, shaped, "
+                    "devices, quota_cores, layers, width, batch, steps; example: "
+                    "configs/emulated-cluster.yaml); the flags below do not apply")  # fmt: skip
     bp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
     bp.add_argument("--layers", type=int, default=8)
     bp.add_argument("--width", type=int, default=512)
@@ -321,26 +331,38 @@ def ddp(args: argparse.Namespace) -> int:
     return 0 if all(d <= 1e-4 for d in diffs) else 1
 
 
+def _exec_config(args: argparse.Namespace) -> ExecConfig:
+    from gradfabric.planner.execute import ExecConfig
+
+    try:
+        return ExecConfig(speeds=tuple(csv(args.speeds, float) or ()), layers=args.layers,
+                          width=args.width, batch=args.batch, steps=args.steps,
+                          link_gbps=args.link_gbps, device_gflops=args.device_gflops,
+                          devices=args.devices, quota_cores=args.quota_cores,
+                          shaped=args.shaped)  # fmt: skip
+    except ValueError as e:
+        raise ConfigError("bench plan", str(e)) from None
+
+
 def plan_bench(args: argparse.Namespace) -> int:
     from gradfabric.planner.execute import ExecConfig, run_plans, speedup
 
-    try:
-        cfg = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()), layers=args.layers,
-                         width=args.width, batch=args.batch, steps=args.steps,
-                         link_gbps=args.link_gbps, device_gflops=args.device_gflops,
-                         devices=args.devices, quota_cores=args.quota_cores,
-                         shaped=args.shaped)  # fmt: skip
-    except ValueError as e:
-        raise ConfigError("bench plan", str(e)) from None
+    if args.cluster:
+        from gradfabric.core.config import load_yaml
+
+        cfg = load_yaml(ExecConfig, Path(args.cluster))
+    else:
+        cfg = _exec_config(args)
     from gradfabric.experiments.plots import predicted_vs_measured
 
     res = run_plans(cfg, args.random, together=not args.apart, repeats=args.repeats)
     sm = res["summary"]
+    speeds = ",".join(f"{s:g}" for s in cfg.speeds)
     dest = report(
         args, "bench-plan", asdict(cfg), res,
-        tables=[("rows", f"plans executed on {len(cfg.speeds)} gloo processes ({cfg.devices}) "
-                 f"(speeds {args.speeds}), medians of {cfg.steps - cfg.warmup} steps x "
-                 f"{args.repeats} runs",
+        tables=[("rows", f"plans executed on {len(cfg.speeds)} gloo processes ({cfg.devices}"
+                 f"{f', links of {cfg.link_gbps:g} Gbit/s' if cfg.shaped else ''}) (speeds "
+                 f"{speeds}), medians of {cfg.steps - cfg.warmup} steps x {args.repeats} runs",
                  ["plan", "measured_ms", "predicted_ms", "calibrated_ms", "error",
                   "error_calibrated", "overrun_share", "speedup_vs_even_dp",
                   "predicted_speedup_vs_even_dp"])],

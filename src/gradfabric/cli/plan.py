@@ -172,7 +172,7 @@ def calibrate_here(args: argparse.Namespace) -> ClusterSpec:
 def run(args: argparse.Namespace) -> int:
     from gradfabric.experiments import plots
     from gradfabric.planner.baselines import BASELINES, best_subset
-    from gradfabric.planner.cost import Device, Workload
+    from gradfabric.planner.cost import BYTES_PER_PARAM_STATE, Device, Workload
     from gradfabric.planner.online import load_trace, random_trace, run_online
     from gradfabric.planner.search import plan
     from gradfabric.planner.spec import example_cluster, load_cluster
@@ -189,7 +189,15 @@ def run(args: argparse.Namespace) -> int:
     types = cluster.expand()
     devs = [Device(i, t) for i, t in enumerate(types)]
     lat = cluster.link_latency_us * 1e-6
-    res = plan(w, devs, lat)
+    try:
+        res = plan(w, devs, lat)
+    except ValueError:  # no plan fits the devices' memory
+        need = BYTES_PER_PARAM_STATE * sum(w.params) / 2**30
+        have = sum(t.mem_gb for t in types)
+        raise ConfigError("device_types.mem_gb", f"no plan of {args.model} fits these devices: "
+                          f"its weights, gradients and optimizer state alone take {need:.2f} "
+                          f"GiB, the devices hold {have:.2f} GiB in all, before "
+                          "activations") from None  # fmt: skip
     est = res.estimate
     out_obj: dict[str, Any] = {
         "model": args.model,

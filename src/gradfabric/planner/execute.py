@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradfabric.core.cpuquota import quota
+from gradfabric.core.errors import ConfigError
 from gradfabric.core.stats import mean_ci
 from gradfabric.planner.baselines import best_subset, even_dp, even_pipeline, proportional_dp
 from gradfabric.planner.cost import Device, Group, Plan, Stage, Workload, evaluate
@@ -81,19 +82,29 @@ class ExecConfig:
     device_gflops: float = REFERENCE_GFLOPS  # the reference device, speed 1
     devices: str = "throttle"  # or "quota": a CPU quota per rank, no throttle (module doc)
     shaped: bool = False  # each rank behind its own link shaped to link_gbps (netns; root)
+    memory_mb: tuple[float, ...] = ()  # each device's memory (the cost model's); () = 8 GiB
     quota_cores: float = 0.5  # with "quota": the speed-1 device's share of one core
 
     def __post_init__(self) -> None:
+        """Each rule names its field (``ConfigError``, a ``ValueError``), so
+        that a cluster file's mistake says where it is."""
         if self.devices not in ("throttle", "quota"):
-            raise ValueError(f"devices must be 'throttle' or 'quota', got {self.devices!r}")
+            raise ConfigError("devices", f"must be 'throttle' or 'quota', got {self.devices!r}")
         if not self.quota_cores > 0:
-            raise ValueError(f"quota_cores must be > 0, got {self.quota_cores}")
+            raise ConfigError("quota_cores", f"must be > 0, got {self.quota_cores}")
         if len(self.speeds) < 2 or not all(0 < s <= 1 for s in self.speeds):
-            raise ValueError("need >= 2 speeds in (0, 1]")
-        if self.steps <= self.warmup or self.layers < len(self.speeds):
-            raise ValueError("need steps > warmup and at least one layer per device")
-        if self.device_gflops <= 0:
-            raise ValueError("device_gflops must be > 0")
+            raise ConfigError("speeds", f"need >= 2 speeds in (0, 1], got {list(self.speeds)}")
+        if self.steps <= self.warmup:
+            raise ConfigError("steps", f"need steps > warmup ({self.warmup}), got {self.steps}")
+        if self.layers < len(self.speeds):
+            raise ConfigError("layers", f"need at least one layer per device, got {self.layers}")
+        if self.memory_mb and (len(self.memory_mb) != len(self.speeds)
+                               or not min(self.memory_mb) > 0):  # fmt: skip
+            raise ConfigError("memory_mb", f"one size > 0 per device ({len(self.speeds)}), got "
+                              f"{list(self.memory_mb)}")  # fmt: skip
+        for name in ("device_gflops", "link_gbps"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
 
     @property
     def sample_s(self) -> list[float]:
@@ -155,11 +166,25 @@ def devices(cfg: ExecConfig, flops: float | None = None) -> list[Device]:
     static heterogeneity, as a cluster's GPU generations: every baseline
     sees it, speed-proportional DP included), at their full speed."""
     ref = reference(cfg, flops)
-    return [Device(i, _at(ref, s)) for i, s in enumerate(cfg.speeds)]
+    mbs = cfg.memory_mb or (None,) * len(cfg.speeds)
+    each = zip(cfg.speeds, mbs, strict=True)
+    return [Device(i, _at(ref, s, mb)) for i, (s, mb) in enumerate(each)]
 
 
-def _at(ref: DeviceType, speed: float) -> DeviceType:
-    return replace(ref, name=f"reference-x{speed:g}", peak_tflops=ref.peak_tflops * speed)
+def _at(ref: DeviceType, speed: float, memory_mb: float | None = None) -> DeviceType:
+    if memory_mb is None:
+        return replace(ref, name=f"reference-x{speed:g}", peak_tflops=ref.peak_tflops * speed)
+    return replace(ref, name=f"reference-x{speed:g}-{memory_mb:g}MB",
+                   peak_tflops=ref.peak_tflops * speed, mem_gb=memory_mb / 1024)  # fmt: skip
+
+
+def require_fits(w: Workload, devs: list[Device], chosen: dict[str, Plan]) -> None:
+    """Raise ``ConfigError`` (field ``memory_mb``) naming the first plan that
+    does not fit its devices' memory: none is run."""
+    for name, p in chosen.items():
+        why = evaluate(w, devs, p).why
+        if why:
+            raise ConfigError("memory_mb", f"plan {name} does not fit: {'; '.join(why)}")
 
 
 def plans(cfg: ExecConfig, devs: list[Device], lat: float = 5e-6) -> dict[str, Plan]:
@@ -211,10 +236,9 @@ def calibrated_cluster(cfg: ExecConfig, cal: Calibration) -> ClusterSpec:
     type per speed at the calibrated FLOP/s (efficiency 1: the FLOP/s is
     already what a step sustains), NICs at the calibrated link rate, the
     calibrated per-hop latency; devices in rank order."""
-    ref = reference(replace(cfg, link_gbps=cal.link_gbps), cal.flops)
-    types = {s: _at(ref, s) for s in cfg.speeds}
-    return ClusterSpec(tuple(types.values()),
-                       tuple(DeviceCount(types[s].name, 1) for s in cfg.speeds),
+    devs = devices(replace(cfg, link_gbps=cal.link_gbps), cal.flops)
+    types = {d.type.name: d.type for d in devs}
+    return ClusterSpec(tuple(types.values()), tuple(DeviceCount(d.type.name, 1) for d in devs),
                        link_latency_us=cal.latency_s * 1e6)  # fmt: skip
 
 
@@ -302,6 +326,10 @@ def run_plans(
     chosen |= best_subsets(w, cal_devs, cal.latency_s, chosen)
     chosen |= random_plans(cfg, raw_devs, random_count, 5e-6)
     chosen = {k: p for k, p in chosen.items() if splits_whole(p, cfg.batch)}
+    # a plan the memory model rejects is not run (a baseline rule may give one)
+    too_big = {k: "; ".join(evaluate(w, raw_devs, p).why) for k, p in chosen.items()
+               if not evaluate(w, raw_devs, p).feasible}  # fmt: skip
+    chosen = {k: p for k, p in chosen.items() if k not in too_big}
     batches = ([chosen] if together else [{k: p} for k, p in chosen.items()]) * repeats
     # per plan, the median step of each run (after warm-up), and the throttle's score
     runs: dict[str, list[float]] = {k: [] for k in chosen}
@@ -348,6 +376,7 @@ def run_plans(
     summary = {
         "plans": len(rows), "repeats": repeats, "device_gflops": cfg.device_gflops,
         "devices": cfg.devices, "quota_cores": cfg.quota_cores if cfg.devices == "quota" else None,
+        "not_run": too_big,
         "overrun_share": total["overruns"] / max(total["calls"], 1),
         "late_us_per_call": total["late_s"] * 1e6 / max(total["calls"], 1),
         "calibration": asdict(cal),
@@ -397,6 +426,7 @@ def _measure(
     from gradfabric.collectives.spawn import spawn
     from gradfabric.net.netns import shaped_star
 
+    require_fits(workload(cfg), devices(cfg), chosen)
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         hosts = (stack.enter_context(shaped_star(len(cfg.speeds), cfg.link_gbps)) if cfg.shaped
