@@ -138,6 +138,11 @@ class Plan:
     def devices(self) -> list[int]:
         return [s.device for g in self.groups for s in g.stages]
 
+    def describe(self) -> str:
+        """``[0:0-4 1:4-8] [2:0-8]``: per group, each stage's device and layers."""
+        return " ".join("[" + " ".join(f"{s.device}:{s.first}-{s.end}" for s in g.stages) + "]"
+                        for g in self.groups)  # fmt: skip
+
     def owners(self, layers: int) -> list[set[int]]:
         """For each of ``layers`` layers, the devices that hold it."""
         return [{s.device for g in self.groups for s in g.stages if s.first <= layer < s.end}

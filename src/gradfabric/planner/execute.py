@@ -477,3 +477,51 @@ def throttle_score(stats: list[dict[str, float]]) -> dict[str, float]:
     total = torch.tensor([sum(s[k] for s in stats) for k in Clock.KEYS], dtype=torch.float64)
     dist.all_reduce(total)
     return dict(zip(Clock.KEYS, total.tolist(), strict=True))
+
+
+# Where the cost model looks for the planner's largest gain on this host's
+# emulated cluster (``predicted_gains``): link rates, MLP widths, depths and
+# batches. STEP_BUDGET_S: the longest predicted step a run of repeated,
+# interleaved plans affords on 2 cores (so the setting found can be run).
+GAIN_GRID: dict[str, tuple[float, ...]] = {
+    "link_gbps": (0.1, 0.25, 0.5, 1.0, 10.0),
+    "width": (256, 512, 1024),
+    "layers": (8, 16),
+    "batch": (32, 96, 192),
+}
+STEP_BUDGET_S = 0.4
+GRID_LATENCY_S = 5e-4  # a pipeline hop, as calibrations on this host find it (0.5-1 ms)
+
+
+def predicted_gains(base: ExecConfig) -> list[dict[str, Any]]:
+    """The planner's predicted speed-up over the best baseline at its best
+    (each rule of ``RULES`` on its best device subset) at every setting of
+    ``GAIN_GRID`` on ``base``'s devices, largest first; each row with both
+    plans and their compute and gradient-sync times (why the one wins)."""
+    rows = []
+    for link, width, layers, batch in itertools.product(*GAIN_GRID.values()):
+        cfg = replace(base, link_gbps=link, width=int(width), layers=int(layers), batch=int(batch))
+        w, devs, lat = workload(cfg), devices(cfg), GRID_LATENCY_S
+        runs = {"planner": search_plan(w, devs, lat).plan}
+        runs |= {n: best_subset(rule, w, devs, lat)[0] for n, rule in RULES.items()}
+        est = {n: evaluate(w, devs, as_run(p, cfg.batch), lat) for n, p in runs.items()
+               if splits_whole(p, cfg.batch)}  # fmt: skip
+        if "planner" not in est:
+            continue
+        best = min((n for n in est if n != "planner"), key=lambda n: est[n].batch_time_s)
+        rows.append({
+            "link_gbps": link, "width": cfg.width, "layers": cfg.layers, "batch": cfg.batch,
+            "gain": est[best].batch_time_s / est["planner"].batch_time_s,
+            "planner_ms": est["planner"].batch_time_s * 1e3, "best_baseline": best,
+            "baseline_ms": est[best].batch_time_s * 1e3,
+            "why": "; ".join(
+                f"{n} {runs[n].describe()}: compute {max(est[n].group_times_s) * 1e3:.0f} ms "
+                f"+ gradient sync {est[n].sync_s * 1e3:.0f} ms" for n in ("planner", best)),
+        })  # fmt: skip
+    return sorted(rows, key=lambda r: -r["gain"])
+
+
+def runnable(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first of ``predicted_gains``' rows whose plans all fit the step
+    budget (the largest predicted gain this host can run)."""
+    return next(r for r in rows if max(r["planner_ms"], r["baseline_ms"]) <= STEP_BUDGET_S * 1e3)

@@ -191,12 +191,6 @@ def _opt(cfg: TrainPlanConfig) -> Any:
     return lambda ps: torch.optim.SGD(ps, lr=cfg.lr, momentum=cfg.momentum)
 
 
-def describe(plan: Plan) -> str:
-    """``[0:0-4 1:4-8] [2:0-8]``: per group, each stage's device and layers."""
-    return " ".join("[" + " ".join(f"{s.device}:{s.first}-{s.end}" for s in g.stages) + "]"
-                    for g in plan.groups)  # fmt: skip
-
-
 def reference_losses(cfg: TrainPlanConfig, steps: int) -> list[float]:
     """The unsplit model on the full batch, in this process."""
     model = _model(cfg)
@@ -251,7 +245,7 @@ def best_static(
     if not cands:
         raise ConfigError("budget", f"no static plan on devices {always} fits {budget:g} $/h")
     batch = w.batch
-    return min(sorted(cands, key=describe), key=lambda p: sum(
+    return min(sorted(cands, key=Plan.describe), key=lambda p: sum(
         evaluate(w, devs, as_run(p, batch), lat).batch_time_s for devs in slots))  # fmt: skip
 
 
@@ -370,7 +364,7 @@ def _slot_rows(
         gained = migration_bytes(w, plans[t - 1], plan) if t else {}
         rows.append({
             "schedule": name, "slot": t, "factors": trace[t],
-            "plan": describe(plan),
+            "plan": plan.describe(),
             "groups": [[(s.device, s.first, s.end) for s in g.stages] for g in plan.groups],
             "price_per_hour": price,
             "predicted_step_ms": step_s * 1e3,
