@@ -37,3 +37,14 @@ def test_memory_is_one_size_per_device() -> None:
         ExecConfig(memory_mb=(64.0,))
     with pytest.raises(ConfigError, match="memory_mb"):
         ExecConfig(memory_mb=(64.0, 64.0, 0.0, 64.0))
+
+
+def test_the_example_cluster_file_loads() -> None:
+    from pathlib import Path
+
+    from gradfabric.core.config import load_yaml
+
+    example = Path(__file__).parents[2] / "src/gradfabric/configs/emulated-cluster.yaml"
+    cfg = load_yaml(ExecConfig, example)
+    assert cfg.shaped and cfg.link_gbps == 1.0 and cfg.memory_mb == (8192.0,) * 4
+    assert cfg.speeds == (1.0, 1.0, 0.5, 0.25) and cfg.layers == 16

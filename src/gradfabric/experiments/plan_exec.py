@@ -8,7 +8,12 @@ pipeline (each on every device and on the subset where the calibrated model
 finds it fastest) and seeded random plans train an MLP stack, steps
 interleaved, in repeated runs (each run one sample of the planner's
 speedups). Quick: 3 random plans, 8 steps, 3 runs; full: 9 random plans, 14
-steps, 5 runs. Then ``train_plan`` with every schedule: the online
+steps, 5 runs. Then the cost model searches ``GAIN_GRID`` (link rates,
+widths, depths, batches) for the setting where it predicts the planner's
+largest gain over the best baseline at its best that this host can run,
+and the plans run there again, each device behind its own shaped link (3
+random plans; quick: 8 steps, 3 runs; full: 14 steps, 5 runs). Then
+``train_plan`` with every schedule: the online
 controller re-plans a job through a changing cluster (late joiners,
 contention, preemptions: ``CHANGING_TRACE``) on the same processes, each move
 made for real, the loss beside the unsplit run's, against the best static
