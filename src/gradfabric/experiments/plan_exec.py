@@ -130,7 +130,8 @@ class PlanExec:
         result.plots.append(
             plots.predicted_vs_measured(
                 res["rows"], {"cost model": "predicted_ms", "calibrated": "calibrated_ms"},
-                f"{sm['plans']} plans, {where}", out / "plan_exec_shaped_predicted.png",
+                f"{sm['plans']} plans, {pick['layers']}x{pick['width']} MLP, "
+                f"{pick['link_gbps']:g} Gbit/s links", out / "plan_exec_shaped_predicted.png",
             ).name
         )  # fmt: skip
         return [
