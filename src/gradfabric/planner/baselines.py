@@ -92,12 +92,18 @@ for _name, _fn in (
 
 
 def best_subset(
-    rule: Baseline, w: Workload, devs: list[Device], lat: float = 5e-6
+    rule: Baseline,
+    w: Workload,
+    devs: list[Device],
+    lat: float = 5e-6,
+    admissible: Callable[[Plan], bool] | None = None,
 ) -> tuple[Plan, Estimate]:
     """``rule`` on the device subset where it is fastest, among those the
     planner's search visits (least compute bound first; a subset whose bound
-    reaches the best time so far cannot win, and ends the scan). Raises
-    ``ValueError`` if the rule fits no subset."""
+    reaches the best time so far cannot win, and ends the scan);
+    ``admissible``: only plans a runtime can execute (a baseline at its best
+    is its best runnable plan, not a faster one that is then dropped).
+    Raises ``ValueError`` if the rule fits no subset."""
     best: tuple[Plan, Estimate] | None = None
     for bound, use in subsets(w, devs):
         if best is not None and bound >= best[1].batch_time_s:
@@ -105,7 +111,7 @@ def best_subset(
         keep = set(use)
         sub = [d if d.index in keep else Device(d.index, d.type, 0.0) for d in devs]
         p = rule(w, sub)
-        if not p.groups:
+        if not p.groups or (admissible is not None and not admissible(p)):
             continue
         e = evaluate(w, devs, p, lat)
         if e.feasible and (best is None or e.batch_time_s < best[1].batch_time_s):

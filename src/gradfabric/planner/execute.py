@@ -43,6 +43,7 @@ micro-batch work, synchronisation, which calibration measures.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -409,11 +410,12 @@ def best_subsets(
     w: Workload, devs: list[Device], lat: float, have: dict[str, Plan]
 ) -> dict[str, Plan]:
     """Each baseline rule on the device subset where the (calibrated) cost
-    model finds it fastest, the freedom the planner has (``{rule}-best``;
-    left out where that is every device, a plan already run)."""
+    model finds it fastest among the plans that split the batch into whole
+    micro-batches (those that can run), the freedom the planner has
+    (``{rule}-best``; left out where that is a plan already run)."""
     out = {}
     for name, rule in RULES.items():
-        got = best_subset(rule, w, devs, lat)[0]
+        got = best_subset(rule, w, devs, lat, functools.partial(splits_whole, total=w.batch))[0]
         if got not in have.values():
             out[f"{name}-best"] = got
     return out
@@ -504,7 +506,8 @@ def predicted_gains(base: ExecConfig) -> list[dict[str, Any]]:
         cfg = replace(base, link_gbps=link, width=int(width), layers=int(layers), batch=int(batch))
         w, devs, lat = workload(cfg), devices(cfg), GRID_LATENCY_S
         runs = {"planner": search_plan(w, devs, lat).plan}
-        runs |= {n: best_subset(rule, w, devs, lat)[0] for n, rule in RULES.items()}
+        runnable_here = functools.partial(splits_whole, total=cfg.batch)
+        runs |= {n: best_subset(rule, w, devs, lat, runnable_here)[0] for n, rule in RULES.items()}
         est = {n: evaluate(w, devs, as_run(p, cfg.batch), lat) for n, p in runs.items()
                if splits_whole(p, cfg.batch)}  # fmt: skip
         if "planner" not in est:
