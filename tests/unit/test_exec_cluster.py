@@ -1,5 +1,5 @@
-"""Device memory in the emulated cluster: the cost model's, enforced before a
-plan runs."""
+"""The emulated cluster: device memory (the cost model's, enforced before a
+plan runs), its YAML, and baselines held to the plans that can run."""
 
 from __future__ import annotations
 
@@ -48,3 +48,35 @@ def test_the_example_cluster_file_loads() -> None:
     cfg = load_yaml(ExecConfig, example)
     assert cfg.shaped and cfg.link_gbps == 1.0 and cfg.memory_mb == (8192.0,) * 4
     assert cfg.speeds == (1.0, 1.0, 0.5, 0.25) and cfg.layers == 16
+
+
+def test_a_baseline_at_its_best_is_its_best_runnable_plan() -> None:
+    """16x256, batch 32, 0.1 Gbit/s: the even pipeline's fastest subset by the
+    model is 3 stages, whose 12 micro-batches cannot split 32 samples; at its
+    best among runnable plans (a brute force over every device subset) it is
+    what ``best_subset`` returns when told what can run."""
+    import itertools
+    import math
+
+    from gradfabric.planner.baselines import best_subset, even_pipeline
+    from gradfabric.planner.cost import Device, Plan
+    from gradfabric.planner.pipeline import splits_whole
+
+    cfg = ExecConfig(layers=16, width=256, batch=32, link_gbps=0.1)
+    w, devs = workload(cfg), devices(cfg)
+    lat = 5e-4
+
+    def runs(p: Plan) -> bool:
+        return splits_whole(p, cfg.batch)
+
+    assert not runs(best_subset(even_pipeline, w, devs, lat)[0])
+    got, est = best_subset(even_pipeline, w, devs, lat, runs)
+    assert runs(got)
+    best = math.inf
+    for k in range(1, len(devs) + 1):
+        for keep in itertools.combinations(range(len(devs)), k):
+            sub = [d if d.index in keep else Device(d.index, d.type, 0.0) for d in devs]
+            p = even_pipeline(w, sub)
+            if runs(p):
+                best = min(best, evaluate(w, devs, p, lat).batch_time_s)
+    assert est.batch_time_s == pytest.approx(best, rel=1e-12)
