@@ -339,3 +339,17 @@ def test_a_cluster_too_small_for_the_model_exits_2_naming_the_memory(
     cfg.write_text(yaml.safe_dump(spec))
     assert main(["plan", str(cfg), "--model", "resnet50", "--out", str(tmp_path / "r")]) == 2
     assert "mem_gb" in capsys.readouterr().err
+
+
+def test_a_cluster_whose_devices_cannot_hold_a_plan_exits_2_naming_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before any process starts: the slow devices hold 1 MB, and the
+    calibration's first plan puts the whole model on the slowest."""
+    example = Path(__file__).parents[2] / "src/gradfabric/configs/emulated-cluster.yaml"
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(yaml.safe_dump({**yaml.safe_load(example.read_text()),
+                                   "memory_mb": [8192, 8192, 1, 1]}))  # fmt: skip
+    assert main(["bench", "plan", "--cluster", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "memory_mb" in err and "device 3" in err
