@@ -173,10 +173,10 @@ def devices(cfg: ExecConfig, flops: float | None = None) -> list[Device]:
 
 
 def _at(ref: DeviceType, speed: float, memory_mb: float | None = None) -> DeviceType:
-    if memory_mb is None:
-        return replace(ref, name=f"reference-x{speed:g}", peak_tflops=ref.peak_tflops * speed)
-    return replace(ref, name=f"reference-x{speed:g}-{memory_mb:g}MB",
-                   peak_tflops=ref.peak_tflops * speed, mem_gb=memory_mb / 1024)  # fmt: skip
+    """The reference device at ``speed`` (and ``memory_mb``, where given)."""
+    mem = f"-{memory_mb:g}MB" if memory_mb is not None else ""
+    return replace(ref, name=f"reference-x{speed:g}{mem}", peak_tflops=ref.peak_tflops * speed,
+                   mem_gb=ref.mem_gb if memory_mb is None else memory_mb / 1024)  # fmt: skip
 
 
 def require_fits(w: Workload, devs: list[Device], chosen: dict[str, Plan]) -> None:
@@ -328,8 +328,8 @@ def run_plans(
     named = ("planner", "planner-calibrated", *RULES)
     chosen = {k: p for k, p in chosen.items() if k in named or p not in fitted}
     # a plan the memory model rejects is not run (a baseline rule may give one)
-    too_big = {k: "; ".join(evaluate(w, raw_devs, p).why) for k, p in chosen.items()
-               if not evaluate(w, raw_devs, p).feasible}  # fmt: skip
+    why = {k: evaluate(w, raw_devs, p).why for k, p in chosen.items()}
+    too_big = {k: "; ".join(ws) for k, ws in why.items() if ws}
     chosen = {k: p for k, p in chosen.items() if k not in too_big}
     batches = ([chosen] if together else [{k: p} for k, p in chosen.items()]) * repeats
     # per plan, the median step of each run (after warm-up), and the throttle's score
@@ -528,4 +528,7 @@ def predicted_gains(base: ExecConfig) -> list[dict[str, Any]]:
 def runnable(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The first of ``predicted_gains``' rows whose plans all fit the step
     budget (the largest predicted gain this host can run)."""
-    return next(r for r in rows if max(r["planner_ms"], r["baseline_ms"]) <= STEP_BUDGET_S * 1e3)
+    fit = [r for r in rows if max(r["planner_ms"], r["baseline_ms"]) <= STEP_BUDGET_S * 1e3]
+    if not fit:
+        raise ValueError(f"no setting of the grid has steps within {STEP_BUDGET_S} s")
+    return fit[0]
