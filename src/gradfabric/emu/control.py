@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
+from gradfabric.emu.links import ShardLinks
 from gradfabric.net.udp import Address
 from gradfabric.proto.interface import Aggregator
 from gradfabric.proto.schemes import Placement
@@ -169,6 +170,9 @@ class ControlPlane:
         if kind != BACKGROUND:
             for name, engine in scheme.attach(p, d.switch).items():
                 d.host(name, engine)
+            fallback = d.local.get(server_name(job_id))
+            if fallback is not None and cfg.ps_link_mbps and cfg.policy in ("atp", "esa"):
+                fallback.links = ShardLinks(workers, cfg.ps_link_mbps)
         job = DaemonJob(
             job_id, token, workers, base, kind, p,
             entry=scheme.entry(p), shaped=scheme.shaped_port and cfg.port_mbps > 0,

@@ -125,7 +125,7 @@ def run_dlcp_training(cfg: DlcpTrainConfig) -> dict[str, Any]:
     """One run of ``cfg.scheme`` (root: namespaces, nftables)."""
     from contextlib import ExitStack
 
-    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.emu.harness import cpu_s, switch_daemon
     from gradfabric.net.background import background
     from gradfabric.net.launch import run_on_hosts
     from gradfabric.net.netns import class_totals, prioritise, tor_star
@@ -201,13 +201,6 @@ def replay(cfg: DlcpTrainConfig) -> list[float]:
         return losses
     finally:
         torch.set_num_threads(threads)
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds process ``pid`` has used so far (user and system)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rank_main(cfg: DlcpTrainConfig, out: str) -> None:

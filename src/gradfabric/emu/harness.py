@@ -4,6 +4,7 @@ training runs, the benchmark and the tests."""
 from __future__ import annotations
 
 import json
+import os
 import select
 import signal
 import subprocess
@@ -75,6 +76,13 @@ def stop_switch(sw: RunningSwitch, timeout_s: float = 10.0) -> None:
                 sw.proc.wait()
     if sw.proc.stdout is not None:
         sw.proc.stdout.close()
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far (user and system)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager

@@ -49,6 +49,7 @@ from gradfabric.emu.control import control_call as control_call
 from gradfabric.emu.control import server_name as server_name
 from gradfabric.emu.control import worker_name as worker_name
 from gradfabric.emu.impair import Impairer, Impairment
+from gradfabric.emu.links import DOWN, UP, ShardLinks
 from gradfabric.emu.metrics import registry, serve_metrics
 from gradfabric.net import switchpath
 from gradfabric.net.switchpath import NativeSwitchML
@@ -97,6 +98,10 @@ class SwitchConfig:
     impair: Impairment = field(default_factory=Impairment)
     port_mbps: float = _opt(0.0, "dlcp: the rate of the port into the job servers (0: unshaped)")
     port_buffer_kb: int = _opt(256, "dlcp: that port's buffer")
+    ps_link_mbps: float = _opt(
+        0.0, "atp/esa: each job's fallback PS sharded per worker, each shard behind a "
+        "modelled link of this rate both ways, as ATP deploys it (0: the PS at the switch)",
+    )  # fmt: skip
     sndbuf_kb: int = _opt(
         0,
         "the data socket's send buffer (0: 4 MB); a small one paces what the daemon sends "
@@ -125,6 +130,8 @@ class SwitchConfig:
             raise ConfigError("rto_ns", "must be > 0")
         if self.sndbuf_kb < 0:
             raise ConfigError("sndbuf_kb", f"must be >= 0, got {self.sndbuf_kb}")
+        if self.ps_link_mbps < 0:
+            raise ConfigError("ps_link_mbps", f"must be >= 0, got {self.ps_link_mbps}")
         if self.port_mbps < 0 or self.port_buffer_kb < 1:
             raise ConfigError("port_mbps", "must be >= 0, with a buffer of >= 1 KB")
         for name in ("push_bound", "pull_bound"):
@@ -172,21 +179,29 @@ def accept(
 
 class _Hosted(Port):
     """A hosted engine's port: packets to hosted engines are queued for the
-    daemon to hand over (no recursion), others leave as datagrams."""
+    daemon to hand over (no recursion), others leave as datagrams; through
+    its modelled links where it has them (``ShardLinks``)."""
 
-    __slots__ = ("daemon", "name")
+    __slots__ = ("daemon", "links", "name")
 
     def __init__(self, daemon: SwitchDaemon, name: str, engine: Engine) -> None:
         super().__init__(engine)
         self.daemon, self.name = daemon, name
+        self.links: ShardLinks | None = None
 
     def send(self, dst: str, pkt: Packet) -> None:
-        self.daemon.forward(dst, pkt, None)
+        if self.links is not None:
+            self.links.cross(pkt, UP, self.daemon.forward, dst, pkt, None)
+        else:
+            self.daemon.forward(dst, pkt, None)
 
     def multicast(self, dsts: tuple[str, ...], pkt: Packet) -> None:
         raw: list[bytes] = []  # sealed once, for the datagrams among them
         for d in dsts:
-            self.daemon.forward(d, pkt, raw)
+            if self.links is not None:
+                self.links.cross(pkt, UP, self.daemon.forward, d, pkt, raw)
+            else:
+                self.daemon.forward(d, pkt, raw)
 
     def schedule(self, deadline_ns: int) -> None:
         asyncio.get_running_loop().call_at(deadline_ns / 1e9, self.fire, deadline_ns)
@@ -404,8 +419,12 @@ class SwitchDaemon:
     def forward(self, dst: str, pkt: Packet, raw: list[bytes] | None) -> None:
         """A hosted engine's packet: to another hosted engine, or out as a
         datagram to a worker (``raw`` caches one sealing for a multicast)."""
-        if dst in self.local:
-            self.deliver(dst, pkt)
+        to = self.local.get(dst)
+        if to is not None:
+            if to.links is not None:
+                to.links.cross(pkt, DOWN, self.deliver, dst, pkt)
+            else:
+                self.deliver(dst, pkt)
             return
         hit = self.book.get(dst)
         if hit is None:

@@ -102,6 +102,15 @@ def enter(host: NsHost) -> None:
     (``GLOO_SOCKET_IFNAME``): sockets made from now on are made there. For
     a process already running, where ``ip netns exec`` cannot be used (a
     ``torch.multiprocessing`` child)."""
+    join_thread(host)
+    os.environ["GLOO_SOCKET_IFNAME"] = host.ifname
+
+
+def join_thread(host: NsHost) -> None:
+    """Move only the calling thread into ``host``'s namespace (a network
+    namespace is per thread): sockets it makes from now on are made there,
+    the process's other threads stay where they are; threads it starts
+    inherit it."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -112,7 +121,6 @@ def enter(host: NsHost) -> None:
             raise OSError(err, f"setns into {host.netns}: {os.strerror(err)}")
     finally:
         os.close(fd)
-    os.environ["GLOO_SOCKET_IFNAME"] = host.ifname
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
