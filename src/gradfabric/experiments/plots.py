@@ -31,11 +31,13 @@ def grouped_bars(
     title: str,
     path: Path,
     err: str | None = None,
-    mark: str | None = None,
+    mark: str | tuple[str, ...] | None = None,
 ) -> Path:
     """Bars of ``value`` per ``group`` and ``series``; with ``err``, each bar's
     95% interval half-width from that key, drawn as an error bar; with
-    ``mark``, that key's value (a prediction) as a black tick on each bar."""
+    ``mark``, that key's value (a prediction) as a tick on each bar, black
+    for the first key, then other colours."""
+    marks = (mark,) if isinstance(mark, str) else mark or ()
     groups = list(dict.fromkeys(r[group] for r in rows))
     names = list(dict.fromkeys(r[series] for r in rows))
     width = 0.8 / max(1, len(names))
@@ -48,9 +50,9 @@ def grouped_bars(
         yerr = [r[err] if r else 0.0 for r in cell] if err else None
         xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, ys, width, label=name, yerr=yerr, capsize=3 if err else 0)
-        if mark:
-            marks = [r[mark] if r else float("nan") for r in cell]
-            ax.plot(xs, marks, "k_", ms=width * 60, mew=2, label=mark if i == 0 else None)
+        for colour, key in zip(("k", "C3", "C2"), marks, strict=False):
+            ys = [r[key] if r else float("nan") for r in cell]
+            ax.plot(xs, ys, "_", color=colour, ms=width * 60, mew=2, label=key if i == 0 else None)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
