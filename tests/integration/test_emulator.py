@@ -577,6 +577,15 @@ def test_a_helper_that_dies_mid_help_is_named_and_the_job_stops_cleanly() -> Non
     assert not [p for p in mp.active_children() if p.name.startswith("ForkServerProcess")]
 
 
+def test_an_esa_trace_whose_pool_cannot_hold_a_window_is_refused_before_any_run() -> None:
+    from gradfabric.emu.esa_train import EsaTrainConfig
+
+    with pytest.raises(ConfigError, match="pool_slots.*one window \\(32\\)"):
+        EsaTrainConfig(pool_slots=8)
+    with pytest.raises(ConfigError, match="jitter_ms"):
+        EsaTrainConfig(jitter_ms=-1.0)
+
+
 @pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")
 def test_real_jobs_on_shaped_links_with_atps_ps_behind_links_stay_exact() -> None:
     """Jobs whose workers sit in namespaces of their own behind 1 Gbit/s

@@ -82,6 +82,10 @@ class EsaTrainConfig:
     def __post_init__(self) -> None:
         if self.jobs < 1 or self.pool_slots < 1 or self.window < 1 or self.mean_gap_s < 0:
             raise ConfigError("jobs", "jobs, pool_slots and window >= 1, mean_gap_s >= 0")
+        if self.window > self.pool_slots:
+            raise ConfigError(
+                "pool_slots", f"the daemon needs a pool of at least one window ({self.window})"
+            )
         if self.jitter_ms < 0 or self.link_gbps < 0:
             raise ConfigError("jitter_ms", "jitter_ms and link_gbps must be >= 0")
 
