@@ -12,6 +12,11 @@ values, and ``a + b == b + a`` exactly, so ``omnireduce_hook`` and
 under float32 rounding of the result (1.2e-7 relative), then three SGD steps
 at lr 0.1 with gradients under 10: 1e-6 absolute leaves room. fp16 and bf16
 buckets: the sum of two half values rounded once is what DDP computes too.
+``nonfinite``: at the second step rank 0's gradient holds a NaN and rank 1's
+an infinity; every hook must spread them exactly as DDP's all-reduce does
+(``ina_hook`` sums such blocks as floats outside the switch), except
+``dlcp_hook``, whose wire carries finite floats only: it must say so, naming
+the rank, rather than let a loss bound zero them.
 
 ``-compiled``: the same hook registered with ``collectives.fast.register_hook``,
 its skipped (dense) calls run by the C++ hook, on a model with a dense bucket,
@@ -50,7 +55,7 @@ from gradfabric.net.overlap import Overlapped
 
 FEATURES = (
     "plain", "gradient_as_bucket_view", "static_graph", "find_unused_parameters",
-    "no_sync", "join", "fp16", "bf16", "compile",
+    "no_sync", "join", "fp16", "bf16", "compile", "nonfinite",
 )  # fmt: skip
 
 
@@ -136,7 +141,11 @@ def _train(
             if feature == "no_sync":  # accumulate a micro-batch locally, then sync
                 with ddp.no_sync():
                     (run(batches[2 * step], use_branch).float().pow(2).mean() * scale).backward()
-            (run(batches[2 * step + 1], use_branch).float().pow(2).mean() * scale).backward()
+            loss = run(batches[2 * step + 1], use_branch).float().pow(2).mean() * scale
+            if feature == "nonfinite" and step == 1:  # a NaN on rank 0, an inf on rank 1
+                p = model.out.bias if rank == 0 else model.dense.bias  # type: ignore[union-attr]
+                loss = loss + (float("nan") if rank == 0 else float("inf")) * p.float().sum()
+            loss.backward()
             opt.step()
     if hook == "rows" and feature == "compile":  # compiled: no forward hooks, no ids
         assert state.untracked == ["emb"]  # seen at the first call: the table went dense
@@ -160,6 +169,10 @@ def _rank(rank: int, world: int, hook: str, control: str | None, out: str) -> No
         if hook.endswith("-compiled"):  # against the same hook in Python, with a dense bucket
             ref = _train(feature, hook.removesuffix("-compiled"), control, rank, width=1024)
             got = _train(feature, hook, control, rank, width=1024)
+        elif hook == "dlcp" and feature == "nonfinite":  # DLCP's wire carries finite floats
+            with pytest.raises(ValueError, match=rf"rank {rank}'s bucket 0 holds \d+ NaN or inf"):
+                _train(feature, hook, control, rank)  # (both ranks' buckets hold one)
+            continue
         else:
             ref = _train(feature, None, control, rank)
             got = _train(feature, hook, control, rank)
@@ -214,10 +227,11 @@ def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
             for feature, (ref, got) in results.items():
                 for a, b in zip(ref, got, strict=True):
                     if feature.endswith("/replica0"):  # replicas identical after training
-                        torch.testing.assert_close(a, b, atol=0.0, rtol=0.0, msg=feature)
+                        torch.testing.assert_close(a, b, atol=0.0, rtol=0.0, equal_nan=True,
+                                                   msg=feature)  # fmt: skip
                     else:  # the compiled path: the Python path's arithmetic, to the bit
                         tol = exact if "-compiled" in hook else half.get(feature, exact)
-                        torch.testing.assert_close(b, a, msg=feature, **tol)
+                        torch.testing.assert_close(b, a, msg=feature, equal_nan=True, **tol)
 
 
 def _overlap_rank(rank: int, world: int, out: str) -> None:

@@ -17,8 +17,12 @@ agreed over the job (the maximum over workers, found with one small
 ``MAX`` all-reduce of the exponents over the training process group), so
 the integer sum cannot overflow and is exact; the only error is the rounding
 at encode time (``wire.quant.BlockExponent``). Integers cannot carry a NaN or
-an infinity: a block holding one at any rank says so in the exponent round and
-comes back as NaN at every rank, so AMP's gradient scaler still sees it.
+an infinity: a block holding one at any rank says so in the exponent round,
+goes through the switch as zeros, and is summed as floats instead in a second
+round over the same group (every rank knows the same blocks after the
+first), so its values come back as a dense all-reduce's would: NaN and inf
+where DDP's default hook puts them, the block's finite values summed, and
+AMP's gradient scaler sees what it would see without the switch.
 
 A collective that does not finish within ``timeout_s`` raises
 ``PeerTimeoutError`` naming the ranks the switch still waits on (asked over
@@ -74,8 +78,7 @@ ANY_HOST = "0.0.0.0"
 RECONNECT_S = 0.05  # between tries to reach a daemon that went away
 RESUME_POLL_S = 0.01  # between asking whether every rank has reported
 # An exponent no finite float32 has: the block holds a NaN or an infinity at
-# some rank, and comes back as NaN everywhere (as a dense all-reduce would make
-# AMP's scaler skip the step; which values were inf is not kept).
+# some rank, and is summed as floats, outside the switch.
 NON_FINITE = 1 << 20
 
 
@@ -434,7 +437,7 @@ class Attached(Overlapped):
         from gradfabric.net.peers import keep_alive, name_the_missing
 
         vpp = self.ticket.values_per_packet
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = given = np.ascontiguousarray(x, dtype=np.float32)
         exps = fastquant.exponents(x, vpp)
         if exps is None:  # integers cannot carry NaN or inf: their blocks say so in the exponent
             bad = ~np.isfinite(x)
@@ -447,21 +450,26 @@ class Attached(Overlapped):
         keep_alive()
         try:  # the exponent round: a rank gone here breaks gloo, not the switch
             dist.all_reduce(e, op=dist.ReduceOp.MAX, group=group)
+            lost = e.numpy() == NON_FINITE
+            floats = None
+            if lost.any():  # the same blocks at every rank: their values summed as floats
+                t = torch.from_numpy(given[np.repeat(lost, vpp)[: len(x)]])
+                dist.all_reduce(t, group=group)
+                floats = t.numpy()
         except RuntimeError as err:
             world = dist.get_world_size(group)
             raise name_the_missing(
                 "emu", group, world, self.rank, self.calls, self.timeout_s, err
             ) from err
-        lost = e.numpy() == NON_FINITE
         scale = block_scales(np.where(lost, 0, e.numpy()), self.ticket.workers)
-        return Agreed(x, scale, lost, self.calls)
+        return Agreed(x, scale, lost, self.calls, floats)
 
     def sum_agreed(self, a: Agreed) -> npt.NDArray[np.float32]:
         """The second half of ``allreduce``: the integer round through the switch."""
         self._summing = a.call  # (the stage thread may have counted the next one already)
         out = self._sum_floats(a.x, np.where(a.lost, 0.0, a.scale), a.scale)
-        if a.lost.any():  # (a lost block's values were encoded as 0 at every rank)
-            out[np.repeat(a.lost, self.ticket.values_per_packet)[: len(a.x)]] = np.nan
+        if a.floats is not None:  # (a lost block's values were encoded as 0 at every rank)
+            out[np.repeat(a.lost, self.ticket.values_per_packet)[: len(a.x)]] = a.floats
         return out
 
     def _sum_floats(
@@ -742,12 +750,13 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
 class Agreed:
     """A float all-reduce between its two rounds: the values (non-finite ones
     zeroed), each block's agreed scale, the blocks some rank lost to NaN or
-    inf (their sums read NaN), and which call it is."""
+    inf, which call it is, and those blocks' values summed as floats."""
 
     x: npt.NDArray[np.float32]
     scale: npt.NDArray[np.float64]
     lost: npt.NDArray[np.bool_]
     call: int  # its number among the client's float all-reduces (keys the check-in of ``_blame``)
+    floats: npt.NDArray[np.float32] | None = None  # the lost blocks' sums, in order
 
 
 class Call:

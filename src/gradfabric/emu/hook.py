@@ -41,8 +41,20 @@ def dlcp_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Each bucket pushed to the job's DLCP server and the sum pulled, within
     the job's loss bounds (lost values read as zero), then averaged; on the
-    client's communication thread."""
+    client's communication thread. DLCP's wire carries finite floats only (a
+    NaN or an infinity in a datagram is a counted drop, and under a loss bound
+    would read as zero, hiding an overflow from AMP's scaler): a bucket that
+    holds one raises ``ValueError`` naming the rank and the bucket, where the
+    default hook would have summed it; ranks whose buckets are finite wait
+    for it until their ``PeerTimeoutError``."""
     buf = bucket.buffer()
+    if not bool(torch.isfinite(buf).all()):
+        bad = int((~torch.isfinite(buf)).sum())
+        raise ValueError(
+            f"dlcp_hook: rank {state.rank}'s bucket {bucket.index()} holds {bad} NaN or "
+            "infinite values, which DLCP's wire does not carry; train with DDP's default "
+            "hook or ina_hook where gradients may overflow (AMP)"
+        )
     # DDP's bucket 0 holds the model's last layers: DLCP serves front layers first
     state.buckets = max(state.buckets, bucket.index() + 1)
     layer = state.buckets - 1 - bucket.index()
