@@ -249,6 +249,35 @@ def test_a_rank_that_dies_is_named_not_waited_for() -> None:
             assert float(took) < 20  # the survivors' own check-in wait, not the group timeout
 
 
+def _unlike_worker(rank: int, world: int, out: str) -> None:
+    """Rank 1's tensor a block longer, rank 2's in half precision: each rank
+    writes what it raised (gloo would abort the process on mismatched sizes)."""
+    n = 4096 + (256 if rank == 1 else 0)
+    x = torch.zeros(n, dtype=torch.float16 if rank == 2 else torch.float32)
+    x[rank] = 1.0
+    try:
+        sparse_allreduce(x)
+        msg = "no error"
+    except ValueError as e:
+        msg = str(e)
+    y = torch.ones(8)
+    sparse_allreduce(y)  # the group goes on: alike tensors still sum
+    with open(f"{out}/{rank}.txt", "w") as f:
+        f.write(f"{y.tolist()}|{msg}")
+
+
+def test_ranks_with_unlike_tensors_are_named_not_aborted() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_unlike_worker, 3, (tmp,), deadline_s=60)
+        for r in range(3):
+            with open(f"{tmp}/{r}.txt") as f:
+                after, msg = f.read().split("|", 1)
+            assert after == str([3.0] * 8)
+            assert msg.startswith("sparse_allreduce: ranks [1, 2] hold a tensor unlike"), msg
+            assert "rank 1: 4352 values of torch.float32" in msg, msg
+            assert "rank 2: 4096 values of torch.float16" in msg, msg
+
+
 @pytest.mark.netns
 def test_bench_on_shaped_links_in_namespaces() -> None:
     from gradfabric.collectives.bench import run_bench

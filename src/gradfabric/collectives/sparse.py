@@ -202,6 +202,7 @@ def sparse_allreduce(
     dense_margin: float = DENSE_MARGIN,
     peer_timeout_s: float = 10.0,
     key: int | None = None,
+    check_layout: bool = True,
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place (SUM or AVG) moving only non-zero blocks.
 
@@ -215,6 +216,13 @@ def sparse_allreduce(
     If a peer fails mid-call (gloo reports a closed connection, or the process
     group's timeout passes), raises ``PeerTimeoutError`` naming the ranks that
     did not report within ``peer_timeout_s`` through the rendezvous store.
+
+    ``check_layout``: the ranks first agree that their tensors have the same
+    length and dtype (one small all-gather), and every rank raises
+    ``ValueError`` naming those that differ from rank 0 (without it, gloo
+    aborts the process on the first collective whose sizes differ). DDP's
+    hook passes False: DDP checks its parameters' shapes across ranks once,
+    at construction.
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
@@ -235,6 +243,8 @@ def sparse_allreduce(
         call = _CALLS[name] = _CALLS.get(name, -1) + 1
         keep_alive()
         try:
+            if check_layout:
+                _agree_layout(flat, group, world)
             if state is not None and state.take_skip(key):
                 dist.all_reduce(flat, group=group)
             else:
@@ -267,6 +277,23 @@ def ring_bytes(flat: torch.Tensor, world: int) -> int:
     """What a ring all-reduce of ``flat`` sends per rank: ``2(n-1)/n`` of it."""
     # in integers, as the compiled hook counts it (``_fast_hook.cpp``)
     return 2 * (world - 1) * flat.numel() * flat.element_size() // world if world > 1 else 0
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3}
+
+
+def _agree_layout(flat: torch.Tensor, group: Any, world: int) -> None:
+    mine = torch.tensor([flat.numel(), _DTYPE_CODES[flat.dtype]], dtype=torch.int64)
+    every = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    seen = [t.tolist() for t in every]
+    odd = [r for r in range(world) if seen[r] != seen[0]]
+    if odd:
+        kinds = {v: k for k, v in _DTYPE_CODES.items()}
+        said = ", ".join(f"rank {r}: {n} values of {kinds[c]}" for r, (n, c) in enumerate(seen))
+        raise ValueError(
+            f"sparse_allreduce: ranks {odd} hold a tensor unlike rank 0's ({said})"
+        )
 
 
 def _allreduce(
@@ -524,6 +551,7 @@ def omnireduce_hook(
 
     def job(group: Any) -> torch.Tensor:
         state.fold()  # here, off the autograd thread
-        return sparse_allreduce(buf, group=group, op="avg", state=state, key=key)
+        return sparse_allreduce(buf, group=group, op="avg", state=state, key=key,
+                                check_layout=False)  # (DDP checked its shapes)  # fmt: skip
 
     return state.run(buf, job)
