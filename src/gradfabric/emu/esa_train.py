@@ -190,13 +190,13 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
             "clipped": sum(r["clipped"] for r in recs),
         })  # fmt: skip
     jct = [r["jct_s"] for r in rows]
-    recs = [r for job in results for r in job]
-    span = max(r["end"] for r in recs) - min(r["t0"] for r in recs)  # some job training
+    ranks = [r for recs in results for r in recs]
+    span = max(r["end"] for r in ranks) - min(r["t0"] for r in ranks)  # some job training
     return {
         "policy": policy, "seed": cfg.seed, "jobs": rows,
         "mean_jct_s": statistics.fmean(jct), "p99_jct_s": float(np.percentile(jct, 99)),
         "counters": sw.final.get("counters", {}),
         # CPU seconds per second of the span some job trains (1: one core, busy throughout)
         "daemon_load": daemon_cpu / span,
-        "workers_load": sum(r["cpu_s"] for r in recs) / span,
+        "workers_load": sum(r["cpu_s"] for r in ranks) / span,
     }  # fmt: skip
