@@ -605,6 +605,12 @@ def test_real_jobs_on_shaped_links_with_atps_ps_behind_links_stay_exact() -> Non
     assert 0 < r["daemon_load"] <= cores and 0 < r["workers_load"] <= cores, r
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"gf{os.getpid() % 250}sw" not in listed
+    # the workers' forkserver was started from the host's own namespace (a later
+    # run on loopback forks from it; one started inside the switch's would strand it)
+    from multiprocessing import forkserver
+
+    pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    assert pid and os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
 
 
 def test_real_jobs_share_a_scarce_esa_pool_exactly_with_preemptions() -> None:

@@ -38,7 +38,7 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import InaClient, Ticket
 from gradfabric.emu.job import Replica, data, fingerprint, reference
 from gradfabric.emu.saatp import run_hosts
-from gradfabric.net.netns import NsHost, enter, join_thread, tor_star
+from gradfabric.net.netns import NsHost, call_in, enter, tor_star
 from gradfabric.proto.priority import srpt_aging
 
 POLICIES = ("atp", "esa")
@@ -159,11 +159,12 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
         start, daemon_cpu = time.monotonic(), cpu_s(sw.proc.pid)
 
         def one(j: int, job: EsaJob) -> None:
-            if tor is not None:
-                join_thread(tor)  # the daemon's control port is reachable there only
             time.sleep(max(0.0, start + job.arrival_s - time.monotonic()))
-            ticket = Ticket.register(sw.control, job.workers)
             try:
+                if tor is None:
+                    ticket = Ticket.register(sw.control, job.workers)
+                else:  # the daemon's control port is reachable in its namespace only
+                    ticket = call_in(tor, Ticket.register, sw.control, job.workers)
                 total = cfg.timeout_s + job.steps * 2.0
                 args = [(job, ticket, r, hosts[first[j] + r]) for r in range(job.workers)]
                 results[j] = run_hosts(_worker, args, cfg.timeout_s, total)

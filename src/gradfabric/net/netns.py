@@ -22,11 +22,14 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from gradfabric.core.errors import ConfigError
+
+T = TypeVar("T")
 
 MTU = 9000  # jumbo frames, as in a datacenter; up to MAX_MTU where a run asks
 MAX_MTU = 65_535  # a veth's largest: per-packet costs out of the way (see tor_star)
@@ -106,11 +109,33 @@ def enter(host: NsHost) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = host.ifname
 
 
+def call_in(host: NsHost, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a thread of its own inside ``host``'s namespace (a
+    network namespace is per thread), for a process that must stay where it
+    is: the sockets ``fn`` makes are made there. Nothing that starts
+    processes may run there: a child (a forkserver too) would inherit it."""
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            join_thread(host)
+            out.append(fn(*args))
+        except BaseException as e:  # handed to the caller
+            err.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0]
+
+
 def join_thread(host: NsHost) -> None:
-    """Move only the calling thread into ``host``'s namespace (a network
-    namespace is per thread): sockets it makes from now on are made there,
-    the process's other threads stay where they are; threads it starts
-    inherit it."""
+    """Move only the calling thread into ``host``'s namespace: sockets it
+    makes from now on are made there, the process's other threads stay
+    where they are; threads and processes it starts inherit it."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
