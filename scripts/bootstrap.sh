@@ -13,6 +13,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -
   touch "$stamp"
 fi
 
+# The optional TorchRec baseline, where asked for (see requirements-torchrec.txt).
+trstamp=.venv/.gradfabric-torchrec
+if [ "${GRADFABRIC_TORCHREC:-0}" = 1 ] && { [ ! -f "$trstamp" ] || [ requirements-torchrec.txt -nt "$trstamp" ]; }; then
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+    -r requirements-torchrec.txt
+  touch "$trstamp"
+fi
+
 # The simulator's hot path compiled with mypyc (C extensions beside the
 # sources); skipped when up to date, and where there is no C compiler the
 # pure-Python modules run. GRADFABRIC_PURE=1 skips it.

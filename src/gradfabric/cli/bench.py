@@ -185,7 +185,9 @@ def add(sub: Sub) -> None:
                     "rows looked up), sparse (no hook: the model's tables sparse=True under "
                     "plain DDP), allreduce (PyTorch's own Python hook), "
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
-                    "calls in Python, not the compiled path); HOOK@MB gives that replica "
+                    "calls in Python, not the compiled path), torchrec (the mixed model's "
+                    "table sharded by TorchRec's DistributedModelParallel, SGD; needs "
+                    "GRADFABRIC_TORCHREC=1 bash scripts/bootstrap.sh); HOOK@MB gives that replica "
                     "its own bucket cap (each at its best in one run: default,ina@16)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
     bd.add_argument("--mtu", type=int, default=MTU, help=MTU_HELP)

@@ -16,7 +16,10 @@ C++ path of ``collectives.fast``, or ``python``; the ``-python`` hooks force
 the latter, for a side-by-side of the two). ``sparse`` is no hook: the same
 model with ``sparse=True`` tables under plain DDP (what PyTorch offers for
 embeddings), with SGD, or under ``optimizer="adam"`` the usual hybrid of
-SparseAdam on the tables and Adam on the rest; ``rows`` is ``rows_hook``.
+SparseAdam on the tables and Adam on the rest; ``rows`` is ``rows_hook``;
+``torchrec`` (the ``mixed`` model, SGD) is TorchRec's
+``DistributedModelParallel`` with the sharding its planner picks, from the
+same weights (``collectives.trec``; an optional install).
 
 Models (``MODELS``):
 
@@ -56,7 +59,9 @@ HOOKS = ("default", "omnireduce", "auto")
 # ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
 ALL_HOOKS = (
     *HOOKS, "allreduce", "builtin", "ina", "rows", "sparse", "omnireduce-python", "auto-python",
+    "torchrec",
 )  # fmt: skip
+TORCHREC_MODELS = ("mixed",)  # the models ``torchrec`` (``collectives.trec``) has a form of
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -97,6 +102,9 @@ class DdpBenchConfig:
             raise ValueError(f"a hook twice: {list(self.hooks)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if "torchrec" in names and (self.optimizer != "sgd" or "mixed" not in self.models):
+            raise ValueError("torchrec runs the mixed model with sgd (its CPU fused optimizers "
+                             "are the EXACT_* family)")  # fmt: skip
         if self.switch_window < 1:
             raise ValueError(f"switch_window must be >= 1, got {self.switch_window}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
@@ -231,6 +239,11 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
     from gradfabric.net.launch import run_on_hosts, run_ranks
 
     module = "gradfabric.collectives.ddpbench"
+    if "torchrec" in cfg.hooks:
+        from gradfabric.collectives.trec import why_not
+
+        if (reason := why_not()) is not None:
+            raise ValueError(reason)
     with ExitStack() as stack:
         out = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "rows.json")
         if cfg.switch_policy is None:
@@ -320,16 +333,27 @@ def _density(state: Any) -> float | None:
 def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
     rank = dist.get_rank()
     names = [hook_name(h) for h in cfg.hooks]
-    hooks = [*cfg.hooks, *(["ina"] if cfg.switch and "ina" not in names else [])]
+    all_hooks = [*cfg.hooks, *(["ina"] if cfg.switch and "ina" not in names else [])]
     # the reference: DDP's default hook (the first such replica)
-    ref_hook = next((h for h in hooks if hook_name(h) == "default"), None)
+    ref_hook = next((h for h in all_hooks if hook_name(h) == "default"), None)
     rows = []
     path: dict[str, str | None] = {}  # each hook's dense calls: compiled or Python
     for name in cfg.models:
-        replicas = {}
+        replicas: dict[str, tuple[nn.Module, list[torch.optim.Optimizer], Any]] = {}
+        params: dict[str, Callable[[], list[torch.Tensor]]] = {}  # each replica's, as Mixed's
+        hooks = [h for h in all_hooks if h != "torchrec" or name in TORCHREC_MODELS]
         for hook in hooks:
             torch.manual_seed(cfg.seed)
             module, batch, loss_fn = MODELS[name]()
+            if hook == "torchrec":  # the same weights, sharded as TorchRec's planner chooses
+                from gradfabric.collectives import trec
+
+                dmp, opts = trec.shard(module, lr=0.01)
+                mlp = list(module.mlp.parameters())  # type: ignore[union-attr]
+                params[hook] = _table_and(trec.table, dmp, mlp)
+                replicas[hook] = (dmp, opts, None)
+                path[hook] = None
+                continue
             if hook_name(hook) == "sparse":  # the stock option: sparse embedding gradients
                 for _, table in tables(module):
                     table.sparse = True
@@ -345,14 +369,15 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             if hook_name(hook) == "builtin":  # PyTorch's C++ all-reduce hook: a hook without Python
                 ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)  # type: ignore[no-untyped-call,attr-defined]
             replicas[hook] = (ddp, _optimizers(module, cfg.optimizer), state)
+            params[hook] = _listed(module)
         times: dict[str, list[float]] = {h: [] for h in hooks}
         for step in range(cfg.steps):
             inputs, target = batch(rank, step)
             for hook in hooks[step % len(hooks) :] + hooks[: step % len(hooks)]:
-                ddp, opt, _ = replicas[hook]
+                replica, opt, _ = replicas[hook]
                 dist.barrier()
                 t0 = time.perf_counter()
-                loss = loss_fn(ddp(*inputs), target)
+                loss = loss_fn(replica(*inputs), target)
                 for o in opt:
                     o.zero_grad()
                 loss.backward()  # type: ignore[no-untyped-call]
@@ -363,16 +388,16 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 if step >= cfg.warmup:
                     times[hook].append(float(took))
         base = statistics.median(times[ref_hook]) if ref_hook else None
-        ref = list(replicas[ref_hook][0].module.parameters()) if ref_hook else None
+        ref = params[ref_hook]() if ref_hook else None
         omni = replicas.get("omnireduce", (None, None, None))[2]
         for hook in hooks:
-            ddp, _, state = replicas[hook]
+            state = replicas[hook][2]
             if hasattr(state, "fold"):  # the compiled path's calls, into the statistics
                 state.fold()
             iter_s = statistics.median(times[hook])
-            diff = None
+            diff, mine = None, params[hook]()  # (every rank: the table's gather is a collective)
             if ref is not None:
-                pairs = zip(ref, ddp.module.parameters(), strict=True)
+                pairs = zip(ref, mine, strict=True)
                 diff = max(float((p - q).detach().abs().max()) for p, q in pairs)
             rows.append({
                 "model": name, "ranks": cfg.ranks, "link_gbps": cfg.link_gbps, "hook": hook,
@@ -384,7 +409,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "density": _density(omni), "iter_ms_all": [t * 1e3 for t in times[hook]],
                 "max_param_diff_vs_default": diff,
                 "paths": _paths(state), "dense_calls_in": path[hook],
-                "grad_mb": sum(p.numel() for p in ddp.module.parameters()) * 4 / 2**20,
+                "grad_mb": sum(p.numel() for p in mine) * 4 / 2**20,
             })  # fmt: skip
         for _, _, state in replicas.values():
             if hasattr(state, "close"):
@@ -393,6 +418,17 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
+
+
+def _listed(module: nn.Module) -> Callable[[], list[torch.Tensor]]:
+    return lambda: list(module.parameters())
+
+
+def _table_and(
+    table: Callable[[nn.Module], torch.Tensor], dmp: nn.Module, rest: list[torch.Tensor]
+) -> Callable[[], list[torch.Tensor]]:
+    """The torchrec replica's parameters in ``Mixed``'s order: the table, gathered, first."""
+    return lambda: [table(dmp), *rest]
 
 
 def paired(ref: list[float], other: list[float]) -> tuple[float, float]:
