@@ -172,7 +172,8 @@ def add(sub: Sub) -> None:
         "large embedding bag plus a dense 1024-wide MLP). --switch: a switch daemon's "
         "control address, adding ina_hook and the ina path of auto_hook.",
     )
-    bd.add_argument("--models", default="mlp,neumf,mixed", help="comma-separated")
+    bd.add_argument("--models", default="mlp,neumf,mixed",
+                    help="comma-separated: mlp, neumf, mixed, dlrm, transformer")  # fmt: skip
     bd.add_argument("--ranks", type=int, default=2)
     bd.add_argument("--link-gbps", type=float, help="shape links in network namespaces (root)")
     bd.add_argument("--steps", type=int, default=20)
@@ -183,10 +184,12 @@ def add(sub: Sub) -> None:
     bd.add_argument("--hooks", default="default,omnireduce,auto",
                     help="comma-separated; also: rows (rows_hook: embedding tables by the "
                     "rows looked up), sparse (no hook: the model's tables sparse=True under "
-                    "plain DDP), allreduce (PyTorch's own Python hook), "
+                    "plain DDP), sparse+auto (the same sparse=True tables, auto_hook "
+                    "choosing how each table's rows are exchanged), allreduce (PyTorch's "
+                    "own Python hook), "
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
-                    "calls in Python, not the compiled path), torchrec (the mixed model's "
-                    "table sharded by TorchRec's DistributedModelParallel, SGD; needs "
+                    "calls in Python, not the compiled path), torchrec (the mixed and dlrm models' "
+                    "tables sharded by TorchRec's DistributedModelParallel, SGD; needs "
                     "GRADFABRIC_TORCHREC=1 bash scripts/bootstrap.sh); HOOK@MB gives that replica "
                     "its own bucket cap (each at its best in one run: default,ina@16)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
@@ -301,7 +304,12 @@ def switch(args: argparse.Namespace) -> int:
 
 
 def ddp(args: argparse.Namespace) -> int:
-    from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
+    from gradfabric.collectives.ddpbench import (
+        SPARSE_TABLES,
+        DdpBenchConfig,
+        hook_name,
+        run_ddp_bench,
+    )
 
     try:
         cfg = DdpBenchConfig(
@@ -322,14 +330,16 @@ def ddp(args: argparse.Namespace) -> int:
         args, "bench-ddp", asdict(cfg), {"rows": shown, "full": rows},
         tables=[("rows", f"DDP iteration time per hook, {cfg.ranks} gloo ranks, {where} "
                  f"(medians of {cfg.steps - cfg.warmup} interleaved steps)",
-                 ["model", "hook", "iter_ms", "speedup_vs_default", "paired_vs_default", "density",
+                 ["model", "hook", "iter_ms", "speedup_vs_default", "paired_vs_default",
+                  "best_stock", "paired_vs_best_stock", "density",
                   "max_param_diff_vs_default", "paths", "dense_calls_in"])],
     )  # fmt: skip
     # every hook averages what DDP does: to the bit at 2 ranks, within float32
     # rounding of other orders and the switch's quantisation otherwise
     # (the hybrid's SparseAdam is another optimizer: its weights are not held to Adam's)
-    hybrid = cfg.optimizer == "adam" and "sparse"
-    diffs = [r["max_param_diff_vs_default"] or 0.0 for r in rows if r["hook"] != hybrid]
+    hybrid = SPARSE_TABLES if cfg.optimizer == "adam" else ()
+    diffs = [r["max_param_diff_vs_default"] or 0.0 for r in rows
+             if hook_name(r["hook"]) not in hybrid]  # fmt: skip
     return 0 if all(d <= 1e-4 for d in diffs) else 1
 
 

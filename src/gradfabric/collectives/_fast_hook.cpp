@@ -43,7 +43,10 @@ class SkipDenseHook : public c10d::CommHookInterface {
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     const auto key = static_cast<int64_t>(bucket.getIndex());
     int64_t* row = key < table_.size(0) ? table_.data_ptr<int64_t>() + 3 * key : nullptr;
-    if (row == nullptr || row[0] <= 0) {
+    // a sparse table's bucket is always Python's (``auto_hook`` groups a
+    // step's tables; DDP renumbers its buckets after the first step, so a
+    // row written for a dense bucket may name a table's bucket later)
+    if (row == nullptr || row[0] <= 0 || bucket.getBufferRef().is_sparse()) {
       return python_.runHook(bucket);  // acquires the GIL itself
     }
     row[0] -= 1;

@@ -21,6 +21,15 @@ feeds the model the same figure (the least of the ranks' times: the rank that
 arrived last waited for nobody, so its time is the collective's own), and the
 same model and the same bitmaps give the same choice everywhere.
 
+A ``sparse=True`` table's gradient (a COO tensor, a bucket of its own) is
+averaged by its rows instead (``collectives.coo``): gloo's all-gather, the
+sharded reduce-scatter by row owner, or the dense ring, chosen by the same
+model from each path's bytes, which a call's first all-gather (each rank's
+rows per owner, with the previous call's time) and the previous call's union
+give every rank alike. So a model keeps PyTorch's sparse gradients and
+optimizers (SGD, Adagrad, SparseAdam) and gets the cheaper exchange where
+the ranks' rows overlap.
+
 A path without measurements is predicted from one that has them by bytes
 alone; a path that looks within ``explore_ratio`` of the best is tried every
 ``explore_every`` scans of a bucket, so a wrong first guess is corrected. A
@@ -40,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradfabric.collectives import coo
 from gradfabric.collectives.rows import RowState, rows_hook
 from gradfabric.collectives.skip import DenseSkip
 from gradfabric.collectives.sparse import (
@@ -57,6 +67,7 @@ from gradfabric.emu.client import Attached
 from gradfabric.emu.hook import switch_sum
 
 PATHS = ("dense", "sparse", "ina")  # scanned and chosen; "rows" where a table is tracked
+# (a ``sparse=True`` table's gradient: ``coo.COO_PATHS``, logged as ``coo-<path>``)
 
 
 @dataclass
@@ -138,6 +149,14 @@ class AutoState(DenseSkip):
     scans: dict[int, int] = field(default_factory=dict)
     # the last scan: (path, its link bytes, this rank's seconds, bucket, dense ring bytes)
     last: tuple[str, float, float, int, int] | None = None
+    # ``sparse=True`` tables (``_coo_part``): their buckets once known, while
+    # learning them this step's and the last step's, those of this step so
+    # far, and each one's last union
+    coo_tables: list[int] = field(default_factory=list)
+    coo_keys: list[int] = field(default_factory=list)
+    coo_last_step: list[int] = field(default_factory=list)
+    coo_pending: list[tuple[int, torch.Tensor, Any]] = field(default_factory=list)
+    unions: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.threshold < 0 or self.dense_skip < 0:
@@ -200,6 +219,16 @@ class AutoState(DenseSkip):
                 return second
         return ranked[0]
 
+    def _coo_path(self, link: dict[str, int]) -> str:
+        """A sparse table's path: where the dense ring has been timed, its
+        fitted cost per collective and per byte price each path's rounds and
+        bytes (``coo.ROUNDS``); before that, the fewest bytes."""
+        fit = self._cost("dense").fit()
+        if fit is None:
+            return min(link, key=link.__getitem__)
+        fixed, per_byte = fit
+        return min(link, key=lambda p: coo.ROUNDS[p] * fixed + link[p] * per_byte)
+
     def _learn(self, times: torch.Tensor) -> None:
         """Feed the previous scan's time (the least over ranks) to its path."""
         if self.last is None:
@@ -261,6 +290,62 @@ def _run(state: AutoState, buf: torch.Tensor, key: int, group: Any) -> torch.Ten
     return buf
 
 
+def _coo_part(
+    state: AutoState, key: int, grad: torch.Tensor
+) -> torch.futures.Future[torch.Tensor]:
+    """A ``sparse=True`` table's bucket. Until the tables' buckets are known,
+    each goes alone; then the step's tables wait for the last of them and go
+    together: one round of counts and one collective per path for all of
+    them. DDP calls a step's buckets in rising index order, the same on every
+    rank, and renumbers them once, after the first step: a step has ended
+    where an index does not rise, and the tables are known when two steps in
+    a row called the same ones."""
+    if not state.coo_tables:
+        seen = state.coo_keys
+        if seen and key <= seen[-1]:  # a new step
+            if seen == state.coo_last_step:
+                state.coo_tables = list(seen)
+            state.coo_last_step, state.coo_keys = seen, []
+    if not state.coo_tables:
+        state.coo_keys.append(key)
+        return state.run(grad, lambda group: _run_coo(state, [(key, grad)], group)[0])
+    if key not in state.coo_tables:  # (the same on every rank: an error, not a hang)
+        raise ValueError(f"auto_hook: bucket {key} holds a sparse gradient, but the step's "
+                         f"sparse buckets were {state.coo_tables}")  # fmt: skip
+    raw, fut = state.later()
+    state.coo_pending.append((key, grad, raw))
+    if key == state.coo_tables[-1]:
+        parts, state.coo_pending = state.coo_pending, []
+        tables = [(k, g) for k, g, _ in parts]
+        state.run_together([r for _, _, r in parts], grad,
+                           lambda group: _run_coo(state, tables, group))  # fmt: skip
+    return fut
+
+
+def _run_coo(
+    state: AutoState, parts: list[tuple[int, torch.Tensor]], group: Any
+) -> list[torch.Tensor]:
+    """Tables' sparse gradients averaged (``collectives.coo``): one gather of
+    the row counts per owner and the last scan's time, then each table on the
+    path predicted fastest, the tables of a path together."""
+    state.fold()
+    world = dist.get_world_size(group)
+    tables = [coo.Table.of(g, world) for _, g in parts]
+    last = state.last[2] if state.last is not None else 0.0
+    times = torch.tensor([last], dtype=torch.float64).view(torch.int64)
+    state._learn(coo.share_counts(tables, times, group)[:, 0].contiguous().view(torch.float64))
+    links, paths = [], []
+    for (key, _), t in zip(parts, tables, strict=True):
+        link = coo.link_bytes(t, state.unions.get(key, sum(t.held())))  # none seen: no overlap
+        links.append(link)
+        paths.append(state._coo_path(link))
+    outs = coo.exchange(tables, paths, group)
+    for (key, _), out, link, path in zip(parts, outs, links, paths, strict=True):
+        state.unions[key] = out._nnz()
+        state._log(key, f"coo-{path}", link[path], link["dense"])
+    return outs
+
+
 def auto_hook(
     state: AutoState,
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
@@ -268,6 +353,8 @@ def auto_hook(
     """DDP communication hook: average each bucket on the path ``state``
     predicts fastest (see the module doc). Returns at once."""
     buf, key = bucket.buffer(), bucket.index()
+    if buf.is_sparse:  # a ``sparse=True`` table (a bucket of its own)
+        return _coo_part(state, key, buf)
     rows = state.rows
     if rows is not None and rows.holds_tables(list(bucket.parameters())):
         ring = ring_bytes(buf, dist.get_world_size())

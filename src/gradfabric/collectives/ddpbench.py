@@ -16,10 +16,12 @@ C++ path of ``collectives.fast``, or ``python``; the ``-python`` hooks force
 the latter, for a side-by-side of the two). ``sparse`` is no hook: the same
 model with ``sparse=True`` tables under plain DDP (what PyTorch offers for
 embeddings), with SGD, or under ``optimizer="adam"`` the usual hybrid of
-SparseAdam on the tables and Adam on the rest; ``rows`` is ``rows_hook``;
-``torchrec`` (the ``mixed`` model, SGD) is TorchRec's
-``DistributedModelParallel`` with the sharding its planner picks, from the
-same weights (``collectives.trec``; an optional install).
+SparseAdam on the tables and Adam on the rest; ``sparse+auto`` is that same
+replica with ``auto_hook``, which exchanges each table's sparse gradient by
+the path its model predicts fastest (``collectives.coo``); ``rows`` is
+``rows_hook``; ``torchrec`` (the ``mixed`` and ``dlrm`` models, SGD) is
+TorchRec's ``DistributedModelParallel`` with the sharding its planner picks,
+from the same weights (``collectives.trec``; an optional install).
 
 Models (``MODELS``):
 
@@ -28,6 +30,8 @@ Models (``MODELS``):
   touches a few thousand rows: sparse gradients);
 - ``mixed``: a large embedding bag and a dense 4-layer 1024-wide MLP (a
   DLRM-like recommender: some buckets sparse, others dense);
+- ``dlrm``: DLRM-style (``Dlrm``): five tables of 200 to 400k rows, one
+  Zipf-skewed id each per sample (``SkewedIds``), a bottom and a top MLP;
 - ``transformer``: a small causal transformer language model (``TinyLM``,
   21 MB of dense gradients) on random token sequences.
 """
@@ -59,9 +63,12 @@ HOOKS = ("default", "omnireduce", "auto")
 # ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
 ALL_HOOKS = (
     *HOOKS, "allreduce", "builtin", "ina", "rows", "sparse", "omnireduce-python", "auto-python",
-    "torchrec",
+    "torchrec", "sparse+auto",
 )  # fmt: skip
-TORCHREC_MODELS = ("mixed",)  # the models ``torchrec`` (``collectives.trec``) has a form of
+# what a user has without gradfabric: DDP's own hooks, sparse=True, TorchRec
+STOCK = ("default", "builtin", "allreduce", "sparse", "torchrec")
+SPARSE_TABLES = ("sparse", "sparse+auto")  # replicas whose tables are ``sparse=True``
+TORCHREC_MODELS = ("mixed", "dlrm")  # the models ``torchrec`` (``collectives.trec``) has a form of
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -102,9 +109,10 @@ class DdpBenchConfig:
             raise ValueError(f"a hook twice: {list(self.hooks)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if "torchrec" in names and (self.optimizer != "sgd" or "mixed" not in self.models):
-            raise ValueError("torchrec runs the mixed model with sgd (its CPU fused optimizers "
-                             "are the EXACT_* family)")  # fmt: skip
+        bagged = set(self.models) & set(TORCHREC_MODELS)
+        if "torchrec" in names and (self.optimizer != "sgd" or not bagged):
+            raise ValueError(f"torchrec runs the {TORCHREC_MODELS} models with sgd (its CPU "
+                             "fused optimizers are the EXACT_* family)")  # fmt: skip
         if self.switch_window < 1:
             raise ValueError(f"switch_window must be >= 1, got {self.switch_window}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
@@ -153,9 +161,63 @@ class Mixed(nn.Module):
             nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1),
         )  # fmt: skip
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.mlp(self.emb(ids)).squeeze(1)
+    # (``Bagged``: the form ``collectives.trec`` shards)
+    def bags(self) -> list[nn.EmbeddingBag]:
+        return [self.emb]
+
+    def dense(self) -> list[nn.Module]:
+        return [self.mlp]
+
+    def lookups(self, ids: torch.Tensor) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+        return [ids], ()
+
+    def head(self, pooled: list[torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = self.mlp(pooled[0]).squeeze(1)
         return out
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head([self.emb(ids)])
+
+
+DLRM_TABLES = (400_000, 100_000, 20_000, 2_000, 200)
+
+
+class Dlrm(nn.Module):
+    """A DLRM-style recommender (Naumov et al., 2019): 13 dense features
+    through a bottom MLP, one categorical feature per embedding bag (tables of
+    very different sizes), the pooled rows and the bottom's output
+    concatenated into a top MLP. Its bags come first, so that its parameters'
+    order is ``[*tables, *bottom, *top]``."""
+
+    def __init__(self, rows: tuple[int, ...] = DLRM_TABLES, dim: int = 32) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum") for n in rows)
+        for t in self.tables:
+            nn.init.normal_(t.weight, std=0.01)  # type: ignore[arg-type]
+        self.bottom = nn.Sequential(nn.Linear(13, 256), nn.ReLU(), nn.Linear(256, dim), nn.ReLU())
+        self.top = nn.Sequential(
+            nn.Linear(dim * (len(rows) + 1), 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+            nn.Linear(256, 1),
+        )  # fmt: skip
+
+    def bags(self) -> list[nn.EmbeddingBag]:
+        return list(self.tables)  # type: ignore[arg-type]
+
+    def dense(self) -> list[nn.Module]:
+        return [self.bottom, self.top]
+
+    def lookups(
+        self, dense: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+        return [ids[:, k : k + 1] for k in range(ids.shape[1])], (dense,)
+
+    def head(self, dense: torch.Tensor, pooled: list[torch.Tensor]) -> torch.Tensor:
+        out: torch.Tensor = self.top(torch.cat([self.bottom(dense), *pooled], 1)).squeeze(1)
+        return out
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        pooled = [t(ids[:, k : k + 1]) for k, t in enumerate(self.tables)]
+        return self.head(dense, pooled)
 
 
 def _mlp() -> tuple[nn.Module, Batch, Callable[..., torch.Tensor]]:
@@ -186,6 +248,38 @@ def _mixed() -> tuple[nn.Module, Batch, Callable[..., torch.Tensor]]:
         return (torch.stack([users, items % 400_000], 1),), clicks
 
     return Mixed(), batch, nn.functional.binary_cross_entropy_with_logits
+
+
+class SkewedIds:
+    """Categorical features as click logs have them: per table, ids drawn with
+    Zipf popularity (``rank^-zipf``), the popular ones scattered over the table
+    by a fixed permutation (as hashing does); batches by (rank, step) seeds."""
+
+    def __init__(self, rows: tuple[int, ...], zipf: float, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.weights = [torch.arange(1, n + 1, dtype=torch.float64) ** -zipf for n in rows]
+        self.perms = [torch.randperm(n, generator=g) for n in rows]
+
+    def batch(self, size: int, g: torch.Generator) -> torch.Tensor:
+        cols = [p[torch.multinomial(w, size, replacement=True, generator=g)]
+                for w, p in zip(self.weights, self.perms, strict=True)]  # fmt: skip
+        return torch.stack(cols, 1)
+
+
+DLRM_ZIPF = 1.2
+
+
+def _dlrm() -> tuple[nn.Module, Batch, Callable[..., torch.Tensor]]:
+    ids = SkewedIds(DLRM_TABLES, DLRM_ZIPF)
+    w = torch.randn(13, generator=torch.Generator().manual_seed(1))
+
+    def batch(rank: int, step: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        g = torch.Generator().manual_seed(rank * 100_003 + step)
+        dense = torch.randn(1024, 13, generator=g)
+        clicks = (torch.rand(1024, generator=g) < torch.sigmoid(dense @ w)).float()
+        return (dense, ids.batch(1024, g)), clicks
+
+    return Dlrm(), batch, nn.functional.binary_cross_entropy_with_logits
 
 
 class TinyLM(nn.Module):
@@ -223,6 +317,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Batch, Callable[..., torch.Tenso
     "mlp": _mlp,
     "neumf": _neumf,
     "mixed": _mixed,
+    "dlrm": _dlrm,
     "transformer": _transformer,
 }
 
@@ -286,7 +381,7 @@ def _state(hook: str, cfg: DdpBenchConfig, module: nn.Module) -> tuple[Any, Any]
         from gradfabric.collectives.sparse import OmniState, omnireduce_hook
 
         return OmniState(), omnireduce_hook
-    if hook == "auto":  # every path it has: the switch where there is one, tables by rows
+    if hook in ("auto", "sparse+auto"):  # every path it has: the switch, tables by rows
         from gradfabric.collectives.auto import AutoState, auto_hook
         from gradfabric.collectives.rows import RowState
 
@@ -349,12 +444,12 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 from gradfabric.collectives import trec
 
                 dmp, opts = trec.shard(module, lr=0.01)
-                mlp = list(module.mlp.parameters())  # type: ignore[union-attr]
-                params[hook] = _table_and(trec.table, dmp, mlp)
+                dense = [p for m in module.dense() for p in m.parameters()]  # type: ignore[operator]
+                params[hook] = _tables_and(trec.tables, dmp, dense)
                 replicas[hook] = (dmp, opts, None)
                 path[hook] = None
                 continue
-            if hook_name(hook) == "sparse":  # the stock option: sparse embedding gradients
+            if hook_name(hook) in SPARSE_TABLES:  # PyTorch's sparse embedding gradients
                 for _, table in tables(module):
                     table.sparse = True
             ddp = _ddp(module, bucket_caps(hook, cfg.bucket_cap_mb),
@@ -388,6 +483,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 if step >= cfg.warmup:
                     times[hook].append(float(took))
         base = statistics.median(times[ref_hook]) if ref_hook else None
+        stock = [h for h in hooks if hook_name(h) in STOCK]
+        best = min(stock, key=lambda h: statistics.median(times[h])) if stock else None
         ref = params[ref_hook]() if ref_hook else None
         omni = replicas.get("omnireduce", (None, None, None))[2]
         for hook in hooks:
@@ -404,6 +501,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "iter_ms": iter_s * 1e3,
                 "speedup_vs_default": base / iter_s if base else None,
                 "paired_vs_default": _paired(times[ref_hook] if ref_hook else None, times[hook]),
+                "best_stock": best,
+                "paired_vs_best_stock": _paired(times[best] if best else None, times[hook]),
                 "bucket_cap_mb": bucket_caps(hook, cfg.bucket_cap_mb)[-1],
                 "bucket_caps_mb": bucket_caps(hook, cfg.bucket_cap_mb),
                 "density": _density(omni), "iter_ms_all": [t * 1e3 for t in times[hook]],
@@ -424,11 +523,12 @@ def _listed(module: nn.Module) -> Callable[[], list[torch.Tensor]]:
     return lambda: list(module.parameters())
 
 
-def _table_and(
-    table: Callable[[nn.Module], torch.Tensor], dmp: nn.Module, rest: list[torch.Tensor]
+def _tables_and(
+    tables: Callable[[nn.Module], list[torch.Tensor]], dmp: nn.Module, rest: list[torch.Tensor]
 ) -> Callable[[], list[torch.Tensor]]:
-    """The torchrec replica's parameters in ``Mixed``'s order: the table, gathered, first."""
-    return lambda: [table(dmp), *rest]
+    """The torchrec replica's parameters in the model's order: the tables,
+    gathered, first."""
+    return lambda: [*tables(dmp), *rest]
 
 
 def paired(ref: list[float], other: list[float]) -> tuple[float, float]:

@@ -3,13 +3,14 @@
 Recommender engineers train embedding-heavy models with TorchRec: tables
 sharded across ranks (the planner picks table-wise, column-wise, ... per
 table), lookups exchanged by all-to-all, the tables' optimizer fused into
-their backward; the dense layers under DDP. ``shard(mixed, lr)`` builds that
-from a ``ddpbench.Mixed`` model with its very weights (the table copied into
-the shards TorchRec's planner placed), so its replica starts where the
-others do and is fed the same batches. TorchRec is an optional install
-(``requirements-torchrec.txt``); ``why_not()`` says why it cannot run here.
+their backward; the dense layers under DDP. ``shard(model, lr)`` builds that
+from a ``ddpbench`` model with embedding bags (``Mixed``, ``Dlrm``) with its
+very weights (each table copied into the shards TorchRec's planner placed),
+so its replica starts where the others do and is fed the same batches.
+TorchRec is an optional install (``requirements-torchrec.txt``);
+``why_not()`` says why it cannot run here.
 On CPU its fused optimizers are the EXACT_* family, so this baseline runs
-with SGD (EXACT_SGD on the table, SGD on the rest, at the bench's rate);
+with SGD (EXACT_SGD on the tables, SGD on the rest, at the bench's rate);
 TorchRec divides the tables' gradients by the world size, as DDP averages
 the dense ones, so its arithmetic is the other replicas'.
 """
@@ -23,8 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-FEATURE = "ids"
-
 
 def why_not() -> str | None:
     """None where TorchRec imports, else why not."""
@@ -36,64 +35,85 @@ def why_not() -> str | None:
 
 
 class Pooled(nn.Module):
-    """``Mixed`` with its embedding bag as TorchRec's ``EmbeddingBagCollection``
-    (one table, one feature; sum pooling), taking the same id batches."""
+    """A bench model (``ddpbench.Bagged``: ``Mixed``, ``Dlrm``) with its
+    embedding bags as one TorchRec ``EmbeddingBagCollection`` (a table and a
+    feature per bag; sum pooling), taking the same batches: the model's own
+    ``lookups`` splits them, its own ``head`` finishes from the pooled rows."""
 
-    def __init__(self, rows: int, dim: int, mlp: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         super().__init__()
         import torchrec
 
-        table = torchrec.EmbeddingBagConfig(
-            name="t", embedding_dim=dim, num_embeddings=rows, feature_names=[FEATURE]
-        )
-        self.ebc = torchrec.EmbeddingBagCollection(tables=[table], device=torch.device("meta"))
-        self.mlp = mlp
+        bags: list[nn.EmbeddingBag] = list(model.bags())
+        tables = [
+            torchrec.EmbeddingBagConfig(name=f"t{k}", embedding_dim=b.embedding_dim,
+                                        num_embeddings=b.num_embeddings, feature_names=[f"f{k}"])
+            for k, b in enumerate(bags)
+        ]  # fmt: skip
+        self.ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        self.model = [model]  # (a list: its bags are not this module's parameters)
+        self.dense = nn.ModuleList(model.dense())
+        self.keys = [f"f{k}" for k in range(len(bags))]
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+        ids, rest = self.model[0].lookups(*inputs)
         kjt = KeyedJaggedTensor(
-            keys=[FEATURE], values=ids.reshape(-1),
-            lengths=torch.full((ids.shape[0],), ids.shape[1], dtype=torch.int64),
+            keys=self.keys, values=torch.cat([i.reshape(-1) for i in ids]),
+            lengths=torch.cat([torch.full((len(i),), i.shape[1], dtype=torch.int64) for i in ids]),
         )  # fmt: skip
-        out: torch.Tensor = self.mlp(self.ebc(kjt).to_dict()[FEATURE]).squeeze(1)
+        pooled = self.ebc(kjt).to_dict()  # by name: TorchRec returns them in sharding order
+        out: torch.Tensor = self.model[0].head(*rest, [pooled[k] for k in self.keys])
         return out
 
 
-def shard(mixed: Any, lr: float) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
-    """``mixed`` (a ``ddpbench.Mixed``) as TorchRec would train it: the
-    sharded model (its table holding ``mixed``'s weights) and the dense
-    layers' optimizer (the table's is fused)."""
+def shard(model: Any, lr: float) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    """``model`` (a ``ddpbench.Bagged``) as TorchRec would train it: the
+    sharded model (its tables holding ``model``'s weights) and the dense
+    layers' optimizer (the tables' is fused)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    weight = mixed.emb.weight.detach()
+    weights = [b.weight.detach() for b in model.bags()]
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr}
     )
-    dmp = DistributedModelParallel(
-        Pooled(weight.shape[0], weight.shape[1], mixed.mlp), device=torch.device("cpu"),
-        sharders=[sharder],
-    )  # fmt: skip
-    sharded = dmp.state_dict()["ebc.embedding_bags.t.weight"]
+    dmp = DistributedModelParallel(Pooled(model), device=torch.device("cpu"), sharders=[sharder])
+    state = dmp.state_dict()
     with torch.no_grad():
-        for s in sharded.local_shards():  # views of the fused kernel's own weights
-            r0, c0 = s.metadata.shard_offsets
-            rows, cols = s.tensor.shape
-            s.tensor.copy_(weight[r0 : r0 + rows, c0 : c0 + cols])
+        for k, weight in enumerate(weights):
+            for r0, c0, piece in _pieces(state[f"ebc.embedding_bags.t{k}.weight"]):
+                rows, cols = piece.shape  # views of the fused kernel's own weights
+                piece.copy_(weight[r0 : r0 + rows, c0 : c0 + cols])
     dense = [p for n, p in dmp.named_parameters() if ".ebc." not in n and not n.startswith("ebc.")]
     return dmp, [torch.optim.SGD(dense, lr=lr)]
 
 
-def table(dmp: nn.Module) -> torch.Tensor:
-    """The sharded table whole, on every rank (each entry lives on one rank)."""
-    sharded = dmp.state_dict()["ebc.embedding_bags.t.weight"]
-    with warnings.catch_warnings():  # TorchRec's state is a ShardedTensor, which torch deprecates
-        warnings.simplefilter("ignore", FutureWarning)
-        full = torch.zeros(sharded.size())
-    for s in sharded.local_shards():
-        r0, c0 = s.metadata.shard_offsets
-        full[r0 : r0 + s.tensor.shape[0], c0 : c0 + s.tensor.shape[1]] = s.tensor
-    dist.all_reduce(full)
-    return full
+def tables(dmp: nn.Module) -> list[torch.Tensor]:
+    """The sharded tables whole, on every rank (each entry lives on one rank;
+    DMP's data-parallel tables are whole on every rank already)."""
+    state = dmp.state_dict()
+    out = []
+    for k in range(len(dmp.module.keys)):  # type: ignore[union-attr,arg-type]
+        entry = state[f"ebc.embedding_bags.t{k}.weight"]
+        if not hasattr(entry, "local_shards"):  # data-parallel: a replica, not shards
+            out.append(entry.detach().clone())
+            continue
+        with warnings.catch_warnings():  # a ShardedTensor, which torch deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            full = torch.zeros(entry.size())
+        for r0, c0, piece in _pieces(entry):
+            full[r0 : r0 + piece.shape[0], c0 : c0 + piece.shape[1]] = piece
+        dist.all_reduce(full)
+        out.append(full)
+    return out
+
+
+def _pieces(entry: Any) -> list[tuple[int, int, torch.Tensor]]:
+    """A table's state entry as (row, column, block) pieces held here: a
+    ShardedTensor's local shards, or a data-parallel table whole."""
+    if not hasattr(entry, "local_shards"):
+        return [(0, 0, entry)]
+    return [(*s.metadata.shard_offsets, s.tensor) for s in entry.local_shards()]

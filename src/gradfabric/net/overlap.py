@@ -199,6 +199,35 @@ class Overlapped:
 
         return comm.submit(job, buf)
 
+    @staticmethod
+    def later() -> tuple[torch.futures.Future[Any], torch.futures.Future[torch.Tensor]]:
+        """A bucket to be finished by a later ``run_together``: (the future
+        that job completes, the one DDP waits on)."""
+        import torch
+
+        raw: torch.futures.Future[Any] = torch.futures.Future()
+        return raw, raw.then(_unwrap)
+
+    def run_together(
+        self, raws: list[torch.futures.Future[Any]], like: torch.Tensor,
+        job: Callable[[Any], list[torch.Tensor]],
+    ) -> None:  # fmt: skip
+        """One job for several buckets (the tables of a step, ``auto_hook``):
+        it completes each of ``raws`` (from ``later``) with its tensor, or all
+        of them with its error."""
+
+        def whole(group: Any) -> None:
+            try:
+                outs = job(group)
+            except Exception as e:  # every bucket's waiter gets it; the thread records it
+                for r in raws:
+                    r.set_result(e)
+                raise
+            for r, out in zip(raws, outs, strict=True):
+                r.set_result(out)
+
+        self.comm().submit_raw(whole, like)
+
     def dense(self, buf: torch.Tensor, divide_by: int) -> torch.futures.Future[torch.Tensor]:
         """Average ``buf`` with a plain all-reduce started here, on the
         autograd thread, as PyTorch's own ``allreduce_hook`` does (no host

@@ -1,0 +1,254 @@
+"""Sparse gradients of ``sparse=True`` tables, averaged by the rows they hold.
+
+Theory of operation. DDP hands a communication hook the gradient of an
+``nn.Embedding(sparse=True)`` or ``nn.EmbeddingBag(sparse=True)`` as a COO
+tensor of the rows the batch looked up, a bucket per table. Without a hook,
+gloo's sparse all-reduce coalesces each and all-gathers every rank's (ids,
+rows), in three rounds per table (sizes, ids, values): each rank receives the
+rows of all the others. Where the ranks look up the same rows (skewed ids:
+popular items, frequent tokens) the union of their rows is far smaller than
+that sum, and a reduce-scatter by row moves less: row ``i`` belongs to rank
+``i % n``; every rank sends each owner its rows of the owner's shard (one
+all-to-all), each owner sums its shard (the aggregator of OmniReduce, with a
+table's rows for blocks: a row is what a lookup makes non-zero), and the
+owners' sums are all-gathered.
+
+Per rank's link, with ``s_r`` rows on rank r, ``S`` their sum and ``U`` the
+union over ranks (bytes per row: the values and an 8-byte id):
+
+- ``gather``: receives every other rank's rows, padded to the largest count:
+  ``(n-1) max s_r``;
+- ``sharded``: receives the others' rows of its own shard (``~(S - s_r)/n``),
+  then ``n - 1`` shards of the union, padded to the largest
+  (``~(n-1)/n U``): it wins where ``U/S`` is below about ``(n-2)/(n-1)``,
+  never at 2 ranks;
+- ``dense``: the ring all-reduce of the whole table, ``2(n-1)/n`` of it (a
+  small table most of whose rows a batch touches).
+
+The tables of one step go together (``exchange``): one all-gather of every
+rank's row counts per table and owner (each rank then knows every count, and
+the paths' bytes: ``link_bytes``), then one collective per path for all the
+tables that take it: one all-gather for ``gather`` (where gloo takes three
+rounds per table), an all-to-all, a count round and an all-gather for
+``sharded``, one all-reduce for ``dense``. The union each path needs is the
+previous step's (every path ends knowing it), so the choice costs no round.
+``auto_hook`` makes it (``collectives.auto``).
+
+Arithmetic as DDP's: every rank's rows are divided by the world size before
+the sum; each row is summed by one rank (its owner), or by every rank alike
+in the same order (``gather``, ``dense``), so replicas stay identical to the
+bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COO_PATHS = ("gather", "sharded", "dense")
+ID_BYTES = 8
+
+
+@dataclass
+class Table:
+    """One table's gradient on this rank: its size and its coalesced (ids,
+    rows), the rows divided by the world size; ``counts[q, r]`` (after
+    ``share_counts``): rows rank q holds of rank r's shard."""
+
+    size: torch.Size
+    ids: torch.Tensor
+    rows: torch.Tensor  # (len(ids), row values)
+    counts: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, grad: torch.Tensor, world: int) -> Table:
+        g = grad.coalesce()
+        rows = g.values().reshape(g._nnz(), math.prod(grad.shape[1:])) / world
+        return cls(grad.shape, g.indices()[0], rows)
+
+    @property
+    def width(self) -> int:
+        """A packed row's length in values: the id's bytes, then the row."""
+        return ID_BYTES // self.rows.element_size() + self.rows.shape[1]
+
+    def row_bytes(self) -> int:
+        return self.rows.shape[1] * self.rows.element_size() + ID_BYTES
+
+    def table_bytes(self) -> int:
+        return self.size.numel() * self.rows.element_size()
+
+    def held(self) -> list[int]:
+        """Rows each rank holds."""
+        assert self.counts is not None
+        out: list[int] = self.counts.sum(1).tolist()
+        return out
+
+    def sparse(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The gradient of (ids, rows), duplicate ids summed."""
+        grad = torch.sparse_coo_tensor(ids[None], rows.reshape(-1, *self.size[1:]), self.size)
+        return grad.coalesce()
+
+
+def share_counts(tables: list[Table], extra: torch.Tensor, group: Any) -> torch.Tensor:
+    """One all-gather: every rank's rows per owner for each table (into
+    ``counts``) and each rank's ``extra`` int64 values, returned by rank."""
+    world = dist.get_world_size(group)
+    own = [torch.bincount(t.ids % world, minlength=world) for t in tables]
+    mine = torch.cat([*own, extra])
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    got = torch.stack(every)
+    for k, t in enumerate(tables):
+        t.counts = got[:, k * world : (k + 1) * world]
+    return got[:, len(tables) * world :]
+
+
+def link_bytes(table: Table, union: float) -> dict[str, int]:
+    """The busiest rank's received bytes per path, from the table's counts
+    and an estimate of its union's row count (each shard's share of it by
+    its share of the rows)."""
+    counts = table.counts
+    assert counts is not None
+    world = len(counts)
+    held = counts.sum(1)
+    total = int(held.sum())
+    per_row = table.row_bytes()
+    arriving = counts.sum(0)  # rows of each shard, over ranks
+    ratio = min(1.0, union / total) if total else 1.0
+    widest = float(arriving.max()) * ratio
+    sharded = float((arriving - counts.diagonal()).max()) + (world - 1) * widest
+    return {
+        "gather": (world - 1) * int(held.max()) * per_row,
+        "sharded": int(sharded * per_row),
+        "dense": 2 * (world - 1) * table.table_bytes() // world,
+    }
+
+
+ROUNDS = {"gather": 1, "sharded": 3, "dense": 1}  # collectives per path, after the counts
+
+
+def exchange(tables: list[Table], paths: list[str], group: Any) -> list[torch.Tensor]:
+    """Every table's averaged gradient (coalesced), each by its path, the
+    tables of a path in one collective (see the module doc)."""
+    out: list[torch.Tensor | None] = [None] * len(tables)
+    take = {p: [k for k, q in enumerate(paths) if q == p] for p in COO_PATHS}
+    work, flat = None, None
+    if take["dense"]:  # in flight while the others move
+        dense = [tables[k] for k in take["dense"]]
+        flat = torch.cat([_dense(t).reshape(-1) for t in dense])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+    if take["gather"]:
+        for k, g in zip(take["gather"], _gathered([tables[k] for k in take["gather"]], group),
+                        strict=True):  # fmt: skip
+            out[k] = g
+    if take["sharded"]:
+        for k, g in zip(take["sharded"], _sharded([tables[k] for k in take["sharded"]], group),
+                        strict=True):  # fmt: skip
+            out[k] = g
+    if work is not None and flat is not None:
+        work.wait()
+        at = 0
+        for k in take["dense"]:
+            t = tables[k]
+            n = t.size.numel()
+            out[k] = flat[at : at + n].view(t.size).to_sparse(1)
+            at += n
+    assert all(g is not None for g in out)
+    return out  # type: ignore[return-value]
+
+
+def _dense(t: Table) -> torch.Tensor:
+    return t.rows.new_zeros(t.size[0], t.rows.shape[1]).index_add_(0, t.ids, t.rows)
+
+
+def _packed(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows with their ids in front, the ids' bytes viewed as the rows' dtype,
+    flattened (one buffer: one collective for ids and values)."""
+    head = ids.to(torch.int64).reshape(-1, 1).contiguous().view(rows.dtype)
+    return torch.cat([head, rows], 1).reshape(-1)
+
+
+def _unpacked(buf: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    both = buf.reshape(len(buf) // width, width)
+    head = ID_BYTES // buf.element_size()
+    return both[:, :head].contiguous().view(torch.int64).reshape(-1), both[:, head:]
+
+
+def _gathered(tables: list[Table], group: Any) -> list[torch.Tensor]:
+    """All-gather every rank's packed rows of all ``tables``, padded to the
+    longest rank's; every rank sums them alike."""
+    world = dist.get_world_size(group)
+    held = [t.held() for t in tables]
+    longest = max(sum(h[q] * t.width for t, h in zip(tables, held, strict=True))
+                  for q in range(world))  # fmt: skip
+    send = tables[0].rows.new_zeros(longest)
+    mine = torch.cat([_packed(t.ids, t.rows) for t in tables])
+    send[: len(mine)] = mine
+    got = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(got, send, group=group)
+    lengths = [[h[q] * t.width for t, h in zip(tables, held, strict=True)] for q in range(world)]
+    return _rebuilt(tables, got, lengths)  # (in rank order: the same sums on every rank)
+
+
+def _sharded(tables: list[Table], group: Any) -> list[torch.Tensor]:
+    """Reduce-scatter by row owner (one all-to-all for all ``tables``), each
+    owner's sums, then an all-gather of the owners' sums."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    counts = [t.counts for t in tables if t.counts is not None]
+    assert len(counts) == len(tables)
+    mine = []  # each table's packed rows, by owner
+    for t in tables:
+        order = torch.argsort(t.ids % world, stable=True)
+        mine.append(_packed(t.ids[order], t.rows[order]).reshape(-1, t.width))
+    starts = [torch.cat([c.new_zeros(1), c[me].cumsum(0)]).tolist() for c in counts]
+    chunks = [torch.cat([m[s[r] : s[r + 1]].reshape(-1) for m, s in zip(mine, starts, strict=True)])
+              for r in range(world)]  # fmt: skip
+    widths = [t.width for t in tables]
+    into = [[int(c[q, me]) * w for c, w in zip(counts, widths, strict=True)] for q in range(world)]
+    recv = tables[0].rows.new_empty(sum(map(sum, into)))
+    dist.all_to_all_single(recv, torch.cat(chunks), [sum(i) for i in into],
+                           [len(c) for c in chunks], group=group)  # fmt: skip
+    sums = [_owned(t, p) for t, p in zip(tables, _split(recv, into), strict=True)]
+    sizes = torch.tensor([len(s) for s in sums], dtype=torch.int64)
+    every = [torch.empty_like(sizes) for _ in range(world)]
+    dist.all_gather(every, sizes, group=group)
+    lengths: list[list[int]] = [e.tolist() for e in every]
+    send = tables[0].rows.new_zeros(max(map(sum, lengths)))
+    joined = torch.cat(sums)
+    send[: len(joined)] = joined
+    shards = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(shards, send, group=group)
+    return _rebuilt(tables, shards, lengths)  # (shards are disjoint: the coalesce only sorts)
+
+
+def _owned(t: Table, arrived: torch.Tensor) -> torch.Tensor:
+    """The packed sums of this rank's shard of ``t`` from the rows that arrived."""
+    ids, rows = _unpacked(arrived, t.width)
+    mine, where = torch.unique(ids, return_inverse=True)
+    return _packed(mine, rows.new_zeros(len(mine), rows.shape[1]).index_add_(0, where, rows))
+
+
+def _rebuilt(
+    tables: list[Table], got: list[torch.Tensor], lengths: list[list[int]]
+) -> list[torch.Tensor]:
+    """Each table's gradient from an all-gather's padded buffers, one per rank."""
+    parts = _split(torch.cat(got), lengths, len(got[0]))
+    return [t.sparse(*_unpacked(p, t.width)) for t, p in zip(tables, parts, strict=True)]
+
+
+def _split(buf: torch.Tensor, lengths: list[list[int]], stride: int = 0) -> list[torch.Tensor]:
+    """Per table, its pieces of ``buf`` joined in rank order: ``lengths[q][k]``
+    values of table k from rank q, rank q's pieces at ``q * stride`` (or right
+    after rank q-1's where ``stride`` is 0)."""
+    parts: list[list[torch.Tensor]] = [[] for _ in lengths[0]]
+    at = 0
+    for q, row in enumerate(lengths):
+        at = q * stride if stride else at
+        for k, n in enumerate(row):
+            parts[k].append(buf[at : at + n])
+            at += n
+    return [torch.cat(p) for p in parts]

@@ -1,0 +1,173 @@
+"""``sparse=True`` tables' gradients exchanged by rows (``collectives.coo``),
+alone and under ``auto_hook`` in DDP, on real gloo process groups (CPU)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gradfabric.collectives import coo
+from gradfabric.collectives.spawn import spawn
+
+SHAPES = ((40, 4), (7, 5), (300, 6))  # (rows, width) per table
+
+
+def _grad(rank: int, table: int) -> torch.Tensor:
+    """Rank ``rank``'s uncoalesced gradient of ``table``: skewed ids with
+    repeats; rank 1 holds none of the last table's rows; a NaN on rank 0 and
+    an inf on rank 2 in the first table."""
+    rows, width = SHAPES[table]
+    g = torch.Generator().manual_seed(rank * 10 + table)
+    n = 0 if (rank == 1 and table == 2) else 50
+    ids = (torch.rand(n, generator=g) ** 3 * rows).long()
+    vals = torch.randn(n, width, generator=g)
+    if table == 0 and rank in (0, 2):
+        vals[0, 1] = float("nan") if rank == 0 else float("inf")
+    return torch.sparse_coo_tensor(ids[None], vals, (rows, width))
+
+
+def _reference(world: int, table: int) -> torch.Tensor:
+    """The float64 sum of every rank's gradient, each divided by the world."""
+    ref = torch.zeros(SHAPES[table], dtype=torch.float64)
+    for r in range(world):
+        g = _grad(r, table).coalesce()
+        ref.index_add_(0, g.indices()[0], g.values().double() / world)
+    return ref
+
+
+PLANS = (["gather"] * 3, ["sharded"] * 3, ["dense"] * 3, ["sharded", "dense", "gather"])
+
+
+def _exchange_worker(rank: int, world: int, out: str) -> None:
+    got = []
+    for paths in PLANS:
+        tables = [coo.Table.of(_grad(rank, k), world) for k in range(len(SHAPES))]
+        extra = coo.share_counts(tables, torch.tensor([rank]), None)
+        assert extra.flatten().tolist() == list(range(world))
+        got.append([g.to_dense() for g in coo.exchange(tables, paths, None)])
+    torch.save(got, os.path.join(out, f"{rank}.pt"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_path_sums_every_table_as_float64_does_on_every_rank(world: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_exchange_worker, world, (tmp,))
+        ranks = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
+    for p, paths in enumerate(PLANS):
+        for k, path in enumerate(paths):
+            ref = _reference(world, k)
+            mine = ranks[0][p][k]
+            finite = ref.isfinite()
+            assert torch.allclose(mine.double()[finite], ref[finite], atol=1e-6), (paths, k)
+            # NaN and inf where the float64 sum has them (inf + finite stays inf)
+            assert torch.equal(mine.isnan(), ref.isnan()), (path, k)
+            assert torch.equal(mine.isinf(), ref.isinf()), (path, k)
+            for other in ranks[1:]:  # replicas identical, NaNs included
+                assert torch.equal(other[p][k].nan_to_num(), mine.nan_to_num())
+
+
+def _counts(per_rank: list[list[int]], world: int) -> coo.Table:
+    """A table whose count matrix is built from each rank's row ids."""
+    t = coo.Table(torch.Size((64, 4)), torch.zeros(0, dtype=torch.int64), torch.zeros(0, 4))
+    t.counts = torch.stack([torch.bincount(torch.tensor(ids) % world, minlength=world)
+                            for ids in per_rank])  # fmt: skip
+    return t
+
+
+def test_link_bytes_count_what_each_path_delivers_to_the_busiest_rank() -> None:
+    """Against a count of the rows each rank receives, path by path (4 ranks,
+    disjoint ids: the union is the sum, so the estimate is exact)."""
+    world, per_row = 4, 4 * 4 + coo.ID_BYTES
+    per_rank = [[0, 1, 2, 5, 9], [3, 13, 17], [6, 10, 14, 18, 22, 26], [7]]
+    t = _counts(per_rank, world)
+    union = sum(len(ids) for ids in per_rank)
+    got = coo.link_bytes(t, union)
+    # gather: each rank receives the others' rows, padded to the longest list
+    assert got["gather"] == (world - 1) * max(map(len, per_rank)) * per_row
+    # sharded: its own shard's rows from the others, then the others' shards
+    # (each padded to the largest shard)
+    shard = [[i for ids in per_rank for i in ids if i % world == r] for r in range(world)]
+    into = [sum(1 for q, ids in enumerate(per_rank) if q != r for i in ids if i % world == r)
+            for r in range(world)]  # fmt: skip
+    assert got["sharded"] == (max(into) + (world - 1) * max(map(len, shard))) * per_row
+    assert got["dense"] == 2 * (world - 1) * 64 * 4 * 4 // world
+    # where the ranks share their rows, the union shrinks the sharded path only
+    assert coo.link_bytes(t, union / 4)["sharded"] < got["sharded"]
+    assert coo.link_bytes(t, union / 4)["gather"] == got["gather"]
+
+
+class _Recommender(nn.Module):
+    """Two ``sparse=True`` bags (a large skewed one, a small one whose rows a
+    batch mostly touches) and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.EmbeddingBag(5000, 8, mode="sum", sparse=True)
+        self.small = nn.EmbeddingBag(16, 8, mode="sum", sparse=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, big: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.cat([self.big(big), self.small(small)], 1))
+        return out.squeeze(1)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank * 1000 + step)
+    big = (torch.rand(64, 3, generator=g) ** 4 * 5000).long()  # skewed: shared hot rows
+    return big, torch.randint(0, 16, (64, 2), generator=g), torch.randn(64, generator=g)
+
+
+def _ddp_worker(rank: int, world: int, out: str, steps: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradfabric.collectives.auto import AutoState, auto_hook
+    from gradfabric.collectives.fast import register_hook
+
+    replicas: list[tuple[Any, Any, Any]] = []
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model = _Recommender()
+        ddp = DDP(model)
+        state = AutoState() if hooked else None
+        if hooked:
+            register_hook(ddp, state, auto_hook)
+        replicas.append((model, ddp, torch.optim.SGD(model.parameters(), lr=0.1)))
+    for step in range(steps):
+        big, small, y = _batch(rank, step)
+        for _, ddp, opt in replicas:
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(big, small), y).backward()
+            opt.step()
+    assert state is not None
+    paths: dict[str, int] = {}
+    for b in state.summary().values():
+        for p, n in b["paths"].items():
+            paths[p] = paths.get(p, 0) + n
+    weights = [[p.detach() for p in m.parameters()] for m, _, _ in replicas]
+    torch.save({"weights": weights, "paths": paths, "tables": state.coo_tables},
+               os.path.join(out, f"{rank}.pt"))  # fmt: skip
+
+
+def test_auto_hook_trains_sparse_tables_as_ddp_does() -> None:
+    """3 ranks, 8 steps: the hooked replica's weights within float32 rounding
+    of DDP's own sparse all-reduce, identical on every rank; the step's two
+    tables grouped from the third step (DDP renumbers buckets after the
+    first); each table's path among the row paths."""
+    world = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_ddp_worker, world, (tmp, 8))
+        got = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
+    for mine in got:
+        stock, hooked = mine["weights"]
+        for a, b in zip(stock, hooked, strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+        for a, b in zip(got[0]["weights"][1], hooked, strict=True):
+            assert torch.equal(a, b)
+        assert len(mine["tables"]) == 2
+        coo_calls = {p: n for p, n in mine["paths"].items() if p.startswith("coo-")}
+        assert sum(coo_calls.values()) == 2 * 8, mine["paths"]
