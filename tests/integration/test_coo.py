@@ -41,6 +41,7 @@ def _reference(world: int, table: int) -> torch.Tensor:
 
 
 PLANS = (["gather"] * 3, ["sharded"] * 3, ["dense"] * 3, ["sharded", "dense", "gather"])
+CAPS = (8, 10**5)  # ``gather_in_one``'s bound: every rank spills, none does
 
 
 def _exchange_worker(rank: int, world: int, out: str) -> None:
@@ -50,6 +51,12 @@ def _exchange_worker(rank: int, world: int, out: str) -> None:
         extra = coo.share_counts(tables, torch.tensor([rank]), None)
         assert extra.flatten().tolist() == list(range(world))
         got.append([g.to_dense() for g in coo.exchange(tables, paths, None)])
+    for cap in CAPS:  # counts and rows in one round; past the bound, a second
+        tables = [coo.Table.of(_grad(rank, k), world) for k in range(len(SHAPES))]
+        grads, extra, _ = coo.gather_in_one(tables, torch.tensor([rank, 7]), cap, None)
+        assert extra.tolist() == [[r, 7] for r in range(world)]
+        assert all(t.counts is not None and int(t.counts.sum()) > 0 for t in tables)
+        got.append([g.to_dense() for g in grads])
     torch.save(got, os.path.join(out, f"{rank}.pt"))
 
 
@@ -58,7 +65,7 @@ def test_each_path_sums_every_table_as_float64_does_on_every_rank(world: int) ->
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_exchange_worker, world, (tmp,))
         ranks = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(world)]
-    for p, paths in enumerate(PLANS):
+    for p, paths in enumerate([*PLANS, *(["gather"] * 3 for _ in CAPS)]):
         for k, path in enumerate(paths):
             ref = _reference(world, k)
             mine = ranks[0][p][k]
@@ -102,13 +109,13 @@ def test_link_bytes_count_what_each_path_delivers_to_the_busiest_rank() -> None:
 
 
 class _Recommender(nn.Module):
-    """Two ``sparse=True`` bags (a large skewed one, a small one whose rows a
-    batch mostly touches) and a dense head."""
+    """Two ``sparse=True`` bags (a large skewed one, a smaller uniform one)
+    and a dense head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.big = nn.EmbeddingBag(5000, 8, mode="sum", sparse=True)
-        self.small = nn.EmbeddingBag(16, 8, mode="sum", sparse=True)
+        self.small = nn.EmbeddingBag(2000, 8, mode="sum", sparse=True)
         self.head = nn.Linear(16, 1)
 
     def forward(self, big: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
@@ -119,7 +126,7 @@ class _Recommender(nn.Module):
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(rank * 1000 + step)
     big = (torch.rand(64, 3, generator=g) ** 4 * 5000).long()  # skewed: shared hot rows
-    return big, torch.randint(0, 16, (64, 2), generator=g), torch.randn(64, generator=g)
+    return big, torch.randint(0, 2000, (64, 2), generator=g), torch.randn(64, generator=g)
 
 
 def _ddp_worker(rank: int, world: int, out: str, steps: int) -> None:
@@ -149,15 +156,16 @@ def _ddp_worker(rank: int, world: int, out: str, steps: int) -> None:
         for p, n in b["paths"].items():
             paths[p] = paths.get(p, 0) + n
     weights = [[p.detach() for p in m.parameters()] for m, _, _ in replicas]
-    torch.save({"weights": weights, "paths": paths, "tables": state.coo_tables},
+    torch.save({"weights": weights, "paths": paths, "tables": state.coo_tables,
+                "one_round": state.coo_one_round},
                os.path.join(out, f"{rank}.pt"))  # fmt: skip
 
 
 def test_auto_hook_trains_sparse_tables_as_ddp_does() -> None:
     """3 ranks, 8 steps: the hooked replica's weights within float32 rounding
     of DDP's own sparse all-reduce, identical on every rank; the step's two
-    tables grouped from the third step (DDP renumbers buckets after the
-    first); each table's path among the row paths."""
+    tables grouped from the fourth step (DDP renumbers buckets after the
+    first), counts and rows in one round."""
     world = 3
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_ddp_worker, world, (tmp, 8))
@@ -171,3 +179,5 @@ def test_auto_hook_trains_sparse_tables_as_ddp_does() -> None:
         assert len(mine["tables"]) == 2
         coo_calls = {p: n for p, n in mine["paths"].items() if p.startswith("coo-")}
         assert sum(coo_calls.values()) == 2 * 8, mine["paths"]
+        # both tables by all-gather, so from the fourth step on, in one round
+        assert mine["paths"]["coo-gather"] >= 12 and mine["one_round"] >= 4, mine

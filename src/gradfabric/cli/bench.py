@@ -304,12 +304,7 @@ def switch(args: argparse.Namespace) -> int:
 
 
 def ddp(args: argparse.Namespace) -> int:
-    from gradfabric.collectives.ddpbench import (
-        SPARSE_TABLES,
-        DdpBenchConfig,
-        hook_name,
-        run_ddp_bench,
-    )
+    from gradfabric.collectives.ddpbench import DdpBenchConfig, held_to_default, run_ddp_bench
 
     try:
         cfg = DdpBenchConfig(
@@ -336,10 +331,9 @@ def ddp(args: argparse.Namespace) -> int:
     )  # fmt: skip
     # every hook averages what DDP does: to the bit at 2 ranks, within float32
     # rounding of other orders and the switch's quantisation otherwise
-    # (the hybrid's SparseAdam is another optimizer: its weights are not held to Adam's)
-    hybrid = SPARSE_TABLES if cfg.optimizer == "adam" else ()
+    # (``held_to_default`` says where the weights can show it)
     diffs = [r["max_param_diff_vs_default"] or 0.0 for r in rows
-             if hook_name(r["hook"]) not in hybrid]  # fmt: skip
+             if held_to_default(r, cfg.optimizer)]  # fmt: skip
     return 0 if all(d <= 1e-4 for d in diffs) else 1
 
 

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         saatp,
         saatp_train,
         simspeed,
+        sparse_train,
     )
     from gradfabric.experiments.registry import EXPERIMENTS
     from gradfabric.experiments.report import CLAIM_COLUMNS, claim_rows, write_report

@@ -157,6 +157,13 @@ class AutoState(DenseSkip):
     coo_last_step: list[int] = field(default_factory=list)
     coo_pending: list[tuple[int, torch.Tensor, Any]] = field(default_factory=list)
     unions: dict[int, int] = field(default_factory=dict)
+    # each path's bytes over all calls (and the chosen paths', ``chosen``)
+    coo_bytes: dict[str, int] = field(default_factory=dict)
+    hop_s: deque[float] = field(default_factory=lambda: deque(maxlen=32))  # one hop's latency
+    counts_s: float = 0.0  # this rank's last counts round
+    coo_next: list[str] = field(default_factory=list)  # the next step's paths, as last chosen
+    coo_cap: int = 0  # ``coo.gather_in_one``'s bound for the next step (0: none yet)
+    coo_one_round: int = 0  # steps whose tables went in one round
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.threshold < 0 or self.dense_skip < 0:
@@ -219,15 +226,16 @@ class AutoState(DenseSkip):
                 return second
         return ranked[0]
 
-    def _coo_path(self, link: dict[str, int]) -> str:
-        """A sparse table's path: where the dense ring has been timed, its
-        fitted cost per collective and per byte price each path's rounds and
-        bytes (``coo.ROUNDS``); before that, the fewest bytes."""
+    def _coo_path(self, link: dict[str, int], world: int) -> str:
+        """A sparse table's path: its hops (``coo.hops``) at the latency of
+        one hop, measured by the counts round (the least over ranks: the last
+        to arrive waits for nobody), and its bytes at the dense ring's fitted
+        seconds per byte; before both are measured, the fewest bytes."""
         fit = self._cost("dense").fit()
-        if fit is None:
+        if fit is None or not self.hop_s:
             return min(link, key=link.__getitem__)
-        fixed, per_byte = fit
-        return min(link, key=lambda p: coo.ROUNDS[p] * fixed + link[p] * per_byte)
+        hop, per_byte = statistics.median(self.hop_s), fit[1]
+        return min(link, key=lambda p: coo.hops(p, world) * hop + link[p] * per_byte)
 
     def _learn(self, times: torch.Tensor) -> None:
         """Feed the previous scan's time (the least over ranks) to its path."""
@@ -327,19 +335,44 @@ def _run_coo(
 ) -> list[torch.Tensor]:
     """Tables' sparse gradients averaged (``collectives.coo``): one gather of
     the row counts per owner and the last scan's time, then each table on the
-    path predicted fastest, the tables of a path together."""
+    path predicted fastest, the tables of a path together; where the last
+    step chose ``gather`` for every table, rows and counts in one round."""
     state.fold()
     world = dist.get_world_size(group)
     tables = [coo.Table.of(g, world) for _, g in parts]
     last = state.last[2] if state.last is not None else 0.0
-    times = torch.tensor([last], dtype=torch.float64).view(torch.int64)
-    state._learn(coo.share_counts(tables, times, group)[:, 0].contiguous().view(torch.float64))
-    links, paths = [], []
-    for (key, _), t in zip(parts, tables, strict=True):
-        link = coo.link_bytes(t, state.unions.get(key, sum(t.held())))  # none seen: no overlap
-        links.append(link)
-        paths.append(state._coo_path(link))
-    outs = coo.exchange(tables, paths, group)
+    one_round = (state.coo_cap > 0 and len({t.rows.dtype for t in tables}) == 1
+                 and state.coo_next == ["gather"] * len(tables))  # fmt: skip
+    times = torch.tensor([last, 0.0 if one_round else state.counts_s], dtype=torch.float64)
+    t0 = time.perf_counter()
+    if one_round:
+        outs, got, longest = coo.gather_in_one(tables, times.view(torch.int64), state.coo_cap,
+                                               group)  # fmt: skip
+        state.coo_cap = coo.cap_after(longest)
+        state.coo_one_round += 1
+    else:
+        got = coo.share_counts(tables, times.view(torch.int64), group)
+        state.counts_s = time.perf_counter() - t0
+    extra = got.contiguous().view(torch.float64)
+    state._learn(extra[:, 0])
+    if float(extra[:, 1].min()) > 0:
+        state.hop_s.append(float(extra[:, 1].min()))
+    links = [coo.link_bytes(t, state.unions.get(key, sum(t.held())))  # none seen: no overlap
+             for (key, _), t in zip(parts, tables, strict=True)]  # fmt: skip
+    paths = [state._coo_path(link, world) for link in links]
+    if not one_round:
+        outs = coo.exchange(tables, paths, group)
+        state.coo_cap = coo.cap_after(max(  # what this step's all-gather would have been
+            sum(t.held()[q] * t.width for t in tables) + 2 + 2 * world * len(tables) + 8
+            for q in range(world)))  # fmt: skip
+    else:
+        paths, state.coo_next = ["gather"] * len(tables), paths  # the next step's, from these
+    if not one_round:
+        state.coo_next = paths
+    for link, path in zip(links, paths, strict=True):
+        for p, b in link.items():  # what each path would have moved: the bytes model's view
+            state.coo_bytes[p] = state.coo_bytes.get(p, 0) + b
+        state.coo_bytes["chosen"] = state.coo_bytes.get("chosen", 0) + link[path]
     for (key, _), out, link, path in zip(parts, outs, links, paths, strict=True):
         state.unions[key] = out._nnz()
         state._log(key, f"coo-{path}", link[path], link["dense"])

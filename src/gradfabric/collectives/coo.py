@@ -30,9 +30,13 @@ rank's row counts per table and owner (each rank then knows every count, and
 the paths' bytes: ``link_bytes``), then one collective per path for all the
 tables that take it: one all-gather for ``gather`` (where gloo takes three
 rounds per table), an all-to-all, a count round and an all-gather for
-``sharded``, one all-reduce for ``dense``. The union each path needs is the
+``sharded``, one all-reduce for ``dense``. Every all-gather here is one
+all-to-all (``all_gathered``): one hop, where gloo's ring all-gather takes
+``n - 1`` in a row; on a busy host a hop is milliseconds. The union each path needs is the
 previous step's (every path ends knowing it), so the choice costs no round.
-``auto_hook`` makes it (``collectives.auto``).
+``auto_hook`` makes it (``collectives.auto``). Where the last step sent every
+table by ``gather``, the counts ride in the same round as the rows
+(``gather_in_one``): one round a step.
 
 Arithmetic as DDP's: every rank's rows are divided by the world size before
 the sum; each row is summed by one rank (its owner), or by every rank alike
@@ -98,10 +102,7 @@ def share_counts(tables: list[Table], extra: torch.Tensor, group: Any) -> torch.
     ``counts``) and each rank's ``extra`` int64 values, returned by rank."""
     world = dist.get_world_size(group)
     own = [torch.bincount(t.ids % world, minlength=world) for t in tables]
-    mine = torch.cat([*own, extra])
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    got = torch.stack(every)
+    got = torch.stack(all_gathered(torch.cat([*own, extra]), group))
     for k, t in enumerate(tables):
         t.counts = got[:, k * world : (k + 1) * world]
     return got[:, len(tables) * world :]
@@ -128,7 +129,10 @@ def link_bytes(table: Table, union: float) -> dict[str, int]:
     }
 
 
-ROUNDS = {"gather": 1, "sharded": 3, "dense": 1}  # collectives per path, after the counts
+def hops(path: str, world: int) -> int:
+    """Sequential network hops a path takes after the counts: one per
+    all-to-all (``all_gathered`` is one), ``2(n-1)`` for gloo's ring."""
+    return {"gather": 1, "sharded": 3}.get(path, 2 * (world - 1))
 
 
 def exchange(tables: list[Table], paths: list[str], group: Any) -> list[torch.Tensor]:
@@ -161,6 +165,67 @@ def exchange(tables: list[Table], paths: list[str], group: Any) -> list[torch.Te
     return out  # type: ignore[return-value]
 
 
+def gather_in_one(
+    tables: list[Table], extra: torch.Tensor, cap: int, group: Any
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """``exchange`` with every table on ``gather``, the counts in the same
+    round: each rank's buffer leads with its length, its counts per owner and
+    ``extra`` (int64s viewed as the rows' dtype), then its rows, padded to
+    ``cap`` values (a bound from the last step: ``cap_after``). A rank with
+    more sends the rest in a second round, which every rank knows to run from
+    the lengths. Fills each table's ``counts``; returns the gradients,
+    ``extra`` by rank and the longest buffer (for the next bound)."""
+    world = dist.get_world_size(group)
+    dtype = tables[0].rows.dtype
+    own = [torch.bincount(t.ids % world, minlength=world) for t in tables]
+    data = torch.cat([_packed(t.ids, t.rows) for t in tables])
+    head = torch.cat([torch.tensor([len(data)]), *own, extra]).view(dtype)
+    send = data.new_zeros(max(cap, len(head)))
+    mine = torch.cat([head, data])[: len(send)]
+    send[: len(mine)] = mine
+    got = all_gathered(send, group)
+    heads = torch.stack([g[: len(head)] for g in got]).view(torch.int64)
+    lengths: list[int] = heads[:, 0].tolist()
+    room = len(send) - len(head)
+    spill = max(lengths) - room
+    more = all_gathered(_padded(data[room:], spill), group) if spill > 0 else None
+    datas = [g[len(head) : len(head) + min(n, room)] for g, n in zip(got, lengths, strict=True)]
+    if more is not None:
+        datas = [torch.cat([d, m[: max(0, n - room)]])
+                 for d, m, n in zip(datas, more, lengths, strict=True)]  # fmt: skip
+    for k, t in enumerate(tables):
+        t.counts = heads[:, 1 + k * world : 1 + (k + 1) * world]
+    held = [t.held() for t in tables]
+    split = [[h[q] * t.width for t, h in zip(tables, held, strict=True)] for q in range(world)]
+    parts = _split(torch.cat(datas), split)
+    grads = [t.sparse(*_unpacked(p, t.width)) for t, p in zip(tables, parts, strict=True)]
+    return grads, heads[:, 1 + len(tables) * world :], len(head) + max(lengths)
+
+
+def cap_after(longest: int) -> int:
+    """The next step's bound for ``gather_in_one``: the longest buffer this
+    step, with room for a tenth more (row counts drift from step to step)."""
+    return longest + longest // 10 + 64
+
+
+def _padded(values: torch.Tensor, length: int) -> torch.Tensor:
+    out = values.new_zeros(length)
+    out[: len(values)] = values[:length]
+    return out
+
+
+def all_gathered(mine: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (of one length on every rank), by rank: an
+    all-gather done as one all-to-all. gloo's all-gather is a ring, ``n - 1``
+    hops one after the other; here every rank sends to every other at once,
+    the same bytes on each link in one hop (a table's rows are kilobytes:
+    the hops' latency, not the bytes, is what a ring costs them)."""
+    world = dist.get_world_size(group)
+    out = mine.new_empty(world * len(mine))
+    dist.all_to_all_single(out, mine.repeat(world), group=group)
+    return list(out.view(world, len(mine)))
+
+
 def _dense(t: Table) -> torch.Tensor:
     return t.rows.new_zeros(t.size[0], t.rows.shape[1]).index_add_(0, t.ids, t.rows)
 
@@ -188,8 +253,7 @@ def _gathered(tables: list[Table], group: Any) -> list[torch.Tensor]:
     send = tables[0].rows.new_zeros(longest)
     mine = torch.cat([_packed(t.ids, t.rows) for t in tables])
     send[: len(mine)] = mine
-    got = [torch.empty_like(send) for _ in range(world)]
-    dist.all_gather(got, send, group=group)
+    got = all_gathered(send, group)
     lengths = [[h[q] * t.width for t, h in zip(tables, held, strict=True)] for q in range(world)]
     return _rebuilt(tables, got, lengths)  # (in rank order: the same sums on every rank)
 
@@ -214,14 +278,11 @@ def _sharded(tables: list[Table], group: Any) -> list[torch.Tensor]:
                            [len(c) for c in chunks], group=group)  # fmt: skip
     sums = [_owned(t, p) for t, p in zip(tables, _split(recv, into), strict=True)]
     sizes = torch.tensor([len(s) for s in sums], dtype=torch.int64)
-    every = [torch.empty_like(sizes) for _ in range(world)]
-    dist.all_gather(every, sizes, group=group)
-    lengths: list[list[int]] = [e.tolist() for e in every]
+    lengths: list[list[int]] = [e.tolist() for e in all_gathered(sizes, group)]
     send = tables[0].rows.new_zeros(max(map(sum, lengths)))
     joined = torch.cat(sums)
     send[: len(joined)] = joined
-    shards = [torch.empty_like(send) for _ in range(world)]
-    dist.all_gather(shards, send, group=group)
+    shards = all_gathered(send, group)
     return _rebuilt(tables, shards, lengths)  # (shards are disjoint: the coalesce only sorts)
 
 

@@ -119,6 +119,18 @@ class DdpBenchConfig:
             raise ValueError("need ranks >= 2 and steps > warmup >= 0")
 
 
+def held_to_default(row: dict[str, Any], optimizer: str) -> bool:
+    """Whether a row's weights must end where the default hook's do (within
+    float32 rounding: ``max_param_diff_vs_default`` <= 1e-4). Not the
+    SparseAdam hybrid (another optimizer), and not Adam beyond 2 ranks: a sum
+    of more than two terms in another order differs in its last bits, and
+    where the ranks' rows cancel, Adam scales that difference up to a whole
+    step of its learning rate."""
+    if optimizer != "adam":
+        return True
+    return hook_name(row["hook"]) not in SPARSE_TABLES and row["ranks"] <= 2
+
+
 def hook_name(hook: str) -> str:
     """``ina@16`` -> ``ina``: a replica's hook, less its own bucket cap."""
     return hook.partition("@")[0]
@@ -436,6 +448,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
     for name in cfg.models:
         replicas: dict[str, tuple[nn.Module, list[torch.optim.Optimizer], Any]] = {}
         params: dict[str, Callable[[], list[torch.Tensor]]] = {}  # each replica's, as Mixed's
+        sharding: dict[str, dict[str, str]] = {}  # TorchRec's plan, per table
         hooks = [h for h in all_hooks if h != "torchrec" or name in TORCHREC_MODELS]
         for hook in hooks:
             torch.manual_seed(cfg.seed)
@@ -444,6 +457,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 from gradfabric.collectives import trec
 
                 dmp, opts = trec.shard(module, lr=0.01)
+                sharding[hook] = trec.plan(dmp)
                 dense = [p for m in module.dense() for p in m.parameters()]  # type: ignore[operator]
                 params[hook] = _tables_and(trec.tables, dmp, dense)
                 replicas[hook] = (dmp, opts, None)
@@ -508,6 +522,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "density": _density(omni), "iter_ms_all": [t * 1e3 for t in times[hook]],
                 "max_param_diff_vs_default": diff,
                 "paths": _paths(state), "dense_calls_in": path[hook],
+                "coo_bytes_per_step": _per_step(getattr(state, "coo_bytes", None), cfg.steps),
+                "sharding": sharding.get(hook),
                 "grad_mb": sum(p.numel() for p in mine) * 4 / 2**20,
             })  # fmt: skip
         for _, _, state in replicas.values():
@@ -542,6 +558,12 @@ def paired(ref: list[float], other: list[float]) -> tuple[float, float]:
 
 def _paired(ref: list[float] | None, other: list[float]) -> tuple[float, float] | None:
     return None if ref is None else paired(ref, other)
+
+
+def _per_step(total: dict[str, int] | None, steps: int) -> dict[str, float] | None:
+    """``auto_hook``'s bytes per path over its sparse tables (each path's, as
+    if it had taken every call: ``coo.link_bytes``), per step."""
+    return {p: b / steps for p, b in total.items()} if total else None
 
 
 def _paths(state: Any) -> dict[str, int] | None:

@@ -117,3 +117,13 @@ def _pieces(entry: Any) -> list[tuple[int, int, torch.Tensor]]:
     if not hasattr(entry, "local_shards"):
         return [(0, 0, entry)]
     return [(*s.metadata.shard_offsets, s.tensor) for s in entry.local_shards()]
+
+
+def plan(dmp: nn.Module) -> dict[str, str]:
+    """The sharding TorchRec's planner chose, per table (``t0``, ...)."""
+    out: dict[str, str] = {}
+    chosen: Any = dmp.plan
+    for params in chosen.plan.values():
+        for name, p in params.items():
+            out[name] = f"{p.sharding_type} on {p.ranks}"
+    return out
