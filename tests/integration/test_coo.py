@@ -181,3 +181,13 @@ def test_auto_hook_trains_sparse_tables_as_ddp_does() -> None:
         assert sum(coo_calls.values()) == 2 * 8, mine["paths"]
         # both tables by all-gather, so from the fourth step on, in one round
         assert mine["paths"]["coo-gather"] >= 12 and mine["one_round"] >= 4, mine
+
+
+def test_row_ids_outside_the_table_are_an_error_not_memory_corruption() -> None:
+    """The exchange builds gradients without PyTorch's invariant checks (they
+    cost a pass per table); ids that no table holds are caught first."""
+    t = coo.Table.of(torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 4), (5, 4)), 1)
+    assert torch.equal(t.sparse(t.ids, t.rows).to_dense()[[1, 3]], torch.ones(2, 4))
+    for bad in ([5], [-1]):
+        with pytest.raises(ValueError, match="outside a table of 5 rows"):
+            t.sparse(torch.tensor(bad), torch.ones(1, 4))

@@ -306,7 +306,7 @@ def sparse_train(args: argparse.Namespace) -> int:
         for p in pts
     ]  # fmt: skip
     res = {"config": asdict(grid), "rows": rows, "points": pts, "table": table, "notes": notes,
-           "claims": [c.__dict__ for c in claims(pts)]}  # fmt: skip
+           "claims": [c.__dict__ for c in claims({"rows": rows})]}  # fmt: skip
     cols = sorted({k for t in table for k in t}, key=lambda k: list(table[0]).index(k)
                   if k in table[0] else 99)  # fmt: skip
     title = ("median step per option; ours (auto_hook on sparse=True tables) over the best "

@@ -93,7 +93,11 @@ class Table:
 
     def sparse(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The gradient of (ids, rows), duplicate ids summed."""
-        grad = torch.sparse_coo_tensor(ids[None], rows.reshape(-1, *self.size[1:]), self.size)
+        if len(ids) and not (int(ids.min()) >= 0 and int(ids.max()) < self.size[0]):
+            raise ValueError(f"row ids outside a table of {self.size[0]} rows arrived: "
+                             "a rank's gradient or the exchange is corrupt")  # fmt: skip
+        grad = torch.sparse_coo_tensor(ids[None], rows.reshape(-1, *self.size[1:]), self.size,
+                                       check_invariants=False)  # fmt: skip  # (checked above)
         return grad.coalesce()
 
 
