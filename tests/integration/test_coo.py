@@ -53,8 +53,9 @@ def _exchange_worker(rank: int, world: int, out: str) -> None:
         got.append([g.to_dense() for g in coo.exchange(tables, paths, None)])
     for cap in CAPS:  # counts and rows in one round; past the bound, a second
         tables = [coo.Table.of(_grad(rank, k), world) for k in range(len(SHAPES))]
-        grads, extra, _ = coo.gather_in_one(tables, torch.tensor([rank, 7]), cap, None)
+        grads, extra, longest = coo.gather_in_one(tables, torch.tensor([rank, 7]), cap, None)
         assert extra.tolist() == [[r, 7] for r in range(world)]
+        assert longest == coo.gather_length(tables, 2)  # the bound the next step is given
         assert all(t.counts is not None and int(t.counts.sum()) > 0 for t in tables)
         got.append([g.to_dense() for g in grads])
     torch.save(got, os.path.join(out, f"{rank}.pt"))

@@ -22,13 +22,14 @@ arrived last waited for nobody, so its time is the collective's own), and the
 same model and the same bitmaps give the same choice everywhere.
 
 A ``sparse=True`` table's gradient (a COO tensor, a bucket of its own) is
-averaged by its rows instead (``collectives.coo``): gloo's all-gather, the
-sharded reduce-scatter by row owner, or the dense ring, chosen by the same
-model from each path's bytes, which a call's first all-gather (each rank's
-rows per owner, with the previous call's time) and the previous call's union
-give every rank alike. So a model keeps PyTorch's sparse gradients and
-optimizers (SGD, Adagrad, SparseAdam) and gets the cheaper exchange where
-the ranks' rows overlap.
+averaged by its rows instead (``collectives.coo``), a step's tables
+together: each by the all-gather of every rank's rows, the reduce-scatter by
+row owner, or the dense ring, priced by its bytes on the busiest link (from
+the ranks' row counts, which every rank gathers) and its hops (at the
+latency of one, measured by that count round). So a model keeps PyTorch's
+sparse gradients and optimizers (SGD, Adagrad, SparseAdam) and moves its
+tables in one or a few rounds, where gloo's sparse all-reduce takes three
+per table.
 
 A path without measurements is predicted from one that has them by bytes
 alone; a path that looks within ``explore_ratio`` of the best is tried every
@@ -360,15 +361,12 @@ def _run_coo(
     links = [coo.link_bytes(t, state.unions.get(key, sum(t.held())))  # none seen: no overlap
              for (key, _), t in zip(parts, tables, strict=True)]  # fmt: skip
     paths = [state._coo_path(link, world) for link in links]
-    if not one_round:
-        outs = coo.exchange(tables, paths, group)
-        state.coo_cap = coo.cap_after(max(  # what this step's all-gather would have been
-            sum(t.held()[q] * t.width for t in tables) + 2 + 2 * world * len(tables) + 8
-            for q in range(world)))  # fmt: skip
+    if one_round:  # this step's went by all-gather; the choices are the next step's
+        state.coo_next, paths = paths, ["gather"] * len(tables)
     else:
-        paths, state.coo_next = ["gather"] * len(tables), paths  # the next step's, from these
-    if not one_round:
+        outs = coo.exchange(tables, paths, group)
         state.coo_next = paths
+        state.coo_cap = coo.cap_after(coo.gather_length(tables, len(times)))
     for link, path in zip(links, paths, strict=True):
         for p, b in link.items():  # what each path would have moved: the bytes model's view
             state.coo_bytes[p] = state.coo_bytes.get(p, 0) + b

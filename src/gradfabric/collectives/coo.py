@@ -206,6 +206,16 @@ def gather_in_one(
     return grads, heads[:, 1 + len(tables) * world :], len(head) + max(lengths)
 
 
+def gather_length(tables: list[Table], extras: int) -> int:
+    """The longest buffer ``gather_in_one`` would send for ``tables`` (their
+    counts known) with ``extras`` int64 values."""
+    world = len(tables[0].held())
+    head = (1 + len(tables) * world + extras) * (ID_BYTES // tables[0].rows.element_size())
+    held = [t.held() for t in tables]
+    return head + max(sum(h[q] * t.width for t, h in zip(tables, held, strict=True))
+                      for q in range(world))  # fmt: skip
+
+
 def cap_after(longest: int) -> int:
     """The next step's bound for ``gather_in_one``: the longest buffer this
     step, with room for a tenth more (row counts drift from step to step)."""
