@@ -307,8 +307,7 @@ def sparse_train(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     res = {"config": asdict(grid), "rows": rows, "points": pts, "table": table, "notes": notes,
            "claims": [c.__dict__ for c in claims({"rows": rows})]}  # fmt: skip
-    cols = sorted({k for t in table for k in t}, key=lambda k: list(table[0]).index(k)
-                  if k in table[0] else 99)  # fmt: skip
+    cols = list(dict.fromkeys(k for t in table for k in t))  # each option's, as first seen
     title = ("median step per option; ours (auto_hook on sparse=True tables) over the best "
              "stock option, paired per step (95%)")  # fmt: skip
     dest = report(args, "sparse-train", asdict(grid), res, json_keys=("table",),

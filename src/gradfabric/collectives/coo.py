@@ -101,11 +101,23 @@ class Table:
         return grad.coalesce()
 
 
+def _owned_counts(tables: list[Table], world: int) -> list[torch.Tensor]:
+    """This rank's rows of each table per owner (row ``i`` is rank ``i % world``'s)."""
+    return [torch.bincount(t.ids % world, minlength=world) for t in tables]
+
+
+def _lengths(tables: list[Table]) -> list[list[int]]:
+    """Values each rank sends of each table, packed (``[rank][table]``; counts known)."""
+    held = [t.held() for t in tables]
+    return [[h[q] * t.width for t, h in zip(tables, held, strict=True)]
+            for q in range(len(held[0]))]  # fmt: skip
+
+
 def share_counts(tables: list[Table], extra: torch.Tensor, group: Any) -> torch.Tensor:
     """One all-gather: every rank's rows per owner for each table (into
     ``counts``) and each rank's ``extra`` int64 values, returned by rank."""
     world = dist.get_world_size(group)
-    own = [torch.bincount(t.ids % world, minlength=world) for t in tables]
+    own = _owned_counts(tables, world)
     got = torch.stack(all_gathered(torch.cat([*own, extra]), group))
     for k, t in enumerate(tables):
         t.counts = got[:, k * world : (k + 1) * world]
@@ -181,7 +193,7 @@ def gather_in_one(
     ``extra`` by rank and the longest buffer (for the next bound)."""
     world = dist.get_world_size(group)
     dtype = tables[0].rows.dtype
-    own = [torch.bincount(t.ids % world, minlength=world) for t in tables]
+    own = _owned_counts(tables, world)
     data = torch.cat([_packed(t.ids, t.rows) for t in tables])
     head = torch.cat([torch.tensor([len(data)]), *own, extra]).view(dtype)
     send = data.new_zeros(max(cap, len(head)))
@@ -199,8 +211,7 @@ def gather_in_one(
                  for d, m, n in zip(datas, more, lengths, strict=True)]  # fmt: skip
     for k, t in enumerate(tables):
         t.counts = heads[:, 1 + k * world : 1 + (k + 1) * world]
-    held = [t.held() for t in tables]
-    split = [[h[q] * t.width for t, h in zip(tables, held, strict=True)] for q in range(world)]
+    split = _lengths(tables)
     parts = _split(torch.cat(datas), split)
     grads = [t.sparse(*_unpacked(p, t.width)) for t, p in zip(tables, parts, strict=True)]
     return grads, heads[:, 1 + len(tables) * world :], len(head) + max(lengths)
@@ -211,9 +222,7 @@ def gather_length(tables: list[Table], extras: int) -> int:
     counts known) with ``extras`` int64 values."""
     world = len(tables[0].held())
     head = (1 + len(tables) * world + extras) * (ID_BYTES // tables[0].rows.element_size())
-    held = [t.held() for t in tables]
-    return head + max(sum(h[q] * t.width for t, h in zip(tables, held, strict=True))
-                      for q in range(world))  # fmt: skip
+    return head + max(map(sum, _lengths(tables)))
 
 
 def cap_after(longest: int) -> int:
@@ -260,16 +269,12 @@ def _unpacked(buf: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor
 def _gathered(tables: list[Table], group: Any) -> list[torch.Tensor]:
     """All-gather every rank's packed rows of all ``tables``, padded to the
     longest rank's; every rank sums them alike."""
-    world = dist.get_world_size(group)
-    held = [t.held() for t in tables]
-    longest = max(sum(h[q] * t.width for t, h in zip(tables, held, strict=True))
-                  for q in range(world))  # fmt: skip
-    send = tables[0].rows.new_zeros(longest)
+    lengths = _lengths(tables)
+    send = tables[0].rows.new_zeros(max(map(sum, lengths)))
     mine = torch.cat([_packed(t.ids, t.rows) for t in tables])
     send[: len(mine)] = mine
-    got = all_gathered(send, group)
-    lengths = [[h[q] * t.width for t, h in zip(tables, held, strict=True)] for q in range(world)]
-    return _rebuilt(tables, got, lengths)  # (in rank order: the same sums on every rank)
+    # (summed in rank order: the same sums on every rank)
+    return _rebuilt(tables, all_gathered(send, group), lengths)
 
 
 def _sharded(tables: list[Table], group: Any) -> list[torch.Tensor]:
