@@ -188,8 +188,8 @@ def add(sub: Sub) -> None:
                     "choosing how each table's rows are exchanged), allreduce (PyTorch's "
                     "own Python hook), "
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
-                    "calls in Python, not the compiled path), torchrec (the mixed and dlrm models' "
-                    "tables sharded by TorchRec's DistributedModelParallel, SGD; needs "
+                    "calls in Python, not the compiled path), torchrec (the mixed, dlrm and neumf "
+                    "models' tables sharded by TorchRec's DistributedModelParallel, SGD; needs "
                     "GRADFABRIC_TORCHREC=1 bash scripts/bootstrap.sh); HOOK@MB gives that replica "
                     "its own bucket cap (each at its best in one run: default,ina@16)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")

@@ -116,7 +116,7 @@ def add(sub: Sub) -> None:
         help="embedding tables: auto_hook's row exchange vs every stock option",
         description="Per model, optimizer and rank count, one bench ddp run with the stock "
         "options (DDP's default hook; sparse=True tables under plain DDP, with Adam the "
-        "SparseAdam hybrid; TorchRec's DistributedModelParallel for dlrm with SGD where it "
+        "SparseAdam hybrid; TorchRec's DistributedModelParallel with SGD where it "
         "is installed) and auto_hook on the sparse=True tables (sparse+auto; with Adam also "
         "auto_hook on dense gradients), each rank behind a 1 Gbit/s link (root, network "
         "namespaces). Rows: each option's median step, ours against the best stock option "
@@ -300,9 +300,13 @@ def sparse_train(args: argparse.Namespace) -> int:
     table = [
         {"model": p["model"], "optimizer": p["optimizer"], "ranks": p["ranks"],
          **{f"{h} ms": f"{t:.0f}" for h, t in p["ms"].items()},
-         "ours vs best": f"{p['vs_best'][0]:.2f} ± {p['vs_best'][1]:.2f} ({p['best_stock']})",
-         "kB/step: all-gather, ours": "-" if not p["stock_bytes"] else
-         f"{p['stock_bytes'] / 1e3:.0f}, {p['ours_bytes'] / 1e3:.0f}"}
+         "ours vs best DDP": f"{p['vs_ddp'][0]:.2f} ± {p['vs_ddp'][1]:.2f} ({p['best_ddp']})",
+         "ours vs TorchRec": "-" if not p["vs_torchrec"] else
+         f"{p['vs_torchrec'][0]:.2f} ± {p['vs_torchrec'][1]:.2f}",
+         "tables' kB/step: all-gather, ours, TorchRec": "-" if not p["stock_bytes"] else
+         ", ".join(f"{b / 1e3:.0f}" if b else "-" for b in
+                   (p["stock_bytes"], p["ours_bytes"], p["torchrec_bytes"])),
+         "bytes floor ms": ", ".join(f"{h} {t:.1f}" for h, t in p["floor_ms"].items()) or "-"}
         for p in pts
     ]  # fmt: skip
     res = {"config": asdict(grid), "rows": rows, "points": pts, "table": table, "notes": notes,

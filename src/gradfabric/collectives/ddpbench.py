@@ -19,7 +19,7 @@ embeddings), with SGD, or under ``optimizer="adam"`` the usual hybrid of
 SparseAdam on the tables and Adam on the rest; ``sparse+auto`` is that same
 replica with ``auto_hook``, which exchanges each table's sparse gradient by
 the path its model predicts fastest (``collectives.coo``); ``rows`` is
-``rows_hook``; ``torchrec`` (the ``mixed`` and ``dlrm`` models, SGD) is
+``rows_hook``; ``torchrec`` (the ``mixed``, ``dlrm`` and ``neumf`` models, SGD) is
 TorchRec's ``DistributedModelParallel`` with the sharding its planner picks,
 from the same weights (``collectives.trec``; an optional install).
 
@@ -68,7 +68,7 @@ ALL_HOOKS = (
 # what a user has without gradfabric: DDP's own hooks, sparse=True, TorchRec
 STOCK = ("default", "builtin", "allreduce", "sparse", "torchrec")
 SPARSE_TABLES = ("sparse", "sparse+auto")  # replicas whose tables are ``sparse=True``
-TORCHREC_MODELS = ("mixed", "dlrm")  # the models ``torchrec`` (``collectives.trec``) has a form of
+TORCHREC_MODELS = ("mixed", "dlrm", "neumf")  # those ``collectives.trec`` has a form of
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -524,6 +524,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "paths": _paths(state), "dense_calls_in": path[hook],
                 "coo_bytes_per_step": _per_step(getattr(state, "coo_bytes", None), cfg.steps),
                 "sharding": sharding.get(hook),
+                "a2a_bytes_per_step": _a2a_bytes(hook, replicas[hook][0]),
                 "grad_mb": sum(p.numel() for p in mine) * 4 / 2**20,
             })  # fmt: skip
         for _, _, state in replicas.values():
@@ -558,6 +559,15 @@ def paired(ref: list[float], other: list[float]) -> tuple[float, float]:
 
 def _paired(ref: list[float] | None, other: list[float]) -> tuple[float, float] | None:
     return None if ref is None else paired(ref, other)
+
+
+def _a2a_bytes(hook: str, replica: nn.Module) -> int | None:
+    """TorchRec's tables' bytes per step on the busiest link (``trec.link_bytes``)."""
+    if hook != "torchrec":
+        return None
+    from gradfabric.collectives import trec
+
+    return trec.link_bytes(replica)
 
 
 def _per_step(total: dict[str, int] | None, steps: int) -> dict[str, float] | None:

@@ -4,7 +4,7 @@ Recommender engineers train embedding-heavy models with TorchRec: tables
 sharded across ranks (the planner picks table-wise, column-wise, ... per
 table), lookups exchanged by all-to-all, the tables' optimizer fused into
 their backward; the dense layers under DDP. ``shard(model, lr)`` builds that
-from a ``ddpbench`` model with embedding bags (``Mixed``, ``Dlrm``) with its
+from a ``ddpbench`` model with tables (``Mixed``, ``Dlrm``, ``NeuMF``) with its
 very weights (each table copied into the shards TorchRec's planner placed),
 so its replica starts where the others do and is fed the same batches.
 TorchRec is an optional install (``requirements-torchrec.txt``);
@@ -35,16 +35,17 @@ def why_not() -> str | None:
 
 
 class Pooled(nn.Module):
-    """A bench model (``ddpbench.Bagged``: ``Mixed``, ``Dlrm``) with its
-    embedding bags as one TorchRec ``EmbeddingBagCollection`` (a table and a
-    feature per bag; sum pooling), taking the same batches: the model's own
+    """A bench model (``ddpbench.Bagged``: ``Mixed``, ``Dlrm``, ``NeuMF``) with
+    its tables as one TorchRec ``EmbeddingBagCollection`` (a table and a
+    feature per table; sum pooling, so an ``nn.Embedding`` looked up by one id
+    per sample is a bag of one), taking the same batches: the model's own
     ``lookups`` splits them, its own ``head`` finishes from the pooled rows."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()
         import torchrec
 
-        bags: list[nn.EmbeddingBag] = list(model.bags())
+        bags: list[nn.Embedding | nn.EmbeddingBag] = list(model.bags())
         tables = [
             torchrec.EmbeddingBagConfig(name=f"t{k}", embedding_dim=b.embedding_dim,
                                         num_embeddings=b.num_embeddings, feature_names=[f"f{k}"])
@@ -54,11 +55,14 @@ class Pooled(nn.Module):
         self.model = [model]  # (a list: its bags are not this module's parameters)
         self.dense = nn.ModuleList(model.dense())
         self.keys = [f"f{k}" for k in range(len(bags))]
+        self.shapes = [(b.num_embeddings, b.embedding_dim) for b in bags]
+        self.lookups: list[tuple[int, int]] = []  # the last batch's (samples, ids per sample)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         ids, rest = self.model[0].lookups(*inputs)
+        self.lookups = [(i.shape[0], i.shape[1]) for i in ids]
         kjt = KeyedJaggedTensor(
             keys=self.keys, values=torch.cat([i.reshape(-1) for i in ids]),
             lengths=torch.cat([torch.full((len(i),), i.shape[1], dtype=torch.int64) for i in ids]),
@@ -127,3 +131,34 @@ def plan(dmp: nn.Module) -> dict[str, str]:
         for name, p in params.items():
             out[name] = f"{p.sharding_type} on {p.ranks}"
     return out
+
+
+def link_bytes(dmp: nn.Module) -> int | None:
+    """The tables' bytes per step on the busiest link (one direction) by
+    TorchRec's plan and the last batch's lookups, every rank's batch alike: a
+    table-wise table's owner sends each other rank its pooled rows (forward)
+    and receives their ids and lengths (int64) and the rows' gradients
+    (backward); a data-parallel table is all-reduced, 2(n-1)/n of it over
+    every link. None for a sharding this count does not model."""
+    pooled: Any = dmp.module
+    world = dist.get_world_size()
+    sent, got = [0.0] * world, [0.0] * world
+    chosen: Any = dmp.plan
+    placed = {n: p for params in chosen.plan.values() for n, p in params.items()}
+    looked = zip(pooled.shapes, pooled.lookups, strict=True)
+    for k, ((rows, dim), (batch, per)) in enumerate(looked):
+        p = placed[f"t{k}"]
+        if p.sharding_type == "data_parallel":
+            ring = 2 * (world - 1) / world * rows * dim * 4
+            sent, got = [s + ring for s in sent], [g + ring for g in got]
+        elif p.sharding_type == "table_wise":
+            owner, back = p.ranks[0], batch * ((per + 1) * 8 + dim * 4)
+            for r in range(world):
+                if r != owner:
+                    sent[owner] += batch * dim * 4
+                    got[r] += batch * dim * 4
+                    sent[r] += back
+                    got[owner] += back
+        else:
+            return None
+    return int(max(sent + got))

@@ -11,11 +11,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def _finish(fig: Any, ax: Any, title: str, path: Path) -> Path:
-    """Title, grid and legend, then write ``path`` and free the figure."""
+def _finish(fig: Any, ax: Any, title: str, path: Path, legend_outside: bool = False) -> Path:
+    """Title, grid and legend (right of the axes where it would cover the
+    lines), then write ``path`` and free the figure."""
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if legend_outside:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -93,11 +97,12 @@ def lines(
     logx: bool = False,
     err: dict[str, list[float]] | None = None,
     from_zero: bool = False,
+    legend_outside: bool = False,
 ) -> Path:
     """One line per series; ``err``: a series' 95% interval half-widths,
     drawn as a band; ``from_zero``: the y axis starts at 0 (where a ratio is
-    read off the lines)."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    read off the lines); ``legend_outside``: the legend right of the axes."""
+    fig, ax = plt.subplots(figsize=(11 if legend_outside else 7, 4))
     for name, ys in series.items():
         (line,) = ax.plot(xs, ys, marker="o", label=name)
         if err and name in err:
@@ -110,7 +115,7 @@ def lines(
         ax.set_ylim(bottom=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    return _finish(fig, ax, title, path)
+    return _finish(fig, ax, title, path, legend_outside)
 
 
 def predicted_vs_measured(

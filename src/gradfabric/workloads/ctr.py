@@ -75,8 +75,26 @@ class NeuMF(nn.Module):
         self.mlp = nn.Sequential(*layers)
         self.out = nn.Linear(dim + width, 1)
 
-    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        gmf = self.gmf_user(users) * self.gmf_item(items)
-        mlp = self.mlp(torch.cat([self.mlp_user(users), self.mlp_item(items)], dim=1))
-        logit: torch.Tensor = self.out(torch.cat([gmf, mlp], dim=1))
+    # (the form ``collectives.trec`` shards: a table looked up by one id per
+    # sample is a sum-pooled bag of one)
+    def bags(self) -> list[nn.Embedding]:
+        return [self.gmf_user, self.gmf_item, self.mlp_user, self.mlp_item]
+
+    def dense(self) -> list[nn.Module]:
+        return [self.mlp, self.out]
+
+    def lookups(
+        self, users: torch.Tensor, items: torch.Tensor
+    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
+        return [users[:, None], items[:, None], users[:, None], items[:, None]], ()
+
+    def head(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """The output from each table's rows, in ``bags`` order."""
+        gmf_user, gmf_item, mlp_user, mlp_item = rows
+        mlp = self.mlp(torch.cat([mlp_user, mlp_item], dim=1))
+        logit: torch.Tensor = self.out(torch.cat([gmf_user * gmf_item, mlp], dim=1))
         return logit.squeeze(1)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return self.head([self.gmf_user(users), self.gmf_item(items),
+                          self.mlp_user(users), self.mlp_item(items)])  # fmt: skip
