@@ -184,6 +184,41 @@ def test_auto_hook_trains_sparse_tables_as_ddp_does() -> None:
         assert mine["paths"]["coo-gather"] >= 12 and mine["one_round"] >= 4, mine
 
 
+def _dying_worker(rank: int, world: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradfabric.collectives.auto import AutoState, auto_hook
+    from gradfabric.core.errors import PeerTimeoutError
+
+    torch.manual_seed(0)
+    table = nn.Embedding(4096, 8, sparse=True)  # the only bucket: a table's
+    ddp = DDP(table)
+    state = AutoState(peer_timeout_s=3.0)
+    ddp.register_comm_hook(state, auto_hook)
+    g = torch.Generator().manual_seed(rank)
+    msg = "no error"
+    try:
+        for step in range(4):
+            if step == 2 and rank == 2:  # dies in its backward, before the exchange
+                table.weight.register_hook(lambda _: os._exit(0))
+            ddp(torch.randint(0, 4096, (16,), generator=g)).pow(2).mean().backward()
+    except RuntimeError as e:  # DDP re-raises the hook's error; the state keeps it typed
+        failure = state.failure
+        named = isinstance(failure, PeerTimeoutError) and str(failure) in str(e)
+        msg = f"{failure.peer}|{e}" if named and isinstance(failure, PeerTimeoutError) else f"-|{e}"
+    with open(os.path.join(out, f"{rank}.txt"), "w") as f:
+        f.write(msg)
+
+
+def test_auto_hook_names_a_rank_that_died_before_the_tables_exchange() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_dying_worker, 3, (tmp,), timeout_s=20, deadline_s=90, barrier_at_exit=False)
+        for r in (0, 1):
+            with open(os.path.join(tmp, f"{r}.txt")) as f:
+                peer, msg = f.read().split("|", 1)
+            assert peer == "rank 2", msg
+
+
 def test_row_ids_outside_the_table_are_an_error_not_memory_corruption() -> None:
     """The exchange builds gradients without PyTorch's invariant checks (they
     cost a pass per table); ids that no table holds are caught first."""

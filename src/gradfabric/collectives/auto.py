@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.collectives import coo
+from gradfabric.collectives.paths import AUTO, DENSE, GATHER, INA, ROWS, SHARDED, SPARSE
 from gradfabric.collectives.rows import RowState, rows_hook
 from gradfabric.collectives.skip import DenseSkip
 from gradfabric.collectives.sparse import (
@@ -66,9 +67,7 @@ from gradfabric.collectives.sparse import (
 )
 from gradfabric.emu.client import Attached
 from gradfabric.emu.hook import switch_sum
-
-PATHS = ("dense", "sparse", "ina")  # scanned and chosen; "rows" where a table is tracked
-# (a ``sparse=True`` table's gradient: ``coo.COO_PATHS``, logged as ``coo-<path>``)
+from gradfabric.net.peers import keep_alive, name_the_missing
 
 
 @dataclass
@@ -165,6 +164,8 @@ class AutoState(DenseSkip):
     coo_next: list[str] = field(default_factory=list)  # the next step's paths, as last chosen
     coo_cap: int = 0  # ``coo.gather_in_one``'s bound for the next step (0: none yet)
     coo_one_round: int = 0  # steps whose tables went in one round
+    coo_calls: int = 0  # exchanges so far (alike on every rank: a dead peer's roll call)
+    peer_timeout_s: float = 10.0  # a peer that fails a table's exchange is named after this
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.threshold < 0 or self.dense_skip < 0:
@@ -195,7 +196,7 @@ class AutoState(DenseSkip):
             }
 
     def skipped(self, key: int, calls: int, ring: int) -> None:
-        self._log(key, "dense", ring, ring, calls)
+        self._log(key, DENSE, ring, ring, calls)
 
     def _log(self, key: int, path: str, sent: int, dense: int, calls: int = 1) -> BucketLog:
         with STATS_LOCK:
@@ -215,12 +216,12 @@ class AutoState(DenseSkip):
         guesses = {p: self._cost(p).predict(b) for p, b in link.items()}
         known = [(link[p], t) for p, t in guesses.items() if t is not None]
         if not known:  # nothing measured yet: bytes, with the sparse paths' usual margin
-            sparse_ok = link["sparse"] <= DENSE_MARGIN * link["dense"]
-            return "sparse" if sparse_ok else ("ina" if "ina" in link else "dense")
+            sparse_ok = link[SPARSE] <= DENSE_MARGIN * link[DENSE]
+            return SPARSE if sparse_ok else (INA if INA in link else DENSE)
         # unmeasured paths: the measured ones' seconds per byte (bytes alone)
         rate = min(t / max(b, 1) for b, t in known)
         pred = {p: t if t is not None else link[p] * rate for p, t in guesses.items()}
-        ranked = sorted(pred, key=lambda p: (pred[p], PATHS.index(p)))
+        ranked = sorted(pred, key=lambda p: (pred[p], AUTO.index(p)))
         if len(ranked) > 1 and scan % self.explore_every == 0:
             second = ranked[1]
             if pred[second] <= self.explore_ratio * pred[ranked[0]]:
@@ -232,7 +233,7 @@ class AutoState(DenseSkip):
         one hop, measured by the counts round (the least over ranks: the last
         to arrive waits for nobody), and its bytes at the dense ring's fitted
         seconds per byte; before both are measured, the fewest bytes."""
-        fit = self._cost("dense").fit()
+        fit = self._cost(DENSE).fit()
         if fit is None or not self.hop_s:
             return min(link, key=link.__getitem__)
         hop, per_byte = statistics.median(self.hop_s), fit[1]
@@ -245,7 +246,7 @@ class AutoState(DenseSkip):
         path, nbytes, _, key, dense_bytes = self.last
         seconds = float(times.min())
         self._cost(path).add(nbytes, seconds)
-        dense = self._cost("dense").predict(dense_bytes)
+        dense = self._cost(DENSE).predict(dense_bytes)
         with STATS_LOCK:
             log = self.buckets[key]
             log.seconds += seconds
@@ -276,23 +277,23 @@ def _run(state: AutoState, buf: torch.Tensor, key: int, group: Any) -> torch.Ten
     sharded = torch.stack(plan.link_vectors()).max() * block_bytes
     gather = torch.stack(plan.gather_vectors()).max() * block_bytes
     dense = ring_bytes(flat, world)
-    link = {"dense": dense, "sparse": int(min(sharded, gather))}
+    link = {DENSE: dense, SPARSE: int(min(sharded, gather))}
     if state.switch is not None:  # each worker sends and receives the whole bucket once
-        link["ina"] = flat.numel() * 4
+        link[INA] = flat.numel() * 4
     path = state._choose(key, link)
-    if path == "ina":
+    if path == INA:
         assert state.switch is not None  # only offered with a switch
         switch_sum(state.switch, flat, group)
-        sent = link["ina"]
-    elif path == "sparse":
-        sent = run_planned(blocks, plan, "gather" if gather <= sharded else "sharded",
+        sent = link[INA]
+    elif path == SPARSE:
+        sent = run_planned(blocks, plan, GATHER if gather <= sharded else SHARDED,
                            group, state.threshold)  # fmt: skip
         if blocks.data_ptr() != flat.data_ptr():
             flat.copy_(blocks.reshape(-1)[: flat.numel()])
     else:
         dist.all_reduce(flat, group=group)
         sent = dense
-    state.scanned(key, dense=path == "dense")
+    state.scanned(key, dense=path == DENSE)
     flat.div_(world)
     state._log(key, path, sent, dense)
     state.last = (path, float(link[path]), time.perf_counter() - t0, key, dense)
@@ -334,6 +335,21 @@ def _coo_part(
 def _run_coo(
     state: AutoState, parts: list[tuple[int, torch.Tensor]], group: Any
 ) -> list[torch.Tensor]:
+    """``_coo_step``, with a peer that fails the exchange (it died, or its
+    buckets are not this rank's) named after ``peer_timeout_s`` (``net.peers``)."""
+    call, state.coo_calls = state.coo_calls, state.coo_calls + 1
+    keep_alive()
+    try:
+        return _coo_step(state, parts, group)
+    except RuntimeError as e:  # gloo: a closed connection or the group's timeout
+        tag = f"coo-{dist.distributed_c10d._get_process_group_name(group)}"
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        raise name_the_missing(tag, group, world, rank, call, state.peer_timeout_s, e) from e
+
+
+def _coo_step(
+    state: AutoState, parts: list[tuple[int, torch.Tensor]], group: Any
+) -> list[torch.Tensor]:
     """Tables' sparse gradients averaged (``collectives.coo``): one gather of
     the row counts per owner and the last scan's time, then each table on the
     path predicted fastest, the tables of a path together; where the last
@@ -343,7 +359,7 @@ def _run_coo(
     tables = [coo.Table.of(g, world) for _, g in parts]
     last = state.last[2] if state.last is not None else 0.0
     one_round = (state.coo_cap > 0 and len({t.rows.dtype for t in tables}) == 1
-                 and state.coo_next == ["gather"] * len(tables))  # fmt: skip
+                 and state.coo_next == [GATHER] * len(tables))  # fmt: skip
     times = torch.tensor([last, 0.0 if one_round else state.counts_s], dtype=torch.float64)
     t0 = time.perf_counter()
     if one_round:
@@ -362,7 +378,7 @@ def _run_coo(
              for (key, _), t in zip(parts, tables, strict=True)]  # fmt: skip
     paths = [state._coo_path(link, world) for link in links]
     if one_round:  # this step's went by all-gather; the choices are the next step's
-        state.coo_next, paths = paths, ["gather"] * len(tables)
+        state.coo_next, paths = paths, [GATHER] * len(tables)
     else:
         outs = coo.exchange(tables, paths, group)
         state.coo_next = paths
@@ -373,7 +389,7 @@ def _run_coo(
         state.coo_bytes["chosen"] = state.coo_bytes.get("chosen", 0) + link[path]
     for (key, _), out, link, path in zip(parts, outs, links, paths, strict=True):
         state.unions[key] = out._nnz()
-        state._log(key, f"coo-{path}", link[path], link["dense"])
+        state._log(key, f"coo-{path}", link[path], link[DENSE])
     return outs
 
 
@@ -391,13 +407,13 @@ def auto_hook(
         ring = ring_bytes(buf, dist.get_world_size())
 
         def logged(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            state._log(key, "rows", rows.sent.get(key, ring), ring)
+            state._log(key, ROWS, rows.sent.get(key, ring), ring)
             return fut.value()
 
         return rows_hook(rows, bucket).then(logged)
     if state.take_skip(key):
         world = dist.get_world_size()
         ring = ring_bytes(buf, world)
-        state._log(key, "dense", ring, ring)
+        state._log(key, DENSE, ring, ring)
         return state.dense(buf, world)
     return state.run(buf, lambda group: _run(state, buf, key, group))

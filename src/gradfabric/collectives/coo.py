@@ -53,7 +53,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-COO_PATHS = ("gather", "sharded", "dense")
+from gradfabric.collectives.paths import COO, DENSE, GATHER, SHARDED
+
 ID_BYTES = 8
 
 
@@ -139,40 +140,40 @@ def link_bytes(table: Table, union: float) -> dict[str, int]:
     widest = float(arriving.max()) * ratio
     sharded = float((arriving - counts.diagonal()).max()) + (world - 1) * widest
     return {
-        "gather": (world - 1) * int(held.max()) * per_row,
-        "sharded": int(sharded * per_row),
-        "dense": 2 * (world - 1) * table.table_bytes() // world,
+        GATHER: (world - 1) * int(held.max()) * per_row,
+        SHARDED: int(sharded * per_row),
+        DENSE: 2 * (world - 1) * table.table_bytes() // world,
     }
 
 
 def hops(path: str, world: int) -> int:
     """Sequential network hops a path takes after the counts: one per
     all-to-all (``all_gathered`` is one), ``2(n-1)`` for gloo's ring."""
-    return {"gather": 1, "sharded": 3}.get(path, 2 * (world - 1))
+    return {GATHER: 1, SHARDED: 3}.get(path, 2 * (world - 1))
 
 
 def exchange(tables: list[Table], paths: list[str], group: Any) -> list[torch.Tensor]:
     """Every table's averaged gradient (coalesced), each by its path, the
     tables of a path in one collective (see the module doc)."""
     out: list[torch.Tensor | None] = [None] * len(tables)
-    take = {p: [k for k, q in enumerate(paths) if q == p] for p in COO_PATHS}
+    take = {p: [k for k, q in enumerate(paths) if q == p] for p in COO}
     work, flat = None, None
-    if take["dense"]:  # in flight while the others move
-        dense = [tables[k] for k in take["dense"]]
+    if take[DENSE]:  # in flight while the others move
+        dense = [tables[k] for k in take[DENSE]]
         flat = torch.cat([_dense(t).reshape(-1) for t in dense])
         work = dist.all_reduce(flat, group=group, async_op=True)
-    if take["gather"]:
-        for k, g in zip(take["gather"], _gathered([tables[k] for k in take["gather"]], group),
+    if take[GATHER]:
+        for k, g in zip(take[GATHER], _gathered([tables[k] for k in take[GATHER]], group),
                         strict=True):  # fmt: skip
             out[k] = g
-    if take["sharded"]:
-        for k, g in zip(take["sharded"], _sharded([tables[k] for k in take["sharded"]], group),
+    if take[SHARDED]:
+        for k, g in zip(take[SHARDED], _sharded([tables[k] for k in take[SHARDED]], group),
                         strict=True):  # fmt: skip
             out[k] = g
     if work is not None and flat is not None:
         work.wait()
         at = 0
-        for k in take["dense"]:
+        for k in take[DENSE]:
             t = tables[k]
             n = t.size.numel()
             out[k] = flat[at : at + n].view(t.size).to_sparse(1)

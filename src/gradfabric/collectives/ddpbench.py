@@ -21,7 +21,9 @@ replica with ``auto_hook``, which exchanges each table's sparse gradient by
 the path its model predicts fastest (``collectives.coo``); ``rows`` is
 ``rows_hook``; ``torchrec`` (the ``mixed``, ``dlrm`` and ``neumf`` models, SGD) is
 TorchRec's ``DistributedModelParallel`` with the sharding its planner picks,
-from the same weights (``collectives.trec``; an optional install).
+from the same weights (``collectives.trec``; an optional install); ``local``
+is the ``sparse=True`` replica without DDP, exchanging nothing: the step's
+compute alone, the floor under every exchange (its weights drift).
 
 Models (``MODELS``):
 
@@ -63,11 +65,11 @@ HOOKS = ("default", "omnireduce", "auto")
 # ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
 ALL_HOOKS = (
     *HOOKS, "allreduce", "builtin", "ina", "rows", "sparse", "omnireduce-python", "auto-python",
-    "torchrec", "sparse+auto",
+    "torchrec", "sparse+auto", "local",
 )  # fmt: skip
 # what a user has without gradfabric: DDP's own hooks, sparse=True, TorchRec
 STOCK = ("default", "builtin", "allreduce", "sparse", "torchrec")
-SPARSE_TABLES = ("sparse", "sparse+auto")  # replicas whose tables are ``sparse=True``
+SPARSE_TABLES = ("sparse", "sparse+auto", "local")  # replicas whose tables are ``sparse=True``
 TORCHREC_MODELS = ("mixed", "dlrm", "neumf")  # those ``collectives.trec`` has a form of
 OPTIMIZERS = ("sgd", "adam")
 
@@ -126,6 +128,8 @@ def held_to_default(row: dict[str, Any], optimizer: str) -> bool:
     of more than two terms in another order differs in its last bits, and
     where the ranks' rows cancel, Adam scales that difference up to a whole
     step of its learning rate."""
+    if hook_name(row["hook"]) == "local":
+        return False
     if optimizer != "adam":
         return True
     return hook_name(row["hook"]) not in SPARSE_TABLES and row["ranks"] <= 2
@@ -466,6 +470,10 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             if hook_name(hook) in SPARSE_TABLES:  # PyTorch's sparse embedding gradients
                 for _, table in tables(module):
                     table.sparse = True
+            if hook == "local":
+                replicas[hook] = (module, _optimizers(module, cfg.optimizer), None)
+                params[hook], path[hook] = _listed(module), None
+                continue
             ddp = _ddp(module, bucket_caps(hook, cfg.bucket_cap_mb),
                        gradient_as_bucket_view=cfg.gradient_as_bucket_view)  # fmt: skip
             state, fn = _state(hook_name(hook), cfg, module)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradfabric.collectives.paths import ROWS
 from gradfabric.collectives.sparse import ring_bytes
 from gradfabric.net.overlap import Overlapped
 from gradfabric.net.peers import keep_alive, name_the_missing
@@ -147,7 +148,7 @@ def rows_hook(
         except RuntimeError as e:  # gloo: a closed connection or the group's timeout
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             raise name_the_missing(
-                "rows", group, world, rank, state.calls, state.peer_timeout_s, e
+                ROWS, group, world, rank, state.calls, state.peer_timeout_s, e
             ) from e
         out: torch.Tensor = buf
         return out

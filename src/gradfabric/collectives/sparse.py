@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradfabric.collectives.paths import DENSE, GATHER, SHARDED
 from gradfabric.collectives.skip import DenseSkip
 from gradfabric.net.peers import keep_alive, name_the_missing
 
@@ -331,7 +332,7 @@ def _allreduce(
         c.finish(threshold > 0)
     if blocks.data_ptr() != flat.data_ptr():
         flat.copy_(blocks.reshape(-1)[: flat.numel()])
-    went_sparse = any(c.path != "dense" for c in chunks)
+    went_sparse = any(c.path != DENSE for c in chunks)
     if state is not None:
         state.density_seen.append(sum(int(c.mask.sum()) for c in chunks) / max(1, nb))
         state.bytes_busiest_link += int(link.max())  # over ranks and directions, whole call
@@ -407,7 +408,7 @@ class _Chunk:
         """Scan the chunk and start gathering the bitmaps, or take ``plan``
         (made from bitmaps gathered elsewhere: ``run_planned``)."""
         self.blocks = blocks
-        self.path = "dense"
+        self.path = DENSE
         self.got: Pieces = []
         self.works: list[Any] = []
         if plan is not None:
@@ -443,21 +444,21 @@ class _Chunk:
         gather = torch.stack(plan.gather_vectors()) * block_bytes
         link = gather if int(gather.max()) <= int(sharded.max()) else sharded
         if force is not None:
-            link = {"gather": gather, "sharded": sharded}.get(force, link)
+            link = {GATHER: gather, SHARDED: sharded}.get(force, link)
         dense = ring_bytes(blocks, world)
-        if force == "dense" or (force is None and int(link.max()) > dense_margin * dense):
+        if force == DENSE or (force is None and int(link.max()) > dense_margin * dense):
             self.works = [dist.all_reduce(blocks, group=group, async_op=True)]
             return dense, torch.full_like(link, dense), floor
         self.per_round = max(1, ROUND_BYTES // block_bytes)
         if link is gather:
-            self.path = "gather"
+            self.path = GATHER
             self.held = [torch.nonzero(m).flatten() for m in plan.masks]
             self.mine = blocks[self.held[rank].to(on)]
             rows = [len(h) for h in self.held]
             rounds = -(-max(rows) // self.per_round)
             self.got, self.works = _exchange([self.mine] * world, rows, rounds, rank, group)
             return int(gather[0, rank]), link, floor
-        self.path = "sharded"
+        self.path = SHARDED
         mine = plan.owner == rank
         self.shard_union = torch.nonzero(plan.union & mine).flatten()
         own_idx = torch.nonzero(plan.masks[rank]).flatten()
@@ -475,11 +476,11 @@ class _Chunk:
         """Gather path: sum every rank's blocks, in rank order, and write the
         sums. Sharded path: sum what phase 1 brought into the shard's union
         and start sending it."""
-        if self.path == "dense":
+        if self.path == DENSE:
             return  # its all-reduce is in flight
         self.wait()
         plan, on, width = self.plan, self.blocks.device, self.blocks.shape[1]
-        if self.path == "gather":
+        if self.path == GATHER:
             union = torch.nonzero(plan.union).flatten()
             acc = self.blocks.new_zeros(len(union), width)
             for r, held in enumerate(self.held):
@@ -515,7 +516,7 @@ class _Chunk:
     def finish(self, zero_rest: bool) -> None:
         """Write the sharded path's sums in place."""
         self.wait()
-        if self.path != "sharded":
+        if self.path != SHARDED:
             return
         self._write(self.shard_union, self.acc, zero_rest)
         for o, pieces in enumerate(self.got):

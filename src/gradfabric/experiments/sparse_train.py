@@ -9,7 +9,9 @@ the usual hybrid, SparseAdam on the tables and Adam on the rest), TorchRec's
 ``DistributedModelParallel`` with its planner's sharding (SGD: its CPU
 kernels have no Adam; where it is installed), and ``auto_hook`` on the ``sparse=True`` tables
 (``sparse+auto``), which exchanges each table's rows on the path its bytes
-model picks; with Adam also ``auto_hook`` on dense gradients (exact Adam).
+model picks; with Adam also ``auto_hook`` on dense gradients (exact Adam);
+and ``local``, the ``sparse=True`` replica exchanging nothing: the step's
+compute, under which no exchange goes.
 Claims: ``sparse+auto`` against the best stock option at every point (the
 issue's 5%), and at the 8-rank DLRM point, where OmniReduce claims its gain,
 with the 2-rank result beside it. The bytes model per point: the bytes the
@@ -50,8 +52,8 @@ class SparseGrid:
 def hooks(optimizer: str, torchrec: bool) -> tuple[str, ...]:
     """The replicas of one run: the stock options, then ours."""
     if optimizer == "adam":  # exact Adam on dense gradients too (auto_hook, rows)
-        return ("default", "sparse", OURS, "auto")
-    return ("default", "sparse", *(["torchrec"] if torchrec else []), OURS)
+        return ("default", "sparse", OURS, "auto", "local")
+    return ("default", "sparse", *(["torchrec"] if torchrec else []), OURS, "local")
 
 
 def study(grid: SparseGrid, tick: Tick) -> tuple[list[dict[str, Any]], list[str]]:

@@ -215,18 +215,20 @@ class Overlapped:
         """One job for several buckets (the tables of a step, ``auto_hook``):
         it completes each of ``raws`` (from ``later``) with its tensor, or all
         of them with its error."""
+        comm = self.comm()
 
         def whole(group: Any) -> None:
             try:
                 outs = job(group)
-            except Exception as e:  # every bucket's waiter gets it; the thread records it
+            except Exception as e:  # every bucket's waiter gets it, once ``failure`` holds it
+                comm.failure = e
                 for r in raws:
                     r.set_result(e)
-                raise
+                return
             for r, out in zip(raws, outs, strict=True):
                 r.set_result(out)
 
-        self.comm().submit_raw(whole, like)
+        comm.submit_raw(whole, like)
 
     def dense(self, buf: torch.Tensor, divide_by: int) -> torch.futures.Future[torch.Tensor]:
         """Average ``buf`` with a plain all-reduce started here, on the
