@@ -166,7 +166,37 @@ def experiment_times() -> str:
                       *markdown(["command", "wall time", "measured"], rows), ""])  # fmt: skip
 
 
+def sparse_table(_: list[Source]) -> str:
+    """Every point of the stored sparse-train studies: each option's median
+    step (ms) with its bytes floor (the bytes on the busiest link over the
+    link's rate) in brackets, the step's compute alone, and ours against the
+    best DDP option and against TorchRec, paired per step (95%)."""
+    from gradfabric.experiments.sparse_train import OURS
+
+    def at(p: dict[str, Any], hook: str) -> str:
+        ms, floor = p["ms"].get(hook), p.get("floor_ms", {}).get(hook)
+        if ms is None:
+            return "-"
+        return f"{ms:.0f}" + (f" ({floor:.1f})" if floor is not None else "")
+
+    def vs(pair: list[float] | None) -> str:
+        return "-" if not pair else f"{pair[0]:.2f}x ± {pair[1]:.2f}"
+
+    rows = []
+    for path in sorted(DATA.glob("sparse-train*.json")):
+        stored = json.loads(path.read_text())
+        for p in stored["result"]["points"]:
+            rows.append([p["link"], f"{p['model']}, {p['optimizer']}", p["ranks"],
+                         *(at(p, h) for h in ("default", "sparse", "torchrec", OURS)),
+                         at(p, "local"), f"{vs(p['vs_ddp'])} ({p['best_ddp']})",
+                         vs(p["vs_torchrec"])])  # fmt: skip
+    header = ["link", "model, optimizer", "ranks", "default hook", "sparse=True (Adam: hybrid)",
+              "TorchRec", "ours", "compute alone", "ours vs best DDP option", "ours vs TorchRec"]
+    return "\n".join(["", *markdown(header, rows), ""])
+
+
 RENDER: dict[str, Callable[[list[Source]], str]] = {
+    "sparse-train": sparse_table,
     "systems-table": readme_table,
     "results": results_page,
     "main-job-time": lambda _: main_job_time(),
@@ -212,7 +242,9 @@ def check_or_write(write: bool) -> list[str]:
     return problems
 
 
-def import_result(name: str, results: Path, command: str, commit: str, date: str) -> Path:
+def import_result(
+    name: str, results: Path, command: str, commit: str, date: str, experiment: str | None = None
+) -> Path:
     """Store a command's ``results.json`` as ``docs/data/NAME.json``. A study's
     claims are computed again from its rows by the experiment's own
     ``claims`` (the same function its command ran), so that stores written
@@ -222,13 +254,14 @@ def import_result(name: str, results: Path, command: str, commit: str, date: str
         claims = [c for r in d for c in r["claims"]]
         result: Any = [{k: r[k] for k in ("name", "title", "claims", "notes")} for r in d]
     else:
-        module = __import__(f"gradfabric.experiments.{name.replace('-', '_')}",
+        module = __import__(f"gradfabric.experiments.{(experiment or name).replace('-', '_')}",
                             fromlist=["claims"])  # fmt: skip
         result = {k: v for k, v in d.items() if k not in ("claims", "table")}
         result.setdefault("config", yaml.safe_load((results / "config.yaml").read_text()))
         claims = [asdict(c) for c in module.claims(result)]
     out = DATA / f"{name}.json"
-    out.write_text(json.dumps({"command": command, "date": date, "commit": commit,
+    named = {"experiment": experiment} if experiment else {}  # where NAME is not its module
+    out.write_text(json.dumps({"command": command, "date": date, "commit": commit, **named,
                                "claims": claims, "result": result}, indent=1) + "\n")  # fmt: skip
     return out
 
@@ -240,13 +273,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="store a command's results directory as docs/data/NAME.json")  # fmt: skip
     p.add_argument("--command", help="with --import: the command that measured it")
     p.add_argument("--commit", help="with --import: the commit it ran on")
+    p.add_argument("--experiment", help="with --import: the experiment whose claims() reads "
+                   "it, where NAME is another (default: NAME)")  # fmt: skip
     p.add_argument("--date", default=datetime.date.today().isoformat())
     args = p.parse_args(argv)
     if args.imported:
         if not (args.command and args.commit):
             p.error("--import needs --command and --commit")
         print(import_result(args.imported[0], Path(args.imported[1]), args.command,
-                            args.commit, args.date))  # fmt: skip
+                            args.commit, args.date, args.experiment))  # fmt: skip
         return 0
     problems = check_or_write(write=not args.check)
     for line in problems:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
+import random
 
 import pytest
 
@@ -47,6 +49,33 @@ def test_choice_follows_the_model_and_explores_the_runner_up() -> None:
     state._cost("sparse").add(4e6, 0.400)  # far slower now: never explored
     state._cost("sparse").add(4e6, 0.400)
     assert all(state._choose(0, link) == "dense" for _ in range(8))
+
+
+def _step_cost(paths: tuple[str, ...], links: list[dict[str, int]], world: int,
+               hop: float, per_byte: float) -> float:
+    """A step's time as the model has it, written from its rules: each path
+    used once (its tables together) at its hops, a counts round unless every
+    table is all-gathered, every table's bytes."""
+    hops = {"gather": 1, "sharded": 3, "dense": 2 * (world - 1)}
+    used = set(paths)
+    rounds = sum(hops[p] for p in used) + (used != {"gather"})
+    return rounds * hop + sum(link[p] for link, p in zip(links, paths, strict=True)) * per_byte
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_steps_table_paths_are_the_brute_force_optimum(seed: int) -> None:
+    """``_coo_paths`` against every assignment of paths to a step's tables."""
+    rng = random.Random(seed)
+    world, hop, per_byte = rng.choice((2, 4, 8)), rng.uniform(1e-4, 1e-2), 8e-9  # 1 Gbit/s
+    state = AutoState()
+    state._cost("dense").add(1e6, 1e6 * per_byte)
+    state.hop_s.append(hop)
+    links = [{"gather": rng.randint(1, 2_000_000), "sharded": rng.randint(1, 2_000_000),
+              "dense": rng.randint(1, 20_000_000)} for _ in range(rng.randint(1, 5))]  # fmt: skip
+    chosen = state._coo_paths(links, world)
+    every = itertools.product(("gather", "sharded", "dense"), repeat=len(links))
+    best = min(_step_cost(a, links, world, hop, per_byte) for a in every)
+    assert _step_cost(tuple(chosen), links, world, hop, per_byte) == pytest.approx(best, rel=1e-12)
 
 
 def test_the_state_pickles_without_its_thread_or_switch() -> None:

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.collectives import coo
-from gradfabric.collectives.paths import AUTO, DENSE, GATHER, INA, ROWS, SHARDED, SPARSE
+from gradfabric.collectives.paths import AUTO, COO, DENSE, GATHER, INA, ROWS, SHARDED, SPARSE
 from gradfabric.collectives.rows import RowState, rows_hook
 from gradfabric.collectives.skip import DenseSkip
 from gradfabric.collectives.sparse import (
@@ -68,6 +68,9 @@ from gradfabric.collectives.sparse import (
 from gradfabric.emu.client import Attached
 from gradfabric.emu.hook import switch_sum
 from gradfabric.net.peers import keep_alive, name_the_missing
+
+# every non-empty set of a table's paths, in ``COO`` order (ties: the first)
+_SUBSETS = [tuple(p for k, p in enumerate(COO) if m >> k & 1) for m in range(1, 2 ** len(COO))]
 
 
 @dataclass
@@ -228,16 +231,30 @@ class AutoState(DenseSkip):
                 return second
         return ranked[0]
 
-    def _coo_path(self, link: dict[str, int], world: int) -> str:
-        """A sparse table's path: its hops (``coo.hops``) at the latency of
-        one hop, measured by the counts round (the least over ranks: the last
-        to arrive waits for nobody), and its bytes at the dense ring's fitted
-        seconds per byte; before both are measured, the fewest bytes."""
+    def _coo_paths(self, links: list[dict[str, int]], world: int) -> list[str]:
+        """A step's tables' paths, chosen together: the paths used cost their
+        hops (``coo.hops``; tables on one path share its collectives) plus the
+        counts round unless every table is all-gathered (then the counts ride
+        with the rows: ``coo.gather_in_one``), at the latency of one hop,
+        measured by the counts round (the least over ranks: the last to arrive
+        waits for nobody); the bytes cost the dense ring's fitted seconds per
+        byte. Each set of paths is tried, every table taking its fewest bytes
+        within it: the optimum over all assignments. Before both rates are
+        measured, each table's fewest bytes."""
         fit = self._cost(DENSE).fit()
         if fit is None or not self.hop_s:
-            return min(link, key=link.__getitem__)
+            return [min(COO, key=link.__getitem__) for link in links]
         hop, per_byte = statistics.median(self.hop_s), fit[1]
-        return min(link, key=lambda p: coo.hops(p, world) * hop + link[p] * per_byte)
+        best: tuple[float, list[str]] | None = None
+        for used in _SUBSETS:
+            paths = [min(used, key=link.__getitem__) for link in links]
+            rounds = sum(coo.hops(p, world) for p in used) + (used != (GATHER,))
+            moved = sum(link[p] for link, p in zip(links, paths, strict=True))
+            cost = rounds * hop + moved * per_byte
+            if best is None or cost < best[0]:
+                best = (cost, paths)
+        assert best is not None
+        return best[1]
 
     def _learn(self, times: torch.Tensor) -> None:
         """Feed the previous scan's time (the least over ranks) to its path."""
@@ -376,7 +393,7 @@ def _coo_step(
         state.hop_s.append(float(extra[:, 1].min()))
     links = [coo.link_bytes(t, state.unions.get(key, sum(t.held())))  # none seen: no overlap
              for (key, _), t in zip(parts, tables, strict=True)]  # fmt: skip
-    paths = [state._coo_path(link, world) for link in links]
+    paths = state._coo_paths(links, world)
     if one_round:  # this step's went by all-gather; the choices are the next step's
         state.coo_next, paths = paths, [GATHER] * len(tables)
     else:
