@@ -125,12 +125,13 @@ def _pieces(entry: Any) -> list[tuple[int, int, torch.Tensor]]:
 
 def plan(dmp: nn.Module) -> dict[str, str]:
     """The sharding TorchRec's planner chose, per table (``t0``, ...)."""
-    out: dict[str, str] = {}
+    return {name: f"{p.sharding_type} on {p.ranks}" for name, p in _placed(dmp).items()}
+
+
+def _placed(dmp: nn.Module) -> dict[str, Any]:
+    """The planner's ``ParameterSharding`` per table."""
     chosen: Any = dmp.plan
-    for params in chosen.plan.values():
-        for name, p in params.items():
-            out[name] = f"{p.sharding_type} on {p.ranks}"
-    return out
+    return {name: p for params in chosen.plan.values() for name, p in params.items()}
 
 
 def link_bytes(dmp: nn.Module) -> int | None:
@@ -143,8 +144,7 @@ def link_bytes(dmp: nn.Module) -> int | None:
     pooled: Any = dmp.module
     world = dist.get_world_size()
     sent, got = [0.0] * world, [0.0] * world
-    chosen: Any = dmp.plan
-    placed = {n: p for params in chosen.plan.values() for n, p in params.items()}
+    placed = _placed(dmp)
     looked = zip(pooled.shapes, pooled.lookups, strict=True)
     for k, ((rows, dim), (batch, per)) in enumerate(looked):
         p = placed[f"t{k}"]
