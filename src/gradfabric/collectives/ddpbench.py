@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradfabric.collectives import trec
 from gradfabric.collectives.fast import PYTHON, register_hook
 from gradfabric.collectives.rows import tables
 from gradfabric.net.netns import MTU
@@ -458,8 +459,6 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             torch.manual_seed(cfg.seed)
             module, batch, loss_fn = MODELS[name]()
             if hook == "torchrec":  # the same weights, sharded as TorchRec's planner chooses
-                from gradfabric.collectives import trec
-
                 dmp, opts = trec.shard(module, lr=0.01)
                 sharding[hook] = trec.plan(dmp)
                 dense = [p for m in module.dense() for p in m.parameters()]  # type: ignore[operator]
@@ -510,7 +509,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         ref = params[ref_hook]() if ref_hook else None
         omni = replicas.get("omnireduce", (None, None, None))[2]
         for hook in hooks:
-            state = replicas[hook][2]
+            replica, _, state = replicas[hook]
             if hasattr(state, "fold"):  # the compiled path's calls, into the statistics
                 state.fold()
             iter_s = statistics.median(times[hook])
@@ -532,7 +531,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "paths": _paths(state), "dense_calls_in": path[hook],
                 "coo_bytes_per_step": _per_step(getattr(state, "coo_bytes", None), cfg.steps),
                 "sharding": sharding.get(hook),
-                "a2a_bytes_per_step": _a2a_bytes(hook, replicas[hook][0]),
+                "a2a_bytes_per_step": trec.link_bytes(replica) if hook == "torchrec" else None,
                 "grad_mb": sum(p.numel() for p in mine) * 4 / 2**20,
             })  # fmt: skip
         for _, _, state in replicas.values():
@@ -567,15 +566,6 @@ def paired(ref: list[float], other: list[float]) -> tuple[float, float]:
 
 def _paired(ref: list[float] | None, other: list[float]) -> tuple[float, float] | None:
     return None if ref is None else paired(ref, other)
-
-
-def _a2a_bytes(hook: str, replica: nn.Module) -> int | None:
-    """TorchRec's tables' bytes per step on the busiest link (``trec.link_bytes``)."""
-    if hook != "torchrec":
-        return None
-    from gradfabric.collectives import trec
-
-    return trec.link_bytes(replica)
 
 
 def _per_step(total: dict[str, int] | None, steps: int) -> dict[str, float] | None:
