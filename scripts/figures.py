@@ -166,8 +166,9 @@ def experiment_times() -> str:
                       *markdown(["command", "wall time", "measured"], rows), ""])  # fmt: skip
 
 
-def sparse_table(_: list[Source]) -> str:
-    """Every point of the stored sparse-train studies: each option's median
+def sparse_table(_: list[Source], only: tuple[str, str] | None = None) -> str:
+    """Every point of the stored sparse-train studies (``only``: one link's
+    and model's): each option's median
     step (ms) with its bytes floor (the bytes on the busiest link over the
     link's rate) in brackets, the step's compute alone, and ours against the
     best DDP option and against TorchRec, paired per step (95%)."""
@@ -186,6 +187,8 @@ def sparse_table(_: list[Source]) -> str:
     for path in sorted(DATA.glob("sparse-train*.json")):
         stored = json.loads(path.read_text())
         for p in stored["result"]["points"]:
+            if only and (p["link"], p["model"]) != only:
+                continue
             rows.append([p["link"], f"{p['model']}, {p['optimizer']}", p["ranks"],
                          *(at(p, h) for h in ("default", "sparse", "torchrec", OURS)),
                          at(p, "local"), f"{vs(p['vs_ddp'])} ({p['best_ddp']})",
@@ -197,6 +200,7 @@ def sparse_table(_: list[Source]) -> str:
 
 RENDER: dict[str, Callable[[list[Source]], str]] = {
     "sparse-train": sparse_table,
+    "sparse-train-neumf": lambda srcs: sparse_table(srcs, ("1 Gbit/s", "neumf")),
     "systems-table": readme_table,
     "results": results_page,
     "main-job-time": lambda _: main_job_time(),
