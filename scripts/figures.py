@@ -168,10 +168,10 @@ def experiment_times() -> str:
 
 def sparse_table(_: list[Source], only: tuple[str, str] | None = None) -> str:
     """Every point of the stored sparse-train studies (``only``: one link's
-    and model's): each option's median
-    step (ms) with its bytes floor (the bytes on the busiest link over the
-    link's rate) in brackets, the step's compute alone, and ours against the
-    best DDP option and against TorchRec, paired per step (95%)."""
+    and model's): each option's median step (ms) with its bytes floor (the
+    bytes on the busiest link over the link's rate) in brackets, the step's
+    compute alone, and ours against the best DDP option and against
+    TorchRec, paired per step (95%)."""
     from gradfabric.experiments.sparse_train import OURS
 
     def at(p: dict[str, Any], hook: str) -> str:

@@ -96,5 +96,5 @@ class NeuMF(nn.Module):
         return logit.squeeze(1)
 
     def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-        return self.head([self.gmf_user(users), self.gmf_item(items),
-                          self.mlp_user(users), self.mlp_item(items)])  # fmt: skip
+        ids, _ = self.lookups(users, items)  # (which table each id column reads: said once)
+        return self.head([t(i[:, 0]) for t, i in zip(self.bags(), ids, strict=True)])
