@@ -98,6 +98,7 @@ def test_experiment_saatp_json_rows(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert head["met"] == (fastest >= 1.8)
 
 
+@pytest.mark.long
 def test_experiment_esa_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         [
@@ -237,6 +238,7 @@ def test_experiment_dlcp_json_rows_and_bad_collective(
     assert main([*args, "--collectives", "tree"]) == 2
 
 
+@pytest.mark.long
 def test_bench_ddp_json_rows_per_model_and_hook(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -287,6 +289,7 @@ def test_bench_sim_runs_each_path_and_the_same_events(
     assert main([*args, "--paths", "pypy", "--out", str(tmp_path / "d")]) == 2
 
 
+@pytest.mark.long
 def test_library_warnings_are_quiet_unless_verbose(tmp_path: Path) -> None:
     """In a network namespace every rank's c10d warns that it cannot name its
     client socket's host, which no user can act on: the CLI's ranks keep

@@ -60,6 +60,7 @@ def test_priority_ports_place_dlcp_datagrams_by_their_header(push_bound: float) 
     assert up[netns.DEFAULT_CLASS]["dropped"] > 0  # the overload fell on the unmarked class
 
 
+@pytest.mark.long
 def test_dlcp_training_over_congested_priority_links() -> None:
     """Reliable mode equals the in-process float64 replay bit for bit (the
     loss curve); bounded mode stays within its bounds and learns."""

@@ -32,6 +32,7 @@ from gradfabric.emu.client import (
     together,
 )
 from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
+from gradfabric.emu.saatp_train import SaatpTrainConfig
 from gradfabric.net import netns, switchpath
 from gradfabric.net.peers import GRACE_S
 from gradfabric.wire.envelope import TOKEN_BYTES
@@ -136,6 +137,8 @@ def _fire(
 
 
 UNAUTHENTICATED_DROPS = ("drop_unknown_job", "drop_bad_token", "drop_malformed")
+# SA-ATP's training job: 5 steps, the slow rank moving every 2
+SAATP_TRAIN = SaatpTrainConfig(steps=5, move_every=2, compute_ms=30.0)
 
 
 def _fuzz_while_training(fuzz_packets: int, jobs: int = 1, policy: str = "atp") -> dict[str, int]:
@@ -487,7 +490,11 @@ def test_envelope_layout() -> None:
         unseal(data, bytes(TOKEN_BYTES))
 
 
-@pytest.mark.parametrize(("policy", "loss"), [("switchml", 0.05), ("atp", 0.05), ("esa", 0.0)])
+@pytest.mark.parametrize(
+    ("policy", "loss"),
+    [("switchml", 0.05), pytest.param("atp", 0.05, marks=pytest.mark.long),
+     pytest.param("esa", 0.0, marks=pytest.mark.long)],
+)  # fmt: skip
 def test_ddp_training_through_the_switch_matches_the_default_hook(policy: str, loss: float) -> None:
     """4 torchrun ranks, the digits MLP, DDP's default all-reduce vs
     ``ina_hook``. Tolerance: the switch sums exactly in int32; the only error is
@@ -505,6 +512,7 @@ def test_ddp_training_through_the_switch_matches_the_default_hook(policy: str, l
     assert c["rx_gradient"] > 0 and (c.get("impair_loss", 0) > 0) == (loss > 0)
 
 
+@pytest.mark.long
 def test_a_killed_rank_rejoins_and_training_resumes_from_the_checkpoint() -> None:
     """DDP through the switch under torchrun --max-restarts=1, 5% loss at the
     switch: rank 1 SIGKILLs itself at step 6; torchrun restarts the group,
@@ -587,6 +595,7 @@ def test_an_esa_trace_whose_pool_cannot_hold_a_window_is_refused_before_any_run(
 
 
 @pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")
+@pytest.mark.long
 def test_real_jobs_on_shaped_links_with_atps_ps_behind_links_stay_exact() -> None:
     """Jobs whose workers sit in namespaces of their own behind 1 Gbit/s
     links, out of lockstep, through a daemon in the switch namespace whose
@@ -662,6 +671,7 @@ def test_ddp_training_over_dlcp_through_a_congested_port() -> None:
     assert c["values_lost"] > 0 and c["queue_drop"] > 0  # it was congested and lossy
 
 
+@pytest.mark.long
 @pytest.mark.skipif(
     os.geteuid() != 0 or not netns.available() or not netns.nft_available(),
     reason="needs root, network namespaces and nftables (apt-get install nftables)",
@@ -897,6 +907,7 @@ def test_bench_switch_on_shaped_links_meets_the_bytes_floor_both_ways() -> None:
 
 
 @pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")
+@pytest.mark.long
 def test_bench_ddp_starts_its_switch_where_the_tor_sits() -> None:
     """``bench ddp --switch-policy`` with shaped links: the daemon it starts
     serves 2 ranks from the bridging namespace; ``ina_hook``'s replica ends
@@ -922,20 +933,28 @@ def test_bench_ddp_starts_its_switch_where_the_tor_sits() -> None:
 def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> None:
     """Real training through the switch, the slow rank moving every 2 steps:
     helpers send the slow rank's gradients, and the loss curve and weights
-    equal the in-process replay of the same fixed-point steps bit for bit;
-    gloo's float all-reduce and speed-proportional shares (which re-balance
-    from measured speeds) train the same global batch to the same losses;
-    backup workers' server leaves the slow rank's gradient out of every step."""
+    equal the in-process replay of the same fixed-point steps bit for bit."""
     from gradfabric.emu.job import reference
-    from gradfabric.emu.saatp_train import SaatpTrainConfig
     from gradfabric.experiments.saatp_train import run_mode
 
-    cfg = SaatpTrainConfig(steps=5, move_every=2, compute_ms=30.0)
-    ref = reference(cfg)
-    sa = run_mode(cfg, "saatp")
+    ref = reference(SAATP_TRAIN)
+    sa = run_mode(SAATP_TRAIN, "saatp")
     assert sa["loss"] == ref["loss"] and sa["weights"] == ref["weights"]
     assert sa["replicas_agree"] and sa["clipped"] == 0
     assert sa["helps"] > 0 and sa["abandoned"] > 0 and sa["switch"]["rx_help"] > 0
+
+
+@pytest.mark.long
+def test_saatp_trainings_baselines_train_the_same_batch() -> None:
+    """SA-ATP's baselines on the same job: gloo's float all-reduce and
+    speed-proportional shares (which re-balance from measured speeds) train
+    the same global batch to the same losses; backup workers' server leaves
+    the slow rank's gradient out of every step."""
+    from gradfabric.emu.job import reference
+    from gradfabric.experiments.saatp_train import run_mode
+
+    cfg = SAATP_TRAIN
+    ref = reference(cfg)
     for mode in ("default", "proportional"):
         r = run_mode(cfg, mode)
         assert r["replicas_agree"]

@@ -202,8 +202,9 @@ def _daemon(hook: str) -> tuple[str, ...]:
 
 @pytest.mark.parametrize(
     "hook",
-    ["omnireduce", "auto", "rows", "auto-rows", "auto-sparse", "ina", "dlcp",
-     "omnireduce-compiled", "auto-compiled"],
+    [pytest.param("omnireduce", marks=pytest.mark.long),  # (the compiled path's twin)
+     pytest.param("auto", marks=pytest.mark.long), "rows", "auto-rows", "auto-sparse", "ina",
+     "dlcp", "omnireduce-compiled", "auto-compiled"],
 )  # fmt: skip
 def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
     """Each hook against DDP's default hook, to the bit where the arithmetic

@@ -54,7 +54,7 @@ def _rank(rank: int, world: int, schedule: str, out: str) -> None:
     torch.save((state, losses, runner.role), f"{out}/{rank}.pt")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.long)])
 def test_a_pipelined_uneven_plan_steps_like_the_full_batch(schedule: str) -> None:
     ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -96,6 +96,7 @@ def test_batches_split_into_whole_micro_batches_and_owner_sets() -> None:
     assert owner_sets(PLAN, 5) == {(0, 3): [0, 1], (1, 3): [2], (1, 2): [3, 4]}
 
 
+@pytest.mark.long
 def test_bench_plan_runs_three_plans_beside_their_predictions(
     tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -43,6 +43,7 @@ def _check_report(out: Path, experiments: set[str]) -> dict:
     return {r["name"]: r for r in results}
 
 
+@pytest.mark.long
 def test_reproduce_granularity(tmp_path: Path) -> None:
     assert main(["reproduce", "--quick", "--only", "granularity", "--out", str(tmp_path)]) == 0
     res = _check_report(tmp_path, {"granularity"})["granularity"]

@@ -34,6 +34,7 @@ def test_dlcp_grid_is_the_same_serially_and_in_a_pool() -> None:
     assert serial == pooled
 
 
+@pytest.mark.long
 def test_saatp_grid_is_the_same_serially_in_a_pool_and_on_dask() -> None:
     """SA-ATP's training cells are seeded too: the pool and a local Dask
     cluster give the serial rows (simulated times and help counts; only the
