@@ -227,3 +227,51 @@ def test_row_ids_outside_the_table_are_an_error_not_memory_corruption() -> None:
     for bad in ([5], [-1]):
         with pytest.raises(ValueError, match="outside a table of 5 rows"):
             t.sparse(torch.tensor(bad), torch.ones(1, 4))
+
+
+def _unlike_worker(rank: int, world: int, hook: str, unlike: str, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradfabric.collectives.auto import AutoState, auto_hook
+    from gradfabric.collectives.fast import register_hook
+    from gradfabric.collectives.rows import RowState, rows_hook
+    from gradfabric.collectives.sparse import OmniState, omnireduce_hook
+
+    torch.manual_seed(0)
+    sparse = unlike == "sparse" and rank == 0  # rank 0's table only
+    model = nn.Sequential(nn.EmbeddingBag(1000, 8, mode="sum", sparse=sparse), nn.Linear(8, 1))
+    if unlike == "dtype" and rank == 1:
+        model.double()  # (DDP checks the ranks' shapes, not their dtypes)
+    ddp = DDP(model)
+    rows = RowState() if sparse else RowState.track(model)  # (tracks dense tables only)
+    states = {"auto_hook": (AutoState(rows=rows), auto_hook),
+              "omnireduce_hook": (OmniState(), omnireduce_hook), "rows_hook": (rows, rows_hook)}
+    register_hook(ddp, *states[hook])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    msg = "no error"
+    try:
+        for _ in range(3):
+            loss = ddp(torch.randint(0, 1000, (64, 3))).float().sum()
+            opt.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+    except (RuntimeError, ValueError) as e:  # the hook's (DDP may wrap it)
+        msg = str(e)
+    with open(os.path.join(out, f"{rank}.txt"), "w") as f:
+        f.write(msg)
+
+
+@pytest.mark.parametrize("unlike", ["sparse", "dtype"])
+@pytest.mark.parametrize("hook", ["auto_hook", "omnireduce_hook", "rows_hook"])
+def test_ranks_whose_buckets_differ_get_an_error_naming_them(hook: str, unlike: str) -> None:
+    """A table ``sparse=True`` on rank 0 only, or rank 1's model in float64:
+    DDP builds unlike buckets on the ranks (its default hook then dies in
+    gloo's size check: the process aborts). The hooks agree
+    on their buckets first, so every rank gets an error naming rank 1, and
+    the processes end normally (``spawn`` fails on an abort)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_unlike_worker, 2, (hook, unlike, tmp), timeout_s=20, deadline_s=90)
+        for r in (0, 1):
+            with open(os.path.join(tmp, f"{r}.txt")) as f:
+                msg = f.read()
+            assert f"{hook}: ranks [1] hold a bucket unlike rank 0's" in msg, msg

@@ -417,6 +417,7 @@ def auto_hook(
     """DDP communication hook: average each bucket on the path ``state``
     predicts fastest (see the module doc). Returns at once."""
     buf, key = bucket.buffer(), bucket.index()
+    state.agree_layout(key, buf, "auto_hook")
     if buf.is_sparse:  # a ``sparse=True`` table (a bucket of its own)
         return _coo_part(state, key, buf)
     rows = state.rows

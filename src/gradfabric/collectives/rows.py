@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradfabric.collectives.paths import ROWS
+from gradfabric.collectives.skip import LayoutCheck
 from gradfabric.collectives.sparse import ring_bytes
 from gradfabric.net.overlap import Overlapped
 from gradfabric.net.peers import keep_alive, name_the_missing
@@ -67,7 +68,7 @@ PROBE_ROWS = 256  # rows outside the ids checked at each call between full check
 
 
 @dataclass
-class RowState(Overlapped):
+class RowState(LayoutCheck, Overlapped):
     """The tables a model's hook exchanges by rows, and its statistics."""
 
     verify_every: int = 100
@@ -133,6 +134,7 @@ def rows_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket, tracked tables by rows."""
     buf, key = bucket.buffer(), bucket.index()
+    state.agree_layout(key, buf, "rows_hook")
     params, grads = list(bucket.parameters()), list(bucket.gradients())
     ids = state.take(params)  # here, on the autograd thread: the forward's ids of this step
     # (a bucket without tables is all-reduced on the thread as well, not from

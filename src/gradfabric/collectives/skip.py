@@ -1,16 +1,62 @@
-"""``DenseSkip``: which buckets of a scanning hook skip their scan, alike on every rank.
+"""``DenseSkip``: which buckets of a scanning hook skip their scan, alike on
+every rank; ``LayoutCheck``: the ranks agree on their buckets before the
+paths' collectives pair them up.
 
-(Shared by ``omnireduce_hook``'s and ``auto_hook``'s states; the compiled
-half, which runs the skipped calls without Python, is ``collectives.fast``.)
+(Shared by ``omnireduce_hook``'s and ``auto_hook``'s states, and
+``LayoutCheck`` by ``rows_hook``'s; the compiled half, which runs the skipped
+calls without Python, is ``collectives.fast``.)
 """
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradfabric.net.overlap import Overlapped
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass
+class LayoutCheck:
+    """Every rank's bucket ``key`` has the same layout, checked at its first
+    ``layout_checks`` calls (2: DDP rebuilds its buckets after the first step).
+
+    DDP checks that the ranks' parameters have the same shapes, not that their
+    buckets do: an ``nn.Embedding(sparse=True)`` on some ranks only, or a
+    model in another dtype, gives ranks unlike buckets. Then a hook's paths
+    issue collectives of different sizes, and gloo aborts the process on the
+    first (as it does under DDP's default hook). So before those calls each
+    rank gathers every rank's (bucket, sparse or dense, values, dtype), one
+    all-gather on the default group from the autograd thread, where the
+    buckets come in the same order on every rank; unlike layouts raise an
+    error naming the ranks on every rank at once."""
+
+    layout_checks: int = 2
+    layouts_checked: dict[int, int] = field(default_factory=dict)  # calls checked, by key
+
+    def agree_layout(self, key: int, buf: torch.Tensor, hook: str) -> None:
+        done = self.layouts_checked.get(key, 0)
+        if done >= self.layout_checks:
+            return
+        self.layouts_checked[key] = done + 1
+        code = _DTYPES.index(buf.dtype) if buf.dtype in _DTYPES else len(_DTYPES)
+        mine = torch.tensor([key, int(buf.is_sparse), math.prod(buf.shape), code])
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        seen = [tuple(t.tolist()) for t in every]
+        odd = [r for r, s in enumerate(seen) if s != seen[0]]
+        if odd:
+            said = "; ".join(f"rank {r}: bucket {k}, {'sparse' if sp else 'dense'}, {n} values of "
+                             f"{_DTYPES[c] if c < len(_DTYPES) else 'another dtype'}"
+                             for r, (k, sp, n, c) in enumerate(seen))  # fmt: skip
+            raise ValueError(
+                f"{hook}: ranks {odd} hold a bucket unlike rank 0's ({said}): every rank must "
+                "build the same model (sparse=True or another dtype on some ranks only?)"
+            )
 
 
 class _SkipTable:
@@ -22,7 +68,7 @@ class _SkipTable:
 
 
 @dataclass
-class DenseSkip(Overlapped, _SkipTable):
+class DenseSkip(LayoutCheck, Overlapped, _SkipTable):
     """Which buckets skip their occupancy scan, alike on every rank.
 
     Once a call with a ``key`` (the hook's: the bucket index) went dense in

@@ -545,6 +545,7 @@ def omnireduce_hook(
     communication thread, or, for a bucket whose scans went dense
     (``OmniState.dense_skip``), as an asynchronous all-reduce started here."""
     buf, key, world = bucket.buffer(), bucket.index(), dist.get_world_size()
+    state.agree_layout(key, buf, "omnireduce_hook")
     if state.take_skip(key):
         ring = ring_bytes(buf, world)
         state.count(ring, ring)
