@@ -92,3 +92,16 @@ def test_bad_knobs_are_refused() -> None:
         AutoState(explore_ratio=0.5)
     with pytest.raises(ValueError):
         AutoState(block_size=0)
+
+
+def test_a_pickled_state_checks_its_buckets_layout_again() -> None:
+    """A state copied into another process (a checkpoint, a spawned rank)
+    serves another DDP: the ranks' buckets are compared again there."""
+
+    from gradfabric.collectives.rows import RowState
+    from gradfabric.collectives.sparse import OmniState
+
+    for state in (AutoState(), RowState(), OmniState()):
+        state.layouts_checked[3] = state.layout_checks
+        assert pickle.loads(pickle.dumps(state)).layouts_checked == {}
+        assert state.layouts_checked == {3: state.layout_checks}  # (this one's are kept)

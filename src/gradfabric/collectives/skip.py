@@ -10,7 +10,7 @@ calls without Python, is ``collectives.fast``.)
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,11 @@ class LayoutCheck:
                 f"{hook}: ranks {odd} hold a bucket unlike rank 0's ({said}): every rank must "
                 "build the same model (sparse=True or another dtype on some ranks only?)"
             )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = cast(dict[str, Any], super().__getstate__())
+        state["layouts_checked"] = {}  # a copy serves another DDP: its buckets are checked anew
+        return state
 
 
 class _SkipTable:
