@@ -97,7 +97,6 @@ def test_bad_knobs_are_refused() -> None:
 def test_a_pickled_state_checks_its_buckets_layout_again() -> None:
     """A state copied into another process (a checkpoint, a spawned rank)
     serves another DDP: the ranks' buckets are compared again there."""
-
     from gradfabric.collectives.rows import RowState
     from gradfabric.collectives.sparse import OmniState
 
