@@ -356,3 +356,24 @@ def test_a_cluster_whose_devices_cannot_hold_a_plan_exits_2_naming_memory(
     assert main(["bench", "plan", "--cluster", str(cfg), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "memory_mb" in err and "device 3" in err
+
+
+@pytest.mark.long
+def test_experiment_sparse_train_tables_points_whose_options_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SGD and Adam points run different options (with Adam also ``auto``
+    on dense gradients): the printed table leaves a cell an option did not
+    run as "-", and every point is stored."""
+    import json
+
+    args = ["experiment", "sparse-train", "--loopback", "--models", "neumf", "--ranks", "2",
+            "--optimizers", "sgd,adam", "--steps", "3", "--warmup", "1",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    points = {p["optimizer"]: p for p in res["points"]}
+    assert set(points) == {"sgd", "adam"}
+    assert "auto" in points["adam"]["ms"] and "auto" not in points["sgd"]["ms"]
+    sgd_row = next(line for line in capsys.readouterr().out.splitlines() if " sgd " in line)
+    assert " - " in sgd_row, sgd_row

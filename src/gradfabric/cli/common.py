@@ -105,8 +105,9 @@ def table(rows: Rows, title: str, cols: Sequence[str]) -> Table:
         t.add_column(
             c, justify="right" if c not in ("model", "scheme", "check", "subject") else "left"
         )
-    for r in rows:
-        t.add_row(*[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+    for r in rows:  # (a column a row does not have: "-", as an option a point did not run)
+        cells = [r.get(c, "-") for c in cols]
+        t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in cells])
     return t
 
 
