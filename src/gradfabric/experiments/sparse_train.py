@@ -34,6 +34,7 @@ from gradfabric.net.netns import usable
 OURS = "sparse+auto"
 DDP_STOCK = ("default", "sparse")  # the stock options under DDP (with Adam: the hybrid)
 WITHIN = 0.95  # the "within 5% of the best stock option"
+LOWER_END = f">= {WITHIN}x, the 95% interval's lower end"  # a goal met only where resolved
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def _against_torchrec(p: dict[str, Any], where: str) -> Claim:
     vs, half = p["vs_torchrec"]
     fewer = bool(p["torchrec_bytes"] and p["ours_bytes"] and p["ours_bytes"] < p["torchrec_bytes"])
     if fewer:
-        target, met = "> 1x (ours moves fewer bytes)", vs > 1
+        target, met = "> 1x, the 95% interval's lower end (ours moves fewer bytes)", vs - half > 1
     else:
         target, met = "none: TorchRec's all-to-all moves fewer bytes", None
     return Claim(
@@ -178,14 +179,14 @@ def claims(res: dict[str, Any]) -> list[Claim]:
         out.append(Claim(
             "OmniReduce", f"auto_hook on sparse=True tables, {where}, per-step paired mean "
             "and 95% interval", "training", f"the best stock DDP option ({p['best_ddp']})",
-            f"{vs:.2f}x ± {half:.2f}", f">= {WITHIN}x", vs >= WITHIN, kind="goal", speedup=vs,
+            f"{vs:.2f}x ± {half:.2f}", LOWER_END, vs - half >= WITHIN, kind="goal", speedup=vs,
             note=", ".join(f"{h} {t:.0f} ms" for h, t in p["ms"].items()) + _bytes_note(p),
         ))  # fmt: skip
         if p["vs_torchrec"]:
             out.append(_against_torchrec(p, where))
     if not pts:
         return out
-    worst = min(pts, key=lambda p: p["vs_ddp"][0])
+    worst = min(pts, key=lambda p: p["vs_ddp"][0] - p["vs_ddp"][1])  # the lowest lower end
     w, wh = worst["vs_ddp"]
     link = pts[0]["link"]
     shaped = link != "loopback"  # the headlines: where the paper's gain is claimed
@@ -193,7 +194,7 @@ def claims(res: dict[str, Any]) -> list[Claim]:
         "OmniReduce", f"auto_hook on sparse=True tables at every point of the grid, {link} "
         "(the worst)", "training", f"the best stock DDP option at every point ({link}; the "
         f"worst: {worst['best_ddp']}, {worst['model']}, {worst['optimizer']}, "
-        f"{worst['ranks']} ranks)", f"{w:.2f}x ± {wh:.2f}", f">= {WITHIN}x", w >= WITHIN,
+        f"{worst['ranks']} ranks)", f"{w:.2f}x ± {wh:.2f}", LOWER_END, w - wh >= WITHIN,
         kind="goal", speedup=w, headline=shaped,
     ))  # fmt: skip
     if against := [p for p in pts if p["vs_torchrec"]]:
