@@ -209,6 +209,7 @@ def test_plan_json_for_a_yaml_cluster_and_an_online_trace(
     assert "devices[2].type" in capsys.readouterr().err
 
 
+@pytest.mark.long
 def test_experiment_dlcp_json_rows_and_bad_collective(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -268,6 +269,7 @@ def test_bench_ddp_json_rows_per_model_and_hook(
     assert neumf_auto["paths"].get("rows", 0) > 0 and neumf_auto["density"] < 0.2
 
 
+@pytest.mark.long
 def test_bench_sim_runs_each_path_and_the_same_events(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

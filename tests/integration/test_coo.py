@@ -261,8 +261,13 @@ def _unlike_worker(rank: int, world: int, hook: str, unlike: str, out: str) -> N
         f.write(msg)
 
 
-@pytest.mark.parametrize("unlike", ["sparse", "dtype"])
-@pytest.mark.parametrize("hook", ["auto_hook", "omnireduce_hook", "rows_hook"])
+@pytest.mark.parametrize(
+    ("hook", "unlike"),
+    [("auto_hook", "sparse"), ("omnireduce_hook", "dtype"),
+     *(pytest.param(h, u, marks=pytest.mark.long) for h, u in
+       [("auto_hook", "dtype"), ("omnireduce_hook", "sparse"), ("rows_hook", "sparse"),
+        ("rows_hook", "dtype")])],
+)  # fmt: skip
 def test_ranks_whose_buckets_differ_get_an_error_naming_them(hook: str, unlike: str) -> None:
     """A table ``sparse=True`` on rank 0 only, or rank 1's model in float64:
     DDP builds unlike buckets on the ranks (its default hook then dies in

@@ -203,8 +203,10 @@ def _daemon(hook: str) -> tuple[str, ...]:
 @pytest.mark.parametrize(
     "hook",
     [pytest.param("omnireduce", marks=pytest.mark.long),  # (the compiled path's twin)
-     pytest.param("auto", marks=pytest.mark.long), "rows", "auto-rows", "auto-sparse", "ina",
-     "dlcp", "omnireduce-compiled", "auto-compiled"],
+     pytest.param("auto", marks=pytest.mark.long), "rows", "auto-rows", "auto-sparse",
+     pytest.param("ina", marks=pytest.mark.long),  # (trains through the switch by default)
+     pytest.param("dlcp", marks=pytest.mark.long),  # (trains through a congested port)
+     "omnireduce-compiled", "auto-compiled"],
 )  # fmt: skip
 def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
     """Each hook against DDP's default hook, to the bit where the arithmetic
@@ -395,6 +397,7 @@ def _rows_dying_rank(rank: int, world: int, out: str) -> None:
         f.write(msg)
 
 
+@pytest.mark.long
 def test_rows_hook_names_a_rank_that_died_in_backward() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_rows_dying_rank, 3, (tmp,), timeout_s=20, deadline_s=90, barrier_at_exit=False)

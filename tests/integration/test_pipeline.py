@@ -150,6 +150,7 @@ def _replan_rank(rank: int, world: int, out: str) -> None:
     torch.save((runner.module.state_dict(), took, runner.moved_bytes), f"{out}/{rank}.pt")
 
 
+@pytest.mark.long
 def test_a_replan_mid_training_moves_layers_and_optimizer_state_exactly() -> None:
     """Two steps under ``PLAN``, a re-plan to ``REPLAN`` (every layer changes
     owner somewhere), two more steps: the weights equal four full-batch steps
