@@ -428,6 +428,7 @@ def auto_hook(
             state._log(key, ROWS, rows.sent.get(key, ring), ring)
             return fut.value()
 
+        rows.layouts_checked[key] = rows.layout_checks  # (compared above, once is enough)
         return rows_hook(rows, bucket).then(logged)
     if state.take_skip(key):
         world = dist.get_world_size()
