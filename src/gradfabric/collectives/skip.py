@@ -17,7 +17,22 @@ import torch.distributed as dist
 
 from gradfabric.net.overlap import Overlapped
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# a tensor's dtype as an int the ranks can gather (its index; past the end: another)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.float64)
+
+
+def dtype_name(code: int) -> str:
+    return str(DTYPES[code]) if code < len(DTYPES) else "another dtype"
+
+
+def unlike_ranks(layout: list[int], group: Any = None) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Every rank's ``layout`` (ints, as many on every rank), one all-gather:
+    the ranks whose layout is not rank 0's, and every rank's by rank."""
+    mine = torch.tensor(layout, dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    seen = [tuple(t.tolist()) for t in every]
+    return [r for r, s in enumerate(seen) if s != seen[0]], seen
 
 
 @dataclass
@@ -43,15 +58,11 @@ class LayoutCheck:
         if done >= self.layout_checks:
             return
         self.layouts_checked[key] = done + 1
-        code = _DTYPES.index(buf.dtype) if buf.dtype in _DTYPES else len(_DTYPES)
-        mine = torch.tensor([key, int(buf.is_sparse), math.prod(buf.shape), code])
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        seen = [tuple(t.tolist()) for t in every]
-        odd = [r for r, s in enumerate(seen) if s != seen[0]]
+        code = DTYPES.index(buf.dtype) if buf.dtype in DTYPES else len(DTYPES)
+        odd, seen = unlike_ranks([key, int(buf.is_sparse), math.prod(buf.shape), code])
         if odd:
-            said = "; ".join(f"rank {r}: bucket {k}, {'sparse' if sp else 'dense'}, {n} values of "
-                             f"{_DTYPES[c] if c < len(_DTYPES) else 'another dtype'}"
+            said = "; ".join(f"rank {r}: bucket {k}, {'sparse' if sp else 'dense'}, "
+                             f"{n} values of {dtype_name(c)}"
                              for r, (k, sp, n, c) in enumerate(seen))  # fmt: skip
             raise ValueError(
                 f"{hook}: ranks {odd} hold a bucket unlike rank 0's ({said}): every rank must "

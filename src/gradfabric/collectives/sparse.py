@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.collectives.paths import DENSE, GATHER, SHARDED
-from gradfabric.collectives.skip import DenseSkip
+from gradfabric.collectives.skip import DTYPES, DenseSkip, dtype_name, unlike_ranks
 from gradfabric.net.peers import keep_alive, name_the_missing
 
 # The sparse paths' block bookkeeping (gather, sum, scatter) costs host time the
@@ -245,7 +245,7 @@ def sparse_allreduce(
         keep_alive()
         try:
             if check_layout:
-                _agree_layout(flat, group, world)
+                _agree_layout(flat, group)
             if state is not None and state.take_skip(key):
                 dist.all_reduce(flat, group=group)
             else:
@@ -280,18 +280,11 @@ def ring_bytes(flat: torch.Tensor, world: int) -> int:
     return 2 * (world - 1) * flat.numel() * flat.element_size() // world if world > 1 else 0
 
 
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int32: 3}
-
-
-def _agree_layout(flat: torch.Tensor, group: Any, world: int) -> None:
-    mine = torch.tensor([flat.numel(), _DTYPE_CODES[flat.dtype]], dtype=torch.int64)
-    every = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    seen = [t.tolist() for t in every]
-    odd = [r for r in range(world) if seen[r] != seen[0]]
+def _agree_layout(flat: torch.Tensor, group: Any) -> None:
+    odd, seen = unlike_ranks([flat.numel(), DTYPES.index(flat.dtype)], group)
     if odd:
-        kinds = {v: k for k, v in _DTYPE_CODES.items()}
-        said = ", ".join(f"rank {r}: {n} values of {kinds[c]}" for r, (n, c) in enumerate(seen))
+        said = ", ".join(f"rank {r}: {n} values of {dtype_name(c)}"
+                         for r, (n, c) in enumerate(seen))  # fmt: skip
         raise ValueError(
             f"sparse_allreduce: ranks {odd} hold a tensor unlike rank 0's ({said})"
         )
