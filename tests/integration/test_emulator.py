@@ -754,6 +754,7 @@ def _ddp_rank_that_may_die(rank: int, world: int, control: str, out: str) -> Non
         f.write(f"{time.monotonic() - t0:.1f}|{msg}")
 
 
+@pytest.mark.long  # two rounds of the timeout by design; the named dead worker stays by default
 def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
     """DDP with ``ina_hook`` on 3 ranks; rank 2 exits inside its backward pass:
     the others' ``backward()`` fails with the hook's error, which names rank 2

@@ -81,7 +81,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_sparse_allreduce_matches_a_float64_sum(world: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_worker, world, (tmp, CASES))

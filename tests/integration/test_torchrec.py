@@ -88,6 +88,7 @@ def test_torchrec_dmp_pools_and_steps_as_the_arithmetic_says() -> None:
             assert still.any() and torch.equal(r["after"][i][still], r["before"][i][still])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_bench_ddp_runs_torchrec_beside_the_hooks_from_the_same_weights() -> None:
     """``bench ddp --hooks default,torchrec`` on the mixed model: TorchRec's
