@@ -32,9 +32,12 @@ def test_where_torchrec_moves_fewer_bytes_no_goal_only_the_figure() -> None:
 
 
 def test_within_5_percent_of_the_best_ddp_option_means_the_intervals_lower_end() -> None:
-    """The stored loopback study: 0.93x ± 0.06 (DLRM, the hybrid, 2 ranks) is
-    not within 5%; 1.24x ± 0.07 (4 ranks) is, resolved."""
+    """The stored loopback study, DLRM with the SparseAdam hybrid: at 2 ranks
+    the interval's lower end falls below 0.95x (not met), at 4 ranks it clears
+    it (met). Each figure is the ratio of the two options' total step times,
+    summed here from the stored steps."""
     import json
+    import math
     from pathlib import Path
 
     from gradfabric.experiments.sparse_train import claims
@@ -42,6 +45,12 @@ def test_within_5_percent_of_the_best_ddp_option_means_the_intervals_lower_end()
     path = Path(__file__).resolve().parents[2] / "docs" / "data" / "sparse-train-loopback.json"
     result = json.loads(path.read_text())["result"]
     got = {c.claim.split(", loopback")[0]: c for c in claims(result)}
-    two, four = (got[f"auto_hook on sparse=True tables, dlrm, adam, {n} ranks"] for n in (2, 4))
-    assert (two.ours, two.met) == ("0.93x ± 0.06", False)
-    assert (four.ours, four.met) == ("1.24x ± 0.07", True) and str(WITHIN) in four.paper
+    for ranks, met in ((2, False), (4, True)):
+        claim = got[f"auto_hook on sparse=True tables, dlrm, adam, {ranks} ranks"]
+        here = ("dlrm", "adam", ranks)
+        steps = {r["hook"]: r["iter_ms_all"] for r in result["rows"]
+                 if (r["model"], r["optimizer"], r["ranks"]) == here}  # fmt: skip
+        total = math.fsum(steps["sparse"]) / math.fsum(steps["sparse+auto"])
+        vs, half = (float(x.strip(" x")) for x in claim.ours.split("±"))
+        assert vs == pytest.approx(total, abs=0.005) and claim.speedup == pytest.approx(total)
+        assert claim.met is met and (vs - half >= WITHIN) is met and str(WITHIN) in claim.paper

@@ -7,8 +7,8 @@ Every step runs each replica once (forward, backward, optimizer step), rotating
 which goes first, so that machine noise falls on all alike; a step's time is
 its slowest rank's. Reported per model and hook: the median iteration time
 after ``warmup`` steps, the speedup against DDP without a hook (its built-in
-all-reduce: the ratio of medians, and the mean of the per-step ratios with its
-95% interval, ``paired_vs_default``), the gradients' measured block
+all-reduce: the ratio of medians, and the ratio of mean step times with its
+paired 95% interval, ``paired_vs_default``), the gradients' measured block
 density, and how far the replica's weights ended from the default replica's
 (a check that the hook averages what DDP would: with 2 ranks, to the bit),
 and where each hook's dense calls ran (``dense_calls_in``: ``compiled``, the
@@ -556,11 +556,12 @@ def _tables_and(
 
 
 def paired(ref: list[float], other: list[float]) -> tuple[float, float]:
-    """Mean and 95% half-width of the per-step ratio ``ref / other`` (the two
-    ran in the same step, one after the other: machine noise hits both)."""
-    from gradfabric.core.stats import mean_ci
+    """The ratio of mean step times ``ref / other`` and its paired 95%
+    half-width (the two ran in the same steps, one after the other: machine
+    noise hits both; ``core.stats.ratio_ci`` says why not a mean of ratios)."""
+    from gradfabric.core.stats import ratio_ci
 
-    est = mean_ci([a / b for a, b in zip(ref, other, strict=True)])
+    est = ratio_ci(ref, other)
     return est.mean, est.half
 
 

@@ -57,3 +57,30 @@ def mean_ci(xs: Sequence[float]) -> Estimate:
         return Estimate(m, 0.0, 1)
     var = math.fsum((x - m) ** 2 for x in xs) / (n - 1)
     return Estimate(m, t975(n - 1) * math.sqrt(var / n), n)
+
+
+def ratio_ci(ref: Sequence[float], other: Sequence[float]) -> Estimate:
+    """The ratio of means ``mean(ref) / mean(other)`` of paired samples (two
+    runs timed in the same steps, one after the other) and the half-width of
+    its 95% interval, by the delta method on the pairs' residuals
+    ``ref_i - R other_i``.
+
+    Why not the mean of the per-pair ratios: it is not the quantity a job
+    sees (the ratio of its total times is this one), it is biased towards
+    whichever side has the heavier tail (one slow step of ``ref`` adds
+    ``slow / fast`` to the sum, one slow step of ``other`` takes off at most
+    the fast one), and it is not symmetric: the mean of ``a / b`` is not one
+    over the mean of ``b / a``. A training step's times have such tails
+    (a rank descheduled, a collection, a queue on a shared link); measured
+    on a study's stored steps, the two estimators differed by up to 0.13x
+    where the medians were level."""
+    n = len(ref)
+    if n != len(other) or n == 0:
+        raise ValueError(f"need paired samples, got {n} and {len(other)}")
+    mean_other = math.fsum(other) / n
+    ratio = math.fsum(ref) / n / mean_other
+    if n == 1:
+        return Estimate(ratio, 0.0, 1)
+    resid = [a - ratio * b for a, b in zip(ref, other, strict=True)]
+    sd = math.sqrt(math.fsum(r * r for r in resid) / (n - 1))  # (the residuals sum to 0)
+    return Estimate(ratio, t975(n - 1) * sd / (math.sqrt(n) * mean_other), n)

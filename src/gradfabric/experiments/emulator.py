@@ -232,8 +232,8 @@ class Emulator:
                 kind="goal", speedup=ratio, headline=True,
                 note=f"ina_hook, 16 MB buckets, {best['iter_ms']:.0f} ms per step against the "
                 f"default hook's {rows[0]['iter_ms']:.0f} ms (4 MB buckets, its best); bytes "
-                f"floors {floors['ina']:.0f} and {floors['default']:.0f} ms; paired per-step "
-                f"ratio, 95% interval, {cfg.steps - cfg.warmup} steps",
+                f"floors {floors['ina']:.0f} and {floors['default']:.0f} ms; ratio of mean "
+                f"step times, paired 95% interval, {cfg.steps - cfg.warmup} steps",
             )
         )
 
