@@ -71,9 +71,9 @@ def ratio_ci(ref: Sequence[float], other: Sequence[float]) -> Estimate:
     ``slow / fast`` to the sum, one slow step of ``other`` takes off at most
     the fast one), and it is not symmetric: the mean of ``a / b`` is not one
     over the mean of ``b / a``. A training step's times have such tails
-    (a rank descheduled, a collection, a queue on a shared link); measured
-    on a study's stored steps, the two estimators differed by up to 0.13x
-    where the medians were level."""
+    (a rank descheduled, a collection, a queue on a shared link): on the
+    stored sparse-train studies' steps the mean of ratios stood above the
+    ratio of totals at 35 of 36 comparisons, by up to 0.11x."""
     n = len(ref)
     if n != len(other) or n == 0:
         raise ValueError(f"need paired samples, got {n} and {len(other)}")
