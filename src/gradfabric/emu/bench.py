@@ -23,7 +23,9 @@ tensor's goodput (bits per second of wall time), each way's bytes floor and
 its time over that floor, the switch process's CPU seconds per sum (and the
 tensor bits per second of that CPU time: what one switch core sustains),
 and the workers' CPU seconds per sum for each way (the slowest rank's
-process time: its own and its client thread's).
+process time: its own and its client thread's); with ``--json`` also the
+switch's counters and the workers' (``worker_counters``: how many results
+came, how many datagrams were sent again on a timeout or a fast retransmit).
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ def _row(
         "max_error": rec["max_error"],
         "datapath": rec["datapath"],
         "switch_counters": counters,
+        "worker_counters": rec.get("worker_counters", {}),
     }
     if cfg.link_gbps is not None:
         rate = cfg.link_gbps * 1e9
@@ -203,15 +206,30 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
                 cpu_s[kind].append(float(took[1]))
         diff = np.abs(got - ref.numpy())  # a NaN where gloo's sum is finite is an error too
         max_error = max(max_error, float("inf") if np.isnan(diff).any() else float(diff.max()))
+    counters = _worker_counters(client)
     if rank == 0:
         cpu[1], switch_path = _switch_cpu(client)
         with open(out, "w") as f:
             json.dump({"switch_s": times["switch"], "gloo_s": times["gloo"],
+                       "worker_counters": counters,
                        "worker_cpu_s": {k: statistics.median(v) for k, v in cpu_s.items()},
                        "max_error": max_error, "switch_cpu_s": cpu[1] - cpu[0],
                        "datapath": f"workers {client.path}, switch {switch_path}"},
                       f)  # fmt: skip
     client.close()
+
+
+def _worker_counters(client: InaClient) -> dict[str, int]:
+    """The workers' engine counters (``net.datapath.ENGINE_COUNTERS``:
+    results, timeouts' and fast retransmits, duplicate results, drops),
+    summed over the workers and every sum of the run, the warm-up included
+    (a native call folds its counts into the engine's when it ends)."""
+    from gradfabric.net.datapath import ENGINE_COUNTERS
+
+    mine = [client.engine.counters[k] for k in ENGINE_COUNTERS]
+    total = torch.tensor(mine, dtype=torch.int64)
+    dist.all_reduce(total)
+    return dict(zip(ENGINE_COUNTERS, total.tolist(), strict=True))
 
 
 def _switch_cpu(client: InaClient) -> tuple[float, str]:
