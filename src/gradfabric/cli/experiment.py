@@ -121,10 +121,10 @@ def add(sub: Sub) -> None:
         "auto_hook on dense gradients; local, the sparse=True replica exchanging nothing: the "
         "compute floor), each rank behind a 1 Gbit/s link (root, network "
         "namespaces). Rows: each option's median step, ours against the best stock option "
-        "paired per step (95% interval), the bytes per step on the busiest link of the "
-        "all-gather and of ours. Exit 1 if a replica's weights end further than 1e-4 from "
-        "the default hook's where the arithmetic holds them there (SGD; exact Adam at 2 "
-        "ranks).",
+        "(the ratio of mean step times, its 95% interval paired per step), the bytes per "
+        "step on the busiest link of the all-gather and of ours. Exit 1 if a replica's "
+        "weights end further than 1e-4 from the default hook's where the arithmetic holds "
+        "them there (SGD; exact Adam at 2 ranks).",
     )
     sp.add_argument("--models", default="dlrm,neumf", help="comma-separated (default: dlrm,neumf)")
     sp.add_argument("--ranks", default="2,4,8", help="comma-separated (default: 2,4,8)")
@@ -314,7 +314,7 @@ def sparse_train(args: argparse.Namespace) -> int:
            "claims": [c.__dict__ for c in claims({"rows": rows})]}  # fmt: skip
     cols = list(dict.fromkeys(k for t in table for k in t))  # each option's, as first seen
     title = ("median step per option; ours (auto_hook on sparse=True tables) over the best "
-             "stock option, paired per step (95%)")  # fmt: skip
+             "stock option, the ratio of mean step times (95%, paired per step)")  # fmt: skip
     dest = report(args, "sparse-train", asdict(grid), res, json_keys=("table",),
                   tables=[("table", title, cols)])  # fmt: skip
     draw(pts, dest)
