@@ -25,7 +25,8 @@ def t975(df: int) -> float:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A sample mean and the half-width of its 95% t-interval."""
+    """An estimate (a sample mean, or a ratio of paired means: ``ratio_ci``)
+    and the half-width of its 95% t-interval."""
 
     mean: float
     half: float
