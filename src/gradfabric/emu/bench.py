@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV, InaClient
+from gradfabric.net.datapath import ENGINE_COUNTERS
 from gradfabric.net.netns import MTU, check_mtu
 
 # Values per datagram by default: 64 KB datagrams on loopback (it carries them
@@ -164,7 +165,7 @@ def _row(
         "max_error": rec["max_error"],
         "datapath": rec["datapath"],
         "switch_counters": counters,
-        "worker_counters": rec.get("worker_counters", {}),
+        "worker_counters": rec["worker_counters"],
     }
     if cfg.link_gbps is not None:
         rate = cfg.link_gbps * 1e9
@@ -224,8 +225,6 @@ def _worker_counters(client: InaClient) -> dict[str, int]:
     results, timeouts' and fast retransmits, duplicate results, drops),
     summed over the workers and every sum of the run, the warm-up included
     (a native call folds its counts into the engine's when it ends)."""
-    from gradfabric.net.datapath import ENGINE_COUNTERS
-
     mine = [client.engine.counters[k] for k in ENGINE_COUNTERS]
     total = torch.tensor(mine, dtype=torch.int64)
     dist.all_reduce(total)
