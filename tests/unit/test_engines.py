@@ -257,3 +257,30 @@ def test_fast_retransmit_resends_a_loss_after_k_later_results_not_a_timeout() ->
     assert all(_sends(off.on_packet(_result(seq), 100)) == [] for seq in range(1, 8))
     assert off.counters["fast_retransmits"] == 0
     assert [a.pkt.seq for a in _sends(off.on_timer(RTO))] == [0]  # the timer, at last
+
+
+def test_with_fast_retransmit_the_timer_resends_the_lowest_due_packet_and_rearms_the_rest() -> None:
+    """A window of 8 waits on a peer (no result comes): with k = 3 each RTO
+    resends only the lowest due sequence and re-arms the other seven (TCP's
+    rule), until that one runs out of retries and the worker fails naming it;
+    once 0 is answered, 1 is the one resent. With k = 0 the timer is the only
+    repair and resends all eight."""
+    cfg = WorkerConfig(job_id=1, worker_id=0, fan_in=2, window=8, rto_ns=RTO,
+                       values_per_packet=4, max_retries=2, fast_retransmit=3)  # fmt: skip
+    w = WorkerEngine("w0", cfg, StaticSlots("sw", 0, 8))
+    w.push(40, 0, np.zeros(40, np.int32))
+    for t in (1, 2):
+        assert [a.pkt.seq for a in _sends(w.on_timer(t * RTO))] == [0]
+        assert w.next_deadline() == (t + 1) * RTO
+    assert w.counters["timer_rearmed"] == 14 and w.counters["retransmits"] == 2
+    fail = w.on_timer(3 * RTO)
+    assert len(fail) == 1 and isinstance(fail[0], Fail) and "sequence 0 " in fail[0].reason
+    w = WorkerEngine("w0", cfg, StaticSlots("sw", 0, 8))
+    w.push(40, 0, np.zeros(40, np.int32))
+    w.on_timer(RTO)
+    assert [a.pkt.seq for a in _sends(w.on_packet(_result(0), RTO + 1))] == [8]
+    assert [a.pkt.seq for a in _sends(w.on_timer(2 * RTO))] == [1]
+    off = WorkerEngine("w0", replace(cfg, fast_retransmit=0), StaticSlots("sw", 0, 8))
+    off.push(40, 0, np.zeros(40, np.int32))
+    assert [a.pkt.seq for a in _sends(off.on_timer(RTO))] == list(range(8))
+    assert off.counters["timer_rearmed"] == 0

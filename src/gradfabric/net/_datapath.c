@@ -80,7 +80,7 @@ enum { ROUTE_STATIC = 0, ROUTE_HASHED = 1, ROUTE_ZERO = 2 };
 /* counter indices: net.datapath.COUNTERS names them */
 enum {
     C_RESULTS, C_RETRANSMITS, C_FAST, C_DUPLICATE, C_FOREIGN, C_HALVINGS, C_MALFORMED,
-    C_BAD_TOKEN, C_SOCKET_ERROR, C_TX, C_RX, C_SYSCALLS, NCOUNTERS
+    C_BAD_TOKEN, C_SOCKET_ERROR, C_REARMED, C_TX, C_RX, C_SYSCALLS, NCOUNTERS
 };
 enum { RUN_DONE = 0, RUN_ABORTED = 1, RUN_TIMEOUT = 2, RUN_FAILED = 3, RUN_ERROR = 4 };
 
@@ -204,8 +204,10 @@ static int pump(gf_worker *w, int64_t now) {
 
 /* proto.worker.WorkerEngine._resend */
 static int resend(gf_worker *w, int64_t seq, int64_t deadline) {
-    w->deadline[seq - w->first] = deadline;
-    if (fifo_push(w, deadline, seq)) return -1;
+    if (w->deadline[seq - w->first] != deadline) { /* (two resends in one instant: one entry) */
+        w->deadline[seq - w->first] = deadline;
+        if (fifo_push(w, deadline, seq)) return -1;
+    }
     return emit(w, seq, (w->resend_flag ? F_RESEND : 0) | A_RESEND);
 }
 
@@ -384,22 +386,48 @@ int64_t gf_w_deadline(gf_worker *w) {
     return -1;
 }
 
-/* proto.worker.WorkerEngine.on_timer: 1 if it gave up (fail_seq), -1 out of memory. */
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* proto.worker.WorkerEngine.on_timer: 1 if it gave up (fail_seq), -1 out of memory.
+ * With fast retransmit on, only the lowest due sequence is resent, the others
+ * re-armed. */
 int gf_w_timer(gf_worker *w, int64_t now) {
-    int64_t mark = w->outbox_len;
+    int64_t mark = w->outbox_len, n = 0, later = now + w->rto_ns;
+    int64_t *due = malloc(sizeof(int64_t) * (size_t)(w->fifo_len ? w->fifo_len : 1));
+    if (!due) return -1;
     while (w->fifo_len && w->fifo[2 * w->fifo_head] <= now) {
         int64_t k = w->fifo_head, d = w->fifo[2 * k], seq = w->fifo[2 * k + 1];
         fifo_pop(w);
-        if (!outstanding(w, seq) || w->deadline[seq - w->first] != d) continue;
+        if (outstanding(w, seq) && w->deadline[seq - w->first] == d) due[n++] = seq;
+    }
+    if (w->fast_k && n > 1) {
+        qsort(due, (size_t)n, sizeof(int64_t), cmp_i64);
+        for (int64_t j = 1; j < n; j++) {
+            w->deadline[due[j] - w->first] = later;
+            if (fifo_push(w, later, due[j])) goto oom;
+        }
+        w->counters[C_REARMED] += n - 1;
+        n = 1;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        int64_t seq = due[j];
         if (++w->tries[seq - w->first] > w->max_retries) {
             w->outbox_len = mark; /* the reference returns the Fail alone */
             w->fail_seq = seq;
+            free(due);
             return 1;
         }
         w->counters[C_RETRANSMITS]++;
-        if (resend(w, seq, now + w->rto_ns)) return -1;
+        if (resend(w, seq, later)) goto oom;
     }
+    free(due);
     return 0;
+oom:
+    free(due);
+    return -1;
 }
 
 /* The outbox as bytes (for the differential test): each datagram as a u32

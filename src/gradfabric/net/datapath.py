@@ -49,13 +49,13 @@ from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import Packet, ina_packet
 
 SOURCE = Path(__file__).with_name("_datapath.c")
-# The C core's counters, in its order; the first nine are the reference engine's.
+# The C core's counters, in its order; the first ten are the reference engine's.
 COUNTERS: Final = (
     "results", "retransmits", "fast_retransmits", "drop_duplicate_result", "drop_foreign",
-    "ecn_halvings", "drop_malformed", "drop_bad_token", "socket_error",
+    "ecn_halvings", "drop_malformed", "drop_bad_token", "socket_error", "timer_rearmed",
     "native_tx_datagrams", "native_rx_datagrams", "native_syscalls",
 )  # fmt: skip
-ENGINE_COUNTERS: Final = COUNTERS[:9]
+ENGINE_COUNTERS: Final = COUNTERS[:10]
 UNSENT, OUTSTANDING, DONE = 0, 1, 2
 DONE_RUN, ABORTED, TIMEOUT, FAILED, OUT_OF_MEMORY = range(5)
 _ROUTES: Final = {StaticSlots: 0, HashedPool: 1, Sharded: 2}

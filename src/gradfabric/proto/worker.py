@@ -22,7 +22,12 @@ one (``base``) has come back, ``base`` is sent again at once (as TCP does on
 three duplicate acks), and again each time results reach ``k`` past the
 highest one seen at its last resend (a resend can be lost too); where no
 more results come (the window is stuck on it), the timer resends it. A
-needless resend is a duplicate the switch answers from its copy or drops,
+timer that finds several packets due resends only the lowest sequence and
+re-arms the others (TCP's rule on a retransmission timeout): results then
+repair the rest, and a window that waits on a slower peer's resend has lost
+nothing, where resending it whole would cost every waiting worker a window of
+link time. Without fast retransmit the timer is the only repair and resends
+everything due. A needless resend is a duplicate the switch answers from its copy or drops,
 so sums stay exact either way. Its deadline is ``now + rto_ns``, later than
 every pending one, so the FIFO stays sorted. Off (0) in the simulator's
 schemes unless asked; the emulator's clients turn it on.
@@ -240,15 +245,31 @@ class WorkerEngine:
         actions.append(self._resend(base, o, now_ns + self.cfg.rto_ns))
 
     def on_timer(self, now_ns: int) -> list[Action]:
+        """Resend what is due. With fast retransmit on, only the lowest due
+        sequence is resent and the others are re-armed (TCP's rule): results
+        repair the rest, and a window that waits on a slower peer's resend
+        has nothing lost; without it the timer is the only repair."""
         actions: list[Action] = []
-        timers = self.timers
+        timers, out = self.timers, self.out
+        due: list[tuple[int, int]] = []  # (deadline, seq), live
         while timers and timers[0][0] <= now_ns:
             deadline, seq = timers.popleft()
-            o = self.out.get(seq)
-            if o is None or o[_DEADLINE] != deadline:
-                continue
+            o = out.get(seq)
+            if o is not None and o[_DEADLINE] == deadline:
+                due.append((deadline, seq))
+        if self.fast and len(due) > 1:
+            due.sort(key=lambda x: x[1])
+            later = now_ns + self.cfg.rto_ns
+            for _, seq in due[1:]:
+                out[seq][_DEADLINE] = later
+                timers.append((later, seq))
+            self.counters["timer_rearmed"] += len(due) - 1
+            del due[1:]
+        for i, (_, seq) in enumerate(due):
+            o = out[seq]
             o[_TRIES] += 1
             if o[_TRIES] > self.cfg.max_retries:
+                timers.extendleft(reversed(due[i + 1 :]))  # still due, as they were
                 return [
                     Fail(
                         self.route.dst(seq),
