@@ -25,10 +25,10 @@ more results come (the window is stuck on it), the timer resends it. A
 timer that finds several packets due resends only the lowest sequence and
 re-arms the others (TCP's rule on a retransmission timeout): results then
 repair the rest, and a window that waits on a slower peer's resend has lost
-nothing, where resending it whole would cost every waiting worker a window of
-link time. Without fast retransmit the timer is the only repair and resends
-everything due. A needless resend is a duplicate the switch answers from its copy or drops,
-so sums stay exact either way. Its deadline is ``now + rto_ns``, later than
+nothing, where resending it whole would cost every waiting worker a window
+of link time. Without fast retransmit the timer is the only repair and
+resends everything due. A needless resend is a duplicate the switch answers
+from its copy or drops, so sums stay exact either way. Its deadline is ``now + rto_ns``, later than
 every pending one, so the FIFO stays sorted. Off (0) in the simulator's
 schemes unless asked; the emulator's clients turn it on.
 
