@@ -386,11 +386,6 @@ int64_t gf_w_deadline(gf_worker *w) {
     return -1;
 }
 
-static int cmp_i64(const void *a, const void *b) {
-    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* proto.worker.WorkerEngine.on_timer: 1 if it gave up (fail_seq), -1 out of memory.
  * With fast retransmit on, only the lowest due sequence is resent, the others
  * re-armed. */
@@ -404,13 +399,16 @@ int gf_w_timer(gf_worker *w, int64_t now) {
         if (outstanding(w, seq) && w->deadline[seq - w->first] == d) due[n++] = seq;
     }
     if (w->fast_k && n > 1) {
-        qsort(due, (size_t)n, sizeof(int64_t), cmp_i64);
-        for (int64_t j = 1; j < n; j++) {
+        int64_t low = 0;
+        for (int64_t j = 1; j < n; j++)
+            if (due[j] < due[low]) low = j;
+        for (int64_t j = 0; j < n; j++) {
+            if (j == low) continue;
             w->deadline[due[j] - w->first] = later;
             if (fifo_push(w, later, due[j])) goto oom;
         }
         w->counters[C_REARMED] += n - 1;
-        n = 1;
+        due[0] = due[low], n = 1;
     }
     for (int64_t j = 0; j < n; j++) {
         int64_t seq = due[j];

@@ -22,15 +22,17 @@ one (``base``) has come back, ``base`` is sent again at once (as TCP does on
 three duplicate acks), and again each time results reach ``k`` past the
 highest one seen at its last resend (a resend can be lost too); where no
 more results come (the window is stuck on it), the timer resends it. A
-timer that finds several packets due resends only the lowest sequence and
-re-arms the others (TCP's rule on a retransmission timeout): results then
-repair the rest, and a window that waits on a slower peer's resend has lost
-nothing, where resending it whole would cost every waiting worker a window
-of link time. Without fast retransmit the timer is the only repair and
-resends everything due. A needless resend is a duplicate the switch answers
-from its copy or drops, so sums stay exact either way. Its deadline is ``now + rto_ns``, later than
-every pending one, so the FIFO stays sorted. Off (0) in the simulator's
-schemes unless asked; the emulator's clients turn it on.
+resend's deadline is ``now + rto_ns``, later than every pending one, so the
+FIFO stays sorted. A needless resend is a duplicate the switch answers from
+its copy or drops, so sums stay exact either way. Off (0) in the
+simulator's schemes unless asked; the emulator's clients turn it on.
+
+With fast retransmit on, a timer that finds several packets due resends
+only the lowest sequence and re-arms the others (TCP's rule on a
+retransmission timeout): results then repair the rest, and a window that
+waits on a slower peer's resend has lost nothing, where resending it whole
+would cost every waiting worker a window of link time. Without fast
+retransmit the timer is the only repair and resends everything due.
 
 With ``ecn_window`` (ATP) the window reacts to ECN echoed in results: halved
 at most once per window of data, otherwise grown by one packet per window.
@@ -258,13 +260,14 @@ class WorkerEngine:
             if o is not None and o[_DEADLINE] == deadline:
                 due.append((deadline, seq))
         if self.fast and len(due) > 1:
-            due.sort(key=lambda x: x[1])
+            lowest = min(due, key=lambda x: x[1])
             later = now_ns + self.cfg.rto_ns
-            for _, seq in due[1:]:
-                out[seq][_DEADLINE] = later
-                timers.append((later, seq))
+            for _, seq in due:
+                if seq != lowest[1]:
+                    out[seq][_DEADLINE] = later
+                    timers.append((later, seq))
             self.counters["timer_rearmed"] += len(due) - 1
-            del due[1:]
+            due = [lowest]
         for i, (_, seq) in enumerate(due):
             o = out[seq]
             o[_TRIES] += 1
