@@ -7,6 +7,7 @@ that talked over loopback instead of their links would beat it by far."""
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -52,3 +53,20 @@ def test_each_rank_runs_behind_its_own_shaped_link(tmp_path: object) -> None:
 def test_a_host_per_rank() -> None:
     with pytest.raises(ValueError, match="hosts"):
         spawn(_rank, 2, ("",), hosts=[])
+
+
+def test_a_star_left_behind_by_a_killed_run_neither_blocks_a_new_one_nor_is_deleted() -> None:
+    """A SIGKILLed run deletes nothing; the next star (in the same process, so
+    its first-choice tag) takes a free tag, and its exit deletes its own
+    namespaces only."""
+    tag = os.getpid() % 250
+    stale = f"gf{tag}sw"
+    before = netns.listed()
+    subprocess.run(["ip", "netns", "add", stale], check=True, capture_output=True)
+    try:
+        with netns.shaped_star(1, RATE_GBPS) as hosts:
+            assert hosts[0].netns != f"gf{tag}h0" and hosts[0].netns in netns.listed()
+        assert netns.listed() == before | {stale}
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+    assert netns.listed() == before

@@ -46,6 +46,24 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+def listed() -> set[str]:
+    """The names of the network namespaces that exist now (``ip netns list``)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _free_tag() -> int:
+    """A star's tag (its names and subnet) that no namespace here uses: this
+    process's pid picks the first try, and a star left by a killed run (SIGKILL
+    deletes nothing) or a concurrent one moves it on rather than failing."""
+    taken = listed()
+    for k in range(250):
+        tag = (os.getpid() + k) % 250
+        if not any(re.fullmatch(rf"gf{tag}(sw|h\d+)", n) for n in taken):
+            return tag
+    raise ConfigError("netns", "every star tag (gf0..gf249) is in use here")
+
+
 def usable() -> bool:
     """Whether this process may make network namespaces here (root, and
     ``ip netns add`` works)."""
@@ -267,7 +285,7 @@ def tor_star(
     if link_gbps <= 0:
         raise ConfigError("link_gbps", f"must be > 0, got {link_gbps}")
     check_mtu(mtu)
-    tag = os.getpid() % 250
+    tag = _free_tag()
     sw = f"gf{tag}sw"
     names = [f"gf{tag}h{i}" for i in range(n)]
     made: list[str] = []
