@@ -3,7 +3,9 @@
 A seeded scenario plays a switch against the reference (``ResumableWorker``
 behind the emulator's sealing and decoding, and ``emu.client.Call``'s
 delivery): results come back late, reordered, duplicated or not at all,
-some carry ECN, and among them arrive stale results, another job's, forged
+some carry ECN, a lost packet is often followed by the switch's loss notice
+(where the worker takes them), and among them arrive notices for sequences
+answered, never sent, another worker's or another job's, stale results, another job's, forged
 tokens, random bytes, truncated and mutated datagrams, results in float and
 results of the wrong length; half the calls quantise inside the datapath
 (``net.datapath.Fused``), whose datagrams and decoded sums must equal the
@@ -44,12 +46,14 @@ TOKEN = bytes.fromhex("0123456789abcdef")
 JOB, WORKERS = 7, 3
 
 
-def _engine(policy: str, window: int, vpp: int, fast: int, retries: int) -> ResumableWorker:
+def _engine(
+    policy: str, window: int, vpp: int, fast: int, retries: int, nack: bool
+) -> ResumableWorker:
     names = tuple(f"w{r}" for r in range(WORKERS))
     p = Placement(
         JOB, names, {"sw": names}, servers=("sw",), window=window, pool_slots=64, slot_base=5,
         rto_ns=1_000_000, values_per_packet=vpp, max_retries=retries, resumable=True,
-        fast_retransmit=fast, takes_help=False,
+        fast_retransmit=fast, nack=nack, takes_help=False,
     )  # fmt: skip
     e = SCHEMES.get(policy).worker(p, 1)
     assert isinstance(e, ResumableWorker)
@@ -109,6 +113,8 @@ class Switch:
     def take(self, data: bytes) -> None:
         pkt = decode(data[TOKEN_BYTES:])
         if self.rng.random() < self.loss:
+            if pkt.flags & Flag.NACK and self.rng.random() < 0.7:  # the loss noticed
+                self.pending.append(self.notice(pkt.seq, pkt.worker_id))
             return
         assert pkt.payload is not None
         others = self.sums.setdefault(
@@ -120,9 +126,19 @@ class Switch:
         for _ in range(2 if self.rng.random() < 0.05 else 1):
             self.pending.append(seal(TOKEN, res))
 
+    def notice(self, seq: int, worker: int, job: int = JOB) -> bytes:
+        """The switch's loss notice: the header of ``seq`` flagged NACK."""
+        return TOKEN + encode(Packet(job, worker, seq, 5, 1 << worker, WORKERS, Flag.NACK))
+
     def bad(self, first: int) -> bytes:
         """A datagram that must be dropped or flagged, of one of many kinds."""
-        r, kind = self.rng, self.rng.randrange(9)
+        r, kind = self.rng, self.rng.randrange(12)
+        if kind == 9:  # a notice for a sequence long answered, or never sent
+            return self.notice(r.choice([max(0, first - 1), first + 1000]), 1)
+        if kind == 10:  # a notice for another worker
+            return self.notice(first, r.choice([0, 2]))
+        if kind == 11:  # another job's notice
+            return self.notice(first, 1, JOB + 1)
         good = self.rng.choice(self.answered) if self.answered else None
         if kind == 0 or good is None:
             return r.randbytes(r.randrange(0, 80))
@@ -155,17 +171,17 @@ class Switch:
         self.rng.shuffle(self.pending)
         k = self.rng.randrange(0, len(self.pending) + 1)
         out, self.pending = self.pending[:k], self.pending[k:]
-        self.answered += out
+        self.answered += [d for d in out if decode(d[TOKEN_BYTES:]).flags & Flag.ACK]
         return out
 
 
 def _scenario(seed: int, policy: str) -> None:
     rng = random.Random(seed)
     window, vpp = rng.choice([1, 3, 8]), rng.choice([1, 7, 64])
-    fast, retries = rng.choice([0, 3]), rng.choice([2, 50])
+    fast, retries, nack = rng.choice([0, 3]), rng.choice([2, 50]), rng.random() < 0.5
     priority = rng.randrange(4)
-    ref_engine = _engine(policy, window, vpp, fast, retries)
-    nat_engine = _engine(policy, window, vpp, fast, retries)
+    ref_engine = _engine(policy, window, vpp, fast, retries, nack)
+    nat_engine = _engine(policy, window, vpp, fast, retries, nack)
     ref = Reference(ref_engine, priority)
     nat = datapath.NativeWorker(nat_engine, TOKEN, priority)
     sw = Switch(rng, loss=rng.choice([0.0, 0.1, 0.3]), ecn=rng.choice([0.0, 0.2]))

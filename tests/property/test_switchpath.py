@@ -5,7 +5,8 @@ job, its token, the decoding, a job that resynchronises) and a
 ``SwitchEngine`` with ``SwitchMLPolicy``, whose actions become datagrams
 sealed with the job's token for the workers that said hello. Seeded
 traffic from several jobs' workers (their windows of sequences, every copy
-reuse, retransmissions, duplicates, reordering) is mixed with stale
+reuse, retransmissions, duplicates, reordering; most shares ask for loss
+notices, so both must send the same notices) is mixed with stale
 packets, packets for another job's slots or another worker's bit, forged
 tokens, unknown jobs, float payloads, wrong counts, results from below,
 random and truncated bytes, and a job that resynchronises for a while;
@@ -108,7 +109,8 @@ def _scenario(seed: int) -> None:
             wid = rng.randrange(workers)
             values = np.random.default_rng((seed, seq, wid)).integers(-(2**30), 2**30, vpp,
                                                                        dtype=np.int32)  # fmt: skip
-            pkt = Packet(job_id, wid, seq, base + seq % window, 1 << wid, workers, 0, 0, 0, vpp,
+            flags = Flag.NACK if rng.random() < 0.7 else 0  # (a worker that takes notices)
+            pkt = Packet(job_id, wid, seq, base + seq % window, 1 << wid, workers, flags, 0, 0, vpp,
                          values)  # fmt: skip
             data = token + encode(pkt)
             r = rng.random()

@@ -284,3 +284,90 @@ def test_with_fast_retransmit_the_timer_resends_the_lowest_due_packet_and_rearms
     off.push(40, 0, np.zeros(40, np.int32))
     assert [a.pkt.seq for a in _sends(off.on_timer(RTO))] == list(range(8))
     assert off.counters["timer_rearmed"] == 0
+
+
+def _star(nack: bool, lose: set[tuple[str, int]]) -> tuple[SwitchEngine, list[WorkerEngine], dict]:
+    """Three workers (window 4, 4 values a packet) and a SwitchML switch, every
+    datagram delivered at once in order, except the workers' shares in
+    ``lose`` (name, seq) the first time they are sent; no timer fires. Returns
+    the engines and each worker's delivered results."""
+    names = ("w0", "w1", "w2")
+    sw = SwitchEngine.build("sw", "switchml", 4, (SwitchJob(1, names, slot_count=4),))
+    workers = [
+        WorkerEngine(n, WorkerConfig(job_id=1, worker_id=i, fan_in=3, window=4, rto_ns=RTO,
+                                     values_per_packet=4, nack=nack), StaticSlots("sw", 0, 4))
+        for i, n in enumerate(names)
+    ]  # fmt: skip
+    by_name = {w.name: w for w in workers}
+    got: dict[str, dict[int, list[int]]] = {n: {} for n in names}
+    queue: list[tuple[str, Packet]] = []
+    lose = set(lose)
+
+    def run(actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                queue.append((a.dst, a.pkt))
+            elif isinstance(a, Multicast):
+                queue.extend((d, a.pkt.clone()) for d in a.dsts)
+
+    data = [np.arange(24, dtype=np.int32) * (i + 1) for i in range(3)]  # 6 packets each
+    for w, x in zip(workers, data, strict=True):
+        run(w.push(24, 0, x))
+    while queue:
+        dst, pkt = queue.pop(0)
+        if dst == "sw":
+            key = (names[pkt.worker_id], pkt.seq)
+            if key in lose:
+                lose.discard(key)
+                continue
+            run(sw.on_packet(pkt, 1))
+        else:
+            acts = by_name[dst].on_packet(pkt, 1)
+            for a in acts:
+                if isinstance(a, Deliver):
+                    got[dst][a.seq] = list(a.pkt.payload)  # type: ignore[arg-type]
+            run(acts)
+    return sw, workers, got
+
+
+def test_switchml_notices_name_the_worker_whose_share_was_lost_and_only_it_resends() -> None:
+    """w1's share of seq 1 is lost: its share of seq 2 tells the switch so
+    (shares leave in order), the switch notices w1 alone, w1 resends, and
+    every worker gets every sum, exact (the int64 sum of the three tensors).
+    Nobody else resends anything and no timer was needed. Workers that ask
+    for no notices get none: the same loss then waits for the timer."""
+    sw, workers, got = _star(True, {("w1", 1)})
+    want = (np.arange(24, dtype=np.int64) * 6).reshape(6, 4).tolist()
+    assert all([got[w.name][s] for s in range(6)] == want for w in workers)
+    assert sw.counters["nack_sent"] == 1
+    assert [w.counters["nack_resends"] for w in workers] == [0, 1, 0]
+    assert all(w.counters["retransmits"] == 0 and w.idle for w in workers)
+    # two losses in a row: seq 3 notices 2, and 2's resend notices 1
+    sw, workers, got = _star(True, {("w2", 1), ("w2", 2)})
+    assert all([got[w.name][s] for s in range(6)] == want for w in workers)
+    assert sw.counters["nack_sent"] == 2 and workers[2].counters["nack_resends"] == 2
+    sw, workers, got = _star(False, {("w1", 1)})
+    assert sw.counters["nack_sent"] == 0 and not workers[1].idle
+    assert all(sorted(got[w.name]) == [0, 2, 3, 4] for w in workers)  # the window waits on 1
+
+
+def test_a_worker_takes_only_notices_meant_for_it() -> None:
+    """A notice for a sequence already answered (or never sent) is a counted
+    stale drop; one naming another worker, or sent to a worker that asked
+    for none, is foreign."""
+    cfg = WorkerConfig(job_id=1, worker_id=0, fan_in=2, window=2, rto_ns=RTO,
+                       values_per_packet=4, nack=True)  # fmt: skip
+    w = WorkerEngine("w0", cfg, StaticSlots("sw", 0, 2))
+    w.push(8, 0, np.zeros(8, np.int32))
+
+    def notice(seq: int, worker: int = 0) -> Packet:
+        return Packet(1, worker, seq, seq % 2, 1 << worker, 2, Flag.NACK)
+
+    again = _sends(w.on_packet(notice(1), 5))
+    assert [a.pkt.seq for a in again] == [1] and w.counters["nack_resends"] == 1
+    assert again[0].pkt.flags & Flag.NACK  # (its shares keep asking)
+    assert w.on_packet(notice(7), 6) == [] and w.counters["drop_stale_nack"] == 1
+    assert w.on_packet(notice(0, worker=1), 7) == [] and w.counters["drop_foreign"] == 1
+    deaf = WorkerEngine("w0", replace(cfg, nack=False), StaticSlots("sw", 0, 2))
+    deaf.push(8, 0, np.zeros(8, np.int32))
+    assert deaf.on_packet(notice(1), 5) == [] and deaf.counters["drop_foreign"] == 1

@@ -165,14 +165,15 @@ def scheme_worker(ticket: Ticket, rank: int, timeout_s: float, takes_help: bool 
     sent are taken, as SA-ATP's helped hosts do, else dropped)."""
     t = ticket
     names = tuple(worker_name(t.job_id, r) for r in range(t.workers))
+    scheme = SCHEMES.get(t.policy)
     p = Placement(
         t.job_id, names, {t.entry: names}, servers=(t.entry,), window=t.window,
         pool_slots=t.pool_slots, slot_base=t.slot_base, rto_ns=t.rto_ns,
         values_per_packet=t.values_per_packet, streams=t.streams,
         max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)), resumable=True,
-        fast_retransmit=FAST_RETRANSMIT, takes_help=takes_help,
+        fast_retransmit=FAST_RETRANSMIT, nack=True, takes_help=takes_help,
     )  # fmt: skip
-    return SCHEMES.get(t.policy).worker(p, rank)
+    return scheme.worker(p, rank)
 
 
 C = TypeVar("C", bound="Attached")

@@ -62,7 +62,8 @@
 #define F_RESEND 0x4
 #define F_ECN 0x8
 #define F_FLOAT 0x20
-#define KNOWN_FLAGS 0x1ff
+#define F_NACK 0x200
+#define KNOWN_FLAGS 0x3ff
 #define MAX_FAN_IN 64
 #define MAX_WIRE_VALUES 16000
 #define BATCH 32
@@ -80,7 +81,8 @@ enum { ROUTE_STATIC = 0, ROUTE_HASHED = 1, ROUTE_ZERO = 2 };
 /* counter indices: net.datapath.COUNTERS names them */
 enum {
     C_RESULTS, C_RETRANSMITS, C_FAST, C_DUPLICATE, C_FOREIGN, C_HALVINGS, C_MALFORMED,
-    C_BAD_TOKEN, C_SOCKET_ERROR, C_REARMED, C_TX, C_RX, C_SYSCALLS, NCOUNTERS
+    C_BAD_TOKEN, C_SOCKET_ERROR, C_REARMED, C_NACK_RESENDS, C_STALE_NACK, C_TX, C_RX, C_SYSCALLS,
+    NCOUNTERS
 };
 enum { RUN_DONE = 0, RUN_ABORTED = 1, RUN_TIMEOUT = 2, RUN_FAILED = 3, RUN_ERROR = 4 };
 
@@ -90,7 +92,7 @@ typedef void (*decode_fn)(const int64_t *, int64_t, int64_t, const double *, flo
 typedef struct {
     /* the job (set by the caller) */
     int64_t job, worker, fan_in, bitmap, priority, route, slot_base, slot_count, pool_slots,
-        resend_flag, rto_ns, max_retries, fast_k, ecn_window, vpp;
+        resend_flag, rto_ns, max_retries, fast_k, ecn_window, vpp, nack;
     double max_cwnd;
     uint8_t token[TOKEN];
     /* the call (set by the caller; the arrays are the caller's) */
@@ -235,7 +237,7 @@ static void header(const gf_worker *w, int64_t seq, int64_t flags, uint8_t *h) {
     wr16(h, MAGIC);
     h[2] = VERSION;
     h[3] = (uint8_t)w->priority;
-    wr16(h + 4, flags);
+    wr16(h + 4, flags | (w->nack ? F_NACK : 0));
     wr16(h + 6, w->job);
     wr16(h + 8, w->worker);
     wr16(h + 10, w->fan_in);
@@ -306,6 +308,17 @@ static int fast_retransmit(gf_worker *w, int64_t seq, int64_t now) {
     return resend(w, base, now + w->rto_ns);
 }
 
+/* proto.worker.WorkerEngine._on_notice: the switch lacks this worker's share. */
+static int on_notice(gf_worker *w, int64_t seq, int64_t now) {
+    if (!outstanding(w, seq) || w->tries[seq - w->first] >= w->max_retries) {
+        w->counters[C_STALE_NACK]++;
+        return 0;
+    }
+    w->tries[seq - w->first]++;
+    w->counters[C_NACK_RESENDS]++;
+    return resend(w, seq, now + w->rto_ns);
+}
+
 static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
 /* One datagram from the socket: unseal, decode, then the engine and the delivery.
@@ -336,11 +349,13 @@ int gf_w_datagram(gf_worker *w, const uint8_t *data, int64_t len, int64_t now) {
             if (!isfinite(f)) goto malformed;
         }
     }
+    int64_t seq = seq32;
     if (!(flags & F_ACK) || job != w->job) {
+        if ((flags & F_NACK) && w->nack && job == w->job && wid == w->worker && !(flags & F_ACK))
+            return on_notice(w, seq, now);
         w->counters[C_FOREIGN]++;
         return 0;
     }
-    int64_t seq = seq32;
     if (!outstanding(w, seq)) { /* no help is taken: nothing ahead of what was sent */
         w->counters[C_DUPLICATE]++;
         return 0;
@@ -387,8 +402,8 @@ int64_t gf_w_deadline(gf_worker *w) {
 }
 
 /* proto.worker.WorkerEngine.on_timer: 1 if it gave up (fail_seq), -1 out of memory.
- * With fast retransmit on, only the lowest due sequence is resent, the others
- * re-armed. */
+ * With fast retransmit or notices on, only the lowest due sequence is resent,
+ * the others re-armed. */
 int gf_w_timer(gf_worker *w, int64_t now) {
     int64_t mark = w->outbox_len, n = 0, later = now + w->rto_ns;
     int64_t *due = malloc(sizeof(int64_t) * (size_t)(w->fifo_len ? w->fifo_len : 1));
@@ -398,7 +413,7 @@ int gf_w_timer(gf_worker *w, int64_t now) {
         fifo_pop(w);
         if (outstanding(w, seq) && w->deadline[seq - w->first] == d) due[n++] = seq;
     }
-    if (w->fast_k && n > 1) {
+    if ((w->fast_k || w->nack) && n > 1) {
         int64_t low = 0;
         for (int64_t j = 1; j < n; j++)
             if (due[j] < due[low]) low = j;

@@ -52,11 +52,14 @@
 #define F_ECN 0x8
 #define F_FLOAT 0x20
 #define F_HELP 0x80
-#define KNOWN_FLAGS 0x1ff
+#define F_NACK 0x200
+#define NACK_GAP 1 /* proto.switch.switchml.NACK_GAP */
+#define KNOWN_FLAGS 0x3ff
 #define MAX_FAN_IN 64
 #define MAX_WIRE_VALUES 16000
 #define DGRAM 65536
 #define BATCH 64
+#define OUTBOX (2 * BATCH) /* per datagram a loss notice and a result at most */
 #define MAX_JOBS 65536
 
 enum { IDLE, AGGREGATING, FORWARDED, COMPLETE };
@@ -67,7 +70,7 @@ enum {
     D_SYSCALLS,
     /* the switch engine's */
     E_RX_GRADIENT, E_RX_HELP, E_BAD_WORKER, E_BAD_RESULT, E_BAD_SLOT, E_FLOAT, E_STALE,
-    E_DUPLICATE, E_RETX_ANSWERED, E_COUNT_MISMATCH, E_STALE_RESULT,
+    E_DUPLICATE, E_RETX_ANSWERED, E_COUNT_MISMATCH, E_STALE_RESULT, E_NACK_SENT,
     NCOUNTERS
 };
 /* a job's own: datagrams that named it */
@@ -101,9 +104,9 @@ typedef struct {
     job_t *jobs[MAX_JOBS];
     int64_t counters[NCOUNTERS];
     int64_t busy_ns, held_ns, claims; /* proto.switch.engine.PoolStats */
-    out_t out[BATCH];
+    out_t out[OUTBOX];
     int64_t nout;
-    uint8_t *arena; /* BATCH results */
+    uint8_t *arena; /* OUTBOX results */
     uint8_t *rx;    /* BATCH datagrams */
 } gf_switch;
 
@@ -114,7 +117,7 @@ gf_switch *gf_s_new(int64_t slots) {
     if (!s) return NULL;
     s->slots = slots;
     s->copies = calloc((size_t)(2 * slots), sizeof(copy_t));
-    s->arena = malloc((size_t)BATCH * (TOKEN + HEADER + 4 * MAX_WIRE_VALUES));
+    s->arena = malloc((size_t)OUTBOX * (TOKEN + HEADER + 4 * MAX_WIRE_VALUES));
     s->rx = malloc((size_t)BATCH * DGRAM);
     if (!s->copies || !s->arena || !s->rx) {
         free(s->copies), free(s->arena), free(s->rx), free(s);
@@ -201,7 +204,7 @@ static void wr16(uint8_t *p, int64_t v) { uint16_t u = (uint16_t)v; memcpy(p, &u
 
 /* Queue a copy of ``c``'s result for child ``to`` (-1: every child). */
 static void send_result(gf_switch *s, const job_t *j, const copy_t *c, int64_t agg, int64_t to) {
-    if (s->nout == BATCH) return; /* cannot happen: one result per datagram of a batch */
+    if (s->nout == OUTBOX) return; /* cannot happen: see OUTBOX */
     uint8_t *d = s->arena + (size_t)s->nout * (TOKEN + HEADER + 4 * MAX_WIRE_VALUES), *h = d + TOKEN;
     uint64_t full = full_mask(j->fan_in);
     uint32_t seq = (uint32_t)c->seq, a = (uint32_t)agg;
@@ -219,6 +222,39 @@ static void send_result(gf_switch *s, const job_t *j, const copy_t *c, int64_t a
     memcpy(h + 24, &full, 8);
     if (c->nvalues) memcpy(h + HEADER, c->values, (size_t)(4 * c->nvalues));
     s->out[s->nout++] = (out_t){j, to, TOKEN + HEADER + 4 * c->nvalues, d};
+}
+
+/* Queue a loss notice to child ``to``: the header of ``seq`` flagged NACK
+ * (SwitchMLPolicy._notice). */
+static void send_notice(gf_switch *s, const job_t *j, int64_t seq, int64_t agg, int64_t to,
+                        uint64_t bit) {
+    if (s->nout == OUTBOX) return; /* cannot happen: see OUTBOX */
+    uint8_t *d = s->arena + (size_t)s->nout * (TOKEN + HEADER + 4 * MAX_WIRE_VALUES), *h = d + TOKEN;
+    uint32_t sq = (uint32_t)seq, a = (uint32_t)agg;
+    memcpy(d, j->token, TOKEN);
+    memset(h, 0, HEADER);
+    wr16(h, MAGIC);
+    h[2] = VERSION;
+    wr16(h + 4, F_NACK);
+    wr16(h + 6, j->id);
+    wr16(h + 8, to);
+    wr16(h + 10, j->fan_in);
+    memcpy(h + 16, &sq, 4);
+    memcpy(h + 20, &a, 4);
+    memcpy(h + 24, &bit, 8);
+    s->out[s->nout++] = (out_t){j, to, TOKEN + HEADER, d};
+}
+
+/* SwitchMLPolicy._notice: the sender's share of seq - NACK_GAP, if its copy
+ * still waits on it. */
+static void notice(gf_switch *s, const job_t *j, int64_t seq, int64_t wid, uint64_t bit) {
+    int64_t lost = seq - NACK_GAP, w = j->slot_count;
+    if (lost < 0) return;
+    int64_t agg = j->slot_base + lost % w;
+    const copy_t *c = &s->copies[2 * agg + ((lost / w) & 1)];
+    if (c->seq > lost || (c->seq == lost && (c->state != AGGREGATING || (c->bitmap & bit)))) return;
+    s->counters[E_NACK_SENT]++;
+    send_notice(s, j, lost, agg, wid, bit);
 }
 
 /* One datagram, as emu.switchd.accept, SwitchEngine.on_packet and
@@ -334,6 +370,7 @@ void gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now) 
     c->bitmap |= bitmap;
     c->count++;
     c->flags |= flags & F_ECN;
+    if ((flags & F_NACK) && !(flags & F_HELP)) notice(s, j, seq, wid, bitmap);
     if (c->count < n) return;
     s->busy_ns += now - c->claim_ns;
     s->held_ns += now - c->claim_ns;

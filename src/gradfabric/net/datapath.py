@@ -46,16 +46,17 @@ from gradfabric.proto.routes import HashedPool, Sharded, StaticSlots
 from gradfabric.proto.worker import ResumableWorker
 from gradfabric.wire import fastquant
 from gradfabric.wire.envelope import TOKEN_BYTES
-from gradfabric.wire.packet import Packet, ina_packet
+from gradfabric.wire.packet import Flag, Packet, ina_packet
 
 SOURCE = Path(__file__).with_name("_datapath.c")
-# The C core's counters, in its order; the first ten are the reference engine's.
+# The C core's counters, in its order; the first twelve are the reference engine's.
 COUNTERS: Final = (
     "results", "retransmits", "fast_retransmits", "drop_duplicate_result", "drop_foreign",
     "ecn_halvings", "drop_malformed", "drop_bad_token", "socket_error", "timer_rearmed",
+    "nack_resends", "drop_stale_nack",
     "native_tx_datagrams", "native_rx_datagrams", "native_syscalls",
 )  # fmt: skip
-ENGINE_COUNTERS: Final = COUNTERS[:10]
+ENGINE_COUNTERS: Final = COUNTERS[:12]
 UNSENT, OUTSTANDING, DONE = 0, 1, 2
 DONE_RUN, ABORTED, TIMEOUT, FAILED, OUT_OF_MEMORY = range(5)
 _ROUTES: Final = {StaticSlots: 0, HashedPool: 1, Sharded: 2}
@@ -70,6 +71,7 @@ class _Worker(ctypes.Structure):
         *((n, _i64) for n in (
             "job", "worker", "fan_in", "bitmap", "priority", "route", "slot_base", "slot_count",
             "pool_slots", "resend_flag", "rto_ns", "max_retries", "fast_k", "ecn_window", "vpp",
+            "nack",
         )),
         ("max_cwnd", _f64),
         ("token", ctypes.c_uint8 * TOKEN_BYTES),
@@ -162,10 +164,11 @@ class NativeWorker:
         if isinstance(route, HashedPool):
             w.pool_slots = route.pool_slots
         w.resend_flag, w.rto_ns, w.max_retries = route.resend_flag, cfg.rto_ns, cfg.max_retries
-        w.fast_k, w.ecn_window, w.vpp = (
+        w.fast_k, w.ecn_window, w.vpp, w.nack = (
             cfg.fast_retransmit,
             engine.ecn_window,
             cfg.values_per_packet,
+            cfg.nack,
         )
         w.max_cwnd = engine.max_cwnd
         if pace_gbps < 0:
@@ -317,5 +320,5 @@ class NativeWorker:
         return ina_packet(
             job_id=c.job_id, worker_id=c.worker_id, seq=seq, agg_index=e.route.agg_index(seq),
             bitmap=1 << c.worker_id, fan_in=c.fan_in, priority=self.priority, count=len(part),
-            values=part,
+            values=part, flags=Flag.NACK if c.nack else 0,
         )  # fmt: skip

@@ -46,7 +46,7 @@ DAEMON_COUNTERS: Final = (
 ENGINE_COUNTERS: Final = (
     "rx_gradient", "rx_help", "drop_bad_worker", "drop_bad_result", "drop_bad_slot",
     "drop_float_payload", "drop_stale", "drop_duplicate", "retx_answered",
-    "drop_count_mismatch", "drop_stale_result",
+    "drop_count_mismatch", "drop_stale_result", "nack_sent",
 )  # fmt: skip
 JOB_COUNTERS: Final = ("rx_datagrams", "drop_bad_token", "drop_malformed", "drop_resyncing")
 

@@ -39,7 +39,7 @@ from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.ring import RingEngine
 from gradfabric.proto.routes import HashedPool, Route, Sharded, StaticSlots
-from gradfabric.proto.switch import SwitchEngine, SwitchJob
+from gradfabric.proto.switch import ALLOCATORS, SwitchEngine, SwitchJob
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import ResumableWorker, WorkerConfig, WorkerEngine
 from gradfabric.wire.quant import INT32_MAX
@@ -111,6 +111,7 @@ class Placement:
     help: HelpConfig | None = None  # SA-ATP straggler help at the switch
     resumable: bool = False  # workers keep what a restarted switch needs (ResumableWorker)
     fast_retransmit: int = 0  # workers resend a loss after this many later results (0: off)
+    nack: bool = False  # workers take the switch's loss notices, where it sends them (SwitchML)
     takes_help: bool = True  # workers take results for sequences others sent for them (SA-ATP)
 
     @property
@@ -179,6 +180,13 @@ class Scheme:
         """What a scheme changes in a single job's placement (nothing by default)."""
         return p
 
+    @property
+    def sends_notices(self) -> bool:
+        """Whether this scheme's switch sends loss notices (``proto.switch.switchml``)."""
+        if self.policy is None:
+            return False
+        return getattr(ALLOCATORS.get(self.policy), "sends_notices", False) is True
+
     def check(self, p: Placement, ina: InaConfig) -> None:
         """Raise ``ConfigError`` if the scheme cannot run ``p``."""
 
@@ -201,7 +209,7 @@ class Scheme:
             job_id=p.job_id, worker_id=rank, fan_in=len(p.workers), window=p.window,
             rto_ns=p.rto_ns, max_retries=p.max_retries,
             values_per_packet=p.values_per_packet, ecn_window=self.ecn_window,
-            fast_retransmit=p.fast_retransmit,
+            fast_retransmit=p.fast_retransmit, nack=p.nack and self.sends_notices,
             # a worker that takes no help has no reason to take a result for a
             # sequence it has not sent: a forged or confused one is a drop
             max_ahead=WorkerConfig.max_ahead if p.takes_help else 0,

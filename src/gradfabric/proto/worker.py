@@ -27,12 +27,19 @@ FIFO stays sorted. A needless resend is a duplicate the switch answers from
 its copy or drops, so sums stay exact either way. Off (0) in the
 simulator's schemes unless asked; the emulator's clients turn it on.
 
-With fast retransmit on, a timer that finds several packets due resends
-only the lowest sequence and re-arms the others (TCP's rule on a
-retransmission timeout): results then repair the rest, and a window that
-waits on a slower peer's resend has lost nothing, where resending it whole
-would cost every waiting worker a window of link time. Without fast
-retransmit the timer is the only repair and resends everything due.
+With ``nack`` (a switch that sends loss notices: SwitchML, see
+``proto.switch.switchml``) every share is flagged ``NACK``, and a notice
+from the switch naming an outstanding sequence of this worker's is resent
+at once (``nack_resends``). The switch knows whose share a copy lacks, the
+workers do not: with notices only the worker that lost a share resends it,
+where a fast retransmit has every worker of the stalled copy resend.
+
+With fast retransmit or notices on, a timer that finds several packets due
+resends only the lowest sequence and re-arms the others (TCP's rule on a
+retransmission timeout): results and notices then repair the rest, and a
+window that waits on a slower peer's resend has lost nothing, where
+resending it whole would cost every waiting worker a window of link time.
+Otherwise the timer is the only repair and resends everything due.
 
 With ``ecn_window`` (ATP) the window reacts to ECN echoed in results: halved
 at most once per window of data, otherwise grown by one packet per window.
@@ -94,6 +101,7 @@ class WorkerConfig:
     values_per_packet: int = 256
     ecn_window: bool = False
     fast_retransmit: int = 0  # resend base once a result this far past it came (0: off)
+    nack: bool = False  # ask the switch for loss notices (flag shares NACK) and act on them
 
     def __post_init__(self) -> None:
         if not 1 <= self.fan_in <= MAX_FAN_IN:
@@ -135,8 +143,8 @@ class WorkerEngine:
         helping = cfg.helping >= 0
         self._header = (
             cfg.job_id, cfg.worker_id, cfg.fan_in,
-            1 << (cfg.helping if helping else cfg.worker_id), Flag.HELP if helping else 0,
-            cfg.rto_ns,
+            1 << (cfg.helping if helping else cfg.worker_id),
+            Flag.HELP if helping else Flag.NACK if cfg.nack else 0, cfg.rto_ns,
         )  # fmt: skip
         self._agg_index, self._dst = route.agg_index, route.dst
         self.counters = Counters()
@@ -151,6 +159,7 @@ class WorkerEngine:
         self.recover_seq = 0
         self.cap: WorkerEngine | None = None
         self.fast = cfg.fast_retransmit
+        self.lowest_first = bool(cfg.fast_retransmit or cfg.nack)  # the timer's rule
         self.highest = -1  # the highest sequence a result came back for
         self.fast_seq = -1  # the oldest unanswered sequence, and the highest
         self.fast_from = -1  # result when it was last sent (fast retransmit)
@@ -202,6 +211,8 @@ class WorkerEngine:
     # -- engine interface -------------------------------------------------
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         if not pkt.flags & Flag.ACK or pkt.job_id != self.job_id:
+            if pkt.flags & Flag.NACK and self._notice_for_me(pkt):
+                return self._on_notice(pkt.seq, now_ns)
             self.counters["drop_foreign"] += 1
             return []
         seq = pkt.seq
@@ -230,6 +241,25 @@ class WorkerEngine:
         actions.append(Deliver(seq, pkt))
         return actions
 
+    def _notice_for_me(self, pkt: Packet) -> bool:
+        """A loss notice addressed to this worker (one it asked for)."""
+        return (
+            self.cfg.nack
+            and pkt.job_id == self.job_id
+            and pkt.worker_id == self.cfg.worker_id
+            and not pkt.flags & Flag.ACK
+        )
+
+    def _on_notice(self, seq: int, now_ns: int) -> list[Action]:
+        """The switch lacks this worker's share of ``seq``: send it again."""
+        o = self.out.get(seq)
+        if o is None or o[_TRIES] >= self.cfg.max_retries:  # answered, or the timer's to fail
+            self.counters["drop_stale_nack"] += 1
+            return []
+        o[_TRIES] += 1
+        self.counters["nack_resends"] += 1
+        return [self._resend(seq, o, now_ns + self.cfg.rto_ns)]
+
     def _fast_retransmit(self, seq: int, now_ns: int, actions: list[Action]) -> None:
         if seq > self.highest:
             self.highest = seq
@@ -247,10 +277,11 @@ class WorkerEngine:
         actions.append(self._resend(base, o, now_ns + self.cfg.rto_ns))
 
     def on_timer(self, now_ns: int) -> list[Action]:
-        """Resend what is due. With fast retransmit on, only the lowest due
-        sequence is resent and the others are re-armed (TCP's rule): results
-        repair the rest, and a window that waits on a slower peer's resend
-        has nothing lost; without it the timer is the only repair."""
+        """Resend what is due. With fast retransmit or notices on, only the
+        lowest due sequence is resent and the others are re-armed (TCP's
+        rule): results and notices repair the rest, and a window that waits
+        on a slower peer's resend has nothing lost; without them the timer is
+        the only repair."""
         actions: list[Action] = []
         timers, out = self.timers, self.out
         due: list[tuple[int, int]] = []  # (deadline, seq), live
@@ -259,7 +290,7 @@ class WorkerEngine:
             o = out.get(seq)
             if o is not None and o[_DEADLINE] == deadline:
                 due.append((deadline, seq))
-        if self.fast and len(due) > 1:
+        if self.lowest_first and len(due) > 1:
             lowest = min(due, key=lambda x: x[1])
             later = now_ns + self.cfg.rto_ns
             for _, seq in due:

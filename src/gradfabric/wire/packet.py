@@ -60,6 +60,7 @@ class Flag:
     PARTIAL: Final = 1 << 6  # a partial aggregate flushed from a switch to the PS
     HELP: Final = 1 << 7  # SA-ATP: a helper sending a straggler's share under its bit
     NOTIFY: Final = 1 << 8  # SA-ATP: the switch asking a helper to help (worker_id = straggler)
+    NACK: Final = 1 << 9  # SwitchML: on a share, "name my losses"; from the switch, "resend seq"
 
     @staticmethod
     def names(flags: int) -> list[str]:
@@ -69,7 +70,7 @@ class Flag:
 _FLAG_NAMES: Final = (
     ("ACK", Flag.ACK), ("COLLISION", Flag.COLLISION), ("RESEND", Flag.RESEND),
     ("ECN", Flag.ECN), ("OVERFLOW", Flag.OVERFLOW), ("FLOAT", Flag.FLOAT),
-    ("PARTIAL", Flag.PARTIAL), ("HELP", Flag.HELP), ("NOTIFY", Flag.NOTIFY),
+    ("PARTIAL", Flag.PARTIAL), ("HELP", Flag.HELP), ("NOTIFY", Flag.NOTIFY), ("NACK", Flag.NACK),
 )  # fmt: skip
 KNOWN_FLAGS: Final = sum(v for _, v in _FLAG_NAMES)
 
