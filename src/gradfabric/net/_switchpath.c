@@ -202,47 +202,34 @@ uint64_t gf_s_missing(gf_switch *s, int64_t id) {
 static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static void wr16(uint8_t *p, int64_t v) { uint16_t u = (uint16_t)v; memcpy(p, &u, 2); }
 
-/* Queue a copy of ``c``'s result for child ``to`` (-1: every child). */
-static void send_result(gf_switch *s, const job_t *j, const copy_t *c, int64_t agg, int64_t to) {
-    if (s->nout == OUTBOX) return; /* cannot happen: see OUTBOX */
-    uint8_t *d = s->arena + (size_t)s->nout * (TOKEN + HEADER + 4 * MAX_WIRE_VALUES), *h = d + TOKEN;
-    uint64_t full = full_mask(j->fan_in);
-    uint32_t seq = (uint32_t)c->seq, a = (uint32_t)agg;
-    memcpy(d, j->token, TOKEN);
-    wr16(h, MAGIC);
-    h[2] = VERSION, h[3] = 0;
-    wr16(h + 4, F_ACK | c->flags);
-    wr16(h + 6, j->id);
-    wr16(h + 8, 0);
-    wr16(h + 10, j->fan_in);
-    wr16(h + 12, 0);
-    wr16(h + 14, c->nvalues);
-    memcpy(h + 16, &seq, 4);
-    memcpy(h + 20, &a, 4);
-    memcpy(h + 24, &full, 8);
-    if (c->nvalues) memcpy(h + HEADER, c->values, (size_t)(4 * c->nvalues));
-    s->out[s->nout++] = (out_t){j, to, TOKEN + HEADER + 4 * c->nvalues, d};
-}
-
-/* Queue a loss notice to child ``to``: the header of ``seq`` flagged NACK
- * (SwitchMLPolicy._notice). */
-static void send_notice(gf_switch *s, const job_t *j, int64_t seq, int64_t agg, int64_t to,
-                        uint64_t bit) {
-    if (s->nout == OUTBOX) return; /* cannot happen: see OUTBOX */
+/* Reserve the next outbox datagram, for child ``to`` (-1: every child), and
+ * write its token and header; returns where its ``count`` values go (NULL:
+ * the outbox is full, which cannot happen: see OUTBOX). */
+static uint8_t *put(gf_switch *s, const job_t *j, int64_t to, int64_t flags, int64_t wid,
+                    int64_t count, int64_t seq, int64_t agg, uint64_t bitmap) {
+    if (s->nout == OUTBOX) return NULL;
     uint8_t *d = s->arena + (size_t)s->nout * (TOKEN + HEADER + 4 * MAX_WIRE_VALUES), *h = d + TOKEN;
     uint32_t sq = (uint32_t)seq, a = (uint32_t)agg;
     memcpy(d, j->token, TOKEN);
-    memset(h, 0, HEADER);
     wr16(h, MAGIC);
-    h[2] = VERSION;
-    wr16(h + 4, F_NACK);
+    h[2] = VERSION, h[3] = 0;
+    wr16(h + 4, flags);
     wr16(h + 6, j->id);
-    wr16(h + 8, to);
+    wr16(h + 8, wid);
     wr16(h + 10, j->fan_in);
+    wr16(h + 12, 0);
+    wr16(h + 14, count);
     memcpy(h + 16, &sq, 4);
     memcpy(h + 20, &a, 4);
-    memcpy(h + 24, &bit, 8);
-    s->out[s->nout++] = (out_t){j, to, TOKEN + HEADER, d};
+    memcpy(h + 24, &bitmap, 8);
+    s->out[s->nout++] = (out_t){j, to, TOKEN + HEADER + 4 * count, d};
+    return h + HEADER;
+}
+
+/* Queue a copy of ``c``'s result for child ``to`` (-1: every child). */
+static void send_result(gf_switch *s, const job_t *j, const copy_t *c, int64_t agg, int64_t to) {
+    uint8_t *v = put(s, j, to, F_ACK | c->flags, 0, c->nvalues, c->seq, agg, full_mask(j->fan_in));
+    if (v && c->nvalues) memcpy(v, c->values, (size_t)(4 * c->nvalues));
 }
 
 /* SwitchMLPolicy._notice: the sender's share of seq - NACK_GAP, if its copy
@@ -254,7 +241,7 @@ static void notice(gf_switch *s, const job_t *j, int64_t seq, int64_t wid, uint6
     const copy_t *c = &s->copies[2 * agg + ((lost / w) & 1)];
     if (c->seq > lost || (c->seq == lost && (c->state != AGGREGATING || (c->bitmap & bit)))) return;
     s->counters[E_NACK_SENT]++;
-    send_notice(s, j, lost, agg, wid, bit);
+    put(s, j, wid, F_NACK, wid, 0, lost, agg, bit); /* the header of ``lost`` alone */
 }
 
 /* One datagram, as emu.switchd.accept, SwitchEngine.on_packet and
