@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gradfabric.core.errors import ConfigError
 from gradfabric.sim.collective import (
     Bucket,
     CollectiveResult,
@@ -61,9 +64,18 @@ lossy = st.builds(
     seed=st.integers(0, 2**32 - 1),
     sizes=st.lists(st.integers(1, 6000), min_size=1, max_size=3),
     window=st.sampled_from([2, 8, 32]),
+    repair=st.sampled_from([(0, False), (3, False), (16, True)]),  # (fast retransmit, notices)
+    uplinks_only=st.booleans(),
 )
 def test_exact_under_loss_dup_reorder(
-    scheme: str, workers: int, link: LinkSpec, seed: int, sizes: list[int], window: int
+    scheme: str,
+    workers: int,
+    link: LinkSpec,
+    seed: int,
+    sizes: list[int],
+    window: int,
+    repair: tuple[int, bool],
+    uplinks_only: bool,
 ) -> None:
     buckets = [Bucket(i * 5_000, s) for i, s in enumerate(sizes)]
     ina = InaConfig(
@@ -72,9 +84,40 @@ def test_exact_under_loss_dup_reorder(
         atp_pool_slots=max(4, window),
         ps_window=window,
         rto_ns=200_000,
+        fast_retransmit=repair[0],
+        nack=repair[1],
     )
-    r = run_collective(scheme, workers, buckets, FabricConfig(link=link), ina, seed, values=True)
+    # loss at the switch only (as the emulator's kernel drops it), or on every link
+    fabric = FabricConfig(link=replace(link, loss=0.0), uplink=link) if uplinks_only else None
+    r = run_collective(scheme, workers, buckets, fabric or FabricConfig(link=link), ina, seed,
+                       values=True)  # fmt: skip
     _check_exact(r)
+
+
+def test_switchml_loss_notices_repair_uplink_loss_with_fewer_resends() -> None:
+    """Shares lost on their way to the switch, as the emulator's kernel loss
+    drops them: with loss notices the worker whose share was lost resends it
+    (``nack_resends``), where fast retransmit alone has every worker of the
+    stalled copy resend; the sums stay exact either way, and the downlinks
+    lose nothing, so every loss counted is a share."""
+    link = LinkSpec(link_gbps=10.0, prop_delay_ns=1_000, queue_bytes=1_000_000)
+    fabric = FabricConfig(link=link, uplink=replace(link, loss=0.05))
+    resends = {}
+    for k, nack in ((3, False), (16, True)):
+        ina = InaConfig(values_per_packet=256, switchml_slots=32, rto_ns=2_000_000,
+                        fast_retransmit=k, nack=nack)  # fmt: skip
+        r = run_collective("switchml", 4, [Bucket(0, 400_000)], fabric, ina, 5, values=True)
+        _check_exact(r)
+        c = r.counters
+        kinds = ("fast_retransmits", "nack_resends", "retransmits")
+        resends[nack] = sum(c.get(f"WorkerEngine.{n}", 0) for n in kinds)
+        assert c["link_loss"] > 0
+        assert (c.get("nack_sent", 0) > 0) == nack
+        if nack:  # each notice went to the worker whose share was lost, and it resent
+            assert 0 < c["WorkerEngine.nack_resends"] <= c["nack_sent"]
+    assert resends[True] < resends[False] / 2, resends
+    with pytest.raises(ConfigError, match="fast_retransmit"):
+        InaConfig(fast_retransmit=-1)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

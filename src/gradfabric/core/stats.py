@@ -85,3 +85,22 @@ def ratio_ci(ref: Sequence[float], other: Sequence[float]) -> Estimate:
     resid = [a - ratio * b for a, b in zip(ref, other, strict=True)]
     sd = math.sqrt(math.fsum(r * r for r in resid) / (n - 1))  # (the residuals sum to 0)
     return Estimate(ratio, t975(n - 1) * sd / (math.sqrt(n) * mean_other), n)
+
+
+def ratio_ci_apart(ref: Sequence[float], other: Sequence[float]) -> Estimate:
+    """The ratio of means ``mean(ref) / mean(other)`` of two independent
+    samples (two runs, nothing pairs their times) and the half-width of its
+    95% interval, by the delta method: ``var(R) ~ (var(ref)/n + R^2
+    var(other)/m) / mean(other)^2``, with the smaller sample's degrees of
+    freedom (conservative: Welch's lie between it and their sum)."""
+    n, m = len(ref), len(other)
+    if n == 0 or m == 0:
+        raise ValueError(f"need samples on both sides, got {n} and {m}")
+    mean_ref, mean_other = math.fsum(ref) / n, math.fsum(other) / m
+    ratio = mean_ref / mean_other
+    if min(n, m) == 1:
+        return Estimate(ratio, 0.0, min(n, m))
+    var_ref = math.fsum((x - mean_ref) ** 2 for x in ref) / (n - 1)
+    var_other = math.fsum((x - mean_other) ** 2 for x in other) / (m - 1)
+    se = math.sqrt(var_ref / n + ratio**2 * var_other / m) / mean_other
+    return Estimate(ratio, t975(min(n, m) - 1) * se, min(n, m))

@@ -155,6 +155,7 @@ def _row(
         "kernel_loss": cfg.kernel_loss,
         "switch_ms": switch_s * 1e3,
         "gloo_ms": gloo_s * 1e3,
+        "switch_ms_all": [t * 1e3 for t in rec["switch_s"]],
         "speedup": gloo_s / switch_s,
         "goodput_gbps": bits / switch_s / 1e9,
         "gloo_goodput_gbps": bits / gloo_s / 1e9,

@@ -61,6 +61,8 @@ class InaConfig:
     rto_ns: int = 1_000_000
     omni_streams: int = 64
     omni_aggregators: int = 0
+    fast_retransmit: int = 0  # workers resend a loss after this many later results (0: off)
+    nack: bool = False  # workers ask for loss notices where the switch sends them (SwitchML)
 
     def __post_init__(self) -> None:
         for name in (
@@ -78,6 +80,10 @@ class InaConfig:
         for name in ("ps_servers", "omni_aggregators"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, "must be >= 0 (0: one per worker)")
+        if self.fast_retransmit < 0:
+            raise ConfigError(
+                "fast_retransmit", f"must be >= 0 (0: off), got {self.fast_retransmit}"
+            )
 
     @property
     def values_per_sim_packet(self) -> int:
@@ -172,7 +178,8 @@ class Scheme:
             JOB_ID, workers, racks, servers, root,
             window=self.window(ina), pool_slots=ina.atp_pool_slots,
             rto_ns=ina.rto_ns, values_per_packet=ina.values_per_sim_packet,
-            streams=ina.omni_streams,
+            streams=ina.omni_streams, fast_retransmit=ina.windowed(ina.fast_retransmit)
+            if ina.fast_retransmit else 0, nack=ina.nack,
         )  # fmt: skip
         return self.adjust(p, ina, help)
 

@@ -51,6 +51,7 @@ class FabricConfig:
     spines: int = 4
     link: LinkSpec = field(default_factory=LinkSpec)
     fabric_link: LinkSpec | None = None
+    uplink: LinkSpec | None = None  # hosts toward their first switch (None: ``link``)
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -200,11 +201,11 @@ class CollectiveRun:
         f = self.fabric
         hosts = self.workers + extra
         if f.topology == "star":
-            return star(self.net, hosts, f.link)
+            return star(self.net, hosts, f.link, f.uplink)
         racks = [self.workers[i : i + f.hosts_per_rack] for i in range(0, self.n, f.hosts_per_rack)]
         for i, h in enumerate(extra):
             racks[i % len(racks)].append(h)
-        return leaf_spine(self.net, racks, f.spines, f.link, f.fabric_link)
+        return leaf_spine(self.net, racks, f.spines, f.link, f.fabric_link, f.uplink)
 
     def bucket_done(self, w: int, b: int) -> None:
         self.done[w][b] = self.loop.now
@@ -241,8 +242,8 @@ class CollectiveRun:
         """Lay the job out on the fabric, build its engines through the scheme
         registry and bind them; returns the bucket starter ``start(w, b)``."""
         scheme = SCHEMES.get(self.scheme)
-        link = self.fabric.link
-        if scheme.lossless and (link.loss or link.dup):
+        links = [self.fabric.link, *([self.fabric.uplink] if self.fabric.uplink else [])]
+        if scheme.lossless and any(link.loss or link.dup for link in links):
             raise ConfigError(
                 "link.loss",
                 f"{scheme.name} assumes a lossless, duplicate-free network "

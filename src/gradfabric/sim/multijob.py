@@ -237,10 +237,11 @@ class _Tenancy:
         for j in jobs:
             racks[(j.job_id - 1) % cfg.racks] += self.shards[j.job_id]
         link = replace(cfg.fabric.link, jitter_ns=cfg.packet_jitter_ns or cfg.fabric.link.jitter_ns)
+        up = cfg.fabric.uplink and replace(cfg.fabric.uplink, jitter_ns=link.jitter_ns)
         if cfg.racks == 1:
-            topo = star(self.net, racks[0], link)
+            topo = star(self.net, racks[0], link, up)
         else:
-            topo = leaf_spine(self.net, racks, cfg.fabric.spines, link, cfg.fabric.fabric_link)
+            topo = leaf_spine(self.net, racks, cfg.fabric.spines, link, cfg.fabric.fabric_link, up)
         for names in self.shards.values():  # idle hosts where the scheme needs no PS
             for name in names:
                 self.net.serve_at(name, cfg.ps_merge_gbps)

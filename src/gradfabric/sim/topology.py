@@ -2,7 +2,9 @@
 
 Hosts are named by the caller; switches are ``sw0`` (star) or ``leaf{r}`` and
 ``spine{s}``. Host NIC queues are unbounded (the host buffers what it has not
-sent); switch egress queues use the configured ``queue_bytes``.
+sent); switch egress queues use the configured ``queue_bytes``. A host's link
+toward its first switch is ``uplink`` where given (a switch that drops a
+share of what reaches it: loss on the uplinks only), else ``link``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ class Topology:
         return [h for h in among if self.first_hop[h] == switch]
 
 
-def star(net: Network, hosts: list[str], link: LinkSpec) -> Topology:
-    nic = replace(link, queue_bytes=0)
+def star(
+    net: Network, hosts: list[str], link: LinkSpec, uplink: LinkSpec | None = None
+) -> Topology:
+    nic = replace(uplink or link, queue_bytes=0)
     sw = net.node("sw0")
     for h in hosts:
         up, down = net.connect(h, "sw0", nic, link)
@@ -41,12 +45,13 @@ def leaf_spine(
     spines: int,
     link: LinkSpec,
     fabric: LinkSpec | None = None,
+    uplink: LinkSpec | None = None,
 ) -> Topology:
     """``racks[r]`` are the hosts under ``leaf{r}``; every leaf links to every spine."""
     if spines < 1 or not racks:
         raise ConfigError("spines", "leaf-spine needs >= 1 spine and >= 1 rack")
     fabric = fabric or link
-    nic = replace(link, queue_bytes=0)
+    nic = replace(uplink or link, queue_bytes=0)
     topo = Topology(net, [h for r in racks for h in r], [], {})
     spine_names = [f"spine{s}" for s in range(spines)]
     topo.spines = spine_names
