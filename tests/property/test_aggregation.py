@@ -66,6 +66,7 @@ lossy = st.builds(
     window=st.sampled_from([2, 8, 32]),
     repair=st.sampled_from([(0, False), (3, False), (16, True)]),  # (fast retransmit, notices)
     uplinks_only=st.booleans(),
+    paced=st.booleans(),
 )
 def test_exact_under_loss_dup_reorder(
     scheme: str,
@@ -76,6 +77,7 @@ def test_exact_under_loss_dup_reorder(
     window: int,
     repair: tuple[int, bool],
     uplinks_only: bool,
+    paced: bool,
 ) -> None:
     buckets = [Bucket(i * 5_000, s) for i, s in enumerate(sizes)]
     ina = InaConfig(
@@ -86,6 +88,7 @@ def test_exact_under_loss_dup_reorder(
         rto_ns=200_000,
         fast_retransmit=repair[0],
         nack=repair[1],
+        paced=paced,
     )
     # loss at the switch only (as the emulator's kernel drops it), or on every link
     fabric = FabricConfig(link=replace(link, loss=0.0), uplink=link) if uplinks_only else None

@@ -58,6 +58,25 @@ def test_link_serialisation_and_propagation_exact() -> None:
     assert [t for t, _ in sink.got] == [1085, 1169, 1254]
 
 
+def test_a_paced_worker_sends_a_resend_ahead_of_the_data_it_holds() -> None:
+    # 100 Gbit/s, 84.48 ns a packet: seqs 0-2 queue back to back; a resend of
+    # seq 1 at t=0 leaves at once (done at 84.48 ns, as seq 0), and seq 3,
+    # new, queues behind all four, the fifth on the wire: done at 422.4 ns
+    net, sink, link = _pair(LinkSpec(link_gbps=100, prop_delay_ns=1000, queue_bytes=0))
+    link.resends_first = True  # type: ignore[attr-defined]
+    for s in (0, 1, 2, 1, 3):
+        link.send("b", Packet(1, 0, s, count=256))  # type: ignore[attr-defined]
+    net.loop.run()
+    assert [(t, p.seq) for t, p in sink.got] == [(1085, 0), (1085, 1), (1169, 1), (1254, 2),
+                                                 (1423, 3)]  # fmt: skip
+    # without the pacer the resend waits its turn
+    net, sink, link = _pair(LinkSpec(link_gbps=100, prop_delay_ns=1000, queue_bytes=0))
+    for s in (0, 1, 2, 1, 3):
+        link.send("b", Packet(1, 0, s, count=256))  # type: ignore[attr-defined]
+    net.loop.run()
+    assert [p.seq for _, p in sink.got] == [0, 1, 2, 1, 3]
+
+
 def test_tail_drop_and_ecn_marking() -> None:
     size = HEADER_BYTES + 1024
     net, sink, link = _pair(

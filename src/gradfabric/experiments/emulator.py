@@ -281,19 +281,21 @@ def _simulated(cfg: SwitchBenchConfig, values: int) -> dict[str, float]:
     """The star ``cfg`` describes, simulated: ms for one sum of ``values``
     through SwitchML and with the ring; 1 Gbit/s links whose queue holds what
     tbf's 20 ms does, the datagrams' values per packet, the workers' window,
-    RTO, fast retransmit and loss notices, and ``cfg.kernel_loss`` on the
+    RTO, fast retransmit, loss notices and pacing (resends first), and
+    ``cfg.kernel_loss`` on the
     links into the switch (where nftables drops it: UDP only, so never the
     ring's TCP)."""
     link = LinkSpec(link_gbps=cfg.link_gbps or 1.0, prop_delay_ns=20_000, queue_bytes=2_500_000)
     uplink = replace(link, loss=cfg.kernel_loss) if cfg.kernel_loss else None
     ina = InaConfig(values_per_packet=cfg.values_per_packet, switchml_slots=cfg.job_slots,
-                    rto_ns=int(cfg.rto_ms * 1e6), nack=True,
+                    rto_ns=int(cfg.rto_ms * 1e6), nack=True, paced=True,
                     fast_retransmit=fast_retransmit(True, cfg.job_slots))  # fmt: skip
-    fabrics = {"switchml": FabricConfig(link=link, uplink=uplink), "ring": FabricConfig(link=link)}
+    runs = {"switchml": (FabricConfig(link=link, uplink=uplink), ina),
+            "ring": (FabricConfig(link=link), InaConfig(values_per_packet=cfg.values_per_packet))}
     return {
-        scheme: run_collective(scheme, cfg.workers, [Bucket(0, values)], fabric, ina).comm_ns / 1e6
-        for scheme, fabric in fabrics.items()
-    }
+        scheme: run_collective(scheme, cfg.workers, [Bucket(0, values)], *run).comm_ns / 1e6
+        for scheme, run in runs.items()
+    }  # fmt: skip
 
 
 EXPERIMENTS.add("emulator", Emulator())

@@ -63,6 +63,9 @@ class InaConfig:
     omni_aggregators: int = 0
     fast_retransmit: int = 0  # workers resend a loss after this many later results (0: off)
     nack: bool = False  # workers ask for loss notices where the switch sends them (SwitchML)
+    # workers pace to their link and send resends first (the emulator's, on shaped links):
+    # their NICs hold the window's excess, where a resend jumps it (``sim.network``)
+    paced: bool = False
 
     def __post_init__(self) -> None:
         for name in (

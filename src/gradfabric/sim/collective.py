@@ -273,6 +273,8 @@ class CollectiveRun:
             if isinstance(eng, WorkerEngine):
                 self.worker_engines.append(eng)
             node = self.net.nodes[self.workers[w]]
+            for nic in node.routes["*"] if self.ina.paced else ():
+                nic.resends_first = True
             node.on_deliver = (
                 self.bucket_deliverer(w) if scheme.per_bucket else self.seq_deliverer(w)
             )

@@ -84,6 +84,7 @@ class Link:
         "dst_name",
         "dup",
         "ecn_bytes",
+        "highest_seq",
         "jitter",
         "loop",
         "loss",
@@ -92,6 +93,7 @@ class Link:
         "prop",
         "ps_per_byte",
         "queue_bytes",
+        "resends_first",
         "rng",
         "spec",
         "take",
@@ -112,6 +114,12 @@ class Link:
         # A host NIC whose scheduler (fq, or a priority band) sends control
         # packets (no values: ACKs, requests) ahead of the data queued before them.
         self.control_first = False
+        # A worker host whose sender paces to its link and sends a resend (a
+        # sequence it sent before: new ones go in rising order) ahead of the
+        # data it holds, as the emulator's workers do: the resend leaves now and
+        # the data behind it waits its length more (a fluid pacer).
+        self.resends_first = False
+        self.highest_seq = -1
         self.counters = net.counters
         # Hot-path copies of the spec (attribute chains cost on every packet).
         self.loop, self.rng, self.vpp = net.loop, net.rng, net.values_per_packet
@@ -144,6 +152,9 @@ class Link:
         start = self.busy_until_ps
         if not count and self.control_first:
             start = now_ps  # ahead of the queue; the data behind it is not delayed
+        elif start > now_ps and self.resends_first and pkt.seq <= self.highest_seq:
+            self.busy_until_ps = start + int(size * ps_per_byte)
+            start = now_ps
         elif start > now_ps:
             backlog = (start - now_ps) / ps_per_byte
             if self.queue_bytes and backlog + size > self.queue_bytes:
@@ -153,6 +164,8 @@ class Link:
                 pkt.flags |= Flag.ECN
         else:
             start = now_ps
+        if self.resends_first and pkt.seq > self.highest_seq:
+            self.highest_seq = pkt.seq
         finish = start + int(size * ps_per_byte)
         if finish > self.busy_until_ps:
             self.busy_until_ps = finish
