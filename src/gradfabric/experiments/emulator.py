@@ -191,23 +191,24 @@ class Emulator:
         self, tick: Tick, res: ExperimentResult, cfg: SwitchBenchConfig, lossless: dict[str, Any],
         sim_lossless: float,
     ) -> None:
-        """The same sums with 5% of the UDP reaching the switch dropped by the
-        kernel (nftables), against the lossless run just before, beside the
-        simulator's prediction for the same star with the same loss on its
-        uplinks (the workers' loss notices and fast retransmit as the
+        """The same sums with ``LOSS`` of the UDP reaching the switch dropped
+        by the kernel (nftables), against the lossless run just before, beside
+        the simulator's prediction for the same star with the same loss on its
+        uplinks (the workers' loss notices, fast retransmit and pacing as the
         emulator's clients set them)."""
-        tick("bench switch under 5% loss at the switch")
+        tick(f"bench switch under {LOSS:.0%} loss at the switch")
         lossy_cfg = replace(cfg, kernel_loss=LOSS)
         row = run_switch_bench(lossy_cfg)
         counters = row.pop("switch_counters")
-        res.rows.append(row | {"setting": "shaped star, 5% loss at the switch"})
+        res.rows.append(row | {"setting": f"shaped star, {LOSS:.0%} loss at the switch"})
         est = ratio_ci_apart(lossless["switch_ms_all"], row["switch_ms_all"])
         predicted = sim_lossless / _simulated(lossy_cfg, int(cfg.tensor_mb * 1e6 / 4))["switchml"]
         exact = row["max_error"] <= 1e-4 * cfg.workers
         res.claims.append(
             Claim(
-                "in-network aggregation", "all-reduce under 5% loss at the switch (4 workers, "
-                "1 Gbit/s each, 32 MB), speed against the same sums without loss", "udp",
+                "in-network aggregation", f"all-reduce under {LOSS:.0%} loss at the switch "
+                "(4 workers, 1 Gbit/s each, 32 MB), speed against the same sums without loss",
+                "udp",
                 "the lossless run just before (ratio of mean times, 95% interval)",
                 f"{est.mean:.2f}x ± {est.half:.2f}",
                 ">= 0.8x, the 95% interval's lower end, and exact",
@@ -282,9 +283,8 @@ def _simulated(cfg: SwitchBenchConfig, values: int) -> dict[str, float]:
     through SwitchML and with the ring; 1 Gbit/s links whose queue holds what
     tbf's 20 ms does, the datagrams' values per packet, the workers' window,
     RTO, fast retransmit, loss notices and pacing (resends first), and
-    ``cfg.kernel_loss`` on the
-    links into the switch (where nftables drops it: UDP only, so never the
-    ring's TCP)."""
+    ``cfg.kernel_loss`` on the links into the switch (where nftables drops
+    it: UDP only, so never the ring's TCP)."""
     link = LinkSpec(link_gbps=cfg.link_gbps or 1.0, prop_delay_ns=20_000, queue_bytes=2_500_000)
     uplink = replace(link, loss=cfg.kernel_loss) if cfg.kernel_loss else None
     ina = InaConfig(values_per_packet=cfg.values_per_packet, switchml_slots=cfg.job_slots,

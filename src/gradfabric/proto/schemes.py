@@ -181,8 +181,8 @@ class Scheme:
             JOB_ID, workers, racks, servers, root,
             window=self.window(ina), pool_slots=ina.atp_pool_slots,
             rto_ns=ina.rto_ns, values_per_packet=ina.values_per_sim_packet,
-            streams=ina.omni_streams, fast_retransmit=ina.windowed(ina.fast_retransmit)
-            if ina.fast_retransmit else 0, nack=ina.nack,
+            streams=ina.omni_streams, nack=ina.nack,
+            fast_retransmit=ina.windowed(ina.fast_retransmit) if ina.fast_retransmit else 0,
         )  # fmt: skip
         return self.adjust(p, ina, help)
 
