@@ -92,7 +92,7 @@ def ratio_ci_apart(ref: Sequence[float], other: Sequence[float]) -> Estimate:
     samples (two runs, nothing pairs their times) and the half-width of its
     95% interval, by the delta method: ``var(R) ~ (var(ref)/n + R^2
     var(other)/m) / mean(other)^2``, with the smaller sample's degrees of
-    freedom (conservative: Welch's lie between it and their sum)."""
+    freedom (conservative: Welch's lie between it and ``n + m - 2``)."""
     n, m = len(ref), len(other)
     if n == 0 or m == 0:
         raise ValueError(f"need samples on both sides, got {n} and {m}")
