@@ -58,3 +58,19 @@ def test_within_5_percent_of_the_best_ddp_option_means_the_intervals_lower_end()
         assert str(WITHIN) in claim.paper
         outcomes.add(claim.met)
     assert outcomes == {True, False}
+
+
+def test_a_step_near_the_ranks_cpu_over_the_cores_is_called_cpu_bound() -> None:
+    """8 ranks' CPU per step over 2 cores is the least a step can take; the
+    note names the options whose step is within 10% of it, and only those."""
+    from gradfabric.experiments.sparse_train import _cpu_note
+
+    p = {**_point(0.88, 0.08, 1477, 1556), "cores": 2,
+         "ms": {"sparse+auto": 225.0, "torchrec": 196.0, "local": 106.0},
+         "cpu_ms": {"sparse+auto": 406.6, "torchrec": 344.8, "local": 227.9}}  # fmt: skip
+    note = _against_torchrec(p, "dlrm, sgd, 8 ranks, 1 Gbit/s").note
+    # 406.6 / 2 = 203 >= 0.9 * 225 = 202.5; 344.8 / 2 = 172 < 0.9 * 196 = 176.4; 114 >= 95.4
+    assert "CPU-bound: sparse+auto, local" in note and "sparse+auto 407 ms (>= 203 ms" in note
+    assert "1477 kB" in note
+    assert _cpu_note({**p, "cores": None}, ("sparse+auto",)) == ""
+    assert _cpu_note({**p, "cpu_ms": {}}, ("sparse+auto",)) == ""

@@ -487,12 +487,13 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             replicas[hook] = (ddp, _optimizers(module, cfg.optimizer), state)
             params[hook] = _listed(module)
         times: dict[str, list[float]] = {h: [] for h in hooks}
+        cpu: dict[str, list[float]] = {h: [] for h in hooks}  # all ranks' CPU seconds a step
         for step in range(cfg.steps):
             inputs, target = batch(rank, step)
             for hook in hooks[step % len(hooks) :] + hooks[: step % len(hooks)]:
                 replica, opt, _ = replicas[hook]
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 loss = loss_fn(replica(*inputs), target)
                 for o in opt:
                     o.zero_grad()
@@ -500,9 +501,12 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 for o in opt:
                     o.step()
                 took = torch.tensor([time.perf_counter() - t0])
+                spent = torch.tensor([time.process_time() - c0])  # (every thread of the rank's)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
+                dist.all_reduce(spent)
                 if step >= cfg.warmup:
                     times[hook].append(float(took))
+                    cpu[hook].append(float(spent))
         base = statistics.median(times[ref_hook]) if ref_hook else None
         stock = [h for h in hooks if hook_name(h) in STOCK]
         best = min(stock, key=lambda h: statistics.median(times[h])) if stock else None
@@ -520,6 +524,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             rows.append({
                 "model": name, "ranks": cfg.ranks, "link_gbps": cfg.link_gbps, "hook": hook,
                 "iter_ms": iter_s * 1e3,
+                "cpu_ms": statistics.median(cpu[hook]) * 1e3,  # summed over the ranks
+                "cores": os.cpu_count(),  # what the ranks' CPU shares on this host
                 "speedup_vs_default": base / iter_s if base else None,
                 "paired_vs_default": _paired(times[ref_hook] if ref_hook else None, times[hook]),
                 "best_stock": best,
