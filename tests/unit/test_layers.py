@@ -58,3 +58,11 @@ def test_every_import_points_down() -> None:
 def test_the_table_has_no_cycle() -> None:
     for pkg, below in BELOW.items():
         assert all(pkg not in BELOW[b] for b in below), pkg
+
+
+def test_no_module_of_the_training_integration_runs_past_600_lines() -> None:
+    """``collectives`` is where users read how their gradients move: a module
+    past 600 lines is split where its parts are separate ideas."""
+    long = {p.name: n for p in sorted((ROOT / "collectives").glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 600}  # fmt: skip
+    assert not long, long

@@ -4,7 +4,7 @@ Recommender engineers train embedding-heavy models with TorchRec: tables
 sharded across ranks (the planner picks table-wise, column-wise, ... per
 table), lookups exchanged by all-to-all, the tables' optimizer fused into
 their backward; the dense layers under DDP. ``shard(model, lr)`` builds that
-from a ``ddpbench`` model with tables (``Mixed``, ``Dlrm``, ``NeuMF``) with its
+from a ``workloads.trained`` model with tables (``Mixed``, ``Dlrm``, ``NeuMF``) with its
 very weights (each table copied into the shards TorchRec's planner placed),
 so its replica starts where the others do and is fed the same batches.
 TorchRec is an optional install (``requirements-torchrec.txt``);
@@ -35,7 +35,7 @@ def why_not() -> str | None:
 
 
 class Pooled(nn.Module):
-    """A bench model (``ddpbench.Bagged``: ``Mixed``, ``Dlrm``, ``NeuMF``) with
+    """A bench model (``workloads.trained``: ``Mixed``, ``Dlrm``, ``NeuMF``) with
     its tables as one TorchRec ``EmbeddingBagCollection`` (a table and a
     feature per table; sum pooling, so an ``nn.Embedding`` looked up by one id
     per sample is a bag of one), taking the same batches: the model's own
@@ -73,7 +73,7 @@ class Pooled(nn.Module):
 
 
 def shard(model: Any, lr: float) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
-    """``model`` (a ``ddpbench.Bagged``) as TorchRec would train it: the
+    """``model`` (a ``workloads.trained`` recommender) as TorchRec would train it: the
     sharded model (its tables holding ``model``'s weights) and the dense
     layers' optimizer (the tables' is fused)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
