@@ -90,3 +90,30 @@ def test_bench_ddp_hooks_with_their_own_bucket_caps(hooks: tuple[str, ...], ok: 
     DdpBenchConfig(hooks=hooks, switch_policy="switchml")
     caps = {hook_name(h): bucket_caps(h, 4.0) for h in hooks[1:]}
     assert caps in ({"ina": [16.0]}, {"ina": [4.0, 16.0]}, {"default": [32.0], "omnireduce": [0.5]})
+
+
+@pytest.mark.parametrize(("hooks", "steps", "block"), [(3, 7, 1), (3, 7, 2), (2, 9, 4), (4, 5, 8)])
+def test_bench_ddp_runs_every_replica_through_every_step_in_order(
+    hooks: int, steps: int, block: int
+) -> None:
+    """``bench ddp --block N``: each replica takes every step once, in order,
+    ``N`` in a row; every round starts with another replica; with ``N`` 1 a
+    step's replicas run back to back, as before the option existed."""
+    from gradfabric.collectives.ddpbench import DdpBenchConfig, _schedule
+
+    names = [f"h{k}" for k in range(hooks)]
+    order = _schedule(names, steps, block)
+    assert len(order) == hooks * steps
+    for h in names:
+        assert [s for s, g in order if g == h] == list(range(steps))
+    at = 0
+    for k, start in enumerate(range(0, steps, block)):
+        span = list(range(start, min(start + block, steps)))
+        this = order[at : at + hooks * len(span)]  # round k: each replica's run in turn
+        at += len(this)
+        assert this[0][1] == names[k % hooks]
+        assert all([s for s, g in this if g == h] == span for h in names)
+        assert all(len({g for _, g in this[j : j + len(span)]}) == 1
+                   for j in range(0, len(this), len(span)))  # fmt: skip
+    with pytest.raises(ValueError, match="block"):
+        DdpBenchConfig(block=0)

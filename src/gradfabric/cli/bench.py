@@ -205,6 +205,11 @@ def add(sub: Sub) -> None:
         "the top-of-rack switch sits, so ina_hook and gloo cross the same links)",
     )  # fmt: skip
     bd.add_argument(
+        "--block", type=int, default=1, metavar="N",
+        help="steps each replica takes in a row before the next takes its turn (default 1: "
+        "step by step); the replicas' order rotates every round",
+    )  # fmt: skip
+    bd.add_argument(
         "--optimizer", choices=("sgd", "adam"), default="sgd",
         help="every replica's optimizer; with adam the sparse replica (--hooks sparse: "
         "sparse=True tables) runs SparseAdam on its tables and Adam on the rest",
@@ -315,7 +320,7 @@ def ddp(args: argparse.Namespace) -> int:
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             hooks=tuple(csv(args.hooks, str) or ()), switch=args.switch,
             switch_policy=args.switch_policy, mtu=args.mtu, switch_window=args.switch_window,
-            optimizer=args.optimizer,
+            optimizer=args.optimizer, block=args.block,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench ddp", str(e)) from None

@@ -80,6 +80,7 @@ class DdpBenchConfig:
     mtu: int = MTU  # with link_gbps: every link's MTU (net.netns.tor_star)
     switch_window: int = 32  # with switch_policy: the workers' window (the daemon's job slots)
     optimizer: str = "sgd"  # sgd (lr 0.01) or adam (lr 1e-3); see ``_optimizers``
+    block: int = 1  # steps each replica takes in a row before the next (``_schedule``)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -106,6 +107,8 @@ class DdpBenchConfig:
         if "torchrec" in names and (self.optimizer != "sgd" or not bagged):
             raise ValueError(f"torchrec runs the {TORCHREC_MODELS} models with sgd (its CPU "
                              "fused optimizers are the EXACT_* family)")  # fmt: skip
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}")
         if self.switch_window < 1:
             raise ValueError(f"switch_window must be >= 1, got {self.switch_window}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
@@ -302,25 +305,24 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             params[hook] = _listed(module)
         times: dict[str, list[float]] = {h: [] for h in hooks}
         cpu: dict[str, list[float]] = {h: [] for h in hooks}  # all ranks' CPU seconds a step
-        for step in range(cfg.steps):
+        for step, hook in _schedule(hooks, cfg.steps, cfg.block):
             inputs, target = batch(rank, step)
-            for hook in hooks[step % len(hooks) :] + hooks[: step % len(hooks)]:
-                replica, opt, _ = replicas[hook]
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                loss = loss_fn(replica(*inputs), target)
-                for o in opt:
-                    o.zero_grad()
-                loss.backward()  # type: ignore[no-untyped-call]
-                for o in opt:
-                    o.step()
-                took = torch.tensor([time.perf_counter() - t0])
-                spent = torch.tensor([time.process_time() - c0])  # (every thread of the rank's)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
-                dist.all_reduce(spent)
-                if step >= cfg.warmup:
-                    times[hook].append(float(took))
-                    cpu[hook].append(float(spent))
+            replica, opt, _ = replicas[hook]
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = loss_fn(replica(*inputs), target)
+            for o in opt:
+                o.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            for o in opt:
+                o.step()
+            took = torch.tensor([time.perf_counter() - t0])
+            spent = torch.tensor([time.process_time() - c0])  # (every thread of the rank's)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
+            dist.all_reduce(spent)
+            if step >= cfg.warmup:
+                times[hook].append(float(took))
+                cpu[hook].append(float(spent))
         base = statistics.median(times[ref_hook]) if ref_hook else None
         stock = [h for h in hooks if hook_name(h) in STOCK]
         best = min(stock, key=lambda h: statistics.median(times[h])) if stock else None
@@ -361,6 +363,17 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
+
+
+def _schedule(hooks: list[str], steps: int, block: int) -> list[tuple[int, str]]:
+    """(step, hook) in the order they run: every replica takes ``block``
+    steps in a row, then the next, the replicas' order rotated every round
+    (``block`` 1: step by step), so each sees the host as the others do."""
+    out = []
+    for k, start in enumerate(range(0, steps, block)):
+        for hook in hooks[k % len(hooks) :] + hooks[: k % len(hooks)]:
+            out += [(step, hook) for step in range(start, min(start + block, steps))]
+    return out
 
 
 def _listed(module: nn.Module) -> Callable[[], list[torch.Tensor]]:
