@@ -3,9 +3,11 @@
     .venv/bin/python scripts/sim_speed_ab.py BASE [HEAD] [--rounds 5] [--scheme atp]
 
 Checks both revisions out into temporary worktrees and alternates
-``gradfabric bench sim --json --repeats 1`` between them (A, B, B, A, ...), so
-both see the same machine load; prints each side's median events per second
-and the ratio HEAD/BASE. For refactors that must not slow the simulator.
+``gradfabric bench sim --json --repeats 1 --paths python`` between them (A, B,
+B, A, ...), so both see the same machine load; prints each side's median
+events per second and the ratio HEAD/BASE. For refactors that must not slow
+the simulator. The pure-Python engines: a worktree has no compiled modules
+(``scripts/compile.py`` builds them in place, minutes per tree).
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from pathlib import Path
 def bench(tree: Path, scheme: str, workers: int) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     cmd = [sys.executable, "-m", "gradfabric.cli", "bench", "sim", "--json", "--repeats", "1",
-           "--scheme", scheme, "--workers", str(workers)]  # fmt: skip
+           "--scheme", scheme, "--workers", str(workers), "--paths", "python"]  # fmt: skip
     out = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True).stdout
-    return float(json.loads(out.splitlines()[-1])["events_per_s"])
+    return float(json.loads(out.splitlines()[-1])["events_per_s"]["python"])
 
 
 def main() -> int:
