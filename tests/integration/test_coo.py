@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -158,7 +159,8 @@ def _ddp_worker(rank: int, world: int, out: str, steps: int) -> None:
             paths[p] = paths.get(p, 0) + n
     weights = [[p.detach() for p in m.parameters()] for m, _, _ in replicas]
     torch.save({"weights": weights, "paths": paths, "tables": state.coo_tables,
-                "one_round": state.coo_one_round},
+                "one_round": state.coo_one_round, "hook_cpu": state.thread_cpu_s,
+                "cpu": time.process_time()},
                os.path.join(out, f"{rank}.pt"))  # fmt: skip
 
 
@@ -182,6 +184,8 @@ def test_auto_hook_trains_sparse_tables_as_ddp_does() -> None:
         assert sum(coo_calls.values()) == 2 * 8, mine["paths"]
         # both tables by all-gather, so from the fourth step on, in one round
         assert mine["paths"]["coo-gather"] >= 12 and mine["one_round"] >= 4, mine
+        # the hook's thread did the tables' work: some CPU, within the process's
+        assert 0 < mine["hook_cpu"] <= mine["cpu"], mine
 
 
 def _dying_worker(rank: int, world: int, out: str) -> None:

@@ -67,10 +67,12 @@ def test_a_step_near_the_ranks_cpu_over_the_cores_is_called_cpu_bound() -> None:
 
     p = {**_point(0.88, 0.08, 1477, 1556), "cores": 2,
          "ms": {"sparse+auto": 225.0, "torchrec": 196.0, "local": 106.0},
-         "cpu_ms": {"sparse+auto": 406.6, "torchrec": 344.8, "local": 227.9}}  # fmt: skip
+         "cpu_ms": {"sparse+auto": 406.6, "torchrec": 344.8, "local": 227.9},
+         "hook_cpu_ms": {"sparse+auto": 61.0}}  # fmt: skip
     note = _against_torchrec(p, "dlrm, sgd, 8 ranks, 1 Gbit/s").note
     # 406.6 / 2 = 203 >= 0.9 * 225 = 202.5; 344.8 / 2 = 172 < 0.9 * 196 = 176.4; 114 >= 95.4
     assert "CPU-bound: sparse+auto, local" in note and "sparse+auto 407 ms (>= 203 ms" in note
+    assert "its hook's threads 61 ms)" in note and "torchrec 345 ms (>= 172 ms a step)" in note
     assert "1477 kB" in note
     assert _cpu_note({**p, "cores": None}, ("sparse+auto",)) == ""
     assert _cpu_note({**p, "cpu_ms": {}}, ("sparse+auto",)) == ""

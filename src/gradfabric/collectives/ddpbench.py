@@ -305,11 +305,12 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             params[hook] = _listed(module)
         times: dict[str, list[float]] = {h: [] for h in hooks}
         cpu: dict[str, list[float]] = {h: [] for h in hooks}  # all ranks' CPU seconds a step
+        hook_cpu: dict[str, list[float]] = {h: [] for h in hooks}  # of which the hooks' threads
         for step, hook in _schedule(hooks, cfg.steps, cfg.block):
             inputs, target = batch(rank, step)
-            replica, opt, _ = replicas[hook]
+            replica, opt, state = replicas[hook]
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, h0 = time.perf_counter(), time.process_time(), _thread_cpu(state)
             loss = loss_fn(replica(*inputs), target)
             for o in opt:
                 o.zero_grad()
@@ -317,12 +318,14 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             for o in opt:
                 o.step()
             took = torch.tensor([time.perf_counter() - t0])
-            spent = torch.tensor([time.process_time() - c0])  # (every thread of the rank's)
+            # (every thread of the rank's; the hook's own threads' share)
+            spent = torch.tensor([time.process_time() - c0, _thread_cpu(state) - h0])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
             dist.all_reduce(spent)
             if step >= cfg.warmup:
                 times[hook].append(float(took))
-                cpu[hook].append(float(spent))
+                cpu[hook].append(float(spent[0]))
+                hook_cpu[hook].append(float(spent[1]))
         base = statistics.median(times[ref_hook]) if ref_hook else None
         stock = [h for h in hooks if hook_name(h) in STOCK]
         best = min(stock, key=lambda h: statistics.median(times[h])) if stock else None
@@ -342,6 +345,9 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "iter_ms": iter_s * 1e3,
                 "cpu_ms": statistics.median(cpu[hook]) * 1e3,  # summed over the ranks
                 "cores": os.cpu_count(),  # what the ranks' CPU shares on this host
+                # the hook's threads' CPU (``Overlapped.thread_cpu_s``), summed over the ranks
+                "hook_cpu_ms": statistics.median(hook_cpu[hook]) * 1e3
+                if hasattr(state, "thread_cpu_s") else None,
                 "speedup_vs_default": base / iter_s if base else None,
                 "paired_vs_default": _paired(times[ref_hook] if ref_hook else None, times[hook]),
                 "best_stock": best,
@@ -363,6 +369,10 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
+
+
+def _thread_cpu(state: Any) -> float:
+    return float(getattr(state, "thread_cpu_s", 0.0))
 
 
 def _schedule(hooks: list[str], steps: int, block: int) -> list[tuple[int, str]]:

@@ -104,6 +104,8 @@ def points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "model": model, "optimizer": optimizer, "ranks": ranks, "best_stock": best,
             "ms": {h: r["iter_ms"] for h, r in run.items()},
             "cpu_ms": {h: r["cpu_ms"] for h, r in run.items() if r.get("cpu_ms")},
+            "hook_cpu_ms": {h: r["hook_cpu_ms"] for h, r in run.items()
+                            if r.get("hook_cpu_ms") is not None},
             "cores": ours.get("cores"),
             "vs_best": paired(run[best]["iter_ms_all"], ours["iter_ms_all"]),
             "best_ddp": ddp, "vs_ddp": paired(run[ddp]["iter_ms_all"], ours["iter_ms_all"]),
@@ -165,7 +167,12 @@ def _cpu_note(p: dict[str, Any], hooks: tuple[str, ...]) -> str:
     if not cores or not shown:
         return ""
     bound = [h for h in shown if cpu[h] / cores >= 0.9 * p["ms"][h]]
-    figures = ", ".join(f"{h} {cpu[h]:.0f} ms (>= {cpu[h] / cores:.0f} ms a step)" for h in shown)
+    threads = p.get("hook_cpu_ms") or {}
+    figures = ", ".join(
+        f"{h} {cpu[h]:.0f} ms (>= {cpu[h] / cores:.0f} ms a step"
+        + (f"; its hook's threads {threads[h]:.0f} ms)" if h in threads else ")")
+        for h in shown
+    )
     where = f"; CPU-bound: {', '.join(bound)}" if bound else ""
     return f"; all ranks' CPU per step on {cores} cores: {figures}{where}"
 

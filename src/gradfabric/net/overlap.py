@@ -47,6 +47,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -72,6 +73,7 @@ class CommThread:
         ]
         self.jobs = queue.SimpleQueue()
         self.failure: Exception | None = None  # the last job's error, typed
+        self.cpu_s = 0.0  # this thread's CPU seconds in its jobs (its waits cost none)
         self.thread = threading.Thread(target=self._serve, daemon=True, name=name)
         self.thread.start()
         _LIVE.add(self)
@@ -102,17 +104,24 @@ class CommThread:
         stream: Any = None
         while (item := self.jobs.get()) is not None:
             job, raw, ready = item
+            c0 = time.thread_time()
             try:
                 if ready is None:
-                    raw.set_result(job(self.group))
-                    continue
-                stream = stream or torch.cuda.Stream()  # type: ignore[no-untyped-call]
-                with torch.cuda.stream(stream):
-                    stream.wait_event(ready)
-                    raw.set_result(job(self.group))  # the future records on this stream
+                    out = job(self.group)
+                else:
+                    stream = stream or torch.cuda.Stream()  # type: ignore[no-untyped-call]
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        out = job(self.group)  # the future records on this stream
             except Exception as e:  # every error goes to the bucket's waiter
-                self.failure = e
-                raw.set_result(e)
+                self.failure, out = e, e
+            # (counted before the result is out: a waiter that reads it sees this job's)
+            self.cpu_s += time.thread_time() - c0
+            if ready is None:
+                raw.set_result(out)
+            else:
+                with torch.cuda.stream(stream):
+                    raw.set_result(out)
 
     def stop(self) -> None:
         """Serve what is queued, then end; drop the groups."""
@@ -168,6 +177,13 @@ class Overlapped:
         ``backward()`` as a ``RuntimeError`` with its text), e.g. a
         ``PeerTimeoutError`` whose ``peer`` names the rank that is gone."""
         return None if self._comm is None else self._comm.failure
+
+    @property
+    def thread_cpu_s(self) -> float:
+        """CPU seconds the state's threads spent in its buckets' jobs so far
+        (the work a hook does on the host besides backward's; 0 before its
+        first bucket)."""
+        return sum(c.cpu_s for c in (self._comm, self._ahead) if c is not None)
 
     def run(self, buf: torch.Tensor, job: Job) -> torch.futures.Future[torch.Tensor]:
         return self.comm().submit(job, buf)
