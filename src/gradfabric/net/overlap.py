@@ -45,6 +45,7 @@ interpreter's orderly shutdown.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -112,16 +113,17 @@ class CommThread:
                     stream = stream or torch.cuda.Stream()  # type: ignore[no-untyped-call]
                     with torch.cuda.stream(stream):
                         stream.wait_event(ready)
-                        out = job(self.group)  # the future records on this stream
+                        out = job(self.group)
             except Exception as e:  # every error goes to the bucket's waiter
                 self.failure, out = e, e
             # (counted before the result is out: a waiter that reads it sees this job's)
             self.cpu_s += time.thread_time() - c0
-            if ready is None:
-                raw.set_result(out)
-            else:
-                with torch.cuda.stream(stream):
-                    raw.set_result(out)
+            try:
+                with contextlib.nullcontext() if ready is None else torch.cuda.stream(stream):
+                    raw.set_result(out)  # (on CUDA the future records on this stream)
+            except Exception as e:  # a result the future refuses: its waiter gets why
+                self.failure = e
+                raw.set_result(e)
 
     def stop(self) -> None:
         """Serve what is queued, then end; drop the groups."""
