@@ -30,6 +30,7 @@ Models: ``workloads.trained.MODELS``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -306,8 +307,10 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         times: dict[str, list[float]] = {h: [] for h in hooks}
         cpu: dict[str, list[float]] = {h: [] for h in hooks}  # all ranks' CPU seconds a step
         hook_cpu: dict[str, list[float]] = {h: [] for h in hooks}  # of which the hooks' threads
+        # a round's steps drawn once for all its replicas (as one step's were before blocks)
+        batched = functools.lru_cache(maxsize=cfg.block)(batch)
         for step, hook in _schedule(hooks, cfg.steps, cfg.block):
-            inputs, target = batch(rank, step)
+            inputs, target = batched(rank, step)
             replica, opt, state = replicas[hook]
             dist.barrier()
             t0, c0, h0 = time.perf_counter(), time.process_time(), _thread_cpu(state)
