@@ -171,7 +171,8 @@ def sparse_table(_: list[Source], only: tuple[str, str] | None = None) -> str:
     and model's): each option's median step (ms) with its bytes floor (the
     bytes on the busiest link over the link's rate) in brackets, the step's
     compute alone, and ours against the best DDP option and against
-    TorchRec, paired per step (95%)."""
+    TorchRec (the faster of its two shardings), paired per step (95%)."""
+    from gradfabric.collectives.trec import SHARDINGS
     from gradfabric.experiments.sparse_train import OURS
 
     def at(p: dict[str, Any], hook: str) -> str:
@@ -190,11 +191,14 @@ def sparse_table(_: list[Source], only: tuple[str, str] | None = None) -> str:
             if only and (p["link"], p["model"]) != only:
                 continue
             rows.append([p["link"], f"{p['model']}, {p['optimizer']}", p["ranks"],
-                         *(at(p, h) for h in ("default", "sparse", "torchrec", OURS)),
+                         at(p, "default"), at(p, "sparse"),
+                         " / ".join(at(p, h) for h in SHARDINGS if h in p["ms"]) or "-",
+                         at(p, OURS),
                          at(p, "local"), f"{vs(p['vs_ddp'])} ({p['best_ddp']})",
                          vs(p["vs_torchrec"])])  # fmt: skip
     header = ["link", "model, optimizer", "ranks", "default hook", "sparse=True (Adam: hybrid)",
-              "TorchRec", "ours", "compute alone", "ours vs best DDP option", "ours vs TorchRec"]
+              "TorchRec (planner / column-wise)", "ours", "compute alone",
+              "ours vs best DDP option", "ours vs TorchRec"]
     return "\n".join(["", *markdown(header, rows), ""])
 
 

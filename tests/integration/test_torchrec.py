@@ -88,6 +88,66 @@ def test_torchrec_dmp_pools_and_steps_as_the_arithmetic_says() -> None:
             assert still.any() and torch.equal(r["after"][i][still], r["before"][i][still])
 
 
+def _counted_rank(rank: int, world: int, sharding: str, out: str) -> None:
+    """One DLRM step through ``trec.shard(sharding)``, counting the bytes each
+    of TorchRec's all-to-alls hands gloo for the other ranks (its inputs'
+    split sizes times a row's bytes), against ``trec.link_bytes``; and the
+    sharded tables gathered whole against the model's own weights."""
+    from gradfabric.collectives import trec
+    from gradfabric.workloads.trained import Dlrm
+
+    sent, got = [0] * world, [0] * world
+    plain = dist.all_to_all_single
+
+    def counted(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+                input_split_sizes: Any = None, *rest: Any, **kw: Any) -> Any:  # fmt: skip
+        for tensor, splits, into in ((input, input_split_sizes, sent),
+                                     (output, output_split_sizes, got)):  # fmt: skip
+            row = tensor[:1].numel() * tensor.element_size() if len(tensor) else 0
+            for r, n in enumerate(splits or [len(tensor) // world] * world):
+                into[r] += n * row if r != rank else 0
+        return plain(output, input, output_split_sizes, input_split_sizes, *rest, **kw)
+
+    torch.manual_seed(0)
+    model = Dlrm(rows=(1000, 300, 50), dim=16)
+    weights = [b.weight.detach().clone() for b in model.bags()]
+    dmp, opts = trec.shard(model, lr=0.01, sharding=sharding)
+    whole = trec.tables(dmp)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.stack([torch.randint(0, n, (64,), generator=g) for n in (1000, 300, 50)], 1)
+    dist.all_to_all_single = counted  # type: ignore[assignment]
+    try:
+        dmp(torch.randn(64, 13, generator=g), ids).sum().backward()
+    finally:
+        dist.all_to_all_single = plain
+    for o in opts:
+        o.step()
+    counts = torch.tensor([sum(sent), sum(got)], dtype=torch.float64)
+    every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(every, counts)
+    torch.save({"plan": trec.plan(dmp), "model": trec.link_bytes(dmp), "weights": weights,
+                "whole": whole, "counted": max(float(c.max()) for c in every)},
+               f"{out}/{rank}.pt")  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharding", ["table_wise", "column_wise"])
+def test_link_bytes_are_the_bytes_torchrecs_all_to_alls_send(sharding: str) -> None:
+    """4 ranks, 3 tables of 16 columns: column-wise cuts each into 4 shards
+    of 4 columns, one per rank. The model counts ids, lengths, pooled rows
+    and their gradients; the count adds only the splits' few int64s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn(_counted_rank, 4, (sharding, tmp), deadline_s=240)
+        got = [torch.load(f"{tmp}/{r}.pt") for r in range(4)]
+    for r in got:
+        assert all(p.startswith(sharding) for p in r["plan"].values())
+        if sharding == "column_wise":
+            assert all(p.endswith("[0, 1, 2, 3]") for p in r["plan"].values())
+        for w, whole in zip(r["weights"], r["whole"], strict=True):
+            assert torch.equal(w, whole)  # the shards hold the model's own weights
+        assert 0 <= r["counted"] - r["model"] <= 256, (r["counted"], r["model"])
+
+
 @pytest.mark.long
 @pytest.mark.timeout(300)
 def test_bench_ddp_runs_torchrec_beside_the_hooks_from_the_same_weights() -> None:
@@ -97,10 +157,12 @@ def test_bench_ddp_runs_torchrec_beside_the_hooks_from_the_same_weights() -> Non
     default hook's are, to float32 rounding of the sums' order."""
     from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
 
-    rows = run_ddp_bench(DdpBenchConfig(models=("mixed",), hooks=("default", "torchrec"),
-                                        steps=4, warmup=1))  # fmt: skip
+    hooks = ("default", "torchrec", "torchrec-cw")
+    rows = run_ddp_bench(DdpBenchConfig(models=("mixed",), hooks=hooks, steps=4, warmup=1))
     got = {r["hook"]: r for r in rows}
-    assert set(got) == {"default", "torchrec"}
-    assert got["torchrec"]["max_param_diff_vs_default"] < 1e-6
-    assert got["torchrec"]["grad_mb"] == got["default"]["grad_mb"]
-    assert got["torchrec"]["iter_ms"] > 0
+    assert set(got) == set(hooks)
+    for h in hooks[1:]:  # both shardings: the default hook's weights, to rounding
+        assert got[h]["max_param_diff_vs_default"] < 1e-6
+        assert got[h]["grad_mb"] == got["default"]["grad_mb"]
+        assert got[h]["iter_ms"] > 0
+    assert all(p.startswith("column_wise") for p in got["torchrec-cw"]["sharding"].values())

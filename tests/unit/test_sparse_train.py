@@ -76,3 +76,75 @@ def test_a_step_near_the_ranks_cpu_over_the_cores_is_called_cpu_bound() -> None:
     assert "1477 kB" in note
     assert _cpu_note({**p, "cores": None}, ("sparse+auto",)) == ""
     assert _cpu_note({**p, "cpu_ms": {}}, ("sparse+auto",)) == ""
+
+
+def test_torchrec_at_its_best_is_the_faster_of_its_shardings_per_point() -> None:
+    """Two TorchRec replicas ran (its planner's sharding and column-wise):
+    ours is held to the faster by median, paired per step with it, its
+    bytes and floor are that replica's, and the claim names both and which
+    won. A study that ran the planner's alone says just that."""
+    from gradfabric.experiments.sparse_train import claims, points
+
+    def row(hook: str, steps: list[float], a2a: int | None = None) -> dict[str, Any]:
+        return {"model": "dlrm", "optimizer": "sgd", "ranks": 8, "hook": hook,
+                "link_gbps": 1.0, "iter_ms": sorted(steps)[1], "iter_ms_all": steps,
+                "cpu_ms": None, "best_stock": "torchrec-cw", "paths": None, "grad_mb": 1.0,
+                "coo_bytes_per_step": {"gather": 900e3, "chosen": 800e3, "dense": 0.5e6}
+                if hook == "sparse+auto" else None,
+                "a2a_bytes_per_step": a2a, "sharding": {"t0": hook}}  # fmt: skip
+
+    rows = [row("default", [500.0, 510, 505]), row("sparse", [230.0, 220, 225]),
+            row("torchrec", [170.0, 168, 175], 1_556_480),
+            row("torchrec-cw", [160.0, 158, 166], 1_720_320),
+            row("sparse+auto", [150.0, 152, 149])]  # fmt: skip
+    (p,) = points(rows)
+    assert p["torchrec"] == "torchrec-cw" and p["torchrecs"] == ["torchrec", "torchrec-cw"]
+    assert p["torchrec_bytes"] == 1_720_320 and p["sharding"] == {"t0": "torchrec-cw"}
+    assert p["vs_torchrec"][0] == pytest.approx((160 + 158 + 166) / (150 + 152 + 149))
+    # the floor: the column-wise all-to-all plus the dense layers' ring (2(n-1)/n of 1 MiB,
+    # less the tables' 0.5 MB) at 1 Gbit/s
+    rest = 2 * 7 / 8 * 2**20 - 0.5e6
+    assert p["floor_ms"]["torchrec-cw"] == pytest.approx((1_720_320 + rest) / 125e3)
+    against = next(c for c in claims({"rows": rows}) if c.claim.endswith("8 ranks, 1 Gbit/s")
+                   and "against TorchRec" in c.claim)  # fmt: skip
+    assert against.baseline == ("TorchRec DistributedModelParallel (the faster of its "
+                                "planner's and column-wise sharding: column-wise sharding)")
+    alone = [{**r, "best_stock": "torchrec"} for r in rows if r["hook"] != "torchrec-cw"]
+    (q,) = points(alone)
+    assert q["torchrec"] == "torchrec" and q["torchrec_bytes"] == 1_556_480
+    assert _against_torchrec(q, "here").baseline == (
+        "TorchRec DistributedModelParallel (its planner's sharding)"
+    )
+
+
+def test_a_point_whose_run_fails_runs_once_more_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank that dies (PyTorch's gloo sparse all-reduce has corrupted its
+    heap, NOTEBOOK) costs the point one more run, noted; a second failure
+    ends the study, and a timeout is not retried."""
+    from gradfabric.collectives.ddpbench import DdpBenchConfig
+    from gradfabric.core.errors import PeerTimeoutError
+    from gradfabric.experiments import sparse_train
+
+    outcomes: list[Any] = []
+
+    def run(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
+        got = outcomes.pop(0)
+        if isinstance(got, BaseException):
+            raise got
+        return list(got)
+
+    monkeypatch.setattr(sparse_train, "run_ddp_bench", run)
+    cfg, notes = DdpBenchConfig(models=("dlrm",)), []
+    outcomes[:] = [RuntimeError("ranks exited with [0, 1]"), [{"hook": "default"}]]
+    assert sparse_train._twice(cfg, notes, "dlrm, sgd, 2 ranks") == [{"hook": "default"}]
+    assert notes == ["dlrm, sgd, 2 ranks: the first run failed (ranks exited with [0, 1]) "
+                     "and the point was run again."]  # fmt: skip
+    outcomes[:] = [RuntimeError("first"), RuntimeError("second")]
+    with pytest.raises(RuntimeError, match="second"):
+        sparse_train._twice(cfg, notes, "here")
+    outcomes[:] = [PeerTimeoutError("torchrun ranks", 1.0)]
+    with pytest.raises(PeerTimeoutError):
+        sparse_train._twice(cfg, notes, "here")
+    assert len(notes) == 2

@@ -189,10 +189,12 @@ def add(sub: Sub) -> None:
                     "own Python hook), "
                     "builtin (its C++ one), omnireduce-python and auto-python (their dense "
                     "calls in Python, not the compiled path), torchrec (the mixed, dlrm and neumf "
-                    "models' tables sharded by TorchRec's DistributedModelParallel, SGD; needs "
-                    "GRADFABRIC_TORCHREC=1 bash scripts/bootstrap.sh), local (the sparse=True "
-                    "replica without DDP: compute alone, the floor); HOOK@MB gives that replica "
-                    "its own bucket cap (each at its best in one run: default,ina@16)")  # fmt: skip
+                    "models' tables sharded by TorchRec's DistributedModelParallel as its planner "
+                    "picks, SGD; needs GRADFABRIC_TORCHREC=1 bash scripts/bootstrap.sh), "
+                    "torchrec-cw (the same, every table column-wise over every rank), local "
+                    "(the sparse=True replica without DDP: compute alone, the floor); HOOK@MB "
+                    "gives that replica its own bucket cap (each at its best in one run: "
+                    "default,ina@16)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
     bd.add_argument("--mtu", type=int, default=MTU, help=MTU_HELP)
     bd.add_argument(

@@ -21,6 +21,7 @@ replica with ``auto_hook``, which exchanges each table's sparse gradient by
 the path its model predicts fastest (``collectives.coo``); ``rows`` is
 ``rows_hook``; ``torchrec`` (the ``mixed``, ``dlrm`` and ``neumf`` models, SGD) is
 TorchRec's ``DistributedModelParallel`` with the sharding its planner picks,
+and ``torchrec-cw`` the same with every table column-wise over every rank,
 from the same weights (``collectives.trec``; an optional install); ``local``
 is the ``sparse=True`` replica without DDP, exchanging nothing: the step's
 compute alone, the floor under every exchange (its weights drift).
@@ -57,10 +58,10 @@ HOOKS = ("default", "omnireduce", "auto")
 # ``-python``: the same hook with its dense calls in Python (``ddp.register_comm_hook``)
 ALL_HOOKS = (
     *HOOKS, "allreduce", "builtin", "ina", "rows", "sparse", "omnireduce-python", "auto-python",
-    "torchrec", "sparse+auto", "local",
+    *trec.SHARDINGS, "sparse+auto", "local",
 )  # fmt: skip
 # what a user has without gradfabric: DDP's own hooks, sparse=True, TorchRec
-STOCK = ("default", "builtin", "allreduce", "sparse", "torchrec")
+STOCK = ("default", "builtin", "allreduce", "sparse", *trec.SHARDINGS)
 SPARSE_TABLES = ("sparse", "sparse+auto", "local")  # replicas whose tables are ``sparse=True``
 TORCHREC_MODELS = ("mixed", "dlrm", "neumf")  # those ``collectives.trec`` has a form of
 OPTIMIZERS = ("sgd", "adam")
@@ -105,7 +106,7 @@ class DdpBenchConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         bagged = set(self.models) & set(TORCHREC_MODELS)
-        if "torchrec" in names and (self.optimizer != "sgd" or not bagged):
+        if set(names) & set(trec.SHARDINGS) and (self.optimizer != "sgd" or not bagged):
             raise ValueError(f"torchrec runs the {TORCHREC_MODELS} models with sgd (its CPU "
                              "fused optimizers are the EXACT_* family)")  # fmt: skip
         if self.block < 1:
@@ -169,11 +170,8 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
     from gradfabric.net.launch import run_on_hosts, run_ranks
 
     module = "gradfabric.collectives.ddpbench"
-    if "torchrec" in cfg.hooks:
-        from gradfabric.collectives.trec import why_not
-
-        if (reason := why_not()) is not None:
-            raise ValueError(reason)
+    if set(cfg.hooks) & set(trec.SHARDINGS) and (reason := trec.why_not()) is not None:
+        raise ValueError(reason)
     with ExitStack() as stack:
         out = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "rows.json")
         if cfg.switch_policy is None:
@@ -272,12 +270,12 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         replicas: dict[str, tuple[nn.Module, list[torch.optim.Optimizer], Any]] = {}
         params: dict[str, Callable[[], list[torch.Tensor]]] = {}  # each replica's, as Mixed's
         sharding: dict[str, dict[str, str]] = {}  # TorchRec's plan, per table
-        hooks = [h for h in all_hooks if h != "torchrec" or name in TORCHREC_MODELS]
+        hooks = [h for h in all_hooks if h not in trec.SHARDINGS or name in TORCHREC_MODELS]
         for hook in hooks:
             torch.manual_seed(cfg.seed)
             module, batch, loss_fn = MODELS[name]()
-            if hook == "torchrec":  # the same weights, sharded as TorchRec's planner chooses
-                dmp, opts = trec.shard(module, lr=0.01)
+            if hook in trec.SHARDINGS:  # the same weights, sharded by TorchRec
+                dmp, opts = trec.shard(module, lr=0.01, sharding=trec.SHARDINGS[hook])
                 sharding[hook] = trec.plan(dmp)
                 dense = [p for m in module.dense() for p in m.parameters()]  # type: ignore[operator]
                 params[hook] = _tables_and(trec.tables, dmp, dense)
@@ -362,7 +360,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "paths": _paths(state), "dense_calls_in": path[hook],
                 "coo_bytes_per_step": _per_step(getattr(state, "coo_bytes", None), cfg.steps),
                 "sharding": sharding.get(hook),
-                "a2a_bytes_per_step": trec.link_bytes(replica) if hook == "torchrec" else None,
+                "a2a_bytes_per_step": trec.link_bytes(replica) if hook in trec.SHARDINGS
+                else None,
                 "grad_mb": sum(p.numel() for p in mine) * 4 / 2**20,
             })  # fmt: skip
         for _, _, state in replicas.values():

@@ -13,6 +13,18 @@ On CPU its fused optimizers are the EXACT_* family, so this baseline runs
 with SGD (EXACT_SGD on the tables, SGD on the rest, at the bench's rate);
 TorchRec divides the tables' gradients by the world size, as DDP averages
 the dense ones, so its arithmetic is the other replicas'.
+
+Which sharding is TorchRec's best depends on the setting, so ``bench ddp``
+runs two: its planner's (``torchrec``: table-wise for the large tables, here
+each on its own rank, small ones data-parallel) and column-wise over every
+rank (``torchrec-cw``: each table cut into ``world`` column shards, so every
+rank owns a slice of every table and the all-to-all is balanced, where
+table-wise leaves the busiest link to the largest table's owner). The
+other sharders its CPU kernels offer are not worth a replica: data-parallel
+all-reduces every table whole (the 400k-row table alone is 51 MB a step),
+and table-column-wise places a table's column shards on one host's ranks,
+which with one rank per host is column-wise again. Row-wise needs the GPU
+kernels.
 """
 
 from __future__ import annotations
@@ -72,19 +84,44 @@ class Pooled(nn.Module):
         return out
 
 
-def shard(model: Any, lr: float) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+# ``bench ddp``'s TorchRec replicas: the sharding each asks its planner for
+# (None: the planner's own choice)
+SHARDINGS: dict[str, str | None] = {"torchrec": None, "torchrec-cw": "column_wise"}
+
+
+def shard(
+    model: Any, lr: float, sharding: str | None = None
+) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
     """``model`` (a ``workloads.trained`` recommender) as TorchRec would train it: the
     sharded model (its tables holding ``model``'s weights) and the dense
-    layers' optimizer (the tables' is fused)."""
+    layers' optimizer (the tables' is fused). ``sharding``: every table
+    sharded that way (``column_wise``: into one column shard per rank, as
+    narrow as TorchRec allows, 4 columns), else as the planner picks."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
 
     weights = [b.weight.detach() for b in model.bags()]
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": lr}
     )
-    dmp = DistributedModelParallel(Pooled(model), device=torch.device("cpu"), sharders=[sharder])
+    pooled, world = Pooled(model), dist.get_world_size()
+    plan = None
+    if sharding is not None:  # the planner, held to ``sharding`` for every table
+        width = {f"t{k}": max(4, dim // world) for k, (_, dim) in enumerate(pooled.shapes)}
+        held = {t: ParameterConstraints(sharding_types=[sharding], min_partition=w)
+                for t, w in width.items()}  # fmt: skip
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world, compute_device="cpu"), constraints=held
+        )
+        plan = planner.collective_plan(pooled, [sharder], dist.group.WORLD)
+    dmp = DistributedModelParallel(pooled, device=torch.device("cpu"), sharders=[sharder],
+                                   plan=plan)  # fmt: skip
     state = dmp.state_dict()
     with torch.no_grad():
         for k, weight in enumerate(weights):
@@ -136,11 +173,12 @@ def _placed(dmp: nn.Module) -> dict[str, Any]:
 
 def link_bytes(dmp: nn.Module) -> int | None:
     """The tables' bytes per step on the busiest link (one direction) by
-    TorchRec's plan and the last batch's lookups, every rank's batch alike: a
-    table-wise table's owner sends each other rank its pooled rows (forward)
-    and receives their ids and lengths (int64) and the rows' gradients
-    (backward); a data-parallel table is all-reduced, 2(n-1)/n of it over
-    every link. None for a sharding this count does not model."""
+    TorchRec's plan and the last batch's lookups, every rank's batch alike.
+    Each shard of a table-wise or column-wise table is a table of its own
+    columns: its owner sends each other rank their pooled rows' columns
+    (forward) and receives their ids and lengths (int64) and those columns'
+    gradients (backward); a data-parallel table is all-reduced, 2(n-1)/n of
+    it over every link. None for a sharding this count does not model."""
     pooled: Any = dmp.module
     world = dist.get_world_size()
     sent, got = [0.0] * world, [0.0] * world
@@ -151,14 +189,23 @@ def link_bytes(dmp: nn.Module) -> int | None:
         if p.sharding_type == "data_parallel":
             ring = 2 * (world - 1) / world * rows * dim * 4
             sent, got = [s + ring for s in sent], [g + ring for g in got]
-        elif p.sharding_type == "table_wise":
-            owner, back = p.ranks[0], batch * ((per + 1) * 8 + dim * 4)
+            continue
+        if p.sharding_type not in ("table_wise", "column_wise"):
+            return None
+        for owner, cols in _shards(p, dim):
+            back = batch * ((per + 1) * 8 + cols * 4)
             for r in range(world):
                 if r != owner:
-                    sent[owner] += batch * dim * 4
-                    got[r] += batch * dim * 4
+                    sent[owner] += batch * cols * 4
+                    got[r] += batch * cols * 4
                     sent[r] += back
                     got[owner] += back
-        else:
-            return None
     return int(max(sent + got))
+
+
+def _shards(p: Any, dim: int) -> list[tuple[int, int]]:
+    """A table-wise or column-wise ``ParameterSharding``'s shards as (owner,
+    columns)."""
+    if p.sharding_spec is None:
+        return [(p.ranks[0], dim)]
+    return [(r, s.shard_sizes[1]) for r, s in zip(p.ranks, p.sharding_spec.shards, strict=True)]

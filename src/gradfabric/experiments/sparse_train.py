@@ -6,8 +6,9 @@ network namespace behind a 1 Gbit/s link, with SGD and with Adam. Side by
 side in each run, from the same weights and batches: DDP's default hook
 (dense gradients), ``nn.Embedding(sparse=True)`` under plain DDP (with Adam:
 the usual hybrid, SparseAdam on the tables and Adam on the rest), TorchRec's
-``DistributedModelParallel`` with its planner's sharding (SGD: its CPU
-kernels have no Adam; where it is installed), and ``auto_hook`` on the
+``DistributedModelParallel`` with its planner's sharding and with every
+table column-wise over every rank, the faster of the two its row (SGD: its
+CPU kernels have no Adam; where it is installed), and ``auto_hook`` on the
 ``sparse=True`` tables (``sparse+auto``), which exchanges each table's rows on the path its bytes
 model picks; with Adam also ``auto_hook`` on dense gradients (exact Adam);
 and ``local``, the ``sparse=True`` replica exchanging nothing: the step's
@@ -18,6 +19,11 @@ fewer bytes), and at the 8-rank DLRM point, where OmniReduce claims its gain,
 with the 2-rank result beside it. The bytes model per point: the bytes the
 stock exchange (every rank's rows to every rank) and ours put on the busiest
 link per step. Quick: DLRM, SGD, 2 ranks.
+
+A point whose run fails is run once more, and the notes say so: PyTorch's
+gloo sparse all-reduce (the stock ``sparse=True`` replica's) has been seen
+to corrupt its heap and take a rank down (NOTEBOOK); a second failure ends
+the study.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gradfabric.collectives.ddpbench import DdpBenchConfig, hook_name, paired, run_ddp_bench
+from gradfabric.collectives.trec import SHARDINGS
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.net.netns import usable
@@ -35,6 +42,7 @@ OURS = "sparse+auto"
 DDP_STOCK = ("default", "sparse")  # the stock options under DDP (with Adam: the hybrid)
 WITHIN = 0.95  # the issue's "within 5% of the best stock option"
 LOWER_END = f">= {WITHIN}x, the 95% interval's lower end"  # a goal met only where resolved
+SHARDED = {"torchrec": "its planner's", "torchrec-cw": "column-wise"}  # (``trec.SHARDINGS``)
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ def hooks(optimizer: str, torchrec: bool) -> tuple[str, ...]:
     """The replicas of one run: the stock options, then ours."""
     if optimizer == "adam":  # exact Adam on dense gradients too (auto_hook, rows)
         return ("default", "sparse", OURS, "auto", "local")
-    return ("default", "sparse", *(["torchrec"] if torchrec else []), OURS, "local")
+    return ("default", "sparse", *(SHARDINGS if torchrec else ()), OURS, "local")
 
 
 def study(grid: SparseGrid, tick: Tick) -> tuple[list[dict[str, Any]], list[str]]:
@@ -79,9 +87,18 @@ def study(grid: SparseGrid, tick: Tick) -> tuple[list[dict[str, Any]], list[str]
                                      steps=grid.steps, warmup=grid.warmup,
                                      hooks=hooks(optimizer, torchrec),
                                      optimizer=optimizer)  # fmt: skip
-                for r in run_ddp_bench(cfg):
+                for r in _twice(cfg, notes, f"{model}, {optimizer}, {ranks} ranks"):
                     rows.append({**r, "optimizer": optimizer})
     return rows, notes
+
+
+def _twice(cfg: DdpBenchConfig, notes: list[str], where: str) -> list[dict[str, Any]]:
+    """``run_ddp_bench(cfg)``, run once more if a rank fails (noted)."""
+    try:
+        return run_ddp_bench(cfg)
+    except RuntimeError as e:  # a rank's exit code (a timeout is not retried)
+        notes.append(f"{where}: the first run failed ({e}) and the point was run again.")
+        return run_ddp_bench(cfg)
 
 
 def points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -97,7 +114,8 @@ def points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ours = run[OURS]
         best = ours["best_stock"]
         ddp = min((h for h in run if h in DDP_STOCK), key=lambda h: run[h]["iter_ms"])
-        trec = run.get("torchrec")
+        trecs = [h for h in SHARDINGS if h in run]  # TorchRec at its best: the faster
+        trec = run[min(trecs, key=lambda h: run[h]["iter_ms"])] if trecs else None
         a2a = trec["a2a_bytes_per_step"] if trec else None
         moved = ours.get("coo_bytes_per_step") or {}
         out.append({
@@ -112,18 +130,19 @@ def points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "vs_torchrec": paired(trec["iter_ms_all"], ours["iter_ms_all"]) if trec else None,
             "stock_bytes": moved.get("gather"), "ours_bytes": moved.get("chosen"),
             "torchrec_bytes": a2a,
-            "paths": ours["paths"], "sharding": run.get("torchrec", {}).get("sharding"),
+            "torchrec": trec["hook"] if trec else None, "torchrecs": trecs,
+            "paths": ours["paths"], "sharding": trec["sharding"] if trec else None,
             "link": _link(ours["link_gbps"]),
-            "floor_ms": _floors(ours, ranks, a2a),
+            "floor_ms": _floors(ours, ranks, trec),
         })  # fmt: skip
     return out
 
 
-def _floors(ours: dict[str, Any], ranks: int, a2a: int | None) -> dict[str, float]:
+def _floors(ours: dict[str, Any], ranks: int, trec: dict[str, Any] | None) -> dict[str, float]:
     """Bytes on the busiest link per step over the link's rate (ms), per
     option: the dense ring's 2(n-1)/n of every gradient (default); the tables'
     rows all-gathered (sparse=True: every rank's rows to every rank), as ours
-    moved them, or TorchRec's all-to-all (``a2a``: ``trec.link_bytes``), with
+    moved them, or TorchRec's all-to-all (``trec``'s row: ``trec.link_bytes``), with
     the dense layers' ring beside them. Empty on loopback (no rate) or where
     ours moved no table."""
     moved, gbps = ours.get("coo_bytes_per_step"), ours["link_gbps"]
@@ -134,8 +153,8 @@ def _floors(ours: dict[str, Any], ranks: int, a2a: int | None) -> dict[str, floa
     per_ms = gbps * 1e9 / 8 / 1e3
     out = {"default": ring / per_ms, "sparse": (moved["gather"] + rest) / per_ms,
            OURS: (moved["chosen"] + rest) / per_ms}  # fmt: skip
-    if a2a is not None:
-        out["torchrec"] = (a2a + rest) / per_ms
+    if trec is not None and trec["a2a_bytes_per_step"] is not None:
+        out[trec["hook"]] = (trec["a2a_bytes_per_step"] + rest) / per_ms
     return out
 
 
@@ -186,11 +205,16 @@ def _against_torchrec(p: dict[str, Any], where: str) -> Claim:
         target, met = "> 1x, the 95% interval's lower end (ours moves fewer bytes)", vs - half > 1
     else:
         target, met = "none: TorchRec's all-to-all moves fewer bytes", None
+    trec = p.get("torchrec") or "torchrec"
+    ran = p.get("torchrecs") or [trec]
+    which = f"{SHARDED[trec]} sharding"
+    if len(ran) > 1:
+        which = f"the faster of {' and '.join(SHARDED[h] for h in ran)} sharding: {which}"
     return Claim(
         "OmniReduce", f"auto_hook on sparse=True tables against TorchRec, {where}", "training",
-        "TorchRec DistributedModelParallel (its planner's sharding)", f"{vs:.2f}x ± {half:.2f}",
-        target, met, kind="goal", speedup=vs,
-        note=(_bytes_note(p) + _cpu_note(p, (OURS, "torchrec", "local"))).removeprefix("; "),
+        f"TorchRec DistributedModelParallel ({which})", f"{vs:.2f}x ± {half:.2f}", target, met,
+        kind="goal", speedup=vs,
+        note=(_bytes_note(p) + _cpu_note(p, (OURS, trec, "local"))).removeprefix("; "),
     )
 
 
