@@ -197,7 +197,7 @@ def sparse_table(_: list[Source], only: tuple[str, str] | None = None) -> str:
                          at(p, "local"), f"{vs(p['vs_ddp'])} ({p['best_ddp']})",
                          vs(p["vs_torchrec"])])  # fmt: skip
     header = ["link", "model, optimizer", "ranks", "default hook", "sparse=True (Adam: hybrid)",
-              "TorchRec (planner / column-wise)", "ours", "compute alone",
+              "TorchRec (planner / column-wise; the floor: the faster's)", "ours", "compute alone",
               "ours vs best DDP option", "ours vs TorchRec"]
     return "\n".join(["", *markdown(header, rows), ""])
 
