@@ -86,6 +86,9 @@ def add(sub: Sub) -> None:
     bw.add_argument("--workers", default="2,4", help="comma-separated worker counts")
     bw.add_argument("--tensor-mb", type=float, default=4.0)
     bw.add_argument("--iters", type=int, default=5)
+    bw.add_argument("--warmup", type=int, default=2,
+                    help="untimed sums of each way first (a run's second sum through the "
+                    "switch has been its slowest)")  # fmt: skip
     bw.add_argument("--policy", default="switchml", choices=ALLOCATORS.names())
     bw.add_argument("--job-slots", type=int, default=8, help="the workers' window")
     bw.add_argument(
@@ -282,6 +285,7 @@ def switch(args: argparse.Namespace) -> int:
     shaped = args.link_gbps is not None
     cfgs = [
         SwitchBenchConfig(workers=w, tensor_mb=args.tensor_mb, iters=args.iters,
+                          warmup=args.warmup,
                           policy=args.policy, job_slots=args.job_slots,
                           values_per_packet=args.values_per_packet or 0,
                           link_gbps=args.link_gbps,

@@ -218,7 +218,7 @@ class Emulator:
                 note=f"{row['switch_ms']:.0f} ms against {lossless['switch_ms']:.0f} ms lossless "
                 f"(medians of {cfg.iters} sums each); the simulator predicts {predicted:.2f}x "
                 f"for the same star ({sim_lossless:.0f} ms lossless); over the run's "
-                f"{cfg.iters + 1} sums (the warm-up's included) the kernel dropped "
+                f"{cfg.warmup + cfg.iters} sums (the warm-ups' included) the kernel dropped "
                 f"{row.get('kernel_dropped', 0)} datagrams and the switch sent "
                 f"{counters.get('nack_sent', 0)} loss notices; largest error "
                 f"{row['max_error']:.1e} against gloo's sum",
