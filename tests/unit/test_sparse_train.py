@@ -35,7 +35,8 @@ def test_within_5_percent_of_the_best_ddp_option_means_the_intervals_lower_end()
     """The stored loopback study, every point against the best DDP option:
     the figure is the ratio of the two options' total step times (summed
     here from the stored steps), and the goal is met exactly where the
-    interval's lower end clears 0.95x; the store holds points of both kinds."""
+    interval's lower end clears 0.95x. Every stored point met it, so one
+    point's steps of ours are made a fifth slower here, to see a goal missed."""
     import json
     import math
     from pathlib import Path
@@ -44,6 +45,10 @@ def test_within_5_percent_of_the_best_ddp_option_means_the_intervals_lower_end()
 
     path = Path(__file__).resolve().parents[2] / "docs" / "data" / "sparse-train-loopback.json"
     result = json.loads(path.read_text())["result"]
+    slowed = ("dlrm", "sgd", 2)  # the closest to the line (1.03x ± 0.06 as stored)
+    for r in result["rows"]:
+        if (r["model"], r["optimizer"], r["ranks"], r["hook"]) == (*slowed, "sparse+auto"):
+            r["iter_ms_all"] = [t * 1.2 for t in r["iter_ms_all"]]
     got = {c.claim.split(", loopback")[0]: c for c in claims(result)}
     outcomes = set()
     for p in points(result["rows"]):

@@ -87,6 +87,7 @@ class Pooled(nn.Module):
 # ``bench ddp``'s TorchRec replicas: the sharding each asks its planner for
 # (None: the planner's own choice)
 SHARDINGS: dict[str, str | None] = {"torchrec": None, "torchrec-cw": "column_wise"}
+SHARDING_NAMES = {"torchrec": "its planner's", "torchrec-cw": "column-wise"}  # (for reports)
 
 
 def shard(

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from gradfabric.collectives.ddpbench import DdpBenchConfig, hook_name, paired, run_ddp_bench
-from gradfabric.collectives.trec import SHARDINGS
+from gradfabric.collectives.trec import SHARDING_NAMES, SHARDINGS
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.net.netns import usable
@@ -42,7 +42,6 @@ OURS = "sparse+auto"
 DDP_STOCK = ("default", "sparse")  # the stock options under DDP (with Adam: the hybrid)
 WITHIN = 0.95  # the "within 5% of the best stock option"
 LOWER_END = f">= {WITHIN}x, the 95% interval's lower end"  # a goal met only where resolved
-SHARDED = {"torchrec": "its planner's", "torchrec-cw": "column-wise"}  # (``trec.SHARDINGS``)
 
 
 @dataclass(frozen=True)
@@ -207,9 +206,9 @@ def _against_torchrec(p: dict[str, Any], where: str) -> Claim:
         target, met = "none: TorchRec's all-to-all moves fewer bytes", None
     trec = p.get("torchrec") or "torchrec"
     ran = p.get("torchrecs") or [trec]
-    which = f"{SHARDED[trec]} sharding"
+    which = f"{SHARDING_NAMES[trec]} sharding"
     if len(ran) > 1:
-        which = f"the faster of {' and '.join(SHARDED[h] for h in ran)} sharding: {which}"
+        which = f"the faster of {' and '.join(SHARDING_NAMES[h] for h in ran)} sharding: {which}"
     return Claim(
         "OmniReduce", f"auto_hook on sparse=True tables against TorchRec, {where}", "training",
         f"TorchRec DistributedModelParallel ({which})", f"{vs:.2f}x ± {half:.2f}", target, met,
