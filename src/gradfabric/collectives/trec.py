@@ -16,7 +16,7 @@ the dense ones, so its arithmetic is the other replicas'.
 
 Which sharding is TorchRec's best depends on the setting, so ``bench ddp``
 runs two: its planner's (``torchrec``: table-wise for the large tables, here
-each on its own rank, small ones data-parallel) and column-wise over every
+each on its own rank, small ones data-parallel at 2 and 4 ranks) and column-wise over every
 rank (``torchrec-cw``: each table cut into ``world`` column shards, so every
 rank owns a slice of every table and the all-to-all is balanced, where
 table-wise leaves the busiest link to the largest table's owner). The

@@ -6,8 +6,8 @@ the switch (``InaClient.allreduce``: the block-exponent round over gloo,
 quantisation, the packets through the switch, decoding; what ``ina_hook``
 pays) and ``iters`` times with ``torch.distributed.all_reduce``,
 alternating, after ``warmup`` untimed sums of each (two: a run's second sum
-through the switch was its slowest in every run of 4 workers behind 1
-Gbit/s links, by a fifth or more, and a job of many steps pays that once;
+through the switch was its slowest in each of 4 runs of 4 workers behind 1
+Gbit/s links, by a sixth to a third, and a job of many steps pays that once;
 why it is slow is not known). Every switch result is checked
 against gloo's (equal up to the quantisation bound) so a fast wrong answer
 cannot pass.
