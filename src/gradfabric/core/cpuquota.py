@@ -19,8 +19,11 @@ of a 100 ms period.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,6 +78,22 @@ def quota(cores: float, thread: bool = False) -> Iterator[Path]:
         (path / members).write_text(str(who))
         yield path
     finally:
-        for tid in (path / "tasks").read_text().split():  # (threads started inside too)
-            (home / "tasks").write_text(tid)
-        path.rmdir()
+        _remove(path, home)
+
+
+def _remove(path: Path, home: Path) -> None:
+    """Move every task of cgroup ``path`` back ``home`` (threads started
+    inside the block too) and remove it. A thread can arrive between the
+    read and the rmdir, and the kernel can hold an emptied group a moment
+    (EBUSY): read and move again, for up to a second, then let the error out."""
+    for attempt in range(100):
+        for tid in (path / "tasks").read_text().split():
+            with contextlib.suppress(ProcessLookupError):  # (a thread that ended since)
+                (home / "tasks").write_text(tid)
+        try:
+            path.rmdir()
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or attempt == 99:
+                raise
+            time.sleep(0.01)
