@@ -274,6 +274,20 @@ def import_result(
     return out
 
 
+def rederive(name: str, date: str) -> Path:
+    """A study's stored claims computed again from its stored rows by its
+    experiment's ``claims`` as it is now (the measurements unchanged; the
+    store then records the date its claims were derived on)."""
+    out = DATA / f"{name}.json"
+    d = json.loads(out.read_text())
+    module = __import__(f"gradfabric.experiments.{d.get('experiment', name).replace('-', '_')}",
+                        fromlist=["claims"])  # fmt: skip
+    d["claims"] = [asdict(c) for c in module.claims(d["result"])]
+    d["claims_derived"] = date
+    out.write_text(json.dumps(d, indent=1) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="report, do not write; exit 1 if stale")
@@ -283,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit", help="with --import: the commit it ran on")
     p.add_argument("--experiment", help="with --import: the experiment whose claims() reads "
                    "it, where NAME is another (default: NAME)")  # fmt: skip
+    p.add_argument("--rederive", metavar="NAME", help="compute docs/data/NAME.json's claims "
+                   "again from its stored rows (after a change to how its experiment states them)")
     p.add_argument("--date", default=datetime.date.today().isoformat())
     args = p.parse_args(argv)
     if args.imported:
@@ -290,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--import needs --command and --commit")
         print(import_result(args.imported[0], Path(args.imported[1]), args.command,
                             args.commit, args.date, args.experiment))  # fmt: skip
+        return 0
+    if args.rederive:
+        print(rederive(args.rederive, args.date))
         return 0
     problems = check_or_write(write=not args.check)
     for line in problems:

@@ -85,9 +85,11 @@ def test_a_step_near_the_ranks_cpu_over_the_cores_is_called_cpu_bound() -> None:
 
 def test_torchrec_at_its_best_is_the_faster_of_its_shardings_per_point() -> None:
     """Two TorchRec replicas ran (its planner's sharding and column-wise):
-    ours is held to the faster by median, paired per step with it, its
-    bytes and floor are that replica's, and the claim names both and which
-    won. A study that ran the planner's alone says just that."""
+    ours is held to the faster by mean step (the statistic of the ratio; the
+    planner's has the lower median here, column-wise the lower mean), paired
+    per step with it, its bytes and floor are that replica's, and the claim
+    names both and which won. A study that ran the planner's alone says just
+    that."""
     from gradfabric.experiments.sparse_train import claims, points
 
     def row(hook: str, steps: list[float], a2a: int | None = None) -> dict[str, Any]:
@@ -99,7 +101,7 @@ def test_torchrec_at_its_best_is_the_faster_of_its_shardings_per_point() -> None
                 "a2a_bytes_per_step": a2a, "sharding": {"t0": hook}}  # fmt: skip
 
     rows = [row("default", [500.0, 510, 505]), row("sparse", [230.0, 220, 225]),
-            row("torchrec", [170.0, 168, 175], 1_556_480),
+            row("torchrec", [150.0, 151, 220], 1_556_480),
             row("torchrec-cw", [160.0, 158, 166], 1_720_320),
             row("sparse+auto", [150.0, 152, 149])]  # fmt: skip
     (p,) = points(rows)
