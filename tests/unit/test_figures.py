@@ -72,3 +72,18 @@ def test_the_readme_table_shows_stored_headlines() -> None:
     assert shown and all((ours, base.strip()) in stored for ours, base in shown), shown
     systems = [row.split("|")[1].strip() for row in table[1].splitlines()[3:] if row]
     assert systems == list(figures.SYSTEMS)
+
+
+def test_rederive_computes_a_stores_claims_again_from_its_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a change to how an experiment states its claims, ``--rederive``
+    writes the claims its rows give now, and keeps the rows as they were."""
+    stored = json.loads((ROOT / "docs" / "data" / "sparse-train.json").read_text())
+    tampered = {**stored, "claims": stored["claims"][:1]}
+    (tmp_path / "sparse-train.json").write_text(json.dumps(tampered))
+    monkeypatch.setattr(figures, "DATA", tmp_path)
+    figures.rederive("sparse-train", "2026-01-01")
+    d = json.loads((tmp_path / "sparse-train.json").read_text())
+    assert d["claims"] == stored["claims"] and d["result"] == stored["result"]
+    assert d["claims_derived"] == "2026-01-01" and d["commit"] == stored["commit"]
