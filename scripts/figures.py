@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiment", help="with --import: the experiment whose claims() reads "
                    "it, where NAME is another (default: NAME)")  # fmt: skip
     p.add_argument("--rederive", metavar="NAME", help="compute docs/data/NAME.json's claims "
-                   "again from its stored rows (after a change to how its experiment states them)")  # fmt: skip
+                   "again from its stored rows (after its experiment changed)")  # fmt: skip
     p.add_argument("--date", default=datetime.date.today().isoformat())
     args = p.parse_args(argv)
     if args.imported:
