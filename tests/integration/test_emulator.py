@@ -33,7 +33,7 @@ from gradfabric.emu.client import (
 )
 from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
 from gradfabric.emu.saatp_train import SaatpTrainConfig
-from gradfabric.net import netns, switchpath
+from gradfabric.net import datapath, netns, switchpath
 from gradfabric.net.peers import GRACE_S
 from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import Flag, Packet, encode
@@ -335,6 +335,61 @@ def test_switch_killed_mid_collective_and_restarted_resumes_exact(
     assert sum(c.engine.counters["replays"] for c in clients) == 3
     # Whether any kept contribution lay above the floor this time depends on
     # timing; tests/property/test_restart.py is where removing that replay fails.
+
+
+def _agreed(xs: list[np.ndarray], ticket: Ticket, call: int) -> list[Any]:
+    """Each rank's ``Agreed`` for floats ``xs``, as ``agree`` makes it (the
+    exponents' maximum over the ranks), without the gloo round."""
+    from gradfabric.emu.client import Agreed
+    from gradfabric.wire.quant import block_exponents, block_scales
+
+    vpp = ticket.values_per_packet
+    e = np.max([block_exponents(x, vpp) for x in xs], axis=0)
+    scale = block_scales(e, ticket.workers)
+    return [Agreed(x, scale, np.zeros(len(e), dtype=bool), call) for x in xs]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_float_sum_decoded_over_its_own_inputs_is_the_fresh_arrays_sum(native: bool) -> None:
+    """``allreduce(x, out=x)`` (what ``ina_hook`` does with a bucket) gives
+    the sum a new array gets, bit for bit: each block is read when it first
+    leaves and its sum arrives only after. Under 5% loss each way, and with
+    the switch killed mid-call and started again (the native call aborted and
+    handed to the engine with some blocks decoded over their inputs and the
+    rest not yet encoded)."""
+    if native and datapath.PATH != "compiled":
+        pytest.skip("the native datapath is not built here")
+    options = ("--policy", "switchml", "--loss", "0.05", "--rto-ms", "10", "--job-slots", "16")
+    sw = start_switch(*options)
+    options = _same_ports(sw, *options)
+    ticket = Ticket.register(sw.control, 3)
+    clients = [InaClient(ticket, r, timeout_s=30, native=native) for r in range(3)]
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(400_000).astype(np.float32) for _ in clients]
+    try:
+        fresh = together([lambda c=c, a=a: c.sum_agreed(a).copy()
+                          for c, a in zip(clients, _agreed([x.copy() for x in xs], ticket, 1),
+                                          strict=True)])  # fmt: skip
+        inplace = _agreed([x.copy() for x in xs], ticket, 2)
+        done: list[list[Any]] = []
+        runner = threading.Thread(target=lambda: done.append(together(
+            [lambda c=c, a=a: c.sum_agreed(a, a.x) for c, a in zip(clients, inplace,
+                                                                   strict=True)])))  # fmt: skip
+        runner.start()
+        _kill_once_busy(sw, 300)
+        sw = start_switch(*options)
+        runner.join(60)
+        assert done, "the in-place sums did not finish after the restart"
+    finally:
+        for c in clients:
+            c.close()
+        stop_switch(sw)
+    ref = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    for got, a, f in zip(done[0], inplace, fresh, strict=True):
+        assert got is a.x  # decoded over the inputs, no array made
+        np.testing.assert_array_equal(got, f)
+        assert np.abs(got - ref).max() < 1e-5 * np.abs(ref).max()
+    assert sum(c.engine.counters["replays"] for c in clients) == 3
 
 
 def test_restarted_switch_that_cannot_take_the_job_back_is_named() -> None:

@@ -73,6 +73,9 @@ def _check(x: np.ndarray, block: int, fan_in: int, headroom: np.ndarray) -> None
         d_ref = fq.decode_reference(r, block, real)
     d_fast = fq.decode(r, block, real)
     np.testing.assert_array_equal(d_fast.view(np.int32), d_ref.view(np.int32))
+    into = np.full(len(x), np.float32(7))  # decoded into a given array: the same bits, there
+    assert fq.decode(r, block, real, into) is into
+    np.testing.assert_array_equal(into.view(np.int32), d_ref.view(np.int32))
 
 
 @settings(max_examples=300, deadline=None)
@@ -99,3 +102,16 @@ def test_compiled_quantiser_on_a_large_tensor(block: int) -> None:
         x = _tensor(block, 1_000_003, share)
         headroom = np.random.default_rng(block).integers(0, 4, x.size // block + 1)
         _check(x, block, 4, headroom.astype(np.int32))
+
+
+def test_decode_into_an_array_that_cannot_take_it_is_an_error() -> None:
+    """A wrong dtype, length or a read-only array: a clear error, never a
+    silent copy the caller would not see."""
+    r, scale = np.arange(8, dtype=np.int64), np.ones(2)
+    for bad in (np.empty(8, np.float64), np.empty(7, np.float32), np.empty(16, np.float32)[::2]):
+        with pytest.raises(ValueError, match="out: a writeable contiguous float32 array of 8"):
+            fq.decode(r, 4, scale, bad)
+    frozen = np.empty(8, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="out:"):
+        fq.decode(r, 4, scale, frozen)

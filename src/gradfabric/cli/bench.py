@@ -87,8 +87,8 @@ def add(sub: Sub) -> None:
     bw.add_argument("--tensor-mb", type=float, default=4.0)
     bw.add_argument("--iters", type=int, default=5)
     bw.add_argument("--warmup", type=int, default=2,
-                    help="untimed sums of each way first (a run's second sum through the "
-                    "switch has been its slowest)")  # fmt: skip
+                    help="untimed sums of each way first (a run's first sum through the "
+                    "switch is a one-off: connections and buffers touched first)")  # fmt: skip
     bw.add_argument("--policy", default="switchml", choices=ALLOCATORS.names())
     bw.add_argument("--job-slots", type=int, default=8, help="the workers' window")
     bw.add_argument(

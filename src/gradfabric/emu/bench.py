@@ -4,11 +4,13 @@ For each worker count a switch daemon process starts and ``workers`` gloo
 ranks (torchrun) each sum the same float32 tensor ``iters`` times through
 the switch (``InaClient.allreduce``: the block-exponent round over gloo,
 quantisation, the packets through the switch, decoding; what ``ina_hook``
-pays) and ``iters`` times with ``torch.distributed.all_reduce``,
-alternating, after ``warmup`` untimed sums of each (two: a run's second sum
-through the switch was its slowest in each of 4 runs of 4 workers behind 1
-Gbit/s links, by a sixth to a third, and a job of many steps pays that once;
-why it is slow is not known). Every switch result is checked
+pays, the sum decoded into one array kept for the run as the hook decodes
+into its bucket) and ``iters`` times with ``torch.distributed.all_reduce``,
+alternating, after ``warmup`` untimed sums of each (two: the first is a
+one-off, connections and buffers touched for the first time; the second
+was slow too, a quarter over the run's median, while every sum's result was
+a new array, whose pages the kernel zeroed on first touch, and is within a
+few percent of it now: NOTEBOOK). Every switch result is checked
 against gloo's (equal up to the quantisation bound) so a fast wrong answer
 cannot pass.
 
@@ -194,6 +196,7 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
                             pace_gbps=cfg.link_gbps or 0.0)  # fmt: skip
     times: dict[str, list[float]] = {"switch": [], "gloo": []}
     cpu_s: dict[str, list[float]] = {"switch": [], "gloo": []}
+    got = np.empty_like(x)  # the sums' array, as a hook decodes into its bucket
     max_error = 0.0
     cpu = [0.0, 0.0]  # the switch process's CPU time after the warm-up and at the end
     for it in range(cfg.warmup + cfg.iters):  # the first ``warmup`` of each untimed
@@ -203,7 +206,7 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             if kind == "switch":
-                got = client.allreduce(x)
+                client.allreduce(x, out=got)
             else:
                 ref = torch.from_numpy(x.copy())
                 dist.all_reduce(ref)

@@ -437,9 +437,17 @@ class Attached(Overlapped):
         who = ", ".join(f"rank {r}" for r in missing) if missing else switch
         return PeerTimeoutError(who, self.timeout_s)
 
-    def allreduce(self, x: npt.NDArray[np.float32], group: Any = None) -> npt.NDArray[np.float32]:
-        """Sum float32 ``x`` over the job (see the module doc for the quantisation)."""
-        return self.sum_agreed(self.agree(x, group))
+    def allreduce(
+        self, x: npt.NDArray[np.float32], group: Any = None, *,
+        out: npt.NDArray[np.float32] | None = None,
+    ) -> npt.NDArray[np.float32]:  # fmt: skip
+        """Sum float32 ``x`` over the job (see the module doc for the
+        quantisation), into ``out`` where given (a float32 array of ``len(x)``
+        values; ``x`` itself may be it: a block's sum arrives only after the
+        block was read), else into a new array. A caller that sums tensors of
+        one size again and again (a hook, a benchmark) should pass one: a new
+        array each call costs the kernel's zeroing of its pages."""
+        return self.sum_agreed(self.agree(x, group), out)
 
     def agree(self, x: npt.NDArray[np.float32], group: Any = None) -> Agreed:
         """The first half of ``allreduce``: the job's ranks agree on each
@@ -479,22 +487,24 @@ class Attached(Overlapped):
         scale = block_scales(np.where(lost, 0, e.numpy()), self.ticket.workers)
         return Agreed(x, scale, lost, self.calls, floats)
 
-    def sum_agreed(self, a: Agreed) -> npt.NDArray[np.float32]:
+    def sum_agreed(
+        self, a: Agreed, out: npt.NDArray[np.float32] | None = None
+    ) -> npt.NDArray[np.float32]:
         """The second half of ``allreduce``: the integer round through the switch."""
         self._summing = a.call  # (the stage thread may have counted the next one already)
-        out = self._sum_floats(a.x, np.where(a.lost, 0.0, a.scale), a.scale)
+        out = self._sum_floats(a.x, np.where(a.lost, 0.0, a.scale), a.scale, out)
         if a.floats is not None:  # (a lost block's values were encoded as 0 at every rank)
             out[np.repeat(a.lost, self.ticket.values_per_packet)[: len(a.x)]] = a.floats
         return out
 
     def _sum_floats(
         self, x: npt.NDArray[np.float32], enc_scale: npt.NDArray[np.float64],
-        dec_scale: npt.NDArray[np.float64],
+        dec_scale: npt.NDArray[np.float64], out: npt.NDArray[np.float32] | None = None,
     ) -> npt.NDArray[np.float32]:  # fmt: skip
-        """The integer round of ``allreduce``: encode, sum, decode."""
+        """The integer round of ``allreduce``: encode, sum, decode (into ``out``)."""
         vpp = self.ticket.values_per_packet
         q = fastquant.encode(x, vpp, enc_scale)
-        return fastquant.decode(self.allreduce_ints(q, self._scratch(len(x))), vpp, dec_scale)
+        return fastquant.decode(self.allreduce_ints(q, self._scratch(len(x))), vpp, dec_scale, out)
 
     def allreduce_ints(
         self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64] | None = None
@@ -601,23 +611,25 @@ class InaClient(Attached):
 
     def _sum_floats(
         self, x: npt.NDArray[np.float32], enc_scale: npt.NDArray[np.float64],
-        dec_scale: npt.NDArray[np.float64],
+        dec_scale: npt.NDArray[np.float64], out: npt.NDArray[np.float32] | None = None,
     ) -> npt.NDArray[np.float32]:  # fmt: skip
         """With the native datapath and the C quantiser, the quantiser runs
         inside the datapath (``net.datapath.Fused``): the first packet leaves
         without waiting for the whole tensor's encoding, the sum is decoded
-        as its results arrive."""
+        as its results arrive (a block is encoded when it first leaves, and
+        its sum can only arrive after that: ``out`` may be ``x``)."""
         if not len(x) or fastquant.functions() is None or not self._claim_native():
-            return super()._sum_floats(x, enc_scale, dec_scale)
+            return super()._sum_floats(x, enc_scale, dec_scale, out)
         vpp = self.ticket.values_per_packet
         call = self._call = Call(len(x), vpp, self._scratch(len(x)))
         call.first = self.engine.next_seq
         if self._q is None or len(self._q) != len(x):
             self._q = np.empty(len(x), dtype=np.int32)  # kept: its pages are touched once
-        fused = datapath.Fused(x, enc_scale, dec_scale, np.empty(len(x), dtype=np.float32))
+        into = fastquant.output(out, len(x), np.float32)
+        fused = datapath.Fused(x, enc_scale, dec_scale, into)
         if self._native(call, self._q, fused):
             return fused.out
-        return fastquant.decode(call.result, vpp, dec_scale)  # the engine finished the call
+        return fastquant.decode(call.result, vpp, dec_scale, into)  # the engine finished the call
 
     _q: npt.NDArray[np.int32] | None = None
 

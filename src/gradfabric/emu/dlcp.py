@@ -33,6 +33,7 @@ from gradfabric.emu.client import CLIENTS, Attached, Ticket, together
 from gradfabric.emu.switchd import worker_name
 from gradfabric.proto.actions import Deliver
 from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
+from gradfabric.wire import fastquant
 from gradfabric.wire.envelope import seal
 from gradfabric.wire.packet import ina_packet, traffic_class
 
@@ -70,10 +71,12 @@ class DlcpClient(Attached):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, pace_kb * 1024)
 
     def allreduce(  # bounded loss on floats: no quantisation round
-        self, x: npt.NDArray[np.float32], layer: int = 0, layers: int = 1
-    ) -> npt.NDArray[np.float32]:
+        self, x: npt.NDArray[np.float32], layer: int = 0, layers: int = 1, *,
+        out: npt.NDArray[np.float32] | None = None,
+    ) -> npt.NDArray[np.float32]:  # fmt: skip
         """Sum ``x`` over the job within the bounds (every rank calls with the same
-        length in the same order): values lost beyond recovery read as zero."""
+        length in the same order): values lost beyond recovery read as zero.
+        ``out``: as ``Attached.allreduce``'s (the sum is copied there)."""
         tensor = self.next_tensor
         self.next_tensor = (self.next_tensor + 1) % 0x10000  # the header's tensor id
         done: tuple[threading.Event, list[Any]] = (threading.Event(), [])
@@ -92,7 +95,12 @@ class DlcpClient(Attached):
         if not done[0].wait(self.timeout_s):
             raise PeerTimeoutError(self.ticket.entry, self.timeout_s)
         del self.results[tensor]
-        return np.asarray(done[1][0], dtype=np.float32)
+        got = np.asarray(done[1][0], dtype=np.float32)
+        if out is None:
+            return got
+        into: npt.NDArray[np.float32] = fastquant.output(out, len(vals), np.float32)
+        into[:] = got
+        return into
 
     def lost(self) -> int:
         return int(self.endpoint.counters.get("values_lost", 0))

@@ -31,7 +31,7 @@ def ina_hook(
     buf = bucket.buffer()
     return state.run_staged(
         buf, lambda group: state.agree(_flat(buf), group),
-        lambda _, agreed: _written(buf, state.sum_agreed(agreed) / state.ticket.workers),
+        lambda _, agreed: _averaged(buf, state.sum_agreed(agreed, agreed.x), state.ticket.workers),
     )  # fmt: skip
 
 
@@ -69,13 +69,24 @@ def dlcp_hook(
 def switch_sum(client: Attached, buf: torch.Tensor, group: Any, divide_by: int = 1) -> torch.Tensor:
     """``buf`` summed over the job through the switch (divided by
     ``divide_by`` in float32 before it is written back), in place."""
-    return _written(buf, client.allreduce(_flat(buf), group) / divide_by)
+    x = _flat(buf)
+    return _averaged(buf, client.allreduce(x, group, out=x), divide_by)
 
 
 def _flat(buf: torch.Tensor) -> np.ndarray:
+    """The bucket's values as float32 (its own memory where it is a float32
+    CPU tensor: the sum is decoded over them, no array made per call)."""
     return buf.detach().to(torch.float32).reshape(-1).cpu().numpy()
 
 
+def _averaged(buf: torch.Tensor, total: np.ndarray, divide_by: int) -> torch.Tensor:
+    """``total / divide_by`` (float32, in ``total``'s place) written into the bucket."""
+    if divide_by != 1:
+        np.divide(total, divide_by, out=total)
+    return _written(buf, total)
+
+
 def _written(buf: torch.Tensor, avg: np.ndarray) -> torch.Tensor:
-    """``avg`` written into the bucket."""
-    return buf.copy_(torch.from_numpy(avg).reshape(buf.shape))
+    """``avg`` written into the bucket (nothing to copy where it is the bucket's memory)."""
+    src = torch.from_numpy(avg).reshape(buf.shape)
+    return buf if src.data_ptr() == buf.data_ptr() else buf.copy_(src)

@@ -75,21 +75,38 @@ def encode(x: F32, block: int, scale: F64) -> I32:
     return out
 
 
-def decode(r: I64, block: int, scale: F64) -> F32:
-    """``r / scale[b]`` as float32 for the values of each block ``b``."""
-    out: F32 = _per_block("gf_decode", decode_reference, r, np.int64, np.float32, block, scale)
+def decode(r: I64, block: int, scale: F64, out: F32 | None = None) -> F32:
+    """``r / scale[b]`` as float32 for the values of each block ``b``, into
+    ``out`` where given (float32, ``len(r)`` values)."""
+    into: F32 = _per_block("gf_decode", decode_reference, r, np.int64, np.float32, block, scale,
+                           out)  # fmt: skip
+    return into
+
+
+def output(out: Any, n: int, dtype: Any) -> Any:
+    """``out`` if it can take ``n`` values of ``dtype`` in place, else a new array
+    (None); an array that cannot is an error, not a silent copy."""
+    if out is None:
+        return np.empty(n, dtype=dtype)
+    if out.dtype != dtype or out.shape != (n,) or not out.flags.c_contiguous or \
+            not out.flags.writeable:  # fmt: skip
+        raise ValueError(f"out: a writeable contiguous {np.dtype(dtype)} array of {n} values, "
+                         f"got {out.dtype} {out.shape}")  # fmt: skip
     return out
 
 
 def _per_block(
-    name: str, reference: Any, src: Any, src_type: Any, out_type: Any, block: int, scale: F64
-) -> Any:
-    """One loop of the library over ``src`` with a scale per block, or the reference."""
+    name: str, reference: Any, src: Any, src_type: Any, out_type: Any, block: int, scale: F64,
+    into: Any = None,
+) -> Any:  # fmt: skip
+    """One loop of the library over ``src`` with a scale per block, or the
+    reference; into ``into`` where given."""
     src = np.ascontiguousarray(src, dtype=src_type)
     scale = np.ascontiguousarray(scale, dtype=np.float64)
+    out = output(into, len(src), out_type)
     if _LIB is None:
-        return reference(src, block, scale)
-    out = np.empty(len(src), dtype=out_type)
+        out[:] = reference(src, block, scale)
+        return out
     getattr(_LIB, name)(src.ctypes.data, len(src), block, scale.ctypes.data, out.ctypes.data)
     return out
 
