@@ -262,16 +262,21 @@ def import_result(
         claims = [c for r in d for c in r["claims"]]
         result: Any = [{k: r[k] for k in ("name", "title", "claims", "notes")} for r in d]
     else:
-        module = __import__(f"gradfabric.experiments.{(experiment or name).replace('-', '_')}",
-                            fromlist=["claims"])  # fmt: skip
         result = {k: v for k, v in d.items() if k not in ("claims", "table")}
         result.setdefault("config", yaml.safe_load((results / "config.yaml").read_text()))
-        claims = [asdict(c) for c in module.claims(result)]
+        claims = study_claims(experiment or name, result)
     out = DATA / f"{name}.json"
     named = {"experiment": experiment} if experiment else {}  # where NAME is not its module
     out.write_text(json.dumps({"command": command, "date": date, "commit": commit, **named,
                                "claims": claims, "result": result}, indent=1) + "\n")  # fmt: skip
     return out
+
+
+def study_claims(experiment: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The claims ``experiment``'s own ``claims`` computes from a study's rows."""
+    module = __import__(f"gradfabric.experiments.{experiment.replace('-', '_')}",
+                        fromlist=["claims"])  # fmt: skip
+    return [asdict(c) for c in module.claims(result)]
 
 
 def rederive(name: str, date: str) -> Path:
@@ -280,9 +285,7 @@ def rederive(name: str, date: str) -> Path:
     store then records the date its claims were derived on)."""
     out = DATA / f"{name}.json"
     d = json.loads(out.read_text())
-    module = __import__(f"gradfabric.experiments.{d.get('experiment', name).replace('-', '_')}",
-                        fromlist=["claims"])  # fmt: skip
-    d["claims"] = [asdict(c) for c in module.claims(d["result"])]
+    d["claims"] = study_claims(d.get("experiment", name), d["result"])
     d["claims_derived"] = date
     out.write_text(json.dumps(d, indent=1) + "\n")
     return out
