@@ -282,10 +282,11 @@ def _same_ports(sw: RunningSwitch, *options: str) -> tuple[str, ...]:
     return (*options, "--port", str(sw.data[1]), "--control-port", str(sw.control[1]))
 
 
-def _kill_once_busy(sw: RunningSwitch, datagrams: int) -> None:
-    """SIGKILL the daemon once it has taken ``datagrams`` (mid-collective)."""
+def _kill_once_busy(sw: RunningSwitch, datagrams: int, since: int = 0) -> None:
+    """SIGKILL the daemon once it has taken ``datagrams`` more than ``since``
+    (its count when the collective began: mid-collective)."""
     deadline = time.monotonic() + 30
-    while _stats(sw)["counters"].get("rx_datagrams", 0) < datagrams:
+    while _stats(sw)["counters"].get("rx_datagrams", 0) < since + datagrams:
         assert time.monotonic() < deadline, "the collective never got going"
         time.sleep(0.005)
     _kill(sw)
@@ -371,12 +372,13 @@ def test_a_float_sum_decoded_over_its_own_inputs_is_the_fresh_arrays_sum(native:
                           for c, a in zip(clients, _agreed([x.copy() for x in xs], ticket, 1),
                                           strict=True)])  # fmt: skip
         inplace = _agreed([x.copy() for x in xs], ticket, 2)
+        taken = _stats(sw)["counters"].get("rx_datagrams", 0)  # (the first sums')
         done: list[list[Any]] = []
         runner = threading.Thread(target=lambda: done.append(together(
             [lambda c=c, a=a: c.sum_agreed(a, a.x) for c, a in zip(clients, inplace,
                                                                    strict=True)])))  # fmt: skip
         runner.start()
-        _kill_once_busy(sw, 300)
+        _kill_once_busy(sw, 300, taken)  # of some 1,200 datagrams in
         sw = start_switch(*options)
         runner.join(60)
         assert done, "the in-place sums did not finish after the restart"
