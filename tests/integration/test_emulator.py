@@ -141,14 +141,17 @@ UNAUTHENTICATED_DROPS = ("drop_unknown_job", "drop_bad_token", "drop_malformed")
 SAATP_TRAIN = SaatpTrainConfig(steps=5, move_every=2, compute_ms=30.0)
 
 
-def _fuzz_while_training(fuzz_packets: int, jobs: int = 1, policy: str = "atp") -> dict[str, int]:
+def _fuzz_while_training(
+    fuzz_packets: int, jobs: int = 1, policy: str = "atp", datapath: str = "auto"
+) -> dict[str, int]:
     """``jobs`` jobs of 3 workers train exact rounds through one switch while
     ``fuzz_packets`` datagrams aimed at them (random bytes, their packets
-    under guessed tokens) arrive; returns the switch's counters. A SwitchML
-    switch serves from its native datapath where it is built (asserted)."""
-    with switch_daemon("--policy", policy) as sw:
-        if policy == "switchml" and switchpath.PATH == "compiled":
-            assert _stats(sw)["datapath"] == "native"
+    under guessed tokens) arrive; returns the switch's counters. The switch
+    serves from its native datapath where it is built unless ``datapath``
+    says python (asserted either way)."""
+    with switch_daemon("--policy", policy, "--datapath", datapath) as sw:
+        native = datapath == "auto" and switchpath.PATH == "compiled"
+        assert _stats(sw)["datapath"] == ("native" if native else "python")
         victims = [Ticket.register(sw.control, 3) for _ in range(jobs)]
         clients = [[InaClient(v, r, timeout_s=60) for r in range(3)] for v in victims]
         firing = [
@@ -190,16 +193,19 @@ def _fuzz_while_training(fuzz_packets: int, jobs: int = 1, policy: str = "atp") 
     return cast(dict[str, int], c)
 
 
-@pytest.mark.parametrize("policy", ["atp", "switchml"])  # switchml: the native datapath
+FUZZED = [("atp", "auto"), ("atp", "python"), ("switchml", "auto")]  # auto: native where built
+
+
+@pytest.mark.parametrize(("policy", "datapath"), FUZZED)
 def test_random_and_forged_packets_are_counted_drops_while_a_job_runs_exactly(
-    policy: str,
+    policy: str, datapath: str
 ) -> None:
-    _fuzz_while_training(30_000, policy=policy)
+    _fuzz_while_training(30_000, policy=policy, datapath=datapath)
 
 
-@pytest.mark.parametrize("policy", ["atp", "switchml"])
-def test_eight_jobs_stay_exact_under_fuzz_aimed_at_all_of_them(policy: str) -> None:
-    _fuzz_while_training(40_000, jobs=8, policy=policy)
+@pytest.mark.parametrize(("policy", "datapath"), FUZZED)
+def test_eight_jobs_stay_exact_under_fuzz_aimed_at_all_of_them(policy: str, datapath: str) -> None:
+    _fuzz_while_training(40_000, jobs=8, policy=policy, datapath=datapath)
 
 
 @pytest.mark.slow
@@ -208,12 +214,13 @@ def test_a_million_random_and_forged_packets_at_eight_jobs() -> None:
     print("counters:", json.dumps({k: v for k, v in c.items() if v}, sort_keys=True))
 
 
-@pytest.mark.parametrize("policy", ["esa", "switchml"])  # switchml: the native datapath
-def test_mutated_packets_of_another_job_never_touch_this_one(policy: str) -> None:
+@pytest.mark.parametrize(("policy", "datapath"), [("esa", "auto"), ("esa", "python"),
+                                                   ("switchml", "auto")])  # fmt: skip
+def test_mutated_packets_of_another_job_never_touch_this_one(policy: str, datapath: str) -> None:
     """An attacker that holds its own job's token mutates its headers (slot
     indices, bitmaps, fan-ins): the switch survives, counts them, and the
-    victim's sums stay exact."""
-    with switch_daemon("--policy", policy) as sw:
+    victim's sums stay exact, on the native datapath and the reference."""
+    with switch_daemon("--policy", policy, "--datapath", datapath) as sw:
         victim = Ticket.register(sw.control, 2)
         attacker = Ticket.register(sw.control, 2)
         clients = [InaClient(victim, r, timeout_s=60) for r in range(2)]

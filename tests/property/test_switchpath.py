@@ -1,4 +1,4 @@
-"""The switch daemon's native SwitchML datapath against the reference, datagram for datagram.
+"""The switch daemon's native datapath against the reference, datagram for datagram.
 
 The reference is what the daemon runs in Python: ``emu.switchd.accept`` (the
 job, its token, the decoding, a job that resynchronises) and a
@@ -13,6 +13,15 @@ random and truncated bytes, and a job that resynchronises for a while;
 every datagram goes to both, which must send the same datagrams to the same
 ranks, count the same drops under the same names, and report the same
 missing workers.
+
+ATP and ESA the same way, with each job's parameter server hosted as the
+daemon hosts it (``AtpReference``: the engines hand packets to each other
+through the daemon's first-in-first-out queue): workers' shares hashed over a
+pool small enough that jobs collide, retransmissions (partials flushed to
+the PS, results answered from it), float and overflowing payloads, sums that
+overflow int32 at the PS, priorities that preempt under ESA, results forged
+from below, stale and late shares; the PS's counters and what it waits on
+are compared too.
 """
 
 from __future__ import annotations
@@ -28,9 +37,12 @@ from gradfabric.core.trace import Counters
 from gradfabric.emu.control import DaemonJob
 from gradfabric.emu.switchd import accept
 from gradfabric.net import switchpath
-from gradfabric.proto.actions import Multicast, Send
+from gradfabric.proto.actions import Action, Multicast, Send
+from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.routes import atp_index
 from gradfabric.proto.schemes import Placement
 from gradfabric.proto.switch import SwitchEngine
+from gradfabric.proto.switch.atp import FREE
 from gradfabric.proto.switch.job import SwitchJob
 from gradfabric.wire.envelope import TOKEN_BYTES, seal
 from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, encode
@@ -188,3 +200,141 @@ def _bad(rng: random.Random, pkt: Packet, token: bytes, jobs: list[tuple]) -> by
 @given(seed=st.integers(0, 2**32 - 1))
 def test_native_switch_equals_the_reference_datagram_for_datagram(seed: int) -> None:
     _scenario(seed)
+
+
+class AtpReference:
+    """The daemon's Python datapath for an ATP or ESA switch and the PS it
+    hosts for each job (``SwitchDaemon.deliver``: one queue, in order)."""
+
+    def __init__(self, policy: str) -> None:
+        self.counters = Counters()
+        self.switch = SwitchEngine.build("sw", policy, SLOTS)
+        self.servers: dict[str, ParameterServer] = {}
+        self.jobs: dict[int, DaemonJob] = {}
+        self.addressed: dict[int, set[int]] = {}
+
+    def add(self, job_id: int, token: bytes, workers: int, window: int) -> None:
+        names = tuple(f"j{job_id}w{r}" for r in range(workers))
+        server = f"s{job_id}"
+        p = Placement(job_id, names, {"sw": names}, servers=(server,))
+        self.jobs[job_id] = DaemonJob(job_id, token, workers, 0, "ina", p, entry="sw")
+        self.switch.add_job(SwitchJob(job_id, names, window=window, ps_shards=(server,)))
+        self.servers[server] = ParameterServer(server, (PsJob(job_id, names, via="sw",
+                                                              window=4 * window),))  # fmt: skip
+        self.addressed[job_id] = set()
+
+    def datagram(self, data: bytes, now: int) -> list[tuple[int, bytes]]:
+        self.counters["rx_datagrams"] += 1
+        got = accept(data, self.jobs, self.counters)
+        if got is None:
+            return []
+        out: list[tuple[int, bytes]] = []
+        work = [("sw", got[1])]
+        for name, pkt in work:  # grows as the engines hand packets on
+            engine = self.switch if name == "sw" else self.servers[name]
+            actions: list[Action] = engine.on_packet(pkt, now)
+            for a in actions:
+                dsts = (a.dst,) if isinstance(a, Send) else a.dsts  # type: ignore[union-attr]
+                for d in dsts:
+                    if d == "sw" or d in self.servers:
+                        work.append((d, a.pkt))
+                        continue
+                    # a worker of any job (an ESA preemption answers another job's)
+                    jid, rank = (int(x) for x in d[1:].split("w"))
+                    if rank in self.addressed[jid]:
+                        out.append((rank, seal(self.jobs[jid].token, a.pkt)))
+                    else:
+                        self.counters["drop_no_address"] += 1
+        return out
+
+    def missing(self, job_id: int) -> int:
+        sj = self.switch.jobs[job_id]
+        names = self.servers[f"s{job_id}"].missing_workers(job_id)
+        return self.switch.policy.missing(sj) | sum(1 << sj.children.index(n) for n in names)
+
+
+def _atp_scenario(policy: str, seed: int) -> None:
+    rng = random.Random(seed)
+    ref = AtpReference(policy)
+    nat = switchpath.NativeSwitch(SLOTS, policy)
+    jobs = []  # (id, token, workers, window, vpp)
+    for job_id in (3, 9, 12):
+        workers, window, vpp = rng.randrange(1, 5), rng.choice([1, 2, 4]), rng.choice([1, 5, 300])
+        token = rng.randbytes(TOKEN_BYTES)
+        ref.add(job_id, token, workers, window)
+        jobs.append((job_id, token, workers, window, vpp))
+
+    def install(job_id: int) -> None:
+        _, token, workers, window, _ = next(j for j in jobs if j[0] == job_id)
+        addrs = {r: bytes([r]) * 16 for r in ref.addressed[job_id]}
+        nat.job(job_id, token, workers, 0, 0, ref.jobs[job_id].resync is not None, addrs,
+                window, (4 * window, 1e6))  # fmt: skip
+
+    try:
+        for job_id, _, workers, *_ in jobs:
+            for r in range(workers):
+                if rng.random() < 0.9:
+                    ref.addressed[job_id].add(r)
+            install(job_id)
+        now, sent = 0, list[bytes]()
+        for _step in range(700):
+            now += rng.randrange(0, 10_000)
+            job_id, token, workers, window, vpp = rng.choice(jobs)
+            if rng.random() < 0.02:  # the job resynchronises for a while (a restart)
+                dj = ref.jobs[job_id]
+                dj.resync = None if dj.resync is not None else {}
+                install(job_id)
+            seq, wid = rng.randrange(0, 8 * window), rng.randrange(workers)
+            values = np.random.default_rng((seed, seq, wid)).integers(-(2**30), 2**30, vpp,
+                                                                       dtype=np.int32)  # fmt: skip
+            flags = rng.choice([0, 0, 0, Flag.ECN, Flag.RESEND])
+            payload: np.ndarray = values
+            if rng.random() < 0.05:  # a share that overflowed the worker's integers
+                flags |= Flag.FLOAT | Flag.OVERFLOW
+                payload = (values / 7.0).astype(np.float32)
+            agg = atp_index(job_id, seq, SLOTS)
+            pkt = Packet(job_id, wid, seq, agg, 1 << wid, workers, flags, rng.randrange(4), 0,
+                         vpp, payload)  # fmt: skip
+            data = token + encode(pkt)
+            r = rng.random()
+            if r < 0.2 and sent:
+                data = rng.choice(sent)  # a duplicate, or a late copy
+            elif r < 0.32:
+                data = _bad(rng, pkt, token, [(j[0], j[1], j[2], 0, j[3], j[4]) for j in jobs])
+            elif r < 0.35:  # a result forged from below, as a token holder could
+                pkt.flags = Flag.ACK | pkt.flags & (Flag.FLOAT | Flag.RESEND)
+                pkt.bitmap, pkt.fan_in = (1 << workers) - 1, workers
+                data = token + encode(pkt)
+            sent.append(data)
+            assert nat.datagram(data, now) is None
+            assert nat.take() == ref.datagram(data, now)
+            for jid, *_ in jobs:
+                assert nat.missing(jid) == ref.missing(jid)
+            assert nat.occupied() == sum(1 for a in ref.switch.policy.pool if a.state != FREE)
+        daemon, engine = Counters(), Counters()
+        job_counters = {jid: Counters() for jid in ref.jobs}
+        servers = {jid: Counters() for jid in ref.jobs}
+        nat.fold(daemon, engine, job_counters, servers)
+        assert _nonzero(daemon) == _nonzero(ref.counters)
+        assert _nonzero(engine) == _nonzero(ref.switch.counters)
+        for jid, dj in ref.jobs.items():
+            assert _nonzero(job_counters[jid]) == _nonzero(dj.counters)
+            assert _nonzero(servers[jid]) == _nonzero(ref.servers[f"s{jid}"].counters)
+        stats = ref.switch.policy.stats
+        assert nat.pool() == (stats.busy_ns, stats.held_ns, stats.claims)
+        for jid, *_ in jobs:  # a job that leaves frees what it held, its PS with it
+            ref.switch.remove_job(jid)
+            nat.forget(jid)
+            assert nat.missing(jid) == 0
+            assert nat.occupied() == sum(1 for a in ref.switch.policy.pool if a.state != FREE)
+        assert nat.pool() == (stats.busy_ns, stats.held_ns, stats.claims)
+    finally:
+        nat.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(["atp", "esa"]))
+def test_native_atp_and_esa_equal_the_reference_datagram_for_datagram(
+    seed: int, policy: str
+) -> None:
+    _atp_scenario(policy, seed)

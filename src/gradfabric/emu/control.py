@@ -95,6 +95,9 @@ class ControlPlane:
         if sa_atp is not None:
             if not scheme.can_help:
                 raise ConfigError("help", "SA-ATP help runs on the atp and esa policies")
+            if self.d.native is not None:
+                raise ConfigError("help", "SA-ATP's straggler monitor runs in the reference "
+                                  "datapath: serve with --datapath python")  # fmt: skip
             helping = HelpConfig(**sa_atp)
             if helping.iteration_packets < 1:
                 raise ConfigError("iteration_packets", "SA-ATP needs packets per iteration")

@@ -75,7 +75,7 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
     and the switch's counters."""
     from gradfabric.emu.harness import switch_daemon
 
-    with switch_daemon("--policy", "atp") as sw:
+    with switch_daemon("--policy", "atp", "--datapath", "python") as sw:  # SA-ATP: the reference
         sa = None
         if help:
             sa = {"lag_packets": cfg.lag_packets, "replicas": cfg.replicas,

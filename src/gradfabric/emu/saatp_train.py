@@ -148,7 +148,7 @@ def run_switch(cfg: SaatpTrainConfig, help: bool) -> dict[str, Any]:
 
     total_s = cfg.timeout_s + cfg.steps * cfg.device_s(0, 0, cfg.micro_batch) * cfg.slowdown * 2
     vpp = DAEMON.values_per_packet
-    with switch_daemon("--policy", "atp") as sw:
+    with switch_daemon("--policy", "atp", "--datapath", "python") as sw:  # SA-ATP: the reference
         sa = None
         if help:
             packets = -(-sum(p.numel() for p in model(cfg).parameters()) // vpp)

@@ -52,11 +52,12 @@ from gradfabric.emu.impair import Impairer, Impairment
 from gradfabric.emu.links import DOWN, UP, ShardLinks
 from gradfabric.emu.metrics import registry, serve_metrics
 from gradfabric.net import switchpath
-from gradfabric.net.switchpath import NativeSwitchML
+from gradfabric.net.switchpath import POLICIES, NativePolicy
 from gradfabric.net.udp import Address, size_buffers, sockaddr
 from gradfabric.proto.actions import Fail
 from gradfabric.proto.dispatch import Port
 from gradfabric.proto.interface import Engine
+from gradfabric.proto.ps import ParameterServer
 from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.schemes import SCHEMES
 from gradfabric.proto.switch import SwitchEngine
@@ -114,8 +115,9 @@ class SwitchConfig:
         None, "keep job registrations here: restarted on it, the daemon knows its jobs"
     )
     datapath: str = _opt(
-        "auto", "native: SwitchML's datapath in C (net.switchpath); python: the reference "
-        "engines; auto: native where it is built and can serve (switchml, no impairments)",
+        "auto", "native: the switch's datapath in C (net.switchpath: switchml, atp, esa); "
+        "python: the reference engines; auto: native where it is built and can serve "
+        "(those policies, no impairments, the PS at the switch)",
         ("auto", "native", "python"),
     )  # fmt: skip
 
@@ -147,10 +149,12 @@ class SwitchConfig:
         """Why the native switch datapath cannot serve this daemon (None: it can)."""
         if self.datapath == "python":
             return "python was asked for"
-        if self.policy != "switchml":
-            return f"it runs SwitchML only, not {self.policy}"
+        if self.policy not in POLICIES:
+            return f"it runs {', '.join(POLICIES)}, not {self.policy}"
         if self.impair != Impairment():
             return "impairments run in the reference"
+        if self.ps_link_mbps:
+            return "the PS behind modelled links runs in the reference"
         return None if switchpath.PATH == "compiled" else str(switchpath.WHY_NOT)
 
 
@@ -225,10 +229,10 @@ class SwitchDaemon:
         self.scheme = SCHEMES.get(cfg.policy)
         # Where the scheme keeps no switch state (PS, OmniReduce, DLCP) the
         # switch engine idles with an empty ATP pool.
-        self.native: NativeSwitchML | None = None
-        if cfg.native_unsuitable() is None:  # SwitchML's pool in C (net.switchpath)
+        self.native: NativePolicy | None = None
+        if cfg.native_unsuitable() is None:  # the pool (and ATP's PS) in C (net.switchpath)
             counters = Counters()
-            self.native = NativeSwitchML(cfg.slots, counters)
+            self.native = NativePolicy(cfg.policy, cfg.slots, counters)
             self.switch = SwitchEngine(self.SWITCH, self.native, counters)
         else:
             self.switch = SwitchEngine.build(self.SWITCH, self.scheme.policy or "atp", cfg.slots)
@@ -332,7 +336,7 @@ class SwitchDaemon:
             self.native.native.drain(sock.fileno())
             self.native.native.fold(
                 self.counters, self.switch.counters,
-                {i: j.counters for i, j in self.jobs.items()},
+                {i: j.counters for i, j in self.jobs.items()}, self._servers(),
             )  # fmt: skip
             return
         for _ in range(DRAIN_BATCH):  # then let the control plane and timers run
@@ -492,17 +496,36 @@ class SwitchDaemon:
         jobs that left are forgotten."""
         if self.native is None or self.sock is None:
             return
-        nat, sock = self.native.native, self.sock
+        nat, sock, cfg = self.native.native, self.sock, self.cfg
         for job_id in set(nat.known) - set(self.jobs):
             nat.forget(job_id)
         for j in self.jobs.values():
             addrs = {r: sockaddr(sock, a) for r, a in j.addrs.items()}
-            nat.job(j.job_id, j.token, j.workers, j.slot_base, self.cfg.job_slots,
-                    j.resync is not None, addrs)  # fmt: skip
+            if cfg.policy == "switchml":
+                nat.job(j.job_id, j.token, j.workers, j.slot_base, cfg.job_slots,
+                        j.resync is not None, addrs)  # fmt: skip
+                continue
+            ps = self.local[server_name(j.job_id)].engine
+            assert isinstance(ps, ParameterServer)  # ATP's and ESA's fallback
+            pj = ps.jobs[j.job_id]
+            nat.job(j.job_id, j.token, j.workers, 0, 0, j.resync is not None, addrs,
+                    cfg.job_slots, (pj.window, pj.scale))  # fmt: skip
+
+    def _servers(self) -> dict[int, Counters]:
+        """Each job's hosted PS's counters, where the native datapath runs
+        its PS (ATP, ESA): they count there, as the reference's would."""
+        out = {}
+        for job_id in self.jobs:
+            port = self.local.get(server_name(job_id))
+            if port is not None and port.engine is not None:
+                out[job_id] = port.engine.counters
+        return out
 
     # -- state ------------------------------------------------------------
     def occupancy(self) -> int:
         """Aggregators now held by some job (ATP/ESA pool; SwitchML's ranges)."""
+        if self.native is not None and self.native.name != "switchml":
+            return self.native.occupied()
         pool = getattr(self.switch.policy, "pool", None)
         if pool is not None:
             return sum(1 for a in pool if a.state != FREE)
