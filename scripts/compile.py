@@ -146,7 +146,7 @@ def compile_hook() -> None:
 LIBRARIES = (
     SRC / "gradfabric" / "wire" / "_fastquant.c",  # the clients' quantiser
     SRC / "gradfabric" / "net" / "_datapath.c",  # the workers' datapath
-    SRC / "gradfabric" / "net" / "_switchpath.c",  # the switch daemon's datapath (SwitchML, ATP, ESA)
+    SRC / "gradfabric" / "net" / "_switchpath.c",  # the switch daemon's datapath
 )
 
 
