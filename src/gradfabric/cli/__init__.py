@@ -30,8 +30,8 @@ def version() -> str:
     """The version and which paths run: the simulator's (``mypyc``: the
     compiled hot path; ``python``: the sources, where nothing was compiled),
     the switch clients' quantiser (``compiled`` C, or ``python``: numpy) and
-    the datapaths of the workers and of a SwitchML daemon (``compiled`` C, or
-    ``python``: the reference engines)."""
+    the datapaths of the workers and of the switch daemon's SwitchML, ATP and
+    ESA pools (``compiled`` C, or ``python``: the reference engines)."""
     from gradfabric.net import datapath, switchpath
     from gradfabric.wire import fastquant
 
