@@ -244,8 +244,9 @@ def _join_and_hang(ticket: Ticket, rank: int) -> None:
     time.sleep(60)
 
 
-def test_killed_worker_is_named_within_the_timeout() -> None:
-    with switch_daemon("--policy", "atp") as sw:
+@pytest.mark.parametrize("policy", ["atp", "ps"])  # native where built: the pool, or the PS
+def test_killed_worker_is_named_within_the_timeout(policy: str) -> None:
+    with switch_daemon("--policy", policy) as sw:
         ticket = Ticket.register(sw.control, 3)
         proc = mp.get_context("spawn").Process(target=_join_and_hang, args=(ticket, 2))
         proc.start()

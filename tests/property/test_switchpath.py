@@ -21,7 +21,8 @@ pool small enough that jobs collide, retransmissions (partials flushed to
 the PS, results answered from it), float and overflowing payloads, sums that
 overflow int32 at the PS, priorities that preempt under ESA, results forged
 from below, stale and late shares; the PS's counters and what it waits on
-are compared too.
+are compared too. The PS baseline's daemon the same way, its datagrams
+straight to each job's PS, which answers the workers itself.
 """
 
 from __future__ import annotations
@@ -204,11 +205,13 @@ def test_native_switch_equals_the_reference_datagram_for_datagram(seed: int) -> 
 
 class AtpReference:
     """The daemon's Python datapath for an ATP or ESA switch and the PS it
-    hosts for each job (``SwitchDaemon.deliver``: one queue, in order)."""
+    hosts for each job (``SwitchDaemon.deliver``: one queue, in order); for
+    ``ps``, the PS baseline's: the switch idle, each job's datagrams to its PS."""
 
     def __init__(self, policy: str) -> None:
         self.counters = Counters()
-        self.switch = SwitchEngine.build("sw", policy, SLOTS)
+        self.ps = policy == "ps"
+        self.switch = SwitchEngine.build("sw", "atp" if self.ps else policy, SLOTS)
         self.servers: dict[str, ParameterServer] = {}
         self.jobs: dict[int, DaemonJob] = {}
         self.addressed: dict[int, set[int]] = {}
@@ -217,10 +220,12 @@ class AtpReference:
         names = tuple(f"j{job_id}w{r}" for r in range(workers))
         server = f"s{job_id}"
         p = Placement(job_id, names, {"sw": names}, servers=(server,))
-        self.jobs[job_id] = DaemonJob(job_id, token, workers, 0, "ina", p, entry="sw")
-        self.switch.add_job(SwitchJob(job_id, names, window=window, ps_shards=(server,)))
-        self.servers[server] = ParameterServer(server, (PsJob(job_id, names, via="sw",
-                                                              window=4 * window),))  # fmt: skip
+        entry = server if self.ps else "sw"
+        self.jobs[job_id] = DaemonJob(job_id, token, workers, 0, "ina", p, entry=entry)
+        if not self.ps:
+            self.switch.add_job(SwitchJob(job_id, names, window=window, ps_shards=(server,)))
+        self.servers[server] = ParameterServer(server, (PsJob(
+            job_id, names, via=None if self.ps else "sw", window=4 * window),))  # fmt: skip
         self.addressed[job_id] = set()
 
     def datagram(self, data: bytes, now: int) -> list[tuple[int, bytes]]:
@@ -229,7 +234,7 @@ class AtpReference:
         if got is None:
             return []
         out: list[tuple[int, bytes]] = []
-        work = [("sw", got[1])]
+        work = [(got[0].entry, got[1])]
         for name, pkt in work:  # grows as the engines hand packets on
             engine = self.switch if name == "sw" else self.servers[name]
             actions: list[Action] = engine.on_packet(pkt, now)
@@ -248,9 +253,10 @@ class AtpReference:
         return out
 
     def missing(self, job_id: int) -> int:
-        sj = self.switch.jobs[job_id]
         names = self.servers[f"s{job_id}"].missing_workers(job_id)
-        return self.switch.policy.missing(sj) | sum(1 << sj.children.index(n) for n in names)
+        bits = sum(1 << int(n.split("w")[1]) for n in names)
+        sj = self.switch.jobs.get(job_id)
+        return bits | (0 if sj is None else self.switch.policy.missing(sj))
 
 
 def _atp_scenario(policy: str, seed: int) -> None:
@@ -323,7 +329,8 @@ def _atp_scenario(policy: str, seed: int) -> None:
         stats = ref.switch.policy.stats
         assert nat.pool() == (stats.busy_ns, stats.held_ns, stats.claims)
         for jid, *_ in jobs:  # a job that leaves frees what it held, its PS with it
-            ref.switch.remove_job(jid)
+            if jid in ref.switch.jobs:
+                ref.switch.remove_job(jid)
             nat.forget(jid)
             assert nat.missing(jid) == 0
             assert nat.occupied() == sum(1 for a in ref.switch.policy.pool if a.state != FREE)
@@ -333,8 +340,8 @@ def _atp_scenario(policy: str, seed: int) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(["atp", "esa"]))
-def test_native_atp_and_esa_equal_the_reference_datagram_for_datagram(
+@given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(["atp", "esa", "ps"]))
+def test_native_atp_esa_and_ps_equal_the_reference_datagram_for_datagram(
     seed: int, policy: str
 ) -> None:
     _atp_scenario(policy, seed)

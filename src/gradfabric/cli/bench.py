@@ -89,7 +89,9 @@ def add(sub: Sub) -> None:
     bw.add_argument("--warmup", type=int, default=2,
                     help="untimed sums of each way first (a run's first sum through the "
                     "switch is a one-off: connections and buffers touched first)")  # fmt: skip
-    bw.add_argument("--policy", default="switchml", choices=ALLOCATORS.names())
+    bw.add_argument("--policy", default="switchml", choices=(*ALLOCATORS.names(), "ps"),
+                    help="the switch's pool, or ps: the parameter-server baseline, one PS per "
+                    "job where the switch sits")  # fmt: skip
     bw.add_argument("--job-slots", type=int, default=8, help="the workers' window")
     bw.add_argument(
         "--values-per-packet", type=int,

@@ -115,7 +115,7 @@ class SwitchConfig:
         None, "keep job registrations here: restarted on it, the daemon knows its jobs"
     )
     datapath: str = _opt(
-        "auto", "native: the switch's datapath in C (net.switchpath: switchml, atp, esa); "
+        "auto", "native: the switch's datapath in C (net.switchpath: switchml, atp, esa, ps); "
         "python: the reference engines; auto: native where it is built and can serve "
         "(those policies, no impairments, the PS at the switch)",
         ("auto", "native", "python"),

@@ -20,13 +20,15 @@
  * - ESA (proto.switch.esa): ATP whose packets may take an occupied
  *   aggregator, a complete one at once, a partly filled one by a strictly
  *   higher priority (its partial goes to its owner's PS).
+ * - PS (proto.schemes.PS, the parameter-server baseline): no switch; each
+ *   job's datagrams go straight to its PS, which answers the workers itself.
  *
- * The daemon hosts each job's PS (emu.control, ps_link_mbps 0): the engines
- * hand packets to each other by call, queued first in first out
- * (SwitchDaemon.deliver), and so do these: a packet between the switch and a
- * PS is queued in wire form (header and values) and taken in order after the
- * datagram that caused it. Counters have the reference's names
- * (net.switchpath names their indices).
+ * The daemon hosts each job's PS (emu.control; ATP's at the switch,
+ * ps_link_mbps 0): the engines hand packets to each other by call, queued
+ * first in first out (SwitchDaemon.deliver), and so do these: a packet
+ * between the switch and a PS is queued in wire form (header and values)
+ * and taken in order after the datagram that caused it. Counters have the
+ * reference's names (net.switchpath names their indices).
  *
  * Sans-I/O like the engines: gf_s_datagram takes one datagram and the time
  * and queues what it sends in an outbox (a copy of each datagram, so a later
@@ -84,7 +86,7 @@
 #define MAX_JOBS 65536
 #define INT32_MAX_ 2147483647LL
 
-enum { P_SWITCHML, P_ATP, P_ESA }; /* the policy, as gf_s_new takes it */
+enum { P_SWITCHML, P_ATP, P_ESA, P_PS }; /* the policy, as gf_s_new takes it */
 enum { IDLE, AGGREGATING, FORWARDED, COMPLETE }; /* SwitchML's copies */
 enum { FREE, HELD, DONE };                       /* ATP's aggregators: FREE, AGGREGATING, COMPLETE */
 /* counter indices: net.switchpath names them */
@@ -197,17 +199,17 @@ typedef struct {
 const char *gf_source(void) { return GRADFABRIC_SOURCE; }
 
 gf_switch *gf_s_new(int64_t slots, int64_t policy) {
-    if (slots < 1 || policy < P_SWITCHML || policy > P_ESA) return NULL;
+    if (slots < 1 || policy < P_SWITCHML || policy > P_PS) return NULL;
     gf_switch *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->slots = slots, s->policy = policy;
     if (policy == P_SWITCHML)
         s->copies = calloc((size_t)(2 * slots), sizeof(copy_t));
-    else
+    else if (policy != P_PS)
         s->pool = calloc((size_t)slots, sizeof(agg_t));
     s->arena = malloc((size_t)OUTBOX * (TOKEN + HEADER + 4 * MAX_WIRE_VALUES));
     s->rx = malloc((size_t)BATCH * DGRAM);
-    if (!(s->copies || s->pool) || !s->arena || !s->rx) {
+    if (!(s->copies || s->pool || policy == P_PS) || !s->arena || !s->rx) {
         free(s->copies), free(s->pool), free(s->arena), free(s->rx), free(s);
         return NULL;
     }
@@ -656,12 +658,14 @@ static void switch_packet(gf_switch *s, job_t *j, const pkt_t *p, int64_t now) {
         (out) = lo_;                                                                            \
     } while (0)
 
+/* ParameterServer._unicast: a kept result for worker ``wid`` alone, through
+ * the switch flagged RESEND (ATP's fallback), or straight to it (PS). */
 static void ps_unicast(gf_switch *s, const job_t *j, const res_t *r, int64_t wid) {
-    uint8_t *d = enqueue(s, j->id, 0, r->len);
+    uint8_t *d = s->policy == P_PS ? reserve(s, j, wid, r->len) : enqueue(s, j->id, 0, r->len);
     if (!d) return;
     memcpy(d, r->raw, (size_t)r->len);
     wr16(d + 8, wid);
-    wr16(d + 4, rd16(d + 4) | F_RESEND);
+    if (s->policy != P_PS) wr16(d + 4, rd16(d + 4) | F_RESEND);
 }
 
 /* A result's bytes, to be kept (NULL: out of memory, a loss the workers recover). */
@@ -676,8 +680,9 @@ static uint8_t *ps_room(ps_t *ps, int64_t len) {
 }
 
 /* Keep the result of ``seq`` (``raw``, ``len`` bytes, from ps_room) and send it
- * back through the switch; results ``window`` sequences behind it are
- * forgotten (ParameterServer.on_packet's done heap, here the sorted results). */
+ * back through the switch (ATP's fallback) or to every worker (PS); results
+ * ``window`` sequences behind it are forgotten (ParameterServer.on_packet's
+ * done heap, here the sorted results). */
 static void ps_keep(gf_switch *s, job_t *j, int64_t seq, uint8_t *raw, int64_t len) {
     ps_t *ps = &j->ps;
     int64_t at;
@@ -692,6 +697,10 @@ static void ps_keep(gf_switch *s, job_t *j, int64_t seq, uint8_t *raw, int64_t l
     }
     memmove(ps->res, ps->res + gone, (size_t)(ps->nres - gone) * sizeof *ps->res);
     ps->nres -= gone;
+    if (s->policy == P_PS) {
+        emit(s, j, -1, raw, len);
+        return;
+    }
     uint8_t *d = enqueue(s, j->id, 0, len); /* via the switch */
     if (d) memcpy(d, raw, (size_t)len);
 }
@@ -866,7 +875,10 @@ void gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now) 
         j->counters[J_RESYNCING]++;
         return;
     }
-    switch_packet(s, j, &p, now);
+    if (s->policy == P_PS)
+        ps_packet(s, j, &p); /* the job's entry: its PS */
+    else
+        switch_packet(s, j, &p, now);
     run_work(s, now);
 }
 

@@ -1,4 +1,4 @@
-"""The switch daemon's native datapath (``_switchpath.c``): SwitchML, ATP and ESA.
+"""The switch daemon's native datapath (``_switchpath.c``): SwitchML, ATP, ESA, PS.
 
 Per datagram the Python daemon spends a dozen calls (read, job and token,
 decode, engine, policy, encode, send): on 8 KB datagrams that was the
@@ -17,7 +17,8 @@ The reference is ``emu.switchd.accept`` plus ``SwitchEngine`` with the
 policy (``SwitchMLPolicy``, ``ATPPolicy``, ``ESAPolicy``) and, for ATP and
 ESA, each job's ``ParameterServer`` hosted in the daemon (the fallback that
 merges what the pool could not, and sends every result back through the
-switch). ``tests/property/test_switchpath.py`` holds the two equal datagram
+switch), or the PS baseline's ``ParameterServer`` alone (it answers the
+workers itself). ``tests/property/test_switchpath.py`` holds the two equal datagram
 for datagram on seeded traffic with loss, duplicates, reordering,
 collisions, retransmissions, float payloads, preemptions, stale, foreign,
 forged and malformed datagrams and a job that resynchronises. The daemon
@@ -61,7 +62,7 @@ SERVER_COUNTERS: Final = (
     "merged", "resend_answered", "drop_bad_packet", "drop_stale", "drop_late_partial",
     "drop_duplicate", "drop_overlap", "drop_count_mismatch",
 )  # fmt: skip (a job's PS's, after the job's own in C)
-POLICIES: Final = ("switchml", "atp", "esa")  # in the C core's order
+POLICIES: Final = ("switchml", "atp", "esa", "ps")  # in the C core's order
 
 _i64, _p, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 _I64P = ctypes.POINTER(_i64)
@@ -190,7 +191,8 @@ def _fold(
 
 class NativePolicy:
     """An allocation policy (``proto.switch.engine.Policy``: ``switchml``,
-    ``atp`` or ``esa``) whose pool lives in a ``NativeSwitch``: the data never
+    ``atp`` or ``esa``; ``ps``: the idle switch of a PS daemon, whose servers
+    run in C too) whose pool lives in a ``NativeSwitch``: the data never
     reaches Python, so ``on_gradient`` and ``on_result`` are never called;
     ``missing``, occupancy and the pool's statistics come from C, and a job
     that leaves is cleared there (with its PS, for ATP and ESA)."""
