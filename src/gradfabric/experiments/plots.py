@@ -61,8 +61,10 @@ def grouped_bars(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.set_ylim(bottom=0)  # ratios are read off bars: from zero
-    # below the axes, where it hides no bar however many series there are
-    ax.legend(ncol=min(3, len(names)), loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    # below the axes (and below labels of several lines), where it hides no bar
+    lines = max(str(g).count("\n") for g in groups) + 1 if groups else 1
+    ax.legend(ncol=min(3, len(names)), loc="upper center",
+              bbox_to_anchor=(0.5, -0.1 - 0.06 * (lines - 1)))  # fmt: skip
     ax.grid(axis="y", alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
