@@ -620,6 +620,17 @@ def test_a_killed_rank_rejoins_and_training_resumes_from_the_checkpoint() -> Non
     assert len(hit["switch"]["jobs"]) == 1  # the old job is gone, the new one left
 
 
+@pytest.mark.skipif(switchpath.PATH != "compiled", reason=str(switchpath.WHY_NOT))
+def test_a_native_switch_refuses_an_saatp_job_and_says_how_to_serve_one() -> None:
+    """SA-ATP's straggler monitor is Python: a daemon on the native datapath
+    refuses a job that asks for help (never a monitor that sees no packet),
+    and names the flag that serves one."""
+    with switch_daemon("--policy", "atp") as sw:
+        with pytest.raises(ConfigError, match="--datapath python"):
+            Ticket.register(sw.control, 3, help={"iteration_packets": 8})
+        assert Ticket.register(sw.control, 3).job_id > 0  # plain jobs still welcome
+
+
 def test_saatp_over_udp_helps_the_straggler_and_stays_exact() -> None:
     """One worker 4x slower: the switch asks a replica holder, which sends the
     straggler's share under its bit; the straggler abandons helped iterations;

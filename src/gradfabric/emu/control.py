@@ -95,9 +95,6 @@ class ControlPlane:
         if sa_atp is not None:
             if not scheme.can_help:
                 raise ConfigError("help", "SA-ATP help runs on the atp and esa policies")
-            if self.d.native is not None:
-                raise ConfigError("help", "SA-ATP's straggler monitor runs in the reference "
-                                  "datapath: serve with --datapath python")  # fmt: skip
             helping = HelpConfig(**sa_atp)
             if helping.iteration_packets < 1:
                 raise ConfigError("iteration_packets", "SA-ATP needs packets per iteration")
@@ -161,6 +158,9 @@ class ControlPlane:
         helping: HelpConfig | None,
     ) -> DaemonJob:  # fmt: skip
         d, cfg, scheme = self.d, self.d.cfg, self.d.scheme
+        if helping is not None and d.native is not None:  # (registered, or in the state dir)
+            raise ConfigError("help", "SA-ATP's straggler monitor runs in the reference "
+                              "datapath: serve with --datapath python")  # fmt: skip
         names = tuple(worker_name(job_id, r) for r in range(workers))
         window = cfg.job_slots
         p = Placement(
