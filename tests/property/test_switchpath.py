@@ -38,7 +38,7 @@ from gradfabric.core.trace import Counters
 from gradfabric.emu.control import DaemonJob
 from gradfabric.emu.switchd import accept
 from gradfabric.net import switchpath
-from gradfabric.proto.actions import Action, Multicast, Send
+from gradfabric.proto.actions import Action, Send
 from gradfabric.proto.ps import ParameterServer, PsJob
 from gradfabric.proto.routes import atp_index
 from gradfabric.proto.schemes import Placement
@@ -54,11 +54,14 @@ SLOTS = 16
 
 
 class Reference:
-    """The daemon's Python datapath for a SwitchML switch."""
+    """The daemon's Python datapath for a SwitchML switch: ``accept``, then the
+    hosted engines, which hand packets to each other through one queue, in
+    order (``SwitchDaemon.deliver``; a SwitchML root hands nothing on)."""
 
     def __init__(self) -> None:
         self.counters = Counters()
         self.switch = SwitchEngine.build("sw", "switchml", SLOTS)
+        self.servers: dict[str, ParameterServer] = {}
         self.jobs: dict[int, DaemonJob] = {}
         self.addressed: dict[int, set[int]] = {}
 
@@ -74,20 +77,23 @@ class Reference:
         got = accept(data, self.jobs, self.counters)
         if got is None:
             return []
-        job, pkt = got
-        out = []
-        for a in self.switch.on_packet(pkt, now):
-            if isinstance(a, Send):
-                dsts, p = (a.dst,), a.pkt
-            else:
-                assert isinstance(a, Multicast)
-                dsts, p = a.dsts, a.pkt
-            for d in dsts:
-                rank = int(d.split("w")[1])
-                if rank in self.addressed[job.job_id]:
-                    out.append((rank, seal(job.token, p)))
-                else:
-                    self.counters["drop_no_address"] += 1
+        out: list[tuple[int, bytes]] = []
+        work = [(got[0].entry, got[1])]
+        for name, pkt in work:  # grows as the engines hand packets on
+            engine = self.switch if name == "sw" else self.servers[name]
+            actions: list[Action] = engine.on_packet(pkt, now)
+            for a in actions:
+                dsts = (a.dst,) if isinstance(a, Send) else a.dsts  # type: ignore[union-attr]
+                for d in dsts:
+                    if d == "sw" or d in self.servers:
+                        work.append((d, a.pkt))
+                        continue
+                    # a worker of any job (an ESA preemption answers another job's)
+                    jid, rank = (int(x) for x in d[1:].split("w"))
+                    if rank in self.addressed[jid]:
+                        out.append((rank, seal(self.jobs[jid].token, a.pkt)))
+                    else:
+                        self.counters["drop_no_address"] += 1
         return out
 
 
@@ -203,20 +209,19 @@ def test_native_switch_equals_the_reference_datagram_for_datagram(seed: int) -> 
     _scenario(seed)
 
 
-class AtpReference:
+class AtpReference(Reference):
     """The daemon's Python datapath for an ATP or ESA switch and the PS it
     hosts for each job (``SwitchDaemon.deliver``: one queue, in order); for
     ``ps``, the PS baseline's: the switch idle, each job's datagrams to its PS."""
 
     def __init__(self, policy: str) -> None:
-        self.counters = Counters()
+        super().__init__()
         self.ps = policy == "ps"
         self.switch = SwitchEngine.build("sw", "atp" if self.ps else policy, SLOTS)
-        self.servers: dict[str, ParameterServer] = {}
-        self.jobs: dict[int, DaemonJob] = {}
-        self.addressed: dict[int, set[int]] = {}
 
-    def add(self, job_id: int, token: bytes, workers: int, window: int) -> None:
+    def add(  # type: ignore[override]  # no slot range: a hashed pool
+        self, job_id: int, token: bytes, workers: int, window: int
+    ) -> None:
         names = tuple(f"j{job_id}w{r}" for r in range(workers))
         server = f"s{job_id}"
         p = Placement(job_id, names, {"sw": names}, servers=(server,))
@@ -227,30 +232,6 @@ class AtpReference:
         self.servers[server] = ParameterServer(server, (PsJob(
             job_id, names, via=None if self.ps else "sw", window=4 * window),))  # fmt: skip
         self.addressed[job_id] = set()
-
-    def datagram(self, data: bytes, now: int) -> list[tuple[int, bytes]]:
-        self.counters["rx_datagrams"] += 1
-        got = accept(data, self.jobs, self.counters)
-        if got is None:
-            return []
-        out: list[tuple[int, bytes]] = []
-        work = [(got[0].entry, got[1])]
-        for name, pkt in work:  # grows as the engines hand packets on
-            engine = self.switch if name == "sw" else self.servers[name]
-            actions: list[Action] = engine.on_packet(pkt, now)
-            for a in actions:
-                dsts = (a.dst,) if isinstance(a, Send) else a.dsts  # type: ignore[union-attr]
-                for d in dsts:
-                    if d == "sw" or d in self.servers:
-                        work.append((d, a.pkt))
-                        continue
-                    # a worker of any job (an ESA preemption answers another job's)
-                    jid, rank = (int(x) for x in d[1:].split("w"))
-                    if rank in self.addressed[jid]:
-                        out.append((rank, seal(self.jobs[jid].token, a.pkt)))
-                    else:
-                        self.counters["drop_no_address"] += 1
-        return out
 
     def missing(self, job_id: int) -> int:
         names = self.servers[f"s{job_id}"].missing_workers(job_id)

@@ -393,6 +393,17 @@ static void notice(gf_switch *s, const job_t *j, int64_t seq, int64_t wid, uint6
     if (h) header(h, j->id, F_NACK, wid, j->fan_in, 0, lost, agg, bit);
 }
 
+/* ``count`` int32 values from the wire added into ``values``: int32 sums
+ * wrap, as numpy's do. */
+static void add_wrapping(int32_t *values, const uint8_t *payload, int64_t count) {
+    uint32_t *v = (uint32_t *)values;
+    for (int64_t k = 0; k < count; k++) {
+        uint32_t x;
+        memcpy(&x, payload + 4 * k, 4);
+        v[k] += x;
+    }
+}
+
 /* SwitchMLPolicy.on_gradient (a root's: results are never from above). */
 static void switchml_gradient(gf_switch *s, job_t *j, const pkt_t *p, int64_t now) {
     int64_t w = j->slot_count, seq = p->seq, agg = p->agg, count = p->count;
@@ -439,12 +450,7 @@ static void switchml_gradient(gf_switch *s, job_t *j, const pkt_t *p, int64_t no
         s->counters[E_COUNT_MISMATCH]++;
         return;
     } else {
-        uint32_t *v = (uint32_t *)c->values; /* int32 sums wrap, as numpy's do */
-        for (int64_t k = 0; k < count; k++) {
-            uint32_t x;
-            memcpy(&x, payload + 4 * k, 4);
-            v[k] += x;
-        }
+        add_wrapping(c->values, payload, count);
     }
     c->bitmap |= p->bitmap;
     c->count++;
@@ -578,12 +584,7 @@ static void atp_gradient(gf_switch *s, job_t *j, const pkt_t *p, int64_t now) {
     if (a->count++ == 0) { /* the first share since the claim */
         memcpy(a->values, payload, (size_t)count * 4);
     } else {
-        uint32_t *v = (uint32_t *)a->values; /* int32 sums wrap, as numpy's do */
-        for (int64_t k = 0; k < count; k++) {
-            uint32_t x;
-            memcpy(&x, payload + 4 * k, 4);
-            v[k] += x;
-        }
+        add_wrapping(a->values, payload, count);
     }
     a->flags |= (int)(p->flags & F_ECN);
     if (a->count < j->fan_in) return;
