@@ -230,6 +230,8 @@ class SwitchDaemon:
         # Where the scheme keeps no switch state (PS, OmniReduce, DLCP) the
         # switch engine idles with an empty ATP pool.
         self.native: NativePolicy | None = None
+        # where the C counters fold after each drain: the jobs', their PS's (``sync_native``)
+        self.folded: tuple[dict[int, Counters], dict[int, Counters]] = ({}, {})
         if cfg.native_unsuitable() is None:  # the pool (and ATP's PS) in C (net.switchpath)
             counters = Counters()
             self.native = NativePolicy(cfg.policy, cfg.slots, counters)
@@ -334,10 +336,7 @@ class SwitchDaemon:
         sock = self.sock
         if self.native is not None and sock is not None:
             self.native.native.drain(sock.fileno())
-            self.native.native.fold(
-                self.counters, self.switch.counters,
-                {i: j.counters for i, j in self.jobs.items()}, self._servers(),
-            )  # fmt: skip
+            self.native.native.fold(self.counters, self.switch.counters, *self.folded)
             return
         for _ in range(DRAIN_BATCH):  # then let the control plane and timers run
             if sock is None:
@@ -499,6 +498,7 @@ class SwitchDaemon:
         nat, sock, cfg = self.native.native, self.sock, self.cfg
         for job_id in set(nat.known) - set(self.jobs):
             nat.forget(job_id)
+        servers: dict[int, Counters] = {}  # each job's hosted PS's: its C PS counts there
         for j in self.jobs.values():
             addrs = {r: sockaddr(sock, a) for r, a in j.addrs.items()}
             if cfg.policy == "switchml":
@@ -506,20 +506,12 @@ class SwitchDaemon:
                         j.resync is not None, addrs)  # fmt: skip
                 continue
             ps = self.local[server_name(j.job_id)].engine
-            assert isinstance(ps, ParameterServer)  # ATP's and ESA's fallback
+            assert isinstance(ps, ParameterServer)  # ATP's and ESA's fallback, or the PS
             pj = ps.jobs[j.job_id]
             nat.job(j.job_id, j.token, j.workers, 0, 0, j.resync is not None, addrs,
                     cfg.job_slots, (pj.window, pj.scale))  # fmt: skip
-
-    def _servers(self) -> dict[int, Counters]:
-        """Each job's hosted PS's counters, where the native datapath runs
-        its PS (ATP, ESA): they count there, as the reference's would."""
-        out = {}
-        for job_id in self.jobs:
-            port = self.local.get(server_name(job_id))
-            if port is not None and port.engine is not None:
-                out[job_id] = port.engine.counters
-        return out
+            servers[j.job_id] = ps.counters
+        self.folded = ({i: j.counters for i, j in self.jobs.items()}, servers)
 
     # -- state ------------------------------------------------------------
     def occupancy(self) -> int:
