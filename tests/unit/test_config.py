@@ -47,14 +47,14 @@ def test_bad_yaml_is_a_config_error(tmp_path: Path) -> None:
 
 def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
     """``switch serve --datapath native`` names why it cannot serve: a policy
-    other than SwitchML, ATP and ESA, impairments (they run in the
+    other than SwitchML, ATP, ESA and PS, impairments (they run in the
     reference), ATP's PS behind modelled links, or no build."""
     from gradfabric.emu.impair import Impairment
     from gradfabric.emu.switchd import SwitchConfig
     from gradfabric.net import switchpath
 
     for kw in (
-        {"policy": "ps"}, {"policy": "omni"}, {"policy": "esa", "ps_link_mbps": 100.0},
+        {"policy": "dlcp"}, {"policy": "omni"}, {"policy": "esa", "ps_link_mbps": 100.0},
         {"policy": "switchml", "impair": Impairment(loss=0.1)},
     ):  # fmt: skip
         with pytest.raises(ConfigError, match="datapath: native cannot serve"):
@@ -62,7 +62,7 @@ def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
         assert SwitchConfig(**kw).native_unsuitable() is not None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="datapath: one of auto, native, python"):
         SwitchConfig(datapath="fast")
-    for policy in ("switchml", "atp", "esa"):
+    for policy in ("switchml", "atp", "esa", "ps"):
         serves = SwitchConfig(policy=policy).native_unsuitable() is None
         assert serves == (switchpath.PATH == "compiled")
     assert SwitchConfig(policy="switchml", datapath="python").native_unsuitable() is not None
