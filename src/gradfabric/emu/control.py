@@ -307,12 +307,13 @@ class ControlPlane:
         if job.resync is not None:
             return [r for r in range(job.workers) if r not in job.resync]
         names = set(self.d.gave_up.get(job.job_id, ()))
-        for engine in self.d.engines():
-            if isinstance(engine, Aggregator):
-                names |= set(engine.missing_peers(job.job_id))
-        if self.d.native is not None:  # the pool and the PS in C (their engines idle)
+        if self.d.native is not None:  # the pool and the PS in C: their Python engines idle
             bits = self.d.native.native.missing(job.job_id)
             names |= {worker_name(job.job_id, r) for r in range(job.workers) if bits >> r & 1}
+        else:
+            for engine in self.d.engines():
+                if isinstance(engine, Aggregator):
+                    names |= set(engine.missing_peers(job.job_id))
         return [r for r in range(job.workers) if worker_name(job.job_id, r) in names]
 
     def handle(self, req: dict[str, Any], peer: str) -> dict[str, Any]:
