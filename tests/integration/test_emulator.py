@@ -104,6 +104,55 @@ def test_aggregates_exact_under_loss_duplication_and_reordering(policy: str) -> 
     assert counters["impair_loss"] > 0 and counters["impair_dup"] > 0, counters
 
 
+
+@pytest.mark.parametrize(("policy", "datapath"), [
+    ("switchml", "auto"), ("atp", "auto"), ("ps", "auto"), ("atp", "python"),
+])  # fmt: skip
+def test_multicast_results_leave_the_switch_once_and_stay_exact(
+    policy: str, datapath: str
+) -> None:
+    """``--multicast``: the daemon sends each result once, to the job's group,
+    and every worker reads it from the socket it joined (one worker on the
+    engine's datapath, the others native where built). Without loss each
+    worker takes exactly the results the daemon sent (unicast would send each
+    three times); then, on the reference datapath, 5% loss and 2% duplication
+    each way, where a lost multicast is lost for the whole group: exact."""
+    with switch_daemon("--policy", policy, "--multicast", "--datapath", datapath,
+                       "--rto-ms", "2000") as sw:  # fmt: skip
+        ticket = Ticket.register(sw.control, 3)
+        assert ticket.group is not None and ticket.group[0].startswith("239.77.")
+        clients = [InaClient(ticket, r, timeout_s=30, native=False if r == 0 else None)
+                   for r in range(3)]  # fmt: skip
+        try:
+            _exact_rounds(clients, 3, np.random.default_rng(5), (1, 1025, 70_001))
+        finally:
+            for c in clients:
+                c.close()
+        stats = _stats(sw)
+    sent = stats["counters"]["tx_datagrams"]
+    assert [c.engine.counters["results"] for c in clients] == [sent] * 3
+    assert sum(c.engine.counters["retransmits"] for c in clients) == 0
+    if datapath == "python":
+        with switch_daemon("--policy", policy, "--multicast", "--loss", "0.05", "--dup", "0.02",
+                           "--rto-ms", "10") as sw:  # fmt: skip
+            ticket = Ticket.register(sw.control, 3)
+            clients = [InaClient(ticket, r, timeout_s=30) for r in range(3)]
+            try:
+                _exact_rounds(clients, 3, np.random.default_rng(6), (1025, 70_001))
+            finally:
+                for c in clients:
+                    c.close()
+            assert _stats(sw)["counters"]["impair_loss"] > 0
+
+
+def test_multicast_needs_an_address_to_send_from() -> None:
+    from gradfabric.emu.switchd import SwitchConfig
+
+    with pytest.raises(ConfigError, match="multicast"):
+        SwitchConfig(multicast=True, host="0.0.0.0")
+    assert SwitchConfig(multicast=True).multicast
+
+
 def _fire(
     addr: tuple[str, int], n: int, victim_job: int, seed: int, attacker: Ticket | None = None
 ) -> None:
@@ -302,17 +351,21 @@ def _kill_once_busy(sw: RunningSwitch, datagrams: int, since: int = 0) -> None:
 
 @pytest.mark.parametrize(
     "policy, state_dir",
-    [("switchml", False), ("atp", False), ("esa", False), ("atp", True)],
+    [("switchml", False), ("atp", False), ("esa", False), ("atp", True), ("switchml", "mc")],
 )
 def test_switch_killed_mid_collective_and_restarted_resumes_exact(
-    policy: str, state_dir: bool, tmp_path: Any
+    policy: str, state_dir: bool | str, tmp_path: Any
 ) -> None:
     """SIGKILL the daemon in the middle of a collective under 5% loss each way,
     start it again on the same ports: the workers notice the new epoch,
     restore the job (or find it restored from the state directory), agree on
-    a floor and replay; every sum equals the int64 reference, then and after."""
+    a floor and replay; every sum equals the int64 reference, then and after.
+    (``mc``: results multicast to the job's group, whose reader a restart
+    must leave running.)"""
     options = ("--policy", policy, "--loss", "0.05", "--rto-ms", "10", "--job-slots", "16")
-    if state_dir:
+    if state_dir == "mc":  # results multicast
+        options += ("--multicast",)
+    elif state_dir:
         options += ("--state-dir", str(tmp_path))
     sw = start_switch(*options)
     options = _same_ports(sw, *options)
@@ -962,19 +1015,21 @@ def test_bench_switch_config_errors_name_the_field() -> None:
     not netns.usable() or not netns.nft_available(),
     reason="needs root, network namespaces and nftables (apt-get install nftables)",
 )
-def test_bench_switch_on_shaped_links_meets_the_bytes_floor_both_ways() -> None:
+@pytest.mark.parametrize("multicast", [False, True])
+def test_bench_switch_on_shaped_links_meets_the_bytes_floor_both_ways(multicast: bool) -> None:
     """The switch in the bridging namespace, 2 workers behind 1 Gbit/s links,
     nftables dropping 5% of the UDP reaching the switch: the sums stay exact,
     and neither way beats its bytes floor (S/R through the switch, 2(n-1)/n
     S/R for the ring), which holds only if both cross the shaped links. (tbf
     lets a burst of 160 KB pass at once: 1.3 ms of the 32 ms floor, hence
-    0.95.) The namespaces are gone afterwards."""
+    0.95.) With ``multicast`` the bridge replicates each result to both links.
+    The namespaces are gone afterwards."""
     from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
 
     before = netns.listed()
     row = run_switch_bench(
         SwitchBenchConfig(workers=2, tensor_mb=4, iters=1, policy="atp", link_gbps=1.0,
-                          kernel_loss=0.05, rto_ms=2.0)
+                          kernel_loss=0.05, rto_ms=2.0, multicast=multicast)
     )  # fmt: skip
     assert row["max_error"] < 1e-5
     assert row["floor_ms"] == pytest.approx(32.0) and row["ring_floor_ms"] == pytest.approx(32.0)

@@ -110,6 +110,11 @@ def add(sub: Sub) -> None:
         help="the workers' and the switch's datapath: native (C, batched socket I/O, where "
         "built; the switch's for switchml), python (the reference engines), auto (native)",
     )  # fmt: skip
+    bw.add_argument(
+        "--multicast", action="store_true",
+        help="the switch sends each result once, to the job's multicast group, and the "
+        "network replicates it (the daemon's --multicast), instead of once per worker",
+    )  # fmt: skip
     add_output(bw, "bench-switch")
     bw.set_defaults(fn=switch)
 
@@ -207,6 +212,11 @@ def add(sub: Sub) -> None:
         help="with --switch-policy: the workers' window in packets (the daemon's --job-slots)",
     )  # fmt: skip
     bd.add_argument(
+        "--switch-multicast", action="store_true",
+        help="with --switch-policy: the daemon sends each result once, to the job's "
+        "multicast group (its --multicast)",
+    )  # fmt: skip
+    bd.add_argument(
         "--switch-policy", choices=ALLOCATORS.names(),
         help="start a switch daemon with this policy for the run (with --link-gbps: where "
         "the top-of-rack switch sits, so ina_hook and gloo cross the same links)",
@@ -292,7 +302,7 @@ def switch(args: argparse.Namespace) -> int:
                           values_per_packet=args.values_per_packet or 0,
                           link_gbps=args.link_gbps,
                           kernel_loss=args.kernel_loss, rto_ms=args.rto_ms, mtu=args.mtu,
-                          datapath=args.datapath)
+                          datapath=args.datapath, multicast=args.multicast)
         for w in csv(args.workers, int) or (2, 4)
     ]  # fmt: skip
     rows = []
@@ -328,7 +338,7 @@ def ddp(args: argparse.Namespace) -> int:
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             hooks=tuple(csv(args.hooks, str) or ()), switch=args.switch,
             switch_policy=args.switch_policy, mtu=args.mtu, switch_window=args.switch_window,
-            optimizer=args.optimizer, block=args.block,
+            switch_multicast=args.switch_multicast, optimizer=args.optimizer, block=args.block,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench ddp", str(e)) from None

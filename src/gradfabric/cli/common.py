@@ -140,6 +140,10 @@ def dataclass_options(p: argparse.ArgumentParser, cls: type, skip: Sequence[str]
         flag, scale = UNITS.get(f.name, (f.name, 1.0))
         if scale != 1.0:
             default, base = default / scale, float
+        if base is bool:  # --flag / --no-flag
+            p.add_argument("--" + flag.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                           default=default, help=f.metadata.get("help", ""))  # fmt: skip
+            continue
         p.add_argument(
             "--" + flag.replace("_", "-"), type=base, default=default,
             help=f"{f.metadata.get('help', '')} (default: %(default)s)",

@@ -81,6 +81,7 @@ class DdpBenchConfig:
     switch_policy: str | None = None  # start a daemon with this policy for the run instead
     mtu: int = MTU  # with link_gbps: every link's MTU (net.netns.tor_star)
     switch_window: int = 32  # with switch_policy: the workers' window (the daemon's job slots)
+    switch_multicast: bool = False  # with switch_policy: results once, to the job's group
     optimizer: str = "sgd"  # sgd (lr 0.01) or adam (lr 1e-3); see ``_optimizers``
     block: int = 1  # steps each replica takes in a row before the next (``_schedule``)
     seed: int = 0
@@ -183,7 +184,8 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
 
             vpp = shaped_values(cfg.mtu) if cfg.link_gbps is not None else LOOPBACK_VALUES
             options = ("--policy", cfg.switch_policy, "--values-per-packet", str(vpp),
-                       "--job-slots", str(cfg.switch_window))  # fmt: skip
+                       "--job-slots", str(cfg.switch_window),
+                       *(["--multicast"] if cfg.switch_multicast else []))  # fmt: skip
             hosts, tor = None, None
             if cfg.link_gbps is not None:
                 from gradfabric.net.netns import tor_star

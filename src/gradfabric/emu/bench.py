@@ -90,6 +90,7 @@ class SwitchBenchConfig:
     kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
     # the workers' and the switch's: native (C where it serves), python (the reference)
     datapath: str = "auto"
+    multicast: bool = False  # the switch sends each result once, to the job's group
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.iters < 1 or self.tensor_mb <= 0:
@@ -123,7 +124,8 @@ def run_switch_bench(cfg: SwitchBenchConfig) -> dict[str, Any]:
 
     options = ("--policy", cfg.policy, "--job-slots", str(cfg.job_slots), "--rto-ms",
                str(cfg.rto_ms), "--values-per-packet", str(cfg.values_per_packet),
-               "--datapath", "python" if cfg.datapath == "python" else "auto")  # fmt: skip
+               "--datapath", "python" if cfg.datapath == "python" else "auto",
+               *(["--multicast"] if cfg.multicast else []))  # fmt: skip
     args = [json.dumps(asdict(cfg))]
     dropped = None
     with ExitStack() as stack:
@@ -158,6 +160,7 @@ def _row(
         "workers": cfg.workers,
         "tensor_mb": cfg.tensor_mb,
         "policy": cfg.policy,
+        "multicast": cfg.multicast,
         "link_gbps": cfg.link_gbps,
         "mtu": cfg.mtu if cfg.link_gbps is not None else None,
         "kernel_loss": cfg.kernel_loss,

@@ -38,6 +38,11 @@ daemon has heard every rank, replays from the floor it answers (see
 ``proto.worker``): the collective in flight completes with exact sums.
 OmniReduce and DLCP clients do not resume (their engines keep no replay
 state); their jobs end with the switch, naming it.
+
+A daemon serving with ``--multicast`` sends each result once, to the job's
+multicast group (``Ticket.group``), and the network replicates it: each
+client then reads a second socket, joined to the group, into the same engine
+(and the C datapath polls both); everything else stays unicast.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ from gradfabric.core.registry import Registry
 from gradfabric.emu.switchd import control_call, worker_name
 from gradfabric.net import datapath
 from gradfabric.net.overlap import Overlapped
-from gradfabric.net.udp import Address, EngineProtocol, open_engine, sockaddr
+from gradfabric.net.udp import Address, EngineProtocol, join_group, open_engine, sockaddr
 from gradfabric.proto.actions import Action, Deliver
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniWorker
@@ -117,6 +122,7 @@ class Ticket:
     push_bound: float = 0.0  # dlcp
     pull_bound: float = 0.0
     epoch: str = ""  # the daemon's incarnation that issued it
+    group: Address | None = None  # where results arrive multicast (``SwitchConfig.multicast``)
 
     def save(self, path: str) -> None:
         """Write the ticket to ``path`` (atomically), for a restarted launch to revoke."""
@@ -128,7 +134,8 @@ class Ticket:
     def load(cls, path: str) -> Ticket:
         with open(path) as f:
             d = json.load(f)
-        return cls(**d | {"switch": tuple(d["switch"]), "control": tuple(d["control"])})
+        return cls(**d | {"switch": tuple(d["switch"]), "control": tuple(d["control"]),
+                          "group": _address(d.get("group"))})  # fmt: skip
 
     def revoke(self, timeout_s: float = 5.0) -> bool:
         """Unregister the job: its stray datagrams become counted drops at the
@@ -150,7 +157,13 @@ class Ticket:
         reply = asyncio.run(control_call(control, req, timeout_s))
         known = {f.name for f in fields(cls)}
         args = {k: v for k, v in reply.items() if k in known}
-        return cls(control=control, **args | {"switch": tuple(reply["switch"])})
+        return cls(control=control, **args | {"switch": tuple(reply["switch"]),
+                                              "group": _address(reply.get("group"))})  # fmt: skip
+
+
+def _address(v: list[Any] | None) -> Address | None:
+    """A (host, port) from JSON's list."""
+    return None if v is None else (str(v[0]), int(v[1]))
 
 
 # A loss costs a round trip, not a timeout (``proto.worker``): on real links a
@@ -231,6 +244,7 @@ class Attached(Overlapped):
     refused: str | None = None  # why the job could not be taken back after a restart
     _watcher: asyncio.Task[None] | None = None
     _call: Call | None = None  # the collective in flight
+    _mcast: asyncio.DatagramTransport | None = None  # the job's multicast results (Ticket.group)
     proto: EngineProtocol
 
     def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0, **kw: Any) -> None:
@@ -294,6 +308,9 @@ class Attached(Overlapped):
             )  # fmt: skip
             self._hello_base = hello
             self.epoch = (await self._new_socket())["epoch"]
+            if t.group is not None:
+                self._mcast, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+                    lambda: _GroupFeed(self), sock=join_group(t.group, t.switch))
             if self.replayer is not None:
                 self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
@@ -304,6 +321,7 @@ class Attached(Overlapped):
         with whatever it still held) and tell the daemon its address."""
         self._drop_socket()
         transport, self.proto = await self._open_socket()
+        self._group_reading(True)
         port = transport.get_extra_info("sockname")[1]
         return await control_call(self.ticket.control, self._hello_base | {"port": port})
 
@@ -337,6 +355,7 @@ class Attached(Overlapped):
         restore = job | {
             "op": "restore", "workers": t.workers, "kind": t.kind, "slot_base": t.slot_base,
             "window": t.window, "values_per_packet": t.values_per_packet, "policy": t.policy,
+            "multicast": t.group is not None,
         }  # fmt: skip
         try:
             epoch = (await control_call(t.control, restore))["epoch"]
@@ -387,6 +406,14 @@ class Attached(Overlapped):
         self._parked = None
         if parked is not None and parked is self.proto.transport:
             parked.resume_reading()  # type: ignore[union-attr]  # selector transports have it
+            self._group_reading(True)
+
+    def _group_reading(self, on: bool) -> None:
+        """The multicast socket's reader follows the engine socket's: paused
+        while the C datapath reads both."""
+        g = self._mcast
+        if g is not None and not g.is_closing():
+            (g.resume_reading if on else g.pause_reading)()  # type: ignore[attr-defined]
 
     def _run(self, call: Call, start: Callable[[], list[Action]]) -> npt.NDArray[np.int64]:
         """Start a collective in the loop thread and wait for it."""
@@ -536,6 +563,8 @@ class Attached(Overlapped):
         if self._watcher is not None:
             await _cancelled(self._watcher)
         self._drop_socket()
+        if self._mcast is not None:
+            self._mcast.close()
         await asyncio.sleep(0)  # the transport's close callback runs
 
     def _drop_socket(self) -> None:
@@ -546,6 +575,19 @@ class Attached(Overlapped):
             proto.attach(None)
             if proto.transport is not None:
                 proto.transport.close()
+
+
+class _GroupFeed(asyncio.DatagramProtocol):
+    """The job's multicast results, into the engine's protocol (which
+    answers from the engine's own socket)."""
+
+    def __init__(self, client: Attached) -> None:
+        self.client = client
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        proto = getattr(self.client, "proto", None)
+        if proto is not None and proto.transport is not None:
+            proto.datagram_received(data, addr)
 
 
 class InaClient(Attached):
@@ -658,8 +700,9 @@ class InaClient(Attached):
         outcome = datapath.ABORTED
         try:
             fast.start(q, call.result, time.monotonic_ns(), fused)
+            group_fd = -1 if self._mcast is None else self._mcast.get_extra_info("socket").fileno()
             outcome = fast.run(sock.fileno(), addr, time.monotonic_ns() + int(self.timeout_s * 1e9),
-                               self.abort)  # fmt: skip
+                               self.abort, group_fd)  # fmt: skip
         finally:
             if outcome != datapath.DONE_RUN:
                 self._wait(self._hand_back(fast, call, outcome))
@@ -695,6 +738,7 @@ class InaClient(Attached):
         transport = self.proto.transport
         assert transport is not None
         transport.pause_reading()  # type: ignore[attr-defined]  # selector transports have it
+        self._group_reading(False)
         return transport, transport.get_extra_info("socket")
 
     async def _hand_back(self, fast: datapath.NativeWorker, call: Call, outcome: int) -> None:
@@ -725,6 +769,7 @@ class InaClient(Attached):
         self._parked = None
         if self.proto.transport is not None:
             self.proto.transport.resume_reading()  # type: ignore[attr-defined]
+            self._group_reading(True)
             self.proto.execute([])
 
     def _deliver(self, d: Deliver) -> None:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.emu.links import ShardLinks
-from gradfabric.net.udp import Address
+from gradfabric.net.udp import Address, group_of
 from gradfabric.proto.interface import Aggregator
 from gradfabric.proto.schemes import Placement
 from gradfabric.proto.switch.straggler import HelpConfig
@@ -67,6 +67,7 @@ class DaemonJob:
     counters: Counters = field(default_factory=Counters)  # datagrams that named this job
     resync: dict[int, int] | None = None  # restored, waiting: rank -> its base
     floor: int | None = None  # where the last resynchronisation told workers to replay from
+    group: Address | None = None  # its multicast group (``SwitchConfig.multicast``)
 
 
 def worker_name(job_id: int, rank: int) -> str:
@@ -115,8 +116,9 @@ class ControlPlane:
                 raise ConfigError("job_id", f"job {job_id} is another job's now")
             return self.ticket(job)  # restored already, by another rank or from the state dir
         theirs = {k: req.get(k) for k in ("policy", "window", "values_per_packet")}
+        theirs["multicast"] = bool(req.get("multicast", False))  # whether its ranks joined a group
         ours = {"policy": cfg.policy, "window": cfg.job_slots,
-                "values_per_packet": cfg.values_per_packet}  # fmt: skip
+                "values_per_packet": cfg.values_per_packet, "multicast": cfg.multicast}  # fmt: skip
         if theirs != ours:
             raise ConfigError("restore", f"the daemon now runs {ours}, the job had {theirs}")
         workers, base = int(req["workers"]), int(req.get("slot_base", 0))
@@ -180,6 +182,9 @@ class ControlPlane:
             job_id, token, workers, base, kind, p,
             entry=scheme.entry(p), shaped=scheme.shaped_port and cfg.port_mbps > 0,
         )  # fmt: skip
+        if cfg.multicast:
+            assert d.sock is not None
+            job.group = group_of(job_id, d.sock.getsockname()[1])
         d.jobs[job_id] = job
         return job
 
@@ -204,6 +209,7 @@ class ControlPlane:
             "push_bound": cfg.push_bound,
             "pull_bound": cfg.pull_bound,
             "epoch": d.epoch,
+            "group": None if job.group is None else list(job.group),
         }
 
     def _new_id(self) -> int:
@@ -285,7 +291,8 @@ class ControlPlane:
         """What a job's workers depend on: a daemon must match it to take the jobs over."""
         cfg = self.d.cfg
         return {"policy": cfg.policy, "slots": cfg.slots, "window": cfg.job_slots,
-                "values_per_packet": cfg.values_per_packet}  # fmt: skip
+                "values_per_packet": cfg.values_per_packet,
+                **({"multicast": True} if cfg.multicast else {})}  # fmt: skip
 
     def _hello(self, job: DaemonJob, rank: int, addr: Address) -> None:
         if not 0 <= rank < job.workers:

@@ -53,7 +53,7 @@ from gradfabric.emu.links import DOWN, UP, ShardLinks
 from gradfabric.emu.metrics import registry, serve_metrics
 from gradfabric.net import switchpath
 from gradfabric.net.switchpath import POLICIES, NativePolicy
-from gradfabric.net.udp import Address, size_buffers, sockaddr
+from gradfabric.net.udp import IP_MULTICAST_ALL, Address, size_buffers, sockaddr
 from gradfabric.proto.actions import Fail
 from gradfabric.proto.dispatch import Port
 from gradfabric.proto.interface import Engine
@@ -114,6 +114,11 @@ class SwitchConfig:
     state_dir: str | None = _opt(
         None, "keep job registrations here: restarted on it, the daemon knows its jobs"
     )
+    multicast: bool = _opt(
+        False, "send a result once, to its job's multicast group (239.77.x.y on the data "
+        "port), not once per worker: the network replicates it, as a switch's packet "
+        "replication does (loopback and a Linux bridge carry it; needs --host)",
+    )  # fmt: skip
     datapath: str = _opt(
         "auto", "native: the switch's datapath in C (net.switchpath: switchml, atp, esa, ps); "
         "python: the reference engines; auto: native where it is built and can serve "
@@ -139,6 +144,8 @@ class SwitchConfig:
         for name in ("push_bound", "pull_bound"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if self.multicast and self.host in ("", "0.0.0.0"):
+            raise ConfigError("multicast", "needs --host: the address that sends the groups")
         if self.datapath not in ("auto", "native", "python"):
             raise ConfigError("datapath", f"one of auto, native, python; got {self.datapath!r}")
         why = self.native_unsuitable()
@@ -201,6 +208,8 @@ class _Hosted(Port):
 
     def multicast(self, dsts: tuple[str, ...], pkt: Packet) -> None:
         raw: list[bytes] = []  # sealed once, for the datagrams among them
+        if self.links is None and self.daemon.to_group(dsts, pkt):
+            return
         for d in dsts:
             if self.links is not None:
                 self.links.cross(pkt, UP, self.daemon.forward, d, pkt, raw)
@@ -292,6 +301,10 @@ class SwitchDaemon:
         if cfg.sndbuf_kb:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.sndbuf_kb * 1024)
         sock.bind((cfg.host, cfg.port))
+        if cfg.multicast:  # out of the interface the workers reach us by; ours stay ours
+            here = socket.inet_aton(sock.getsockname()[0])
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, here)
+            sock.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
         loop.add_reader(sock.fileno(), self._drain)
         self.control.load()
         self.sync_native()
@@ -433,21 +446,35 @@ class SwitchDaemon:
         if hit is None:
             self.counters["drop_no_address"] += 1
             return
+        self._out(hit[0], pkt, raw, hit[1])
+
+    def to_group(self, dsts: tuple[str, ...], pkt: Packet) -> bool:
+        """A packet for every worker of a job that has a multicast group:
+        sent once, to the group (the C datapath does the same)."""
+        hit = self.book.get(dsts[0])
+        if hit is None or hit[0].group is None or dsts != hit[0].placement.workers:
+            return False
+        self._out(hit[0], pkt, None, hit[0].group)
+        return True
+
+    def _out(self, job: DaemonJob, pkt: Packet, raw: list[bytes] | None, addr: Address) -> None:
+        """``pkt`` sealed with ``job``'s token (``raw`` caches one sealing)
+        and sent to ``addr``, through the impairments."""
         try:
             if raw is None:
-                data = seal(hit[0].token, pkt)
+                data = seal(job.token, pkt)
             else:
                 if not raw:
-                    raw.append(seal(hit[0].token, pkt))
+                    raw.append(seal(job.token, pkt))
                 data = raw[0]
         except ValueError:  # an engine built a packet the wire cannot carry
             self.counters["drop_unencodable"] += 1
             return
         for delay in self.impair.delays_s():
             if delay > 0:
-                asyncio.get_running_loop().call_later(delay, self._sendto, data, hit[1])
+                asyncio.get_running_loop().call_later(delay, self._sendto, data, addr)
             else:
-                self._sendto(data, hit[1])
+                self._sendto(data, addr)
 
     def _sendto(self, raw: bytes, addr: Address) -> None:
         if self.sock is None:
@@ -501,6 +528,8 @@ class SwitchDaemon:
         servers: dict[int, Counters] = {}  # each job's hosted PS's: its C PS counts there
         for j in self.jobs.values():
             addrs = {r: sockaddr(sock, a) for r, a in j.addrs.items()}
+            if j.group is not None:
+                addrs[-1] = sockaddr(sock, j.group)
             if cfg.policy == "switchml":
                 nat.job(j.job_id, j.token, j.workers, j.slot_base, cfg.job_slots,
                         j.resync is not None, addrs)  # fmt: skip

@@ -543,14 +543,41 @@ static int flush(gf_worker *w, int fd, const struct sockaddr *addr, socklen_t al
     return 0;
 }
 
+/* One batch of what socket ``fd`` holds through gf_w_datagram; -1 on memory. */
+static int receive(gf_worker *w, int fd) {
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[BATCH];
+    for (int k = 0; k < BATCH; k++) {
+        iov[k].iov_base = w->rx + (size_t)k * DGRAM;
+        iov[k].iov_len = DGRAM;
+        memset(&msgs[k], 0, sizeof msgs[k]);
+        msgs[k].msg_hdr.msg_iov = &iov[k];
+        msgs[k].msg_hdr.msg_iovlen = 1;
+    }
+    int got = recvmmsg(fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+    w->counters[C_SYSCALLS]++;
+    if (got < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+            w->counters[C_SOCKET_ERROR]++;
+        return 0;
+    }
+    int64_t now = now_ns();
+    w->counters[C_RX] += got;
+    for (int k = 0; k < got; k++) {
+        int64_t n = (msgs[k].msg_hdr.msg_flags & MSG_TRUNC) ? DGRAM + 1 : msgs[k].msg_len;
+        if (gf_w_datagram(w, w->rx + (size_t)k * DGRAM, n, now)) return -1;
+    }
+    return 0;
+}
+
 /* Drive the call on socket ``fd`` until every result is in (RUN_DONE), the
  * caller sets ``*abort`` (RUN_ABORTED), ``wall_deadline`` passes (RUN_TIMEOUT),
  * a packet runs out of retransmissions (RUN_FAILED, fail_seq) or memory does
- * (RUN_ERROR). gf_w_start must have run. */
-int gf_w_run(gf_worker *w, int fd, const uint8_t *addr, int64_t alen, int64_t wall_deadline,
-             volatile const int32_t *abort) {
-    struct mmsghdr msgs[BATCH];
-    struct iovec iov[BATCH];
+ * (RUN_ERROR). gf_w_start must have run. ``group_fd`` (-1: none) is the
+ * socket that receives the job's multicast results (emu.client.Attached);
+ * everything is sent from ``fd``. */
+int gf_w_run(gf_worker *w, int fd, int group_fd, const uint8_t *addr, int64_t alen,
+             int64_t wall_deadline, volatile const int32_t *abort) {
     const struct sockaddr *sa = (const struct sockaddr *)addr;
     w->txq_head = w->txq_len = 0;
     if (flush(w, fd, sa, (socklen_t)alen)) return RUN_ERROR;
@@ -574,28 +601,10 @@ int gf_w_run(gf_worker *w, int fd, const uint8_t *addr, int64_t alen, int64_t wa
         if (w->txq_len && w->next_tx - PACE_AHEAD_NS - now < wait) wait = w->next_tx - PACE_AHEAD_NS - now;
         if (wait > ABORT_CHECK_NS) wait = ABORT_CHECK_NS;
         struct timespec ts = {wait / 1000000000LL, wait % 1000000000LL};
-        struct pollfd p = {fd, POLLIN, 0};
-        if (ppoll(&p, 1, &ts, NULL) <= 0) continue;
-        for (int k = 0; k < BATCH; k++) {
-            iov[k].iov_base = w->rx + (size_t)k * DGRAM;
-            iov[k].iov_len = DGRAM;
-            memset(&msgs[k], 0, sizeof msgs[k]);
-            msgs[k].msg_hdr.msg_iov = &iov[k];
-            msgs[k].msg_hdr.msg_iovlen = 1;
-        }
-        int got = recvmmsg(fd, msgs, BATCH, MSG_DONTWAIT, NULL);
-        w->counters[C_SYSCALLS]++;
-        if (got < 0) {
-            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-                w->counters[C_SOCKET_ERROR]++;
-            continue;
-        }
-        now = now_ns();
-        w->counters[C_RX] += got;
-        for (int k = 0; k < got; k++) {
-            int64_t n = (msgs[k].msg_hdr.msg_flags & MSG_TRUNC) ? DGRAM + 1 : msgs[k].msg_len;
-            if (gf_w_datagram(w, w->rx + (size_t)k * DGRAM, n, now)) return RUN_ERROR;
-        }
+        struct pollfd p[2] = {{fd, POLLIN, 0}, {group_fd, POLLIN, 0}};
+        if (ppoll(p, group_fd < 0 ? 1 : 2, &ts, NULL) <= 0) continue;
+        for (int i = 0; i < 2; i++)
+            if (p[i].revents && receive(w, p[i].fd)) return RUN_ERROR;
         if (flush(w, fd, sa, (socklen_t)alen)) return RUN_ERROR;
     }
     return RUN_DONE;

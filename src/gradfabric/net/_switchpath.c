@@ -150,6 +150,8 @@ typedef struct {
     ps_t ps;
     struct sockaddr_storage addr[MAX_FAN_IN];
     socklen_t alen[MAX_FAN_IN];
+    struct sockaddr_storage group; /* where a packet for every child goes once (glen 0: none) */
+    socklen_t glen;
     int64_t counters[NJOB];
 } job_t;
 
@@ -269,13 +271,14 @@ int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_in, int
     return 0;
 }
 
-/* A worker's address (hello); a zero length forgets it. */
+/* A worker's address (hello), or for rank -1 the job's multicast group
+ * (emu.switchd's --multicast); a zero length forgets it. */
 int gf_s_addr(gf_switch *s, int64_t id, int64_t rank, const uint8_t *addr, int64_t alen) {
     job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
-    if (!j || rank < 0 || rank >= j->fan_in || alen < 0 || alen > (int64_t)sizeof j->addr[0])
+    if (!j || rank < -1 || rank >= j->fan_in || alen < 0 || alen > (int64_t)sizeof j->group)
         return -1;
-    memcpy(&j->addr[rank], addr, (size_t)alen);
-    j->alen[rank] = (socklen_t)alen;
+    memcpy(rank < 0 ? &j->group : &j->addr[rank], addr, (size_t)alen);
+    *(rank < 0 ? &j->glen : &j->alen[rank]) = (socklen_t)alen;
     return 0;
 }
 
@@ -884,12 +887,20 @@ void gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now) 
 }
 
 /* The outbox, one datagram per destination: a child without an address is
- * the reference's drop_no_address. ``emit`` gets each (out item, rank). */
+ * the reference's drop_no_address. ``emit`` gets each (out item, rank). With
+ * ``groups``, a packet for every child of a job that has a multicast group
+ * leaves once, to the group (rank -1), as SwitchDaemon.forward_group sends
+ * it: the network replicates it, as a switch's packet replication engine
+ * does (the differential test compares the destinations, ``groups`` 0). */
 typedef int (*emit_fn)(void *ctx, const out_t *o, int64_t rank);
 
-static int expand(gf_switch *s, emit_fn emit, void *ctx) {
+static int expand(gf_switch *s, emit_fn emit, void *ctx, int groups) {
     for (int64_t i = 0; i < s->nout; i++) {
         const out_t *o = &s->out[i];
+        if (groups && o->to < 0 && o->job->glen) {
+            if (emit(ctx, o, -1)) return -1;
+            continue;
+        }
         int64_t lo = o->to < 0 ? 0 : o->to, hi = o->to < 0 ? o->job->fan_in : o->to + 1;
         for (int64_t r = lo; r < hi; r++) {
             if (!o->job->alen[r]) {
@@ -922,7 +933,7 @@ static int take_one(void *ctx, const out_t *o, int64_t rank) {
  * a u32 length and its bytes; -1 if ``cap`` is short. */
 int64_t gf_s_take(gf_switch *s, uint8_t *buf, int64_t cap) {
     take_t t = {buf, 0, cap};
-    return expand(s, take_one, &t) ? -1 : t.at;
+    return expand(s, take_one, &t, 0) ? -1 : t.at;
 }
 
 typedef struct {
@@ -957,8 +968,8 @@ static int send_one(void *ctx, const out_t *o, int64_t rank) {
     struct mmsghdr *m = &t->msgs[t->n];
     t->iov[t->n] = (struct iovec){o->data, (size_t)o->len};
     memset(m, 0, sizeof *m);
-    m->msg_hdr.msg_name = (void *)&o->job->addr[rank];
-    m->msg_hdr.msg_namelen = o->job->alen[rank];
+    m->msg_hdr.msg_name = (void *)(rank < 0 ? &o->job->group : &o->job->addr[rank]);
+    m->msg_hdr.msg_namelen = rank < 0 ? o->job->glen : o->job->alen[rank];
     m->msg_hdr.msg_iov = &t->iov[t->n];
     m->msg_hdr.msg_iovlen = 1;
     t->n++;
@@ -996,7 +1007,7 @@ int64_t gf_s_drain(gf_switch *s, int fd, int64_t batches) {
             int64_t n = (msgs[k].msg_hdr.msg_flags & MSG_TRUNC) ? DGRAM + 1 : msgs[k].msg_len;
             gf_s_datagram(s, s->rx + (size_t)k * DGRAM, n, now);
         }
-        expand(s, send_one, t);
+        expand(s, send_one, t, 1);
         send_now(t);
         total += got;
         if (got < BATCH) break;

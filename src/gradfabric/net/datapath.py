@@ -101,7 +101,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ("gf_w_datagram", [ref, ctypes.c_char_p, _i64, _i64], ctypes.c_int),
         ("gf_w_deadline", [ref], _i64), ("gf_w_timer", [ref, _i64], ctypes.c_int),
         ("gf_w_take", [ref, _p, _i64], _i64),
-        ("gf_w_run", [ref, ctypes.c_int, ctypes.c_char_p, _i64, _i64, _p], ctypes.c_int),
+        ("gf_w_run", [ref, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, _i64, _i64, _p],
+         ctypes.c_int),
     ))  # fmt: skip
     if lib is not None and lib.gf_w_size() != ctypes.sizeof(_Worker):
         return None, "the library's worker layout differs from this module's"
@@ -254,10 +255,14 @@ class NativeWorker:
             at += 4 + n
         return out
 
-    def run(self, fd: int, addr: bytes, wall_deadline_ns: int, abort: ctypes.c_int32) -> int:
+    def run(
+        self, fd: int, addr: bytes, wall_deadline_ns: int, abort: ctypes.c_int32,
+        group_fd: int = -1,
+    ) -> int:  # fmt: skip
         """Serve the started call on socket ``fd`` (its peer ``addr``, a raw
-        sockaddr) until done, aborted, past ``wall_deadline_ns`` or failed."""
-        return int(self.lib.gf_w_run(ctypes.byref(self.w), fd, addr, len(addr),
+        sockaddr) until done, aborted, past ``wall_deadline_ns`` or failed;
+        results also arrive on ``group_fd`` (the job's multicast group; -1: none)."""
+        return int(self.lib.gf_w_run(ctypes.byref(self.w), fd, group_fd, addr, len(addr),
                                      wall_deadline_ns, ctypes.addressof(abort)))  # fmt: skip
 
     @property

@@ -298,7 +298,9 @@ def tor_star(
     try:
         _ip("netns", "add", sw)
         made.append(sw)
-        _ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        # no IGMP snooping: the bridge floods a job's multicast results to every
+        # port, as a switch replicates them (``SwitchConfig.multicast``)
+        _ip("-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
         _ip("-n", sw, "link", "set", "br0", "up")
         _ip("-n", sw, "link", "set", "lo", "up")
         _ip("-n", sw, "addr", "add", f"10.77.{tag}.{TOR_HOST}/24", "dev", "br0")

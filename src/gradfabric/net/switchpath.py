@@ -110,7 +110,9 @@ class NativeSwitch:
     ) -> None:  # fmt: skip
         """Install or update a job (only what changed is written). SwitchML:
         its slot range; ATP and ESA: the switch job's ``window`` and its PS's
-        (``ps``: the results it keeps, its integer scale; ``proto.ps.PsJob``)."""
+        (``ps``: the results it keeps, its integer scale; ``proto.ps.PsJob``).
+        ``addrs``: raw sockaddrs by rank; rank -1 is the job's multicast group,
+        where what goes to every worker is sent once (``drain``, not ``take``)."""
         state = (token, workers, slot_base, slot_count, resync, tuple(sorted(addrs.items())),
                  window, ps)  # fmt: skip
         if self.known.get(job_id) == state:

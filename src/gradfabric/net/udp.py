@@ -17,9 +17,9 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import Final, cast
 
-from gradfabric.core.errors import PeerTimeoutError, ProtocolError
+from gradfabric.core.errors import ConfigError, PeerTimeoutError, ProtocolError
 from gradfabric.proto.actions import Deliver, Fail, HelpRequest
 from gradfabric.proto.dispatch import Port, timeout_error
 from gradfabric.proto.interface import Engine
@@ -42,6 +42,41 @@ def sockaddr(sock: socket.socket, address: Address) -> bytes:
         return (family + struct.pack("!HI", port, 0) + socket.inet_pton(socket.AF_INET6, host)
                 + struct.pack("=I", 0))  # fmt: skip
     raise ValueError(f"the native datapaths speak IPv4 and IPv6, not family {sock.family}")
+
+
+# Linux's: a socket gets only the groups it joined, not every group its host
+# joined (the default, 1); Python names it from 3.12 on.
+IP_MULTICAST_ALL: Final = getattr(socket, "IP_MULTICAST_ALL", 49)
+
+
+def group_of(job_id: int, port: int) -> Address:
+    """Job ``job_id``'s multicast group (1 <= job_id <= 0xFFFF) on ``port``:
+    administratively scoped (RFC 2365), one per job."""
+    return f"239.77.{job_id >> 8}.{job_id & 0xFF}", port
+
+
+def join_group(group: Address, toward: Address) -> socket.socket:
+    """A non-blocking socket that receives ``group``'s datagrams, joined on
+    the interface that routes toward ``toward`` (the daemon), and only those."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(toward)  # no datagram: the kernel picks the route
+        iface = probe.getsockname()[0]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the group's other members
+        sock.bind(group)
+        mreq = socket.inet_aton(group[0]) + socket.inet_aton(iface)
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+        sock.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
+    except OSError as e:
+        sock.close()
+        raise ConfigError("multicast", f"cannot join {group[0]}:{group[1]} toward "
+                          f"{toward[0]}: {e}; serve without --multicast") from e  # fmt: skip
+    finally:
+        probe.close()
+    sock.setblocking(False)
+    size_buffers(sock)
+    return sock
 
 
 def size_buffers(sock: socket.socket) -> None:
