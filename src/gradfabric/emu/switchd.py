@@ -451,7 +451,7 @@ class SwitchDaemon:
     def to_group(self, dsts: tuple[str, ...], pkt: Packet) -> bool:
         """A packet for every worker of a job that has a multicast group:
         sent once, to the group (the C datapath does the same)."""
-        hit = self.book.get(dsts[0])
+        hit = self.book.get(dsts[0]) if dsts else None
         if hit is None or hit[0].group is None or dsts != hit[0].placement.workers:
             return False
         self._out(hit[0], pkt, None, hit[0].group)
