@@ -208,7 +208,7 @@ class _Hosted(Port):
 
     def multicast(self, dsts: tuple[str, ...], pkt: Packet) -> None:
         raw: list[bytes] = []  # sealed once, for the datagrams among them
-        if self.links is None and self.daemon.to_group(dsts, pkt):
+        if self.links is None and self.daemon.cfg.multicast and self.daemon.to_group(dsts, pkt):
             return
         for d in dsts:
             if self.links is not None:
