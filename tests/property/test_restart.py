@@ -19,6 +19,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradfabric.emu.client import fast_retransmit
 from gradfabric.proto.actions import Deliver, Fail, Multicast, Send
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.schemes import SCHEMES, InaConfig, Placement
@@ -28,22 +29,27 @@ from gradfabric.wire.packet import Packet
 VPP = 16
 
 
-def _job(scheme: str, workers: int, window: int) -> tuple[Placement, dict[str, Engine]]:
+def _job(
+    scheme: str, workers: int, window: int, repair: bool
+) -> tuple[Placement, dict[str, Engine]]:
+    """``repair``: the emulator's workers' (fast retransmit, loss notices where
+    the switch sends them, and with them the timer's lowest-first rule)."""
     names = tuple(f"w{r}" for r in range(workers))
     s = SCHEMES.get(scheme)
     p = Placement(
         1, names, {"sw": names}, servers=("ps",), window=window, pool_slots=4 * window,
         rto_ns=50_000, values_per_packet=VPP, max_retries=2_000, resumable=True,
+        fast_retransmit=fast_retransmit(s.sends_notices, window) if repair else 0, nack=repair,
     )  # fmt: skip
     return p, s.engines(p, InaConfig(values_per_packet=VPP))
 
 
 def _run(
-    scheme: str, workers: int, window: int, n: int, loss: float, dup: float, restart_at: int,
-    seed: int,
+    scheme: str, workers: int, window: int, repair: bool, n: int, loss: float, dup: float,
+    restart_at: int, seed: int,
 ) -> tuple[list[np.ndarray], np.ndarray, int]:  # fmt: skip
     rng = random.Random(seed)
-    p, engines = _job(scheme, workers, window)
+    p, engines = _job(scheme, workers, window, repair)
     xs = [np.random.default_rng((seed, r)).integers(-1000, 1000, n, dtype=np.int32)
           for r in range(workers)]  # fmt: skip
     outs = [np.zeros(n, dtype=np.int64) for _ in range(workers)]
@@ -76,7 +82,7 @@ def _run(
         events += 1
         now += 1_000
         if events == restart_at:  # the switch dies; a fresh one (and PS) comes up
-            fresh = _job(scheme, workers, window)[1]
+            fresh = _job(scheme, workers, window, repair)[1]
             for name in fresh:
                 if name not in p.workers:
                     engines[name] = fresh[name]
@@ -112,6 +118,7 @@ def _run(
     scheme=st.sampled_from(["switchml", "atp", "esa"]),
     workers=st.integers(2, 4),
     window=st.integers(1, 8),
+    repair=st.booleans(),
     packets=st.integers(1, 40),
     loss=st.floats(0.0, 0.2),
     dup=st.floats(0.0, 0.1),
@@ -119,12 +126,13 @@ def _run(
     seed=st.integers(0, 2**32 - 1),
 )
 def test_restart_anywhere_then_replay_from_the_floor_is_exact(
-    scheme: str, workers: int, window: int, packets: int, loss: float, dup: float,
-    restart_frac: float, seed: int,
+    scheme: str, workers: int, window: int, repair: bool, packets: int, loss: float,
+    dup: float, restart_frac: float, seed: int,
 ) -> None:  # fmt: skip
     n = packets * VPP - seed % VPP
     # how long an undisturbed run takes, to place the restart inside it
-    _, _, span = _run(scheme, workers, window, n, loss, dup, -1, seed)
-    outs, ref, _ = _run(scheme, workers, window, n, loss, dup, int(restart_frac * span) + 1, seed)
+    _, _, span = _run(scheme, workers, window, repair, n, loss, dup, -1, seed)
+    at = int(restart_frac * span) + 1
+    outs, ref, _ = _run(scheme, workers, window, repair, n, loss, dup, at, seed)
     for o in outs:
         np.testing.assert_array_equal(o, ref)

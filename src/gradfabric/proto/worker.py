@@ -55,11 +55,14 @@ Once the job's workers agree on a floor (the smallest ``base`` among them,
 while results are held), ``replay(floor)`` sends every kept contribution at
 or above it again, retransmitted like any other until its result returns;
 that result is then only counted (``replay_answered``), never delivered a
-second time; once this worker's ``base`` passes ``seq + W`` nobody can need
-``seq`` any more and its replay stops (``replays_retired``; the switch may
-no longer answer it). Every sequence some worker still needs is then resent
-by all workers, and all of them lie in ``[floor, floor + 2W)``, which
-SwitchML's two copies per slot (and ATP's keys) tell apart.
+second time; once this worker holds the result of ``seq + W`` or later,
+nobody can need ``seq`` any more and its replay stops (``replays_retired``;
+the switch may no longer answer it). While replays are outstanding the timer
+resends everything due, not only the lowest: a replay the new switch can no
+longer answer must not hold back this worker's own resends. Every sequence
+some worker still needs is then resent by all workers, and all of them lie
+in ``[floor, floor + 2W)``, which SwitchML's two copies per slot (and ATP's
+keys) tell apart.
 
 A result still on its way from the old switch must not count as the new
 switch's answer (the new one may still need this worker's share), so a
@@ -420,11 +423,25 @@ class ResumableWorker(WorkerEngine):
             actions.append(self._resend(seq, out[seq], deadline))
         return actions
 
+    def on_timer(self, now_ns: int) -> list[Action]:
+        """While replaying, every due packet is resent: the timer's lowest-first
+        rule counts on results and notices to repair the rest, and the lowest
+        may be a replay the new switch can no longer answer (its copy moved on,
+        a stale drop, silent) while this worker's result of a later sequence
+        was lost; resending only it would wait on nothing, forever."""
+        if not self.replaying or not self.lowest_first:
+            return super().on_timer(now_ns)
+        self.lowest_first = False
+        try:
+            return super().on_timer(now_ns)
+        finally:
+            self.lowest_first = True
+
     def _retire_replays(self) -> None:
         """Stop replaying what nobody can need: once this worker holds the
-        result of ``seq + W``, every worker sent ``seq + W``, so every worker
-        held the result of ``seq``."""
-        low = self.base - self.keep
+        result of any ``s`` (not only those below ``base``), every worker sent
+        ``s``, so every worker held the result of every ``seq <= s - W``."""
+        low = max(self.done_above, default=self.base - 1) + 1 - self.keep
         for seq in [s for s in self.replaying if s < low]:
             self.replaying.discard(seq)
             self.out.pop(seq, None)
