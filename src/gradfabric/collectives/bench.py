@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from gradfabric.collectives.sparse import OmniState, sparse_allreduce
 from gradfabric.collectives.spawn import spawn
-from gradfabric.net.launch import end_group
+from gradfabric.net.launch import end_group, leave
 
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01)
 
@@ -175,3 +175,4 @@ if __name__ == "__main__":  # one rank, inside a network namespace
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     _measure(rank, ranks, a[4], int(a[5]), [float(x) for x in a[6].split(",")], int(a[7]))
     end_group()
+    leave()

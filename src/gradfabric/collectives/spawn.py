@@ -1,7 +1,7 @@
 """Run a function on N local torch.distributed ranks, with a rendezvous that
 cannot race and a teardown that cannot abort.
 
-Every multi-process test and benchmark used to carry two bugs of one class:
+Every multi-process test and benchmark used to carry three bugs of one class:
 
 - **A port chosen by binding a socket and closing it** is free only until
   another process takes it (a test running beside this one, or gloo's own pair
@@ -18,6 +18,13 @@ Every multi-process test and benchmark used to carry two bugs of one class:
   its end (its locals, the DDP module among them, are gone when it returns),
   waits at a barrier so that no rank has work in flight, collects garbage and
   only then destroys the group, while the interpreter is whole.
+- **A teardown after the teardown.** Even then a group outlives
+  ``destroy_process_group`` once a rank built a DDP module, and torch tears
+  it down in the interpreter's finalisation beside gloo's threads; that
+  aborted a rank once in the suite's runs. A rank whose work returned and
+  whose group was destroyed in order leaves with ``os._exit(0)``
+  (``net.launch.leave``, which says more); ``faulthandler`` is on in every
+  rank, so a fatal signal before that prints every thread's Python stack.
 
 A function that ends with an exception skips the barrier (its peers may be
 dead or stuck) and the exception reaches ``torch.multiprocessing``'s report.
@@ -26,6 +33,7 @@ Functions that kill a rank on purpose pass ``barrier_at_exit=False``.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 import time
@@ -37,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradfabric.core.errors import PeerTimeoutError
-from gradfabric.net.launch import end_group
+from gradfabric.net.launch import end_group, leave
 from gradfabric.net.netns import NsHost, enter
 
 RankFn = Callable[..., None]  # fn(rank, world, *args)
@@ -55,6 +63,7 @@ def _entry(
     threads: int | None,
     hosts: list[NsHost] | None,
 ) -> None:
+    faulthandler.enable()  # (a fatal signal prints every thread's Python stack)
     if hosts is not None:  # (first: gloo's sockets must be made in the namespace)
         enter(hosts[rank])
     if threads is not None:
@@ -70,6 +79,7 @@ def _entry(
     )
     fn(rank, world, *args)
     end_group(barrier_at_exit)
+    leave()
 
 
 def spawn(
