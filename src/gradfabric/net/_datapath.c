@@ -75,6 +75,7 @@
 #define PACE_AHEAD_NS 300000LL     /* how far a paced queue may run ahead of its pace: it
                                       sends in small batches, and the link's queue holds
                                       no more than this much before a resend */
+#define RX_EVERY_MAX_NS 200000LL   /* the longest a paced worker leaves its sockets unread */
 
 enum { UNSENT = 0, OUTSTANDING = 1, DONE = 2 };
 enum { ROUTE_STATIC = 0, ROUTE_HASHED = 1, ROUTE_ZERO = 2 };
@@ -543,7 +544,8 @@ static int flush(gf_worker *w, int fd, const struct sockaddr *addr, socklen_t al
     return 0;
 }
 
-/* One batch of what socket ``fd`` holds through gf_w_datagram; -1 on memory. */
+/* One batch of what socket ``fd`` holds through gf_w_datagram: how many
+ * datagrams came (0 on a socket error, counted), -1 on memory. */
 static int receive(gf_worker *w, int fd) {
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
@@ -567,7 +569,24 @@ static int receive(gf_worker *w, int fd) {
         int64_t n = (msgs[k].msg_hdr.msg_flags & MSG_TRUNC) ? DGRAM + 1 : msgs[k].msg_len;
         if (gf_w_datagram(w, w->rx + (size_t)k * DGRAM, n, now)) return -1;
     }
-    return 0;
+    return got;
+}
+
+/* How long a paced worker leaves its sockets unread (0: it reads on each
+ * arrival). Its results come at most at its link's rate, so a read on a
+ * period finds a batch, and the worker wakes once a batch instead of once a
+ * datagram: each wake-up is a context switch each way, most of a worker's
+ * kernel time on the shaped star (NOTEBOOK: about 10% less worker CPU a sum
+ * at 1 Gbit/s). The period is the link time of half a batch of the largest
+ * datagrams, at most RX_EVERY_MAX_NS: a read seldom finds a full batch (then
+ * it reads again), and a result waits far less than a window's round trip.
+ * Not while a repair is under way (gf_w_run): there each notice's wait
+ * delays the resend it asks for (5% loss: 13% slower sums with the period). */
+static int64_t rx_every(const gf_worker *w) {
+    if (w->pace_ns_per_byte <= 0) return 0;
+    double half = (double)(BATCH / 2) * (double)(TOKEN + HEADER + FRAME_BYTES + 4 * w->vpp);
+    int64_t t = (int64_t)(half * w->pace_ns_per_byte);
+    return t < RX_EVERY_MAX_NS ? t : RX_EVERY_MAX_NS;
 }
 
 /* Drive the call on socket ``fd`` until every result is in (RUN_DONE), the
@@ -579,6 +598,9 @@ static int receive(gf_worker *w, int fd) {
 int gf_w_run(gf_worker *w, int fd, int group_fd, const uint8_t *addr, int64_t alen,
              int64_t wall_deadline, volatile const int32_t *abort) {
     const struct sockaddr *sa = (const struct sockaddr *)addr;
+    const int64_t period = rx_every(w);
+    const int nfds = group_fd < 0 ? 1 : 2;
+    int64_t resends = -1, repairing_until = 0;
     w->txq_head = w->txq_len = 0;
     if (flush(w, fd, sa, (socklen_t)alen)) return RUN_ERROR;
     while (w->base < w->push_end) {
@@ -600,11 +622,27 @@ int gf_w_run(gf_worker *w, int fd, int group_fd, const uint8_t *addr, int64_t al
         if (d >= 0 && d - now < wait) wait = d - now;
         if (w->txq_len && w->next_tx - PACE_AHEAD_NS - now < wait) wait = w->next_tx - PACE_AHEAD_NS - now;
         if (wait > ABORT_CHECK_NS) wait = ABORT_CHECK_NS;
+        /* a resend (a timeout, a fast retransmit, a loss notice answered) means
+         * a repair is under way, whose speed the next notice or result sets:
+         * for an RTO after it, read on each arrival again */
+        int64_t r = w->counters[C_RETRANSMITS] + w->counters[C_FAST] + w->counters[C_NACK_RESENDS];
+        if (r != resends) {
+            if (resends >= 0) repairing_until = now + w->rto_ns;
+            resends = r;
+        }
+        const int64_t every = now < repairing_until ? 0 : period;
+        if (every && wait > every) wait = every;
         struct timespec ts = {wait / 1000000000LL, wait % 1000000000LL};
-        struct pollfd p[2] = {{fd, POLLIN, 0}, {group_fd, POLLIN, 0}};
-        if (ppoll(p, group_fd < 0 ? 1 : 2, &ts, NULL) <= 0) continue;
-        for (int i = 0; i < 2; i++)
-            if (p[i].revents && receive(w, p[i].fd)) return RUN_ERROR;
+        const short events = every ? 0 : POLLIN; /* paced: wake on the period alone */
+        struct pollfd p[2] = {{fd, events, 0}, {group_fd, events, 0}};
+        int ready = ppoll(p, (nfds_t)nfds, &ts, NULL);
+        if (!every && ready <= 0) continue; /* (paced: it reads at each wake-up) */
+        for (int i = 0; i < nfds; i++) {
+            if (!every && !p[i].revents) continue;
+            int got;
+            while ((got = receive(w, p[i].fd)) == BATCH && every) {} /* (a full batch: more wait) */
+            if (got < 0) return RUN_ERROR;
+        }
         if (flush(w, fd, sa, (socklen_t)alen)) return RUN_ERROR;
     }
     return RUN_DONE;
