@@ -20,11 +20,12 @@ Every multi-process test and benchmark used to carry three bugs of one class:
   only then destroys the group, while the interpreter is whole.
 - **A teardown after the teardown.** Even then a group outlives
   ``destroy_process_group`` once a rank built a DDP module, and torch tears
-  it down in the interpreter's finalisation beside gloo's threads; that
-  aborted a rank once in the suite's runs. A rank whose work returned and
-  whose group was destroyed in order leaves with ``os._exit(0)``
-  (``net.launch.leave``, which says more); ``faulthandler`` is on in every
-  rank, so a fatal signal before that prints every thread's Python stack.
+  it down in the interpreter's finalisation beside gloo's threads (a rank
+  aborted once in the suite's runs, most likely there). A rank whose work
+  returned and whose group was destroyed in order leaves with
+  ``os._exit(0)`` (``net.launch.leave``, which says more); ``faulthandler``
+  is on in every rank, so a fatal signal before that prints every thread's
+  Python stack.
 
 A function that ends with an exception skips the barrier (its peers may be
 dead or stuck) and the exception reaches ``torch.multiprocessing``'s report.

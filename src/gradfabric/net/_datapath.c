@@ -577,11 +577,12 @@ static int receive(gf_worker *w, int fd) {
  * period finds a batch, and the worker wakes once a batch instead of once a
  * datagram: each wake-up is a context switch each way, most of a worker's
  * kernel time on the shaped star (NOTEBOOK: about 10% less worker CPU a sum
- * at 1 Gbit/s, for about 1.6% more time a sum; DDP's steps gained). The period is the link time of half a batch of the largest
- * datagrams, at most RX_EVERY_MAX_NS: a read seldom finds a full batch (then
- * it reads again), and a result waits far less than a window's round trip.
- * Not while a repair is under way (gf_w_run): there each notice's wait
- * delays the resend it asks for (5% loss: 13% slower sums with the period). */
+ * at 1 Gbit/s, for about 1.6% more time a sum; DDP's steps gained). The
+ * period is the link time of half a batch of the largest datagrams, at most
+ * RX_EVERY_MAX_NS: a read seldom finds a full batch (then it reads again),
+ * and a result waits far less than a window's round trip. Not while a
+ * repair is under way (gf_w_run): there each notice's wait delays the
+ * resend it asks for (5% loss: 13% slower sums with the period). */
 static int64_t rx_every(const gf_worker *w) {
     if (w->pace_ns_per_byte <= 0) return 0;
     double half = (double)(BATCH / 2) * (double)(TOKEN + HEADER + FRAME_BYTES + 4 * w->vpp);

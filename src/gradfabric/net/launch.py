@@ -107,15 +107,17 @@ def leave() -> None:
     ``DDP(nn.Linear(4, 1))`` and no hook). What holds the group is torch's,
     torn down by the interpreter's finalisation and C++'s static destructors
     beside those threads, in an order nothing here controls. A rank ended
-    there with the SIGABRT of an unjoined thread ("terminate called without an
-    active exception") once in the twenty-odd runs of the suite on a clean
-    machine since the test that met it was written (rank 0 of
+    with ``std::terminate``'s SIGABRT ("terminate called without an active
+    exception", the mark of an unjoined thread or of a thread unwound at
+    exit) once in the twenty-odd runs of the suite on a clean machine since
+    the test that met it was written (rank 0 of
     ``test_ranks_whose_buckets_differ_get_an_error_naming_them``, whose hook
-    raises by design; its run otherwise passed), and in none of some 250 runs
-    of that test alone on a 2-core host: rare and not pinned to a line, but
-    that phase is the one place left where the group is torn down beside its
-    threads, and a rank whose work is done and whose group was destroyed in
-    order has nothing left to do in it."""
+    raises by design), and in none of some 250 runs of that test alone on a
+    2-core host. Where it ended is not known (no stack was printed; every
+    rank now prints one, ``faulthandler``), but this phase is the one place
+    left where a group is torn down beside its threads, and a rank whose work
+    is done and whose group was destroyed in order has nothing left to do in
+    it."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
