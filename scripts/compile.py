@@ -104,7 +104,7 @@ def build_hook() -> None:
         name="gradfabric-hook",
         ext_modules=[CppExtension(
             "gradfabric.collectives._fast_hook", [os.path.relpath(HOOK, SRC)],
-            extra_compile_args=["-O2", f'-DGRADFABRIC_SOURCE="{source}"'],
+            extra_compile_args=["-O3", f'-DGRADFABRIC_SOURCE="{source}"'],
         )],
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
         script_args=["build_ext", "--inplace", "--build-temp", str(ROOT / "build" / "hook"), "-q"],

@@ -46,6 +46,7 @@ bit.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradfabric.collectives import fast
 from gradfabric.collectives.paths import COO, DENSE, GATHER, SHARDED
 
 ID_BYTES = 8
@@ -71,9 +73,13 @@ class Table:
 
     @classmethod
     def of(cls, grad: torch.Tensor, world: int) -> Table:
-        g = grad.coalesce()
-        rows = g.values().reshape(g._nnz(), math.prod(grad.shape[1:])) / world
-        return cls(grad.shape, g.indices()[0], rows)
+        width = math.prod(grad.shape[1:])
+        if grad.is_coalesced():
+            ids, rows = grad.indices()[0], grad.values().reshape(-1, width) / world
+        else:
+            ids, rows = summed(grad._indices()[0], grad._values().reshape(-1, width),
+                               grad.shape[0], world)  # fmt: skip
+        return cls(grad.shape, ids, rows)
 
     @property
     def width(self) -> int:
@@ -94,12 +100,51 @@ class Table:
 
     def sparse(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The gradient of (ids, rows), duplicate ids summed."""
-        if len(ids) and not (int(ids.min()) >= 0 and int(ids.max()) < self.size[0]):
-            raise ValueError(f"row ids outside a table of {self.size[0]} rows arrived: "
-                             "a rank's gradient or the exchange is corrupt")  # fmt: skip
-        grad = torch.sparse_coo_tensor(ids[None], rows.reshape(-1, *self.size[1:]), self.size,
-                                       check_invariants=False)  # fmt: skip  # (checked above)
-        return grad.coalesce()
+        ids, rows = summed(ids, rows, self.size[0])
+        return torch.sparse_coo_tensor(ids[None], rows.reshape(-1, *self.size[1:]), self.size,
+                                       check_invariants=False, is_coalesced=True)  # fmt: skip
+
+
+def summed(
+    ids: torch.Tensor, rows: torch.Tensor, limit: int, divisor: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of each distinct id summed (in the order they come), divided
+    by ``divisor``; the ids ascending, each in ``[0, limit)`` (else a
+    ``ValueError``: rows of ids outside the table came from a corrupt gradient
+    or exchange). The compiled hook's ``sum_rows`` where it is built (one pass
+    over the rows, where ``coalesced`` sorts and makes several tensors; its
+    differential test holds it to ``coalesced``'s bits), else ``coalesced``."""
+    fast_sum = _sum_rows()
+    if fast_sum is None or rows.dtype not in (torch.float32, torch.float64) or limit > 2**31:
+        return coalesced(ids, rows, limit, divisor)
+    got = fast_sum(ids.contiguous(), rows.contiguous(), limit, divisor)
+    if got is None:
+        raise _outside(limit)
+    return got[0], got[1]
+
+
+def coalesced(
+    ids: torch.Tensor, rows: torch.Tensor, limit: int, divisor: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed`` in tensor operations, the reference. (Not ``coalesce()``:
+    it sums a row's duplicates in the order of an unstable sort, which no
+    other implementation can promise to follow to the bit.)"""
+    if len(ids) and not (int(ids.min()) >= 0 and int(ids.max()) < limit):
+        raise _outside(limit)
+    mine, where = torch.unique(ids, return_inverse=True)
+    sums = rows.new_zeros(len(mine), rows.shape[1]).index_add_(0, where, rows)
+    return mine, sums / divisor if divisor != 1 else sums
+
+
+def _outside(limit: int) -> ValueError:
+    return ValueError(f"row ids outside a table of {limit} rows arrived: "
+                      "a rank's gradient or the exchange is corrupt")  # fmt: skip
+
+
+@functools.cache
+def _sum_rows() -> Any:
+    """The compiled ``sum_rows``, or None where the hook is not built (``collectives.fast``)."""
+    return fast.extension().sum_rows if fast.why_not() is None else None
 
 
 def _owned_counts(tables: list[Table], world: int) -> list[torch.Tensor]:
@@ -308,9 +353,7 @@ def _sharded(tables: list[Table], group: Any) -> list[torch.Tensor]:
 
 def _owned(t: Table, arrived: torch.Tensor) -> torch.Tensor:
     """The packed sums of this rank's shard of ``t`` from the rows that arrived."""
-    ids, rows = _unpacked(arrived, t.width)
-    mine, where = torch.unique(ids, return_inverse=True)
-    return _packed(mine, rows.new_zeros(len(mine), rows.shape[1]).index_add_(0, where, rows))
+    return _packed(*summed(*_unpacked(arrived, t.width), t.size[0]))
 
 
 def _rebuilt(

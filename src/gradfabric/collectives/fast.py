@@ -59,12 +59,17 @@ def why_not() -> str | None:
     if built.get("torch") != torch.__version__:
         return f"built for torch {built.get('torch')}, this is {torch.__version__}"
     try:
-        ext = importlib.import_module("gradfabric.collectives._fast_hook")
+        ext = extension()
     except ImportError as e:
         return f"does not load: {e}"
     if getattr(ext, "SOURCE", None) != source_digest():
         return "the loaded extension is from another source"
     return None
+
+
+def extension() -> Any:
+    """The compiled module (check ``why_not()`` first)."""
+    return importlib.import_module("gradfabric.collectives._fast_hook")
 
 
 def register_hook(ddp: Any, state: Any, hook: Any) -> str:
@@ -82,7 +87,7 @@ def register_hook(ddp: Any, state: Any, hook: Any) -> str:
     # a bucket holds at least one parameter: no more buckets than parameters
     rows = sum(1 for p in ddp.module.parameters() if p.requires_grad)
     state.attach_table(torch.zeros(rows, 3, dtype=torch.int64))
-    ext = importlib.import_module("gradfabric.collectives._fast_hook")
+    ext = extension()
     group = dist.distributed_c10d._get_default_group()
     ext.install(ddp.reducer, state, hook, group.group_name, state.table)
     return COMPILED
