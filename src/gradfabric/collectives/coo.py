@@ -126,9 +126,11 @@ def summed(
 def coalesced(
     ids: torch.Tensor, rows: torch.Tensor, limit: int, divisor: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``summed`` in tensor operations, the reference. (Not ``coalesce()``:
-    it sums a row's duplicates in the order of an unstable sort, which no
-    other implementation can promise to follow to the bit.)"""
+    """``summed`` in tensor operations, the reference: ``index_add_`` adds
+    the rows in the order of its index on the CPU (as documented), into
+    zeros. (Not ``coalesce()``: it sums an id's rows in the order of an
+    unstable sort, which no other implementation can promise to follow to
+    the bit.)"""
     if len(ids) and not (int(ids.min()) >= 0 and int(ids.max()) < limit):
         raise _outside(limit)
     mine, where = torch.unique(ids, return_inverse=True)
