@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from gradfabric.collectives.sparse import OmniState, sparse_allreduce
 from gradfabric.collectives.spawn import spawn
-from gradfabric.net.launch import end_group, leave
+from gradfabric.net.launch import end_group, init_group, leave
 
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01)
 
@@ -170,9 +170,9 @@ def _threads(ranks: int) -> int:
 if __name__ == "__main__":  # one rank, inside a network namespace
     a = sys.argv[1:]
     rank, ranks = int(a[0]), int(a[1])
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = a[2], a[3]
+    os.environ.update(RANK=a[0], WORLD_SIZE=a[1], MASTER_ADDR=a[2], MASTER_PORT=a[3])
     torch.set_num_threads(_threads(ranks))
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    init_group()  # (as torchrun's ranks join: with faulthandler on)
     _measure(rank, ranks, a[4], int(a[5]), [float(x) for x in a[6].split(",")], int(a[7]))
     end_group()
     leave()
