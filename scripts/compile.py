@@ -74,16 +74,18 @@ def build() -> None:
 
 HOOK = SRC / "gradfabric" / "collectives" / "_fast_hook.cpp"
 HOOK_MANIFEST = HOOK.with_suffix(".json")
+HOOK_FLAGS = ["-O3"]  # (at -O2 GCC leaves ``sum_rows``'s sums and division scalar)
 
 
 def hook_wanted() -> dict[str, str]:
-    """What a current build of the C++ hook records (``collectives.fast`` reads it)."""
+    """What a current build of the C++ hook records (``collectives.fast`` reads
+    its source and torch; the flags make a build with other flags stale)."""
     import hashlib
 
     import torch
 
     source = hashlib.sha256(HOOK.read_bytes()).hexdigest()[:16]
-    return {"source": source, "torch": torch.__version__}
+    return {"source": source, "torch": torch.__version__, "flags": " ".join(HOOK_FLAGS)}
 
 
 def hook_fresh() -> bool:
@@ -104,10 +106,13 @@ def build_hook() -> None:
         name="gradfabric-hook",
         ext_modules=[CppExtension(
             "gradfabric.collectives._fast_hook", [os.path.relpath(HOOK, SRC)],
-            extra_compile_args=["-O3", f'-DGRADFABRIC_SOURCE="{source}"'],
+            extra_compile_args=[*HOOK_FLAGS, f'-DGRADFABRIC_SOURCE="{source}"'],
         )],
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
-        script_args=["build_ext", "--inplace", "--build-temp", str(ROOT / "build" / "hook"), "-q"],
+        # (--force: setuptools would otherwise copy an older build of the same
+        # source from its build directory, whatever flags it was built with)
+        script_args=["build_ext", "--inplace", "--force", "--build-temp",
+                     str(ROOT / "build" / "hook"), "-q"],
     )  # fmt: skip
 
 
