@@ -73,13 +73,8 @@ class Table:
 
     @classmethod
     def of(cls, grad: torch.Tensor, world: int) -> Table:
-        width = math.prod(grad.shape[1:])
-        if grad.is_coalesced():
-            ids, rows = grad.indices()[0], grad.values().reshape(-1, width) / world
-        else:
-            ids, rows = summed(grad._indices()[0], grad._values().reshape(-1, width),
-                               grad.shape[0], world)  # fmt: skip
-        return cls(grad.shape, ids, rows)
+        rows = grad._values().reshape(-1, math.prod(grad.shape[1:]))
+        return cls(grad.shape, *summed(grad._indices()[0], rows, grad.shape[0], world))
 
     @property
     def width(self) -> int:
