@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -264,6 +265,15 @@ def test_bench_ddp_json_rows_per_model_and_hook(
         # (auto_hook has the switch too here, and may take its path)
         quantised = r["hook"] in ("ina", "auto")
         assert r["max_param_diff_vs_default"] <= (1e-6 if quantised else 0.0)
+    # the switch's buckets on ina_hook's thread, in DDP's order, drawn as each step's timeline
+    for r in rows:
+        spans = r["bucket_spans_ms"]
+        if r["hook"] == "ina":
+            assert spans and all(0 <= a <= w <= b for a, w, b in spans)
+            assert all(p[2] <= q[0] for p, q in itertools.pairwise(spans))
+        elif r["hook"] == "default":
+            assert spans is None  # (gloo's own threads)
+    assert (tmp_path / "timeline.png").stat().st_size > 0
     # auto_hook takes NeuMF's tables by the rows looked up (bench ddp tracks them)
     neumf_auto = next(r for r in rows if (r["model"], r["hook"]) == ("neumf", "auto"))
     assert neumf_auto["paths"].get("rows", 0) > 0 and neumf_auto["density"] < 0.2

@@ -263,19 +263,28 @@ def _overlap_rank(rank: int, world: int, out: str) -> None:
     timed.__annotations__ = {"state": OmniState, "bucket": dist.GradBucket,
                              "return": torch.futures.Future[torch.Tensor]}  # fmt: skip
     ddp.register_comm_hook(state, timed)
+    began, spans = [], []
     for _ in range(3):
+        began.append(time.perf_counter())
         ddp(torch.randn(16, 2048)).sum().backward()
-    torch.save((returned, done), f"{out}/{rank}.pt")
+        spans.append(state.spans_since(began[-1]))
+    torch.save((returned, done, began, spans), f"{out}/{rank}.pt")
 
 
 def test_the_hook_returns_before_its_bucket_is_reduced() -> None:
+    """...and the hook's thread tells when it held each bucket
+    (``Overlapped.spans_since``, what ``bench ddp`` draws as a step's
+    timeline): after the step began, before the bucket's future completed."""
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_overlap_rank, 2, (tmp,))
         for r in range(2):
-            returned, done = torch.load(f"{tmp}/{r}.pt")
+            returned, done, began, spans = torch.load(f"{tmp}/{r}.pt")
             assert len(returned) == len(done) == 3
             # every call returned before its own future completed
             assert all(a < b for a, b in zip(returned, done, strict=True))
+            for t0, step, end in zip(began, spans, done, strict=True):
+                ((start, work, stop),) = step  # one bucket a step, one job, not staged
+                assert 0 <= start == work <= stop <= end - t0
 
 
 class _Tied(nn.Module):

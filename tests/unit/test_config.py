@@ -122,3 +122,21 @@ def test_bench_ddp_runs_every_replica_through_every_step_in_order(
                    for j in range(0, len(this), len(span)))  # fmt: skip
     with pytest.raises(ValueError, match="block"):
         DdpBenchConfig(block=0)
+
+
+def test_bench_ddp_timeline_takes_medians_over_the_steps_with_the_usual_bucket_count() -> None:
+    """``bench ddp``'s ``bucket_spans_ms``: per bucket, the median start and
+    end (seconds in, ms out) over the steps that served the most common number
+    of buckets; a step with another count (a rebuilt bucket layout, the first
+    steps' larger buckets) is left out; no job at all gives ``None``."""
+    from gradfabric.collectives.ddpbench import timeline
+
+    steps = [
+        [(0.010, 0.011, 0.020), (0.020, 0.020, 0.050)],
+        [(0.012, 0.019, 0.030), (0.031, 0.035, 0.040)],
+        [(0.001, 0.001, 0.090)],  # another count: not in the medians
+        [(0.014, 0.015, 0.025), (0.026, 0.027, 0.060)],
+    ]
+    assert timeline(steps) == [(12.0, 15.0, 25.0), (26.0, 27.0, 50.0)]
+    assert timeline([[], []]) is None and timeline([]) is None
+

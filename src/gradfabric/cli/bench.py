@@ -345,7 +345,7 @@ def ddp(args: argparse.Namespace) -> int:
     rows = run_ddp_bench(cfg)
     where = f"{args.link_gbps:g} Gbit/s shaped links" if args.link_gbps else "loopback"
     shown = [{k: v for k, v in r.items() if k != "iter_ms_all"} for r in rows]
-    report(
+    dest = report(
         args, "bench-ddp", asdict(cfg), {"rows": shown, "full": rows},
         tables=[("rows", f"DDP iteration time per hook, {cfg.ranks} gloo ranks, {where} "
                  f"(medians of {cfg.steps - cfg.warmup} interleaved steps)",
@@ -354,6 +354,11 @@ def ddp(args: argparse.Namespace) -> int:
                   "best_stock", "paired_vs_best_stock", "density",
                   "max_param_diff_vs_default", "paths", "dense_calls_in"])],
     )  # fmt: skip
+    if any(r["bucket_spans_ms"] for r in rows):
+        from gradfabric.experiments import plots
+
+        title = f"DDP steps, {cfg.ranks} ranks, {where}\neach bucket on the hook's thread"
+        plots.step_timeline(rows, f"{title} (rank 0, medians)", dest / "timeline.png")
     # every hook averages what DDP does: to the bit at 2 ranks, within float32
     # rounding of other orders and the switch's quantisation otherwise
     # (``held_to_default`` says where the weights can show it)

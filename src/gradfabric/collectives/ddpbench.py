@@ -25,6 +25,12 @@ and ``torchrec-cw`` the same with every table column-wise over every rank,
 from the same weights (``collectives.trec``; an optional install); ``local``
 is the ``sparse=True`` replica without DDP, exchanging nothing: the step's
 compute alone, the floor under every exchange (its weights drift).
+Where a hook works on a thread of its own (``net.overlap``),
+``bucket_spans_ms`` is its step as rank 0's thread served it: when each
+bucket took the thread, began its sum (after the ranks agreed on it: the
+wait for the last rank to reach it) and ended, against the step's start
+(``timeline``): what a sum waited for and how long it took beside the
+backward pass.
 
 Models: ``workloads.trained.MODELS``.
 """
@@ -307,6 +313,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         times: dict[str, list[float]] = {h: [] for h in hooks}
         cpu: dict[str, list[float]] = {h: [] for h in hooks}  # all ranks' CPU seconds a step
         hook_cpu: dict[str, list[float]] = {h: [] for h in hooks}  # of which the hooks' threads
+        spans: dict[str, list[list[tuple[float, ...]]]] = {h: [] for h in hooks}  # rank's own
         # a round's steps drawn once for all its replicas (as one step's were before blocks)
         batched = functools.lru_cache(maxsize=cfg.block)(batch)
         for step, hook in _schedule(hooks, cfg.steps, cfg.block):
@@ -329,6 +336,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 times[hook].append(float(took))
                 cpu[hook].append(float(spent[0]))
                 hook_cpu[hook].append(float(spent[1]))
+                if hasattr(state, "spans_since"):
+                    spans[hook].append(state.spans_since(t0))
         base = statistics.median(times[ref_hook]) if ref_hook else None
         stock = [h for h in hooks if hook_name(h) in STOCK]
         best = min(stock, key=lambda h: statistics.median(times[h])) if stock else None
@@ -365,6 +374,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "a2a_bytes_per_step": trec.link_bytes(replica) if hook in trec.SHARDINGS
                 else None,
                 "grad_mb": sum(p.numel() for p in mine) * 4 / 2**20,
+                "bucket_spans_ms": timeline(spans[hook]),
             })  # fmt: skip
         for _, _, state in replicas.values():
             if hasattr(state, "close"):
@@ -373,6 +383,23 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
+
+
+def timeline(steps: list[list[tuple[float, ...]]]) -> list[tuple[float, ...]] | None:
+    """A step's communication jobs, each (start, work, end) seconds from the
+    step's start (``Overlapped.spans_since``) as ms: per job in serving
+    order, each point's median over the steps that served
+    the most common number of jobs (``None`` where the hook's thread served
+    none: the default hook's all-reduces run on gloo's own threads)."""
+    counts = [len(s) for s in steps if s]
+    if not counts:
+        return None
+    n = statistics.mode(counts)
+    like = [s for s in steps if len(s) == n]
+    def ms(k: int, point: int) -> float:
+        return round(statistics.median(s[k][point] for s in like) * 1e3, 2)
+
+    return [tuple(ms(k, i) for i in range(len(like[0][k]))) for k in range(n)]
 
 
 def _thread_cpu(state: Any) -> float:

@@ -71,6 +71,33 @@ def grouped_bars(
     return path
 
 
+def step_timeline(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
+    """One lane per (model, hook) with ``bucket_spans_ms``: each bucket's
+    (start, work, end) on the hook's thread as a pale bar (waiting for the
+    ranks to agree) then a solid one (its sum; alternating shades, so
+    neighbours stay apart), the median step as a black tick, and the model's
+    compute alone (its ``local`` row, where measured) as a dashed line."""
+    lanes = [r for r in rows if r.get("bucket_spans_ms")]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(lanes) + 1.6))
+    for y, r in enumerate(lanes):
+        spans = r["bucket_spans_ms"]
+        shades = ["C0" if k % 2 == 0 else "C9" for k in range(len(spans))]
+        ax.broken_barh([(a, w - a) for a, w, _ in spans], (y - 0.35, 0.7), facecolors=shades,
+                       alpha=0.3, label="waiting for the ranks" if y == 0 else None)  # fmt: skip
+        ax.broken_barh([(w, b - w) for _, w, b in spans], (y - 0.35, 0.7), facecolors=shades,
+                       label="summing" if y == 0 else None)  # fmt: skip
+        ax.plot([r["iter_ms"]] * 2, [y - 0.45, y + 0.45], "k", lw=2,
+                label="step (median)" if y == 0 else None)  # fmt: skip
+        local = next((q for q in rows if q["model"] == r["model"] and q["hook"] == "local"), None)
+        if local:
+            ax.plot([local["iter_ms"]] * 2, [y - 0.45, y + 0.45], "k--", lw=1,
+                    label="compute alone" if y == 0 else None)  # fmt: skip
+    ax.set_yticks(range(len(lanes)), [f"{r['model']}, {r['hook']}" for r in lanes])
+    ax.set_xlabel("ms from the step's start")
+    ax.set_xlim(left=0)
+    return _finish(fig, ax, title, path, legend_outside=True)
+
+
 def measured_vs_bound(checks: list[dict[str, Any]], title: str, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{c['subject']}\n{c['check'].split(' vs ')[0]}" for c in checks]

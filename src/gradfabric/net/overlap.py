@@ -45,6 +45,7 @@ interpreter's orderly shutdown.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import queue
 import threading
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # torch is imported where a hook first runs: daemons never lo
     import torch
 
 Job = Callable[[Any], "torch.Tensor"]  # job(group) -> the bucket's result
+SPANS = 4096  # job spans a thread keeps (a step's buckets are a few dozen at most)
 T = TypeVar("T")
 
 
@@ -75,9 +77,20 @@ class CommThread:
         self.jobs = queue.SimpleQueue()
         self.failure: Exception | None = None  # the last job's error, typed
         self.cpu_s = 0.0  # this thread's CPU seconds in its jobs (its waits cost none)
+        # (start, work, end) of its latest jobs, ``time.perf_counter`` seconds: when
+        # each bucket took this thread, began its own work (after waiting for its
+        # first stage, ``run_staged``) and ended (``Overlapped.spans_since``)
+        self.spans: collections.deque[tuple[float, float, float]]
+        self.spans = collections.deque(maxlen=SPANS)
+        self._work: float | None = None
         self.thread = threading.Thread(target=self._serve, daemon=True, name=name)
         self.thread.start()
         _LIVE.add(self)
+
+    def working(self) -> None:
+        """Called by a job on this thread: its own work begins now (what it
+        waited for before is done)."""
+        self._work = time.perf_counter()
 
     def submit(self, job: Job, like: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """Queue ``job``; the returned future completes with its result or error."""
@@ -105,7 +118,7 @@ class CommThread:
         stream: Any = None
         while (item := self.jobs.get()) is not None:
             job, raw, ready = item
-            c0 = time.thread_time()
+            c0, t0, self._work = time.thread_time(), time.perf_counter(), None
             try:
                 if ready is None:
                     out = job(self.group)
@@ -118,6 +131,7 @@ class CommThread:
                 self.failure, out = e, e
             # (counted before the result is out: a waiter that reads it sees this job's)
             self.cpu_s += time.thread_time() - c0
+            self.spans.append((t0, self._work or t0, time.perf_counter()))
             try:
                 with contextlib.nullcontext() if ready is None else torch.cuda.stream(stream):
                     raw.set_result(out)  # (on CUDA the future records on this stream)
@@ -187,6 +201,16 @@ class Overlapped:
         first bucket)."""
         return sum(c.cpu_s for c in (self._comm, self._ahead) if c is not None)
 
+    def spans_since(self, t0: float) -> list[tuple[float, float, float]]:
+        """When the communication thread served each job it started at or
+        after ``t0`` (``time.perf_counter`` seconds): (start, work, end)
+        seconds from ``t0``, in the order served (a step's buckets, in DDP's
+        order); ``work`` is when the job's own work began: after its first
+        stage (``run_staged``: the ranks' agreement, which waits for the last
+        rank to reach the bucket), else at its start."""
+        spans = () if self._comm is None else self._comm.spans
+        return [(a - t0, w - t0, b - t0) for a, w, b in spans if a >= t0]
+
     def run(self, buf: torch.Tensor, job: Job) -> torch.futures.Future[torch.Tensor]:
         return self.comm().submit(job, buf)
 
@@ -211,6 +235,7 @@ class Overlapped:
 
         def job(group: Any) -> torch.Tensor:
             value = staged.wait()
+            comm.working()
             if isinstance(value, Exception):
                 raise value
             return then(group, value)
