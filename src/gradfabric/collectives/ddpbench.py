@@ -388,14 +388,15 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
 def timeline(steps: list[list[tuple[float, ...]]]) -> list[tuple[float, ...]] | None:
     """A step's communication jobs, each (start, work, end) seconds from the
     step's start (``Overlapped.spans_since``) as ms: per job in serving
-    order, each point's median over the steps that served
-    the most common number of jobs (``None`` where the hook's thread served
-    none: the default hook's all-reduces run on gloo's own threads)."""
+    order, each point's median over the steps that served the most common
+    number of jobs (``None`` where the hook's thread served none: the
+    default hook's all-reduces run on gloo's own threads)."""
     counts = [len(s) for s in steps if s]
     if not counts:
         return None
     n = statistics.mode(counts)
     like = [s for s in steps if len(s) == n]
+
     def ms(k: int, point: int) -> float:
         return round(statistics.median(s[k][point] for s in like) * 1e3, 2)
 

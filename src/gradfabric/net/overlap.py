@@ -208,7 +208,8 @@ class Overlapped:
         order); ``work`` is when the job's own work began: after its first
         stage (``run_staged``: the ranks' agreement, which waits for the last
         rank to reach the bucket), else at its start."""
-        spans = () if self._comm is None else self._comm.spans
+        # (copied at once, under the GIL: the thread may be appending meanwhile)
+        spans = [] if self._comm is None else list(self._comm.spans)
         return [(a - t0, w - t0, b - t0) for a, w, b in spans if a >= t0]
 
     def run(self, buf: torch.Tensor, job: Job) -> torch.futures.Future[torch.Tensor]:
