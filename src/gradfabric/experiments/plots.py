@@ -89,9 +89,10 @@ def step_timeline(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
         ax.plot([r["iter_ms"]] * 2, [y - 0.45, y + 0.45], "k", lw=2,
                 label="step (median)" if y == 0 else None)  # fmt: skip
         local = next((q for q in rows if q["model"] == r["model"] and q["hook"] == "local"), None)
-        if local:
+        if local:  # (labelled once, on the first lane that has it)
+            named = "compute alone" in ax.get_legend_handles_labels()[1]
             ax.plot([local["iter_ms"]] * 2, [y - 0.45, y + 0.45], "k--", lw=1,
-                    label="compute alone" if y == 0 else None)  # fmt: skip
+                    label=None if named else "compute alone")  # fmt: skip
     ax.set_yticks(range(len(lanes)), [f"{r['model']}, {r['hook']}" for r in lanes])
     ax.set_xlabel("ms from the step's start")
     ax.set_xlim(left=0)
