@@ -262,6 +262,8 @@ def test_bench_ddp_json_rows_per_model_and_hook(
     for r in rows:
         keys = {"model", "ranks", "link_gbps", "hook", "iter_ms", "speedup_vs_default", "density"}
         assert keys <= set(r) and r["iter_ms"] > 0
+        # the host's cores while rank 0 stepped: its own compute at least, never above all
+        assert 0 < r["host_busy"] <= 1
         # (auto_hook has the switch too here, and may take its path)
         quantised = r["hook"] in ("ina", "auto")
         assert r["max_param_diff_vs_default"] <= (1e-6 if quantised else 0.0)

@@ -349,8 +349,8 @@ def ddp(args: argparse.Namespace) -> int:
         args, "bench-ddp", asdict(cfg), {"rows": shown, "full": rows},
         tables=[("rows", f"DDP iteration time per hook, {cfg.ranks} gloo ranks, {where} "
                  f"(medians of {cfg.steps - cfg.warmup} interleaved steps)",
-                 ["model", "hook", "iter_ms", "cpu_ms", "hook_cpu_ms", "speedup_vs_default",
-                  "paired_vs_default",
+                 ["model", "hook", "iter_ms", "cpu_ms", "hook_cpu_ms", "host_busy",
+                  "speedup_vs_default", "paired_vs_default",
                   "best_stock", "paired_vs_best_stock", "density",
                   "max_param_diff_vs_default", "paths", "dense_calls_in"])],
     )  # fmt: skip

@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradfabric.collectives import trec
 from gradfabric.collectives.fast import PYTHON, register_hook
 from gradfabric.collectives.rows import tables
+from gradfabric.core import hostcpu
 from gradfabric.net.netns import MTU
 from gradfabric.proto.switch import ALLOCATORS
 from gradfabric.workloads.trained import MODELS
@@ -313,6 +314,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
         times: dict[str, list[float]] = {h: [] for h in hooks}
         cpu: dict[str, list[float]] = {h: [] for h in hooks}  # all ranks' CPU seconds a step
         hook_cpu: dict[str, list[float]] = {h: [] for h in hooks}  # of which the hooks' threads
+        host = {h: hostcpu.Busy() for h in hooks}  # every core of the host, rank 0's reading
         spans: dict[str, list[list[tuple[float, ...]]]] = {h: [] for h in hooks}  # rank's own
         # a round's steps drawn once for all its replicas (as one step's were before blocks)
         batched = functools.lru_cache(maxsize=cfg.block)(batch)
@@ -321,6 +323,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             replica, opt, state = replicas[hook]
             dist.barrier()
             t0, c0, h0 = time.perf_counter(), time.process_time(), _thread_cpu(state)
+            b0 = hostcpu.snapshot() if rank == 0 else None
             loss = loss_fn(replica(*inputs), target)
             for o in opt:
                 o.zero_grad()
@@ -328,6 +331,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
             for o in opt:
                 o.step()
             took = torch.tensor([time.perf_counter() - t0])
+            b1 = hostcpu.snapshot() if rank == 0 else None
             # (every thread of the rank's; the hook's own threads' share)
             spent = torch.tensor([time.process_time() - c0, _thread_cpu(state) - h0])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)  # a step ends with its slowest rank
@@ -336,6 +340,7 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 times[hook].append(float(took))
                 cpu[hook].append(float(spent[0]))
                 hook_cpu[hook].append(float(spent[1]))
+                host[hook].add(b0, b1)
                 if hasattr(state, "spans_since"):
                     spans[hook].append(state.spans_since(t0))
         base = statistics.median(times[ref_hook]) if ref_hook else None
@@ -357,6 +362,8 @@ def _rank_main(cfg: DdpBenchConfig, out: str) -> None:
                 "iter_ms": iter_s * 1e3,
                 "cpu_ms": statistics.median(cpu[hook]) * 1e3,  # summed over the ranks
                 "cores": os.cpu_count(),  # what the ranks' CPU shares on this host
+                # the host's cores busy in rank 0's steps (any process, the kernel too)
+                "host_busy": host[hook].share,
                 # the hook's threads' CPU (``Overlapped.thread_cpu_s``), summed over the ranks
                 "hook_cpu_ms": statistics.median(hook_cpu[hook]) * 1e3
                 if hasattr(state, "thread_cpu_s") else None,
