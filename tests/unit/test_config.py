@@ -140,3 +140,15 @@ def test_bench_ddp_timeline_takes_medians_over_the_steps_with_the_usual_bucket_c
     assert timeline(steps) == [(12.0, 15.0, 25.0), (26.0, 27.0, 50.0)]
     assert timeline([[], []]) is None and timeline([]) is None
 
+
+
+def test_reproduce_s_ddp_note_says_how_busy_the_host_was() -> None:
+    """``reproduce``'s DDP claim states the host's busy share beside the
+    default hook's where both rows read it, and nothing where one did not."""
+    from gradfabric.experiments.emulator import _busy
+
+    ina = {"cores": 2, "host_busy": 0.8049}
+    default = {"cores": 2, "host_busy": 0.3361}
+    assert _busy(ina, default).startswith("; the host's 2 cores busy 80% of the step against 34%")
+    assert _busy(ina, {**default, "host_busy": None}) == ""
+    assert _busy({"cores": 2}, default) == ""

@@ -329,7 +329,8 @@ class Emulator:
                 note=f"ina_hook, 16 MB buckets, {mlp['iter_ms']:.0f} ms per step against the "
                 f"default hook's {default['iter_ms']:.0f} ms (4 MB buckets, its best); bytes "
                 f"floors {floors['mlp']['ina']:.0f} and {floors['mlp']['default']:.0f} ms; ratio "
-                f"of mean step times, paired 95% interval, {cfg.steps - cfg.warmup} steps",
+                f"of mean step times, paired 95% interval, {cfg.steps - cfg.warmup} steps"
+                + _busy(mlp, default),
             )
         )
         lm, default = row("transformer", "ina"), row("transformer", "default")
@@ -361,6 +362,15 @@ class Emulator:
                 f"of mean step times, paired 95% interval, {cfg.steps - cfg.warmup} steps",
             )
         )
+
+
+def _busy(row: dict[str, Any], ref: dict[str, Any]) -> str:
+    """What the host's cores did in the two rows' steps (``host_busy``), where read."""
+    if row.get("host_busy") is None or ref.get("host_busy") is None:
+        return ""
+    return (f"; the host's {row['cores']} cores busy {row['host_busy']:.0%} of the step "
+            f"against {ref['host_busy']:.0%} under the default hook (every process and the "
+            "kernel's forwarding: the ranks, the switch and the links share them)")  # fmt: skip
 
 
 def _simulated(
