@@ -179,8 +179,8 @@ def block_maxima(exps: Any, group: Any = None) -> Any:
     KB a bucket; a ring all-reduce would carry them through 2(n-1) hops in
     turn, each a wake-up of a gloo thread that, on a host busy with backward,
     waits for a core: with 4 ranks on 2 cores its 2 KB took 7-38 ms after the
-    last rank arrived, the exchange 1-20 ms, and a step's first sum began
-    15 ms sooner (NOTEBOOK, 2026-11-28). Each rank sends n-1 copies: in an
+    last rank arrived, the exchange 1-27 ms, and a step's first sum began
+    14-20 ms sooner (two runs each; NOTEBOOK, 2026-11-28). Each rank sends n-1 copies: in an
     alpha-beta model the exchange beats the ring's hops while the exponents
     stay under about twice a hop's latency times the link's rate (some 100
     KB at 10 Gbit/s and 50 us), at any rank count; a bucket's are 2-16 KB
