@@ -43,6 +43,7 @@ from gradfabric.proto.priority import srpt_aging
 
 POLICIES = ("atp", "esa")
 AGING_S = 1.0
+START_S = 2.0  # the trace's time zero after the daemon is up: every job's workers ready by then
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,11 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
         start, daemon_cpu = time.monotonic(), cpu_s(sw.proc.pid)
 
         def one(j: int, job: EsaJob) -> None:
-            time.sleep(max(0.0, start + job.arrival_s - time.monotonic()))
+            # every job's workers start now and go at its arrival on the trace's
+            # clock: a job's start-up (a fork, its data, its socket) must not
+            # move it along the trace (under load it took as long as the gaps
+            # between arrivals, and jobs that should overlap did not)
+            go_at = start + START_S + job.arrival_s
             try:
                 if tor is None:
                     ticket = Ticket.register(sw.control, job.workers)
@@ -167,7 +172,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
                     ticket = call_in(tor, Ticket.register, sw.control, job.workers)
                 total = cfg.timeout_s + job.steps * 2.0
                 args = [(job, ticket, r, hosts[first[j] + r]) for r in range(job.workers)]
-                results[j] = run_hosts(_worker, args, cfg.timeout_s, total)
+                results[j] = run_hosts(_worker, args, cfg.timeout_s, total, go_at=go_at)
             except Exception as e:
                 results[j] = e
 

@@ -99,10 +99,12 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
 
 
 def run_hosts(
-    target: Callable[..., None], args: list[tuple[Any, ...]], start_s: float, total_s: float
+    target: Callable[..., None], args: list[tuple[Any, ...]], start_s: float, total_s: float,
+    go_at: float | None = None,
 ) -> list[Any]:
     """Start one process per ``args`` running ``target(*args, conn)``; once
-    each said "ready", say "go" to all and collect each one's record (a
+    each said "ready" (and not before ``go_at``, a ``time.monotonic()``
+    instant, where given), say "go" to all and collect each one's record (a
     string is an error, raised here naming the worker). The processes fork
     from a server that imported ``target``'s module (and so torch) once and
     has run nothing: a run starts in a fraction of a second, not the seconds
@@ -120,6 +122,8 @@ def run_hosts(
         for msg in _collect(conns, procs, start_s, "start"):  # every worker said hello
             if msg != "ready":
                 raise RuntimeError(msg)
+        if go_at is not None:
+            time.sleep(max(0.0, go_at - time.monotonic()))
         for c in conns:
             c.send("go")
         recs = _collect(conns, procs, total_s, "finish")
