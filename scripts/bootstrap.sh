@@ -7,10 +7,28 @@ PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || { echo "gradfabric needs Python >= 3.11 (found $("$PY" --version))" >&2; exit 2; }
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# Installed again whenever what the build reads changed: the dependency pins,
+# setup.py, the native sources and the modules compiled with mypyc. pip
+# compiles the native code (setup.py); a build that fails fails this script.
 stamp=.venv/.gradfabric-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -nt "$stamp" ]; then
+inputs=$(.venv/bin/python - <<'PY'
+import hashlib, importlib.util, pathlib
+spec = importlib.util.spec_from_file_location("b", "src/gradfabric/_build.py")
+b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)
+pkg = pathlib.Path("src/gradfabric")
+files = [pathlib.Path(f) for f in ("setup.py", "pyproject.toml", "requirements.lock")]
+files += sorted(pkg.rglob("*.c")) + sorted(pkg.rglob("*.h")) + [pkg / "_build.py"]
+files += [pkg.joinpath(*m.split(".")).with_suffix(".py") for m in b.HOT]
+h = hashlib.sha256()
+for f in files:
+    h.update(str(f).encode() + b"\0" + f.read_bytes())
+print(h.hexdigest(), "pure" if __import__("os").environ.get("GRADFABRIC_PURE") else "native")
+PY
+)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$inputs" ]; then
+  rm -f "$stamp"
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements.lock -e '.[dev]'
-  touch "$stamp"
+  echo "$inputs" > "$stamp"
 fi
 
 # The optional TorchRec baseline, where asked for (see requirements-torchrec.txt).
@@ -21,9 +39,8 @@ if [ "${GRADFABRIC_TORCHREC:-0}" = 1 ] && { [ ! -f "$trstamp" ] || [ requirement
   touch "$trstamp"
 fi
 
-# The simulator's hot path compiled with mypyc (C extensions beside the
-# sources); skipped when up to date, and where there is no C compiler the
-# pure-Python modules run. GRADFABRIC_PURE=1 skips it.
+# The DDP hooks' C++ extension, against the torch just installed (fails where
+# a compiler is present and the build fails).
 .venv/bin/python scripts/compile.py
 
 # The emulator's kernel-loss links drop packets with nftables (this kernel's tc

@@ -19,6 +19,6 @@ elif _stale := _build.stale_modules(_Path(__file__).parent):
     _build.use_sources()
     _warnings.warn(
         f"gradfabric: the compiled modules are older than their sources ({', '.join(_stale)}); "
-        "running the pure-Python sources. Rebuild with: python scripts/compile.py",
+        "running the pure-Python sources. Rebuild with: pip install -e . (or scripts/bootstrap.sh)",
         stacklevel=1,
     )

@@ -1,6 +1,6 @@
 """Which modules are compiled (mypyc), and whether their extensions are current.
 
-``scripts/compile.py`` builds the modules in ``HOT`` into C extensions beside
+pip (``setup.py``) builds the modules in ``HOT`` into C extensions beside
 their sources and writes ``_compiled.json`` (each source's hash). At import,
 ``gradfabric`` runs the extensions only if every source still has its
 recorded hash; otherwise (an edited source, a checkout of another commit) it

@@ -37,6 +37,7 @@ from gradfabric.net import datapath, netns, switchpath
 from gradfabric.net.peers import GRACE_S
 from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import Flag, Packet, encode
+from tests.native import require
 
 
 def _allreduce_all(clients: list[Any], xs: list[np.ndarray]) -> list[Any]:
@@ -441,8 +442,8 @@ def test_a_float_sum_decoded_over_its_own_inputs_is_the_fresh_arrays_sum(native:
     the switch killed mid-call and started again (the native call aborted and
     handed to the engine with some blocks decoded over their inputs and the
     rest not yet encoded)."""
-    if native and datapath.PATH != "compiled":
-        pytest.skip("the native datapath is not built here")
+    if native:
+        require("the worker datapath", datapath.PATH, datapath.WHY_NOT)
     options = ("--policy", "switchml", "--loss", "0.05", "--rto-ms", "10", "--job-slots", "16")
     sw = start_switch(*options)
     options = _same_ports(sw, *options)
@@ -695,11 +696,11 @@ def test_a_killed_rank_rejoins_and_training_resumes_from_the_checkpoint() -> Non
     assert len(hit["switch"]["jobs"]) == 1  # the old job is gone, the new one left
 
 
-@pytest.mark.skipif(switchpath.PATH != "compiled", reason=str(switchpath.WHY_NOT))
 def test_a_native_switch_refuses_an_saatp_job_and_says_how_to_serve_one() -> None:
     """SA-ATP's straggler monitor is Python: a daemon on the native datapath
     refuses a job that asks for help (never a monitor that sees no packet),
     and names the flag that serves one."""
+    require("the switch datapath", switchpath.PATH, switchpath.WHY_NOT)
     with switch_daemon("--policy", "atp") as sw:
         with pytest.raises(ConfigError, match="--datapath python"):
             Ticket.register(sw.control, 3, help={"iteration_packets": 8})

@@ -36,11 +36,10 @@ from gradfabric.proto.worker import ResumableWorker
 from gradfabric.wire import fastquant
 from gradfabric.wire.envelope import TOKEN_BYTES, drop_reason, seal, unseal
 from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, decode, encode
+from tests.native import require
 
-pytestmark = pytest.mark.skipif(
-    datapath.PATH != "compiled" or fastquant.PATH != "compiled",
-    reason=str(datapath.WHY_NOT or fastquant.WHY_NOT),
-)
+require("the worker datapath", datapath.PATH, datapath.WHY_NOT, module=True)
+require("the quantiser", fastquant.PATH, fastquant.WHY_NOT, module=True)
 
 TOKEN = bytes.fromhex("0123456789abcdef")
 JOB, WORKERS = 7, 3

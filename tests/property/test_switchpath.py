@@ -30,7 +30,6 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,8 +46,9 @@ from gradfabric.proto.switch.atp import FREE
 from gradfabric.proto.switch.job import SwitchJob
 from gradfabric.wire.envelope import TOKEN_BYTES, seal
 from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, encode
+from tests.native import require
 
-pytestmark = pytest.mark.skipif(switchpath.PATH != "compiled", reason=str(switchpath.WHY_NOT))
+require("the switch datapath", switchpath.PATH, switchpath.WHY_NOT, module=True)
 
 SLOTS = 16
 

@@ -14,10 +14,9 @@ import sys
 import warnings
 from pathlib import Path
 
-import pytest
-
 import gradfabric
 from gradfabric import _build
+from tests.native import require
 
 PKG = Path(gradfabric.__file__).parent
 
@@ -53,10 +52,10 @@ def test_the_sources_run_where_asked() -> None:
     assert _run(pure=True)["path"] == "python"
 
 
-@pytest.mark.skipif(_build.compiled_path() != "mypyc", reason="nothing compiled here")
 def test_compiled_and_pure_paths_compute_the_same_run() -> None:
     """Seeded runs with loss and jitter, values on: every event count, time,
     counter and result sum is equal on both paths."""
+    require("the simulator's hot path", _build.compiled_path(), "no mypyc build")
     compiled, pure = _run(pure=False), _run(pure=True)
     assert compiled.pop("path") == "mypyc" and pure.pop("path") == "python"
     assert compiled == pure
@@ -82,8 +81,7 @@ def test_a_stale_build_warns_and_runs_the_sources(tmp_path: Path) -> None:
     """Importing gradfabric with a stale manifest: a warning naming the module,
     and the event loop comes from its ``.py`` file."""
     manifest = PKG / _build.MANIFEST
-    if not manifest.exists():
-        pytest.skip("nothing compiled here")
+    require("the simulator's hot path", _build.compiled_path(), "no mypyc build")
     code = (
         "import warnings; warnings.simplefilter('always')\n"
         "import gradfabric.sim.loop as loop; print(loop.__file__)\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from gradfabric import __version__
 from gradfabric._build import compiled_path
@@ -27,17 +28,35 @@ COMMANDS = (reproduce, simulate, experiment, plan, bench, daemon, models)
 
 
 def version() -> str:
-    """The version and which paths run: the simulator's (``mypyc``: the
-    compiled hot path; ``python``: the sources, where nothing was compiled),
-    the switch clients' quantiser (``compiled`` C, or ``python``: numpy) and
-    the datapaths of the workers and of the switch daemon's SwitchML, ATP and
-    ESA pools (``compiled`` C, or ``python``: the reference engines)."""
+    """The version and which implementation serves each part with native
+    code: ``compiled`` (built by pip; the DDP hook by ``scripts/compile.py``)
+    or ``python`` (the reference, with the reason it serves), and the
+    simulator's hot path (``mypyc`` or ``python``)."""
+    from gradfabric.collectives import fast
     from gradfabric.net import datapath, switchpath
     from gradfabric.wire import fastquant
 
-    return (f"gradfabric {__version__} (simulator hot path: {compiled_path()}; "
-            f"client quantiser: {fastquant.PATH}; worker datapath: {datapath.PATH}; "
-            f"switch datapath: {switchpath.PATH})")  # fmt: skip
+    parts = (
+        ("switch engine", switchpath.PATH, switchpath.WHY_NOT),
+        ("worker engine", datapath.PATH, datapath.WHY_NOT),
+        ("client quantiser", fastquant.PATH, fastquant.WHY_NOT),
+        ("DDP hook", fast.PYTHON if (hook := fast.why_not()) else fast.COMPILED, hook),
+        ("simulator hot path", compiled_path(), None),
+    )
+    lines = [f"  {name}: {path}" + ("" if why is None or path != "python" else f" ({why})")
+             for name, path, why in parts]  # fmt: skip
+    return "\n".join([f"gradfabric {__version__}", *lines])
+
+
+class _Version(argparse.Action):
+    """``--version``, computed only when asked (it loads every native part)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show which paths run, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> None:
+        print(version())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gradfabric",
         description="Distributed DNN training that communicates less and waits less.",
     )
-    p.add_argument("--version", action="version", version=version())
+    p.add_argument("--version", action=_Version)
     p.add_argument(
         "-v", "--verbose", action="store_true",
         help="let the libraries' warnings through (c10d, gloo, torchrun)",

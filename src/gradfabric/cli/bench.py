@@ -34,7 +34,7 @@ def add(sub: Sub) -> None:
         "sim",
         help="simulator speed: compiled vs pure Python, events per wall second",
         description="One all-reduce of a model's gradients in the simulator, on the "
-        "compiled hot path (mypyc, built by scripts/compile.py) and on the pure-Python "
+        "compiled hot path (mypyc, built by pip) and on the pure-Python "
         "sources, alternating in child processes, medians of --repeats. --scaling adds "
         "events/s and wall time against workers (8, 64, 256, 1024) for SwitchML and ATP, "
         "with trains of workers/8 packets.",

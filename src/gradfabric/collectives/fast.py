@@ -53,9 +53,9 @@ def why_not() -> str | None:
     try:
         built = json.loads(MANIFEST.read_text())
     except (OSError, ValueError):
-        return "not built (scripts/compile.py builds it)"
+        return "not built (scripts/compile.py builds it against this torch)"
     if built.get("source") != source_digest():
-        return "its source changed since it was built (run scripts/compile.py)"
+        return "its source changed since it was built (scripts/compile.py rebuilds it)"
     if built.get("torch") != torch.__version__:
         return f"built for torch {built.get('torch')}, this is {torch.__version__}"
     try:

@@ -1,8 +1,8 @@
 """How fast the simulator runs: the compiled hot path beside the pure-Python
 one, and events per second against workers.
 
-Both paths run the same sources (``scripts/compile.py`` builds the hot path
-with mypyc; ``GRADFABRIC_PURE=1`` makes a process import the ``.py`` files
+Both paths run the same sources (pip builds the hot path with mypyc,
+``setup.py``; ``GRADFABRIC_PURE=1`` makes a process import the ``.py`` files
 instead). A process has one path for its lifetime, so each measurement runs
 in a child process of its own (``child``)
 and the two paths alternate, repeat after repeat, in one run.
@@ -100,7 +100,7 @@ def measure_on(path: str, case: SpeedCase) -> dict[str, Any]:
     if row["path"] != path:
         raise ConfigError(
             "paths", f"asked for the {path} path but the child ran {row['path']} "
-            "(nothing compiled? run: python scripts/compile.py)",
+            "(nothing compiled? run: pip install -e .)",
         )  # fmt: skip
     return row
 

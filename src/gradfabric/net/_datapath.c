@@ -50,6 +50,7 @@
 #ifndef GRADFABRIC_SOURCE
 #define GRADFABRIC_SOURCE "unknown"
 #endif
+#define GF_API __attribute__((visibility("default"))) /* the rest is hidden */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the wire is little-endian and values are sent from memory as they are"
 #endif
@@ -131,8 +132,8 @@ typedef struct {
     int64_t next_tx;         /* when the paced queue may send next */
 } gf_worker;
 
-const char *gf_source(void) { return GRADFABRIC_SOURCE; }
-int64_t gf_w_size(void) { return (int64_t)sizeof(gf_worker); }
+GF_API const char *gf_source(void) { return GRADFABRIC_SOURCE; }
+GF_API int64_t gf_w_size(void) { return (int64_t)sizeof(gf_worker); }
 
 static int grow(int64_t **buf, int64_t *cap, int64_t need) {
     if (need <= *cap) return 0;
@@ -251,7 +252,7 @@ static void header(const gf_worker *w, int64_t seq, int64_t flags, uint8_t *h) {
     memcpy(h + 24, &b, 8);
 }
 
-int gf_w_init(gf_worker *w) {
+GF_API int gf_w_init(gf_worker *w) {
     w->fifo = NULL;
     w->outbox = NULL;
     w->txq = NULL;
@@ -261,7 +262,7 @@ int gf_w_init(gf_worker *w) {
     return w->rx ? 0 : -1;
 }
 
-void gf_w_free(gf_worker *w) {
+GF_API void gf_w_free(gf_worker *w) {
     free(w->fifo);
     free(w->outbox);
     free(w->txq);
@@ -272,7 +273,7 @@ void gf_w_free(gf_worker *w) {
 }
 
 /* A new call: the engine pushes the whole tensor (proto.worker.WorkerEngine.push). */
-int gf_w_start(gf_worker *w, int64_t now) {
+GF_API int gf_w_start(gf_worker *w, int64_t now) {
     w->fifo_head = w->fifo_len = w->outbox_len = 0;
     w->base = w->next = w->first;
     w->push_end = w->first + w->npkts;
@@ -324,7 +325,7 @@ static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v;
 
 /* One datagram from the socket: unseal, decode, then the engine and the delivery.
  * Returns -1 only when out of memory. */
-int gf_w_datagram(gf_worker *w, const uint8_t *data, int64_t len, int64_t now) {
+GF_API int gf_w_datagram(gf_worker *w, const uint8_t *data, int64_t len, int64_t now) {
     if (len < TOKEN || memcmp(data, w->token, TOKEN) != 0) {
         w->counters[C_BAD_TOKEN]++;
         return 0;
@@ -393,7 +394,7 @@ malformed:
 }
 
 /* proto.worker.WorkerEngine.next_deadline: -1 for none. */
-int64_t gf_w_deadline(gf_worker *w) {
+GF_API int64_t gf_w_deadline(gf_worker *w) {
     while (w->fifo_len) {
         int64_t k = w->fifo_head, d = w->fifo[2 * k], seq = w->fifo[2 * k + 1];
         if (outstanding(w, seq) && w->deadline[seq - w->first] == d) return d;
@@ -405,7 +406,7 @@ int64_t gf_w_deadline(gf_worker *w) {
 /* proto.worker.WorkerEngine.on_timer: 1 if it gave up (fail_seq), -1 out of memory.
  * With fast retransmit or notices on, only the lowest due sequence is resent,
  * the others re-armed. */
-int gf_w_timer(gf_worker *w, int64_t now) {
+GF_API int gf_w_timer(gf_worker *w, int64_t now) {
     int64_t mark = w->outbox_len, n = 0, later = now + w->rto_ns;
     int64_t *due = malloc(sizeof(int64_t) * (size_t)(w->fifo_len ? w->fifo_len : 1));
     if (!due) return -1;
@@ -446,7 +447,7 @@ oom:
 
 /* The outbox as bytes (for the differential test): each datagram as a u32
  * length and its bytes; returns the bytes written, or -1 if ``cap`` is short. */
-int64_t gf_w_take(gf_worker *w, uint8_t *buf, int64_t cap) {
+GF_API int64_t gf_w_take(gf_worker *w, uint8_t *buf, int64_t cap) {
     int64_t at = 0;
     for (int64_t i = 0; i < w->outbox_len; i++) {
         int64_t seq = w->outbox[2 * i], n = count_of(w, seq);
@@ -596,7 +597,7 @@ static int64_t rx_every(const gf_worker *w) {
  * (RUN_ERROR). gf_w_start must have run. ``group_fd`` (-1: none) is the
  * socket that receives the job's multicast results (emu.client.Attached);
  * everything is sent from ``fd``. */
-int gf_w_run(gf_worker *w, int fd, int group_fd, const uint8_t *addr, int64_t alen,
+GF_API int gf_w_run(gf_worker *w, int fd, int group_fd, const uint8_t *addr, int64_t alen,
              int64_t wall_deadline, volatile const int32_t *abort) {
     const struct sockaddr *sa = (const struct sockaddr *)addr;
     const int64_t period = rx_every(w);

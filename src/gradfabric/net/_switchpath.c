@@ -58,6 +58,7 @@
 #ifndef GRADFABRIC_SOURCE
 #define GRADFABRIC_SOURCE "unknown"
 #endif
+#define GF_API __attribute__((visibility("default"))) /* the rest is hidden */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the wire is little-endian and values are summed from memory as they are"
 #endif
@@ -198,9 +199,9 @@ typedef struct {
     int64_t nwork, capwork;
 } gf_switch;
 
-const char *gf_source(void) { return GRADFABRIC_SOURCE; }
+GF_API const char *gf_source(void) { return GRADFABRIC_SOURCE; }
 
-gf_switch *gf_s_new(int64_t slots, int64_t policy) {
+GF_API gf_switch *gf_s_new(int64_t slots, int64_t policy) {
     if (slots < 1 || policy < P_SWITCHML || policy > P_PS) return NULL;
     gf_switch *s = calloc(1, sizeof *s);
     if (!s) return NULL;
@@ -242,7 +243,7 @@ static void ps_clear(ps_t *ps) {
     memset(ps, 0, sizeof *ps);
 }
 
-void gf_s_free(gf_switch *s) {
+GF_API void gf_s_free(gf_switch *s) {
     for (int64_t i = 0; s->copies && i < 2 * s->slots; i++) free(s->copies[i].values);
     for (int64_t i = 0; s->pool && i < s->slots; i++) free(s->pool[i].values);
     for (int64_t j = 0; j < MAX_JOBS; j++)
@@ -254,7 +255,7 @@ void gf_s_free(gf_switch *s) {
 /* Install or update a job (the control plane's register, restore, resume);
  * a new one's slot range is cleared (SwitchMLPolicy.admit). ATP's: the
  * switch job's ``window``, its PS's (``ps_window``) and integer scale. */
-int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_in, int64_t slot_base,
+GF_API int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_in, int64_t slot_base,
              int64_t slot_count, int64_t resync, int64_t window, int64_t ps_window, double scale) {
     if (id < 0 || id >= MAX_JOBS || fan_in < 1 || fan_in > MAX_FAN_IN || ps_window < 1) return -1;
     if (slot_base < 0 || slot_count < 0 || slot_base + slot_count > s->slots) return -1;
@@ -273,7 +274,7 @@ int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_in, int
 
 /* A worker's address (hello), or for rank -1 the job's multicast group
  * (emu.switchd's --multicast); a zero length forgets it. */
-int gf_s_addr(gf_switch *s, int64_t id, int64_t rank, const uint8_t *addr, int64_t alen) {
+GF_API int gf_s_addr(gf_switch *s, int64_t id, int64_t rank, const uint8_t *addr, int64_t alen) {
     job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
     if (!j || rank < -1 || rank >= j->fan_in || alen < 0 || alen > (int64_t)sizeof j->group)
         return -1;
@@ -285,7 +286,7 @@ int gf_s_addr(gf_switch *s, int64_t id, int64_t rank, const uint8_t *addr, int64
 /* The job left (SwitchMLPolicy.retire, ATPPolicy.retire): its range is
  * cleared for the next owner, or its aggregators freed (their remaining hold
  * not counted as use), its PS dropped. */
-void gf_s_forget(gf_switch *s, int64_t id) {
+GF_API void gf_s_forget(gf_switch *s, int64_t id) {
     job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
     if (!j) return;
     clear_range(s, j->slot_base, j->slot_count);
@@ -296,18 +297,18 @@ void gf_s_forget(gf_switch *s, int64_t id) {
     s->jobs[id] = NULL;
 }
 
-int64_t *gf_s_counters(gf_switch *s) { return s->counters; }
-int64_t *gf_s_job_counters(gf_switch *s, int64_t id) {
+GF_API int64_t *gf_s_counters(gf_switch *s) { return s->counters; }
+GF_API int64_t *gf_s_job_counters(gf_switch *s, int64_t id) {
     return (id >= 0 && id < MAX_JOBS && s->jobs[id]) ? s->jobs[id]->counters : NULL;
 }
-int64_t *gf_s_pool(gf_switch *s) { return &s->busy_ns; } /* busy_ns, held_ns, claims */
+GF_API int64_t *gf_s_pool(gf_switch *s) { return &s->busy_ns; } /* busy_ns, held_ns, claims */
 
 /* SwitchJob.full: every child's bit. */
 static uint64_t full_mask(int64_t fan_in) { return fan_in == 64 ? ~0ULL : (1ULL << fan_in) - 1; }
 
 /* The policy's ``missing`` and the PS's ``missing_workers``: children some
  * partly filled aggregator, copy or merge of the job waits on. */
-uint64_t gf_s_missing(gf_switch *s, int64_t id) {
+GF_API uint64_t gf_s_missing(gf_switch *s, int64_t id) {
     job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
     if (!j) return 0;
     uint64_t full = full_mask(j->fan_in), bits = 0;
@@ -320,7 +321,7 @@ uint64_t gf_s_missing(gf_switch *s, int64_t id) {
 }
 
 /* ATP's and ESA's aggregators now held by some job (SwitchDaemon.occupancy). */
-int64_t gf_s_occupied(gf_switch *s) {
+GF_API int64_t gf_s_occupied(gf_switch *s) {
     int64_t n = 0;
     for (int64_t i = 0; s->pool && i < s->slots; i++) n += s->pool[i].state != FREE;
     return n;
@@ -843,7 +844,7 @@ static void run_work(gf_switch *s, int64_t now) {
 
 /* One datagram, as emu.switchd.accept, then SwitchEngine.on_packet and the
  * policy take it, then what the hosted engines hand each other. */
-void gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now) {
+GF_API void gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now) {
     s->counters[D_RX]++;
     if (len < TOKEN + HEADER) { /* wire.envelope.job_of: no job to charge it to */
         s->counters[D_MALFORMED_SHORT]++;
@@ -931,7 +932,7 @@ static int take_one(void *ctx, const out_t *o, int64_t rank) {
 
 /* The outbox as bytes (for the differential test): per datagram a u32 rank,
  * a u32 length and its bytes; -1 if ``cap`` is short. */
-int64_t gf_s_take(gf_switch *s, uint8_t *buf, int64_t cap) {
+GF_API int64_t gf_s_take(gf_switch *s, uint8_t *buf, int64_t cap) {
     take_t t = {buf, 0, cap};
     return expand(s, take_one, &t, 0) ? -1 : t.at;
 }
@@ -979,7 +980,7 @@ static int send_one(void *ctx, const out_t *o, int64_t rank) {
 /* The event loop's callback for a readable socket: up to ``batches`` reads of
  * BATCH datagrams, each batch's answers sent before the next read. Returns
  * the datagrams read. */
-int64_t gf_s_drain(gf_switch *s, int fd, int64_t batches) {
+GF_API int64_t gf_s_drain(gf_switch *s, int fd, int64_t batches) {
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
     int64_t total = 0;

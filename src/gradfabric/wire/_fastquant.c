@@ -26,8 +26,9 @@
 #ifndef GRADFABRIC_SOURCE
 #define GRADFABRIC_SOURCE "unknown"
 #endif
+#define GF_API __attribute__((visibility("default"))) /* the rest is hidden */
 
-const char *gf_source(void) { return GRADFABRIC_SOURCE; }
+GF_API const char *gf_source(void) { return GRADFABRIC_SOURCE; }
 
 /* Two exact tricks keep the loops free of libm calls and int64 conversions,
  * so the compiler vectorises them with plain SSE2:
@@ -49,7 +50,7 @@ static inline uint32_t magnitude_bits(float f) {
 
 /* The exponent of every `block`-value slice of x (the last may be short).
  * Returns 0, or 1 if x holds a NaN or an infinity (out is then unspecified). */
-int gf_exponents(const float *x, int64_t n, int64_t block, int32_t *out) {
+GF_API int gf_exponents(const float *x, int64_t n, int64_t block, int32_t *out) {
   uint32_t worst = 0;
   for (int64_t lo = 0, b = 0; lo < n; lo += block, ++b) {
     int64_t hi = lo + block < n ? lo + block : n;
@@ -67,7 +68,7 @@ int gf_exponents(const float *x, int64_t n, int64_t block, int32_t *out) {
   return worst >= EXP_MASK;
 }
 
-void gf_encode(const float *x, int64_t n, int64_t block, const double *scale, int32_t *out) {
+GF_API void gf_encode(const float *x, int64_t n, int64_t block, const double *scale, int32_t *out) {
   for (int64_t lo = 0, b = 0; lo < n; lo += block, ++b) {
     int64_t hi = lo + block < n ? lo + block : n;
     const double s = scale[b];
@@ -78,7 +79,7 @@ void gf_encode(const float *x, int64_t n, int64_t block, const double *scale, in
   }
 }
 
-void gf_decode(const int64_t *r, int64_t n, int64_t block, const double *scale, float *out) {
+GF_API void gf_decode(const int64_t *r, int64_t n, int64_t block, const double *scale, float *out) {
   union { double d; int64_t i; } magic = {MAGIC};
   for (int64_t lo = 0, b = 0; lo < n; lo += block, ++b) {
     int64_t hi = lo + block < n ? lo + block : n;

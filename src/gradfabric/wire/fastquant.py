@@ -9,9 +9,10 @@ same IEEE operations per value, so its results equal the reference's bit for
 bit (``tests/property/test_fastquant.py`` holds them equal on seeded and
 adversarial inputs).
 
-``scripts/compile.py`` builds it with the C compiler into ``_fastquant.so``
-beside this file; it is used only while it is current and ``GRADFABRIC_PURE``
-is unset (``core.native``). Elsewhere the numpy functions here run: same results, more CPU.
+pip builds it with the C compiler (``setup.py``) beside this file; it is
+used only while it is current and ``GRADFABRIC_PURE`` is unset
+(``core.native``). Elsewhere the numpy functions here run: same results,
+more CPU.
 ``PATH`` says which one serves (``gradfabric --version`` prints it).
 
 Only numpy and the standard library: the switch daemon may use this too.
