@@ -17,6 +17,9 @@ build nothing, on purpose, and say so: ``GRADFABRIC_PURE=1`` (the reference
 everywhere) and a machine with no C compiler (the same code runs as Python).
 The DDP hooks' C++ extension is tied to the exact torch it runs with, so it
 is built against the installed torch afterwards (``scripts/compile.py``).
+
+Working on the C: ``GRADFABRIC_MYPYC=0 python setup.py build_ext --inplace``
+rebuilds the C libraries alone, in seconds.
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 PKG = ROOT / "src" / "gradfabric"
-# The C libraries: (module, sources). The first source is the one whose
-# digest names the build (``core.native``); the others are its parts.
+# The C libraries: (module, sources, headers). The digest of all of them, in
+# this order, names the build (``core.native`` computes the same).
 NATIVE = (
-    ("gradfabric.wire._fastquant", ["wire/_fastquant.c"]),
-    ("gradfabric.net._datapath", ["net/_datapath.c"]),
-    ("gradfabric.net._switchpath", ["net/_switchpath.c"]),
-)
+    ("gradfabric.wire._fastquant", ["wire/_fastquant.c"], []),
+    ("gradfabric.net._datapath", ["net/_datapath.c"], []),
+    ("gradfabric.net._switch",
+     ["net/native/switch_node.c", "net/native/switch_pool.c", "net/native/switch_ps.c"],
+     ["net/native/switch.h", "net/native/wire.h"]),
+    ("gradfabric.net._udp", ["net/native/udp.c"], ["net/native/wire.h"]),
+)  # fmt: skip
 C_FLAGS = [
     "-O3", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
     # no fused or reassociated floating point: the quantiser's results stay
@@ -77,11 +83,12 @@ def compiler() -> str | None:
 
 def native_extensions() -> list[Extension]:
     out = []
-    for name, rel in NATIVE:
-        sources = [PKG / r for r in rel]
-        digest = source_digest(sources)
+    for name, rel, headers in NATIVE:
+        sources, depends = [PKG / r for r in rel], [PKG / h for h in headers]
+        digest = source_digest(sources + depends)
         out.append(Extension(
             name, [str(s.relative_to(ROOT)) for s in sources],
+            depends=[str(h.relative_to(ROOT)) for h in depends],
             extra_compile_args=[*C_FLAGS, f'-DGRADFABRIC_SOURCE="{digest}"'],
             extra_link_args=["-lm"],
         ))  # fmt: skip
@@ -95,7 +102,8 @@ class BuildNative(build_ext):
 
     def finalize_options(self) -> None:
         exts = self.distribution.ext_modules
-        if exts and not any(e.name.startswith(HOT_GROUP) for e in exts):
+        mypyc = os.environ.get("GRADFABRIC_MYPYC", "1") != "0"  # 0: the C libraries alone
+        if exts and mypyc and not any(e.name.startswith(HOT_GROUP) for e in exts):
             try:
                 from mypyc.build import mypycify
             except ImportError:
@@ -118,7 +126,7 @@ class BuildNative(build_ext):
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
         # the C libraries are loaded with ctypes and define no PyInit_*
-        return [] if ext.name in {n for n, _ in NATIVE} else super().get_export_symbols(ext)
+        return [] if ext.name in {n for n, *_ in NATIVE} else super().get_export_symbols(ext)
 
 
 def extensions() -> list[Extension]:

@@ -36,8 +36,9 @@ def digest(sources: Path | list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def library_path(source: Path) -> Path:
-    return source.with_name(source.stem + EXT_SUFFIX)
+def library_path(library: Path) -> Path:
+    """Where pip put ``library`` (a module's path without its suffix)."""
+    return library.with_name(library.name + EXT_SUFFIX)
 
 
 def compiler_present() -> bool:
@@ -56,14 +57,15 @@ Signature = tuple[str, list[type], type | None]  # a function's name, argtypes, 
 
 
 def load(
-    source: Path, signatures: tuple[Signature, ...] = (), parts: tuple[Path, ...] = ()
+    library: Path, sources: list[Path], signatures: tuple[Signature, ...] = ()
 ) -> tuple[ctypes.CDLL | None, str | None]:
-    """The library built from ``source`` (and ``parts``, the other files it
-    is built from) with its functions' ``signatures`` set, or None and why it
-    cannot serve."""
+    """The library ``library`` (``net/_switch``: its path without the
+    extension's suffix) built from ``sources`` (its C files and headers, in
+    ``setup.py``'s order), with its functions' ``signatures`` set, or None
+    and why it cannot serve."""
     if os.environ.get("GRADFABRIC_PURE"):
         return None, "GRADFABRIC_PURE is set"
-    path = library_path(source)
+    path = library_path(library)
     if not path.exists():
         return None, f"not built ({REBUILD})"
     try:
@@ -71,7 +73,7 @@ def load(
     except OSError as e:
         return None, f"does not load: {e}"
     lib.gf_source.restype = ctypes.c_char_p
-    if lib.gf_source().decode() != digest([source, *parts]):
+    if lib.gf_source().decode() != digest(sources):
         return None, f"its source changed since it was built ({REBUILD})"
     for name, args, res in signatures:
         fn = getattr(lib, name)

@@ -34,54 +34,93 @@ import json
 import os
 import secrets
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import Any, Final, Protocol, cast
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.emu.links import ShardLinks
 from gradfabric.net.udp import Address, group_of
-from gradfabric.proto.interface import Aggregator
-from gradfabric.proto.schemes import Placement
+from gradfabric.proto.node import BACKGROUND as BACKGROUND
+from gradfabric.proto.node import NodeConfig, NodeJob
+from gradfabric.proto.node import server_name as server_name
+from gradfabric.proto.node import worker_name as worker_name
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import MAX_FAN_IN
 
-if TYPE_CHECKING:
-    from gradfabric.emu.switchd import SwitchDaemon
-
-BACKGROUND: Final = "background"  # a DLCP job kind: traffic that only loads the port
 STATE_FILE: Final = "jobs.json"  # in the state directory
 
 
 @dataclass
 class DaemonJob:
+    """A registered job as the control plane keeps it: what its workers were
+    told, where they are, and the node's job (its engines' side)."""
+
     job_id: int
     token: bytes
     workers: int
     slot_base: int
     kind: str
-    placement: Placement
-    entry: str  # the hosted engine the job's datagrams go to
-    shaped: bool = False  # its datagrams cross the daemon's shaped, prioritised port
+    node: NodeJob
+    help: HelpConfig | None = None
     addrs: dict[int, Address] = field(default_factory=dict)
-    counters: Counters = field(default_factory=Counters)  # datagrams that named this job
     resync: dict[int, int] | None = None  # restored, waiting: rank -> its base
     floor: int | None = None  # where the last resynchronisation told workers to replay from
     group: Address | None = None  # its multicast group (``SwitchConfig.multicast``)
 
+    @property
+    def counters(self) -> Counters:
+        """The datagrams that named this job (the node counts them)."""
+        return self.node.counters
 
-def worker_name(job_id: int, rank: int) -> str:
-    return f"j{job_id}w{rank}"
+
+class Node(Protocol):
+    """What the control plane asks of the switch node (``proto.node.SwitchNode``
+    or its native twin)."""
+
+    cfg: NodeConfig
+
+    def add_job(
+        self, job_id: int, token: bytes, workers: int, slot_base: int = 0, kind: str | None = None,
+        help: HelpConfig | None = None, resyncing: bool = False,
+    ) -> NodeJob: ...  # fmt: skip
+
+    def remove_job(self, job_id: int) -> None: ...
+
+    def resync(self, job_id: int, on: bool) -> None: ...
+
+    def missing(self, job_id: int) -> list[int]: ...
 
 
-def server_name(job_id: int) -> str:
-    return f"j{job_id}ps"
+class Daemon(Protocol):
+    """What the control plane asks of the daemon that runs it."""
+
+    @property
+    def node(self) -> Node: ...
+
+    jobs: dict[int, DaemonJob]
+    counters: Counters
+    epoch: str
+    multicast: bool
+    state_dir: str | None
+    pull_bound: float  # DLCP: what the ticket tells workers of their pulls
+
+    def data_address(self) -> Address: ...
+
+    def addresses_changed(self, job: DaemonJob) -> None: ...
+
+    def forget(self, job: DaemonJob) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 class ControlPlane:
-    def __init__(self, daemon: SwitchDaemon) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
         self.next_job = 1
+
+    @property
+    def cfg(self) -> NodeConfig:
+        return self.d.node.cfg
 
     def register(
         self, workers: int, sa_atp: dict[str, Any] | None = None, kind: str | None = None
@@ -90,16 +129,14 @@ class ControlPlane:
         SA-ATP straggler help with these ``HelpConfig`` fields
         (``iteration_packets`` required). ``kind``: one of the scheme's job
         kinds (DLCP: ``dlcp``, or ``background`` traffic for its port)."""
-        scheme = self.d.scheme
-        kind = self._kind(workers, kind)
         helping = None
         if sa_atp is not None:
-            if not scheme.can_help:
+            if self.cfg.scheme not in ("atp", "esa"):
                 raise ConfigError("help", "SA-ATP help runs on the atp and esa policies")
             helping = HelpConfig(**sa_atp)
             if helping.iteration_packets < 1:
                 raise ConfigError("iteration_packets", "SA-ATP needs packets per iteration")
-        base = self._free_range() if scheme.static_slots else 0
+        base = self._free_range() if self.cfg.scheme == "switchml" else 0
         job = self._install(self._new_id(), secrets.token_bytes(TOKEN_BYTES), workers, base,
                             kind, helping)  # fmt: skip
         self.d.counters["jobs_registered"] += 1
@@ -108,7 +145,7 @@ class ControlPlane:
 
     def restore(self, req: dict[str, Any]) -> dict[str, Any]:
         """A job the restarted daemon lost, installed again from its ticket."""
-        d, cfg = self.d, self.d.cfg
+        d, cfg = self.d, self.cfg
         job_id, token = int(req["job_id"]), bytes.fromhex(str(req["token"]))
         job = d.jobs.get(job_id)
         if job is not None:
@@ -117,18 +154,18 @@ class ControlPlane:
             return self.ticket(job)  # restored already, by another rank or from the state dir
         theirs = {k: req.get(k) for k in ("policy", "window", "values_per_packet")}
         theirs["multicast"] = bool(req.get("multicast", False))  # whether its ranks joined a group
-        ours = {"policy": cfg.policy, "window": cfg.job_slots,
-                "values_per_packet": cfg.values_per_packet, "multicast": cfg.multicast}  # fmt: skip
+        ours = {"policy": cfg.scheme, "window": cfg.job_slots,
+                "values_per_packet": cfg.values_per_packet, "multicast": d.multicast}  # fmt: skip
         if theirs != ours:
             raise ConfigError("restore", f"the daemon now runs {ours}, the job had {theirs}")
         workers, base = int(req["workers"]), int(req.get("slot_base", 0))
-        kind = self._kind(workers, req.get("kind"))
         if not 1 <= job_id <= 0xFFFF or len(token) != TOKEN_BYTES:
             raise ConfigError("job_id", "not a ticket this daemon could have issued")
-        if d.scheme.static_slots and not self._range_free(base):
+        if cfg.scheme == "switchml" and not self._range_free(base):
             raise ConfigError("slot_base", f"slots from {base} are another job's now")
-        job = self._install(job_id, token, workers, base, kind, None)
-        job.resync = {}
+        kind = req.get("kind")
+        job = self._install(job_id, token, workers, base, None if kind is None else str(kind),
+                            None, resync=True)  # fmt: skip
         d.counters["jobs_restored"] += 1
         self.save()
         return self.ticket(job)
@@ -140,74 +177,48 @@ class ControlPlane:
             if len(job.resync) == job.workers:
                 job.floor = min(job.resync.values())
                 job.resync = None
+                self.d.node.resync(job.job_id, False)
                 self.d.counters["jobs_resumed"] += 1
         if job.resync is None and job.floor is not None:
             return {"floor": job.floor, "epoch": self.d.epoch}
         return {"wait": True}
 
-    def _kind(self, workers: int, kind: str | None) -> str:
-        cfg, scheme = self.d.cfg, self.d.scheme
+    def _install(
+        self, job_id: int, token: bytes, workers: int, base: int, kind: str | None,
+        helping: HelpConfig | None, resync: bool = False,
+    ) -> DaemonJob:  # fmt: skip
+        """The job at the node (its engines), then in the control plane's table."""
         if not 1 <= workers <= MAX_FAN_IN:
             raise ConfigError("workers", f"must be in 1..{MAX_FAN_IN}")
-        kind = kind or scheme.job_kinds[0]
-        if kind not in scheme.job_kinds:
-            kinds = ", ".join(scheme.job_kinds)
-            raise ConfigError("kind", f"the {cfg.policy} switch takes {kinds} jobs")
-        return kind
-
-    def _install(
-        self, job_id: int, token: bytes, workers: int, base: int, kind: str,
-        helping: HelpConfig | None,
-    ) -> DaemonJob:  # fmt: skip
-        d, cfg, scheme = self.d, self.d.cfg, self.d.scheme
-        if helping is not None and d.native is not None:  # (registered, or in the state dir)
-            raise ConfigError("help", "SA-ATP's straggler monitor runs in the reference "
-                              "datapath: serve with --datapath python")  # fmt: skip
-        names = tuple(worker_name(job_id, r) for r in range(workers))
-        window = cfg.job_slots
-        p = Placement(
-            job_id, names, {d.SWITCH: names}, servers=(server_name(job_id),),
-            window=window, pool_slots=cfg.slots, slot_base=base,
-            keep_results=4 * window,  # a Python PS answers late retransmissions longer
-            rto_ns=cfg.rto_ns, values_per_packet=cfg.values_per_packet,
-            streams=cfg.omni_streams, push_bound=cfg.push_bound, help=helping,
-        )  # fmt: skip
-        if kind != BACKGROUND:
-            for name, engine in scheme.attach(p, d.switch).items():
-                d.host(name, engine)
-            fallback = d.local.get(server_name(job_id))
-            if fallback is not None and cfg.ps_link_mbps and cfg.policy in ("atp", "esa"):
-                fallback.links = ShardLinks(workers, cfg.ps_link_mbps)
-        job = DaemonJob(
-            job_id, token, workers, base, kind, p,
-            entry=scheme.entry(p), shaped=scheme.shaped_port and cfg.port_mbps > 0,
-        )  # fmt: skip
-        if cfg.multicast:
-            assert d.sock is not None
-            job.group = group_of(job_id, d.sock.getsockname()[1])
+        d = self.d
+        nj = d.node.add_job(job_id, token, workers, base, kind, helping, resyncing=resync)
+        job = DaemonJob(job_id, token, workers, base, nj.kind, nj, helping,
+                        resync={} if resync else None)  # fmt: skip
+        if d.multicast:
+            job.group = group_of(job_id, d.data_address()[1])
         d.jobs[job_id] = job
+        d.addresses_changed(job)
         return job
 
     def ticket(self, job: DaemonJob) -> dict[str, Any]:
         """What a job's workers need to know (``emu.client.Ticket``)."""
-        d, cfg = self.d, self.d.cfg
-        assert d.sock is not None
+        d, cfg = self.d, self.cfg
         return {
-            "switch": list(d.sock.getsockname()[:2]),
+            "switch": list(d.data_address()),
             "job_id": job.job_id,
             "token": job.token.hex(),
-            "policy": cfg.policy,
+            "policy": cfg.scheme,
             "workers": job.workers,
             "pool_slots": cfg.slots,
             "slot_base": job.slot_base,
             "window": cfg.job_slots,
             "values_per_packet": cfg.values_per_packet,
             "rto_ns": cfg.rto_ns,
-            "entry": job.entry,
+            "entry": job.node.entry,
             "kind": job.kind,
             "streams": cfg.omni_streams,
             "push_bound": cfg.push_bound,
-            "pull_bound": cfg.pull_bound,
+            "pull_bound": d.pull_bound,
             "epoch": d.epoch,
             "group": None if job.group is None else list(job.group),
         }
@@ -223,7 +234,7 @@ class ControlPlane:
 
     def _free_range(self) -> int:
         """The first free range of ``job_slots`` slots (first fit)."""
-        cfg, base = self.d.cfg, 0
+        cfg, base = self.cfg, 0
         for lo, hi in sorted(self._taken()):
             if base + cfg.job_slots <= lo:
                 break
@@ -233,29 +244,29 @@ class ControlPlane:
         return base
 
     def _taken(self) -> list[tuple[int, int]]:
-        w = self.d.cfg.job_slots
+        w = self.cfg.job_slots
         return [(j.slot_base, j.slot_base + w) for j in self.d.jobs.values()]
 
     def _range_free(self, base: int) -> bool:
-        w = self.d.cfg.job_slots
-        inside = base >= 0 and base + w <= self.d.cfg.slots
+        w = self.cfg.job_slots
+        inside = base >= 0 and base + w <= self.cfg.slots
         return inside and all(hi <= base or base + w <= lo for lo, hi in self._taken())
 
     # -- the state directory ------------------------------------------------
     def save(self) -> None:
         """Write every registration to the state directory (if any), atomically."""
         d = self.d
-        if d.cfg.state_dir is None:
+        if d.state_dir is None:
             return
         jobs = [
             {"job_id": j.job_id, "token": j.token.hex(), "workers": j.workers,
              "slot_base": j.slot_base, "kind": j.kind,
-             "help": None if j.placement.help is None else asdict(j.placement.help),
+             "help": None if j.help is None else asdict(j.help),
              "addrs": {str(r): list(a) for r, a in j.addrs.items()}}
             for j in d.jobs.values()
         ]  # fmt: skip
         state = {"config": self._identity(), "next_job": self.next_job, "jobs": jobs}
-        path = os.path.join(d.cfg.state_dir, STATE_FILE)
+        path = os.path.join(d.state_dir, STATE_FILE)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f)
@@ -264,10 +275,10 @@ class ControlPlane:
     def load(self) -> None:
         """Know the jobs the state directory holds, each waiting to resynchronise."""
         d = self.d
-        if d.cfg.state_dir is None:
+        if d.state_dir is None:
             return
-        os.makedirs(d.cfg.state_dir, exist_ok=True)
-        path = os.path.join(d.cfg.state_dir, STATE_FILE)
+        os.makedirs(d.state_dir, exist_ok=True)
+        path = os.path.join(d.state_dir, STATE_FILE)
         if not os.path.exists(path):
             return
         with open(path) as f:
@@ -280,8 +291,7 @@ class ControlPlane:
         for j in state["jobs"]:
             helping = None if j["help"] is None else HelpConfig(**j["help"])
             job = self._install(j["job_id"], bytes.fromhex(j["token"]), j["workers"],
-                                j["slot_base"], j["kind"], helping)  # fmt: skip
-            job.resync = {}
+                                j["slot_base"], j["kind"], helping, resync=True)  # fmt: skip
             for r, (host, port) in j["addrs"].items():
                 self._hello(job, int(r), (str(host), int(port)))
             d.counters["jobs_restored"] += 1
@@ -289,16 +299,16 @@ class ControlPlane:
 
     def _identity(self) -> dict[str, Any]:
         """What a job's workers depend on: a daemon must match it to take the jobs over."""
-        cfg = self.d.cfg
-        return {"policy": cfg.policy, "slots": cfg.slots, "window": cfg.job_slots,
+        cfg = self.cfg
+        return {"policy": cfg.scheme, "slots": cfg.slots, "window": cfg.job_slots,
                 "values_per_packet": cfg.values_per_packet,
-                **({"multicast": True} if cfg.multicast else {})}  # fmt: skip
+                **({"multicast": True} if self.d.multicast else {})}  # fmt: skip
 
     def _hello(self, job: DaemonJob, rank: int, addr: Address) -> None:
         if not 0 <= rank < job.workers:
             raise ConfigError("rank", f"must be in 0..{job.workers - 1}")
         job.addrs[rank] = addr
-        self.d.book[worker_name(job.job_id, rank)] = (job, addr)
+        self.d.addresses_changed(job)
 
     def _job(self, req: dict[str, Any]) -> DaemonJob:
         job = self.d.jobs.get(int(req.get("job_id", -1)))
@@ -313,15 +323,7 @@ class ControlPlane:
         resynchronises: the ranks that have not said ``resume``)."""
         if job.resync is not None:
             return [r for r in range(job.workers) if r not in job.resync]
-        names = set(self.d.gave_up.get(job.job_id, ()))
-        if self.d.native is not None:  # the pool and the PS in C: their Python engines idle
-            bits = self.d.native.native.missing(job.job_id)
-            names |= {worker_name(job.job_id, r) for r in range(job.workers) if bits >> r & 1}
-        else:
-            for engine in self.d.engines():
-                if isinstance(engine, Aggregator):
-                    names |= set(engine.missing_peers(job.job_id))
-        return [r for r in range(job.workers) if worker_name(job.job_id, r) in names]
+        return self.d.node.missing(job.job_id)
 
     def handle(self, req: dict[str, Any], peer: str) -> dict[str, Any]:
         d = self.d
@@ -350,11 +352,8 @@ class ControlPlane:
         if op == "missing":
             return {"missing": self.missing(job)}
         if op == "unregister":
-            d.scheme.detach(job.placement, d.switch)
-            d.unhost(server_name(job.job_id))
-            for r in range(job.workers):
-                d.book.pop(worker_name(job.job_id, r), None)
-            d.gave_up.pop(job.job_id, None)
+            d.node.remove_job(job.job_id)
+            d.forget(job)
             del d.jobs[job.job_id]
             d.counters["jobs_unregistered"] += 1
             self.save()
@@ -373,7 +372,6 @@ class ControlPlane:
                 except (ValueError, KeyError, TypeError) as e:  # ConfigError is a ValueError
                     self.d.counters["control_errors"] += 1
                     reply = {"error": str(e)}
-                self.d.sync_native()  # the datapath in C learns what changed
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):

@@ -9,17 +9,30 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-if TYPE_CHECKING:
-    from gradfabric.emu.switchd import SwitchDaemon
+from gradfabric.core.trace import Counters
 
 
-def registry(daemon: SwitchDaemon) -> CollectorRegistry:
+class Daemon(Protocol):
+    """What the metrics read of the daemon (``emu.switchd.SwitchDaemon``)."""
+
+    jobs: dict[int, Any]  # id -> ``emu.control.DaemonJob``
+    counters: Counters
+    cfg: Any
+
+    def own_counters(self) -> list[Counters]: ...
+
+    def engine_counters(self) -> list[Counters]: ...
+
+    def occupancy(self) -> int: ...
+
+
+def registry(daemon: Daemon) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(DaemonMetrics(daemon))
     return reg
@@ -50,7 +63,7 @@ class DaemonMetrics:
     named a registered job, the job; the engines' own counters (per reason,
     not per job) are ``events``."""
 
-    def __init__(self, daemon: SwitchDaemon) -> None:
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
@@ -72,6 +85,13 @@ class DaemonMetrics:
         workers = GaugeMetricFamily(
             "gradfabric_switch_job_workers", "Workers of each registered job", labels=["job"]
         )
+        unjobbed = Counters()  # the daemon's and the node's: no job to charge them to
+        for c in d.own_counters():  # (first: a native node's counters are read now)
+            for k, v in c.items():
+                unjobbed[k] += v
+        for k, v in unjobbed.items():
+            if k.startswith("drop_"):
+                drops.add_metric(["", k.removeprefix("drop_")], v)
         for job in d.jobs.values():
             name = str(job.job_id)
             rx.add_metric([name], job.counters.get("rx_datagrams", 0))
@@ -79,11 +99,8 @@ class DaemonMetrics:
             for k, v in job.counters.items():
                 if k.startswith("drop_"):
                     drops.add_metric([name, k.removeprefix("drop_")], v)
-        for k, v in d.counters.items():
-            if k.startswith("drop_"):
-                drops.add_metric(["", k.removeprefix("drop_")], v)
-        for eng in d.engines():
-            for k, v in eng.counters.items():
+        for counters in d.engine_counters():
+            for k, v in counters.items():
                 events.add_metric([k], v)
         yield rx
         yield drops
@@ -96,5 +113,5 @@ class DaemonMetrics:
             value=d.occupancy(),
         )  # fmt: skip
         yield CounterMetricFamily(
-            "gradfabric_switch_datagrams_sent", "Datagrams sent", value=d.counters["tx_datagrams"]
+            "gradfabric_switch_datagrams_sent", "Datagrams sent", value=unjobbed["tx_datagrams"]
         )

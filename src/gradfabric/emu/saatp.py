@@ -37,10 +37,11 @@ import numpy as np
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import Ticket, scheme_worker
-from gradfabric.emu.switchd import SWITCH, control_call
+from gradfabric.emu.switchd import control_call
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver, HelpRequest
 from gradfabric.proto.host import HostEngine
+from gradfabric.proto.node import SWITCH
 from gradfabric.proto.worker import WorkerEngine
 
 

@@ -1,26 +1,20 @@
-"""The switch daemon: gradfabric's engines on a real UDP socket.
+"""The switch daemon: a switch node (``proto.node``) on a real UDP socket.
 
-One asyncio process hosts, for any number of jobs, the engines the scheme
-registry (``proto.schemes``) builds for its scheme (``policy``): the switch
-engine (SwitchML, ATP, ESA) and each job's server (ATP's fallback PS, the
-sharded PS, OmniReduce's aggregator, DLCP's server). Traffic between hosted
-engines is a function call, not a datagram. This module is the socket and
-timer loop and the data path; the control plane is ``emu.control``, the
-impairments ``emu.impair``, the Prometheus metrics ``emu.metrics``.
+One asyncio process serves, for any number of jobs, the switch node of its
+scheme (``policy``): the reference ``SwitchNode`` or, where it can serve,
+its native twin (``net.switchpath``), both behind one datagram interface.
+This module is the driver: the socket and the clock, the node's one timer,
+where each worker is (its hello), the multicast groups, and the
+impairments of the network itself (``emu.impair``: this kernel has no
+netem). The control plane is ``emu.control``, the metrics ``emu.metrics``.
 
-The data port (UDP) takes ``wire.envelope`` datagrams. A datagram is checked
-before any engine sees it: the job it names must be registered and its token
-must be that job's (else ``drop_unknown_job`` / ``drop_bad_token``), its
-packet must decode (else ``drop_malformed``); the engines then check worker
-index, bitmap, fan-in and slot range against the job (their own ``drop_*``
-counters). So a stranger's datagram is a counted drop, never a crash and
-never another job's data.
-
-Every hosted engine's actions go through the shared dispatcher
-(``proto.dispatch.Port``): to another hosted engine by call, to a worker by
-datagram. An engine's ``Fail`` (it gave up on a worker) is counted
-(``gave_up``) and that worker is reported by the ``missing`` control call,
-so the job's clients name it in their ``PeerTimeoutError``.
+With the reference node, each datagram read goes to
+``node.receive_datagram`` (through the impairments: lost, or twice) and
+what the node answers goes out after each batch, to its job's rank (or the
+job's multicast group, or every worker with an address; a rank that never
+said hello is ``drop_no_address``). With the native node, the native UDP
+driver does the same in C (``UdpBook.drain``), batches of datagrams per
+system call, with no Python per datagram.
 
 SIGTERM or SIGINT stops the daemon cleanly (sockets closed, final counters
 printed by the CLI). A daemon that dies (SIGKILL, a crash) and is started
@@ -38,38 +32,27 @@ import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, cast
 
-from gradfabric.core.errors import ConfigError, ProtocolError
+from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.emu.control import BACKGROUND, ControlPlane, DaemonJob
+from gradfabric.emu.control import ControlPlane, DaemonJob
 from gradfabric.emu.control import control_call as control_call
 from gradfabric.emu.control import server_name as server_name
 from gradfabric.emu.control import worker_name as worker_name
 from gradfabric.emu.impair import Impairer, Impairment
-from gradfabric.emu.links import DOWN, UP, ShardLinks
 from gradfabric.emu.metrics import registry, serve_metrics
 from gradfabric.net import switchpath
-from gradfabric.net.switchpath import POLICIES, NativePolicy
+from gradfabric.net.switchpath import NativeSwitchNode, UdpBook
 from gradfabric.net.udp import IP_MULTICAST_ALL, Address, size_buffers, sockaddr
-from gradfabric.proto.actions import Fail
-from gradfabric.proto.dispatch import Port
-from gradfabric.proto.interface import Engine
-from gradfabric.proto.ps import ParameterServer
-from gradfabric.proto.qos import PortQueues
-from gradfabric.proto.schemes import SCHEMES
-from gradfabric.proto.switch import SwitchEngine
-from gradfabric.proto.switch.atp import FREE
-from gradfabric.wire.envelope import drop_reason, job_of, seal, unseal
-from gradfabric.wire.packet import MAX_WIRE_VALUES, Packet
+from gradfabric.proto.node import ALL, NODE_SCHEMES, SWITCH, NodeConfig, SwitchNode
+from gradfabric.wire.packet import MAX_WIRE_VALUES
 
-SWITCH: Final = "sw"  # the hosted switch engine's name
 DRAIN_BATCH: Final = 256  # datagrams read per wake-up
 MAX_BACKLOG: Final = 65_536  # datagrams waiting for a small send buffer (``sndbuf_kb``)
-BURST_S: Final = 0.001  # the DLCP port's credit after idling: one timer tick
-DAEMON_SCHEMES: Final = ("switchml", "atp", "esa", "dlcp", "ps", "omni")  # schemes a daemon hosts
+DAEMON_SCHEMES: Final = NODE_SCHEMES  # schemes a daemon hosts
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -152,82 +135,23 @@ class SwitchConfig:
         if self.datapath == "native" and why is not None:
             raise ConfigError("datapath", f"native cannot serve: {why}")
 
+    def node(self) -> NodeConfig:
+        """What the switch node runs (``proto.node``)."""
+        return NodeConfig(
+            scheme=self.policy, slots=self.slots, job_slots=self.job_slots,
+            values_per_packet=self.values_per_packet, rto_ns=self.rto_ns,
+            omni_streams=self.omni_streams, push_bound=self.push_bound, port_mbps=self.port_mbps,
+            port_buffer_kb=self.port_buffer_kb, ps_link_mbps=self.ps_link_mbps,
+            seed=self.impair.seed,
+        )  # fmt: skip
+
     def native_unsuitable(self) -> str | None:
-        """Why the native switch datapath cannot serve this daemon (None: it can)."""
+        """Why the native switch node cannot serve this daemon (None: it can)."""
         if self.datapath == "python":
             return "python was asked for"
-        if self.policy not in POLICIES:
-            return f"it runs {', '.join(POLICIES)}, not {self.policy}"
         if self.impair != Impairment():
             return "impairments run in the reference"
-        if self.ps_link_mbps:
-            return "the PS behind modelled links runs in the reference"
-        return None if switchpath.PATH == "compiled" else str(switchpath.WHY_NOT)
-
-
-def accept(
-    data: bytes, jobs: dict[int, DaemonJob], counters: Counters
-) -> tuple[DaemonJob, Packet] | None:
-    """The daemon's checks of a datagram before any engine sees it (see the
-    module doc): its job and packet, or None and a counted drop (the
-    daemon's ``counters`` where no job is known, else the job's)."""
-    job = None
-    try:
-        job = jobs.get(job_of(data))
-        if job is None:
-            counters["drop_unknown_job"] += 1
-            return None
-        pkt = unseal(data, job.token)
-    except ProtocolError as e:
-        (counters if job is None else job.counters)[drop_reason(e)] += 1
-        return None
-    job.counters["rx_datagrams"] += 1
-    if job.resync is not None:  # restored after a restart: replays start from the floor
-        job.counters["drop_resyncing"] += 1
-        return None
-    return job, pkt
-
-
-class _Hosted(Port):
-    """A hosted engine's port: packets to hosted engines are queued for the
-    daemon to hand over (no recursion), others leave as datagrams; through
-    its modelled links where it has them (``ShardLinks``)."""
-
-    __slots__ = ("daemon", "links", "name")
-
-    def __init__(self, daemon: SwitchDaemon, name: str, engine: Engine) -> None:
-        super().__init__(engine)
-        self.daemon, self.name = daemon, name
-        self.links: ShardLinks | None = None
-
-    def send(self, dst: str, pkt: Packet) -> None:
-        if self.links is not None:
-            self.links.cross(pkt, UP, self.daemon.forward, dst, pkt, None)
-        else:
-            self.daemon.forward(dst, pkt, None)
-
-    def multicast(self, dsts: tuple[str, ...], pkt: Packet) -> None:
-        raw: list[bytes] = []  # sealed once, for the datagrams among them
-        if self.links is None and self.daemon.cfg.multicast and self.daemon.to_group(dsts, pkt):
-            return
-        for d in dsts:
-            if self.links is not None:
-                self.links.cross(pkt, UP, self.daemon.forward, d, pkt, raw)
-            else:
-                self.daemon.forward(d, pkt, raw)
-
-    def schedule(self, deadline_ns: int) -> None:
-        asyncio.get_running_loop().call_at(deadline_ns / 1e9, self.fire, deadline_ns)
-
-    def now(self) -> int:
-        return time.monotonic_ns()
-
-    def on_fail(self, fail: Fail) -> None:
-        d = self.daemon
-        d.counters["gave_up"] += 1
-        for job in d.jobs.values():
-            if fail.peer in job.placement.workers:
-                d.gave_up.setdefault(job.job_id, set()).add(fail.peer)
+        return switchpath.unsuitable(self.node())
 
 
 class SwitchDaemon:
@@ -235,32 +159,15 @@ class SwitchDaemon:
 
     def __init__(self, cfg: SwitchConfig) -> None:
         self.cfg = cfg
-        self.scheme = SCHEMES.get(cfg.policy)
-        # Where the scheme keeps no switch state (PS, OmniReduce, DLCP) the
-        # switch engine idles with an empty ATP pool.
-        self.native: NativePolicy | None = None
-        # where the C counters fold after each drain: the jobs', their PS's (``sync_native``)
-        self.folded: tuple[dict[int, Counters], dict[int, Counters]] = ({}, {})
-        if cfg.native_unsuitable() is None:  # the pool (and ATP's PS) in C (net.switchpath)
-            counters = Counters()
-            self.native = NativePolicy(cfg.policy, cfg.slots, counters)
-            self.switch = SwitchEngine(self.SWITCH, self.native, counters)
-        else:
-            self.switch = SwitchEngine.build(self.SWITCH, self.scheme.policy or "atp", cfg.slots)
-        self.local: dict[str, _Hosted] = {}
-        self.host(self.SWITCH, self.switch)
-        self.work: deque[tuple[str, Packet]] = deque()  # packets between hosted engines
+        self.node: SwitchNode | NativeSwitchNode = (
+            NativeSwitchNode(cfg.node()) if cfg.native_unsuitable() is None
+            else SwitchNode(cfg.node())
+        )  # fmt: skip
+        self.udp: UdpBook | None = None  # the native driver's half (``start``)
         self.counters = Counters()
         self.impair = Impairer(cfg.impair, self.counters)
         self.metrics = registry(self)
-        self.port: PortQueues[tuple[DaemonJob, Packet]] = PortQueues(
-            cfg.port_buffer_kb * 1024, self.counters
-        )
-        self.port_clock = 0.0  # loop time at which the port is free
-        self.port_wake = False
         self.jobs: dict[int, DaemonJob] = {}
-        self.book: dict[str, tuple[DaemonJob, Address]] = {}
-        self.gave_up: dict[int, set[str]] = {}  # job -> workers a hosted engine gave up on
         self.control = ControlPlane(self)
         self.sock: socket.socket | None = None
         self.backlog: deque[tuple[bytes, Address]] = deque()
@@ -268,25 +175,35 @@ class SwitchDaemon:
         self.stopped = asyncio.Event()
         self.started_ns = time.monotonic_ns()
         self.epoch = secrets.token_hex(8)  # this incarnation: workers notice a restart by it
+        self.timer_at: int | None = None  # the node's pending wake-up
+        self.multicast, self.state_dir = cfg.multicast, cfg.state_dir
+        self.pull_bound = cfg.pull_bound
 
-    # -- hosted engines ---------------------------------------------------
-    def host(self, name: str, engine: Engine) -> None:
-        self.local[name] = _Hosted(self, name, engine)
-
-    def unhost(self, name: str) -> None:
-        self.local.pop(name, None)
-
-    def engines(self) -> Iterator[Engine]:
-        for port in self.local.values():
-            assert port.engine is not None
-            yield port.engine
+    @property
+    def native(self) -> bool:
+        return isinstance(self.node, NativeSwitchNode)
 
     def register(
         self, workers: int, sa_atp: dict[str, Any] | None = None, kind: str | None = None
     ) -> dict[str, Any]:
-        out = self.control.register(workers, sa_atp, kind)
-        self.sync_native()
-        return out
+        return self.control.register(workers, sa_atp, kind)
+
+    # -- what the control plane tells the driver ----------------------------
+    def data_address(self) -> Address:
+        assert self.sock is not None
+        return cast(Address, self.sock.getsockname()[:2])
+
+    def addresses_changed(self, job: DaemonJob) -> None:
+        """``job``'s workers or group moved: the native driver learns it."""
+        if self.udp is not None and self.sock is not None:
+            addrs = {r: sockaddr(self.sock, a) for r, a in job.addrs.items()}
+            if job.group is not None:
+                addrs[-1] = sockaddr(self.sock, job.group)
+            self.udp.job(job.job_id, job.workers, addrs)
+
+    def forget(self, job: DaemonJob) -> None:
+        if self.udp is not None:
+            self.udp.forget(job.job_id)
 
     # -- lifecycle ------------------------------------------------------
     async def start(self) -> dict[str, Address]:
@@ -305,9 +222,10 @@ class SwitchDaemon:
             here = socket.inet_aton(sock.getsockname()[0])
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, here)
             sock.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
+        if isinstance(self.node, NativeSwitchNode):
+            self.udp = UdpBook(self.node)
         loop.add_reader(sock.fileno(), self._drain)
         self.control.load()
-        self.sync_native()
         control = await asyncio.start_server(self.control.serve, cfg.host, cfg.control_port)
         self.servers.append(control)
         out = {
@@ -347,129 +265,59 @@ class SwitchDaemon:
     # -- data path ------------------------------------------------------
     def _drain(self) -> None:
         sock = self.sock
-        if self.native is not None and sock is not None:
-            self.native.native.drain(sock.fileno())
-            self.native.native.fold(self.counters, self.switch.counters, *self.folded)
+        if sock is None:
+            return
+        if self.udp is not None:  # the native driver: reads, the engine and sends in C
+            self.udp.drain(sock.fileno())
+            self.udp.fold(self.counters)
             return
         for _ in range(DRAIN_BATCH):  # then let the control plane and timers run
-            if sock is None:
-                return
             try:
-                data, addr = sock.recvfrom(65_536)
+                data, _addr = sock.recvfrom(65_536)
             except BlockingIOError:
-                return
+                break
             except OSError:
                 self.counters["socket_error"] += 1
-                return
-            self.datagram_received(data, addr)
-
-    def datagram_received(self, data: bytes, addr: Address) -> None:
-        self.counters["rx_datagrams"] += 1
-        for _ in range(self.impair.copies()):
-            self._received(data)
-
-    def _received(self, data: bytes) -> None:
-        got = accept(data, self.jobs, self.counters)
-        if got is None:
-            return
-        job, pkt = got
-        if job.shaped:
-            self._port_offer(job, pkt, len(data))
-        else:
-            self._arrive(job, pkt)
-
-    def _arrive(self, job: DaemonJob, pkt: Packet) -> None:
-        if job.kind == BACKGROUND:
-            self.counters["bg_delivered"] += 1
-        else:
-            self.deliver(job.entry, pkt)
-
-    # The DLCP port: strict-priority queues with WRED (``proto.qos``), served at
-    # ``port_mbps`` in front of the jobs' servers. The event loop's timers are
-    # no finer than a millisecond, so the port keeps a virtual clock (when it
-    # is free again) and on each wake-up sends everything that clock allows,
-    # most urgent queue first; idle time gives at most BURST_S of credit.
-    def _port_offer(self, job: DaemonJob, pkt: Packet, size: int) -> None:
-        self.port.offer((job, pkt), size, pkt.priority, self.impair.rng.random())
-        self._port_kick()
-
-    def _port_kick(self) -> None:
-        if not self.port_wake:
-            self.port_wake = True
-            loop = asyncio.get_running_loop()
-            loop.call_at(max(loop.time(), self.port_clock), self._port_tick)
-
-    def _port_tick(self) -> None:
-        self.port_wake = False
-        now = asyncio.get_running_loop().time()
-        self.port_clock = max(self.port_clock, now - BURST_S)
-        rate = self.cfg.port_mbps * 1e6 / 8
-        while self.port_clock <= now:
-            nxt = self.port.take()
-            if nxt is None:
                 break
-            (job, pkt), size = nxt
-            self.port_clock += size / rate
-            self.counters["port_served"] += 1
-            if job.job_id in self.jobs:
-                self._arrive(job, pkt)
-        if self.port.backlog > 0:
-            self._port_kick()
+            self.datagram_received(data)
+        self._flush()
 
-    def deliver(self, name: str, pkt: Packet) -> None:
-        """Feed ``pkt`` to the hosted engine ``name``, then every packet that
-        hands on to other hosted engines, in order."""
-        self.work.append((name, pkt))
-        if len(self.work) > 1:
-            return  # an outer call is draining
+    def datagram_received(self, data: bytes) -> None:
+        """One datagram, through the impairments (lost, or taken twice)."""
         now = time.monotonic_ns()
-        while self.work:
-            name, pkt = self.work[0]
-            port = self.local.get(name)
-            if port is None or port.engine is None:
-                self.counters["drop_no_engine"] += 1
-            else:
-                port.execute(port.engine.on_packet(pkt, now))
-            self.work.popleft()
+        for _ in range(self.impair.copies()):
+            self.node.receive_datagram(data, now)
 
-    def forward(self, dst: str, pkt: Packet, raw: list[bytes] | None) -> None:
-        """A hosted engine's packet: to another hosted engine, or out as a
-        datagram to a worker (``raw`` caches one sealing for a multicast)."""
-        to = self.local.get(dst)
-        if to is not None:
-            if to.links is not None:
-                to.links.cross(pkt, DOWN, self.deliver, dst, pkt)
+    def _flush(self) -> None:
+        """What the node has to send, each to where its job's workers are; then
+        its timer armed."""
+        for job_id, rank, data in self.node.datagrams_to_send(time.monotonic_ns()):
+            job = self.jobs.get(job_id)
+            if job is None:
+                self.counters["drop_no_address"] += 1
+            elif rank == ALL and job.group is not None:
+                self._out(data, job.group)
             else:
-                self.deliver(dst, pkt)
-            return
-        hit = self.book.get(dst)
-        if hit is None:
-            self.counters["drop_no_address"] += 1
-            return
-        self._out(hit[0], pkt, raw, hit[1])
+                for r in range(job.workers) if rank == ALL else (rank,):
+                    addr = job.addrs.get(r)
+                    if addr is None:
+                        self.counters["drop_no_address"] += 1
+                    else:
+                        self._out(data, addr)
+        d = self.node.get_timer()
+        if d is not None and (self.timer_at is None or d < self.timer_at):
+            self.timer_at = d
+            asyncio.get_running_loop().call_at(d / 1e9, self._fire, d)
 
-    def to_group(self, dsts: tuple[str, ...], pkt: Packet) -> bool:
-        """A packet for every worker of a job that has a multicast group:
-        sent once, to the group (the C datapath does the same)."""
-        hit = self.book.get(dsts[0]) if dsts else None
-        if hit is None or hit[0].group is None or dsts != hit[0].placement.workers:
-            return False
-        self._out(hit[0], pkt, None, hit[0].group)
-        return True
+    def _fire(self, when: int) -> None:
+        if when != self.timer_at:
+            return  # an earlier wake-up took its place
+        self.timer_at = None
+        self.node.handle_timer(time.monotonic_ns())
+        self._flush()
 
-    def _out(self, job: DaemonJob, pkt: Packet, raw: list[bytes] | None, addr: Address) -> None:
-        """``pkt`` sealed with ``job``'s token (``raw`` caches one sealing)
-        and sent to ``addr``, through the impairments."""
-        try:
-            if raw is None:
-                data = seal(job.token, pkt)
-            else:
-                if not raw:
-                    raw.append(seal(job.token, pkt))
-                data = raw[0]
-        except ValueError:  # an engine built a packet the wire cannot carry
-            self.counters["drop_unencodable"] += 1
-            return
+    def _out(self, data: bytes, addr: Address) -> None:
+        """``data`` to ``addr``, through the impairments."""
         for delay in self.impair.delays_s():
             if delay > 0:
                 asyncio.get_running_loop().call_later(delay, self._sendto, data, addr)
@@ -496,10 +344,10 @@ class SwitchDaemon:
             self.counters["drop_tx_full"] += 1
             return
         if not self.backlog and self.sock is not None:
-            asyncio.get_running_loop().add_writer(self.sock.fileno(), self._flush)
+            asyncio.get_running_loop().add_writer(self.sock.fileno(), self._flush_backlog)
         self.backlog.append((raw, addr))
 
-    def _flush(self) -> None:
+    def _flush_backlog(self) -> None:
         """Send what waits, until the kernel refuses again or nothing is left."""
         sock = self.sock
         while self.backlog and sock is not None:
@@ -516,56 +364,33 @@ class SwitchDaemon:
         if sock is not None:
             asyncio.get_running_loop().remove_writer(sock.fileno())
 
-    def sync_native(self) -> None:
-        """Tell the native datapath what the control plane decided: every job's
-        token, slot range, worker addresses and whether it resynchronises;
-        jobs that left are forgotten."""
-        if self.native is None or self.sock is None:
-            return
-        nat, sock, cfg = self.native.native, self.sock, self.cfg
-        for job_id in set(nat.known) - set(self.jobs):
-            nat.forget(job_id)
-        servers: dict[int, Counters] = {}  # each job's hosted PS's: its C PS counts there
-        for j in self.jobs.values():
-            addrs = {r: sockaddr(sock, a) for r, a in j.addrs.items()}
-            if j.group is not None:
-                addrs[-1] = sockaddr(sock, j.group)
-            if cfg.policy == "switchml":
-                nat.job(j.job_id, j.token, j.workers, j.slot_base, cfg.job_slots,
-                        j.resync is not None, addrs)  # fmt: skip
-                continue
-            ps = self.local[server_name(j.job_id)].engine
-            assert isinstance(ps, ParameterServer)  # ATP's and ESA's fallback, or the PS
-            pj = ps.jobs[j.job_id]
-            nat.job(j.job_id, j.token, j.workers, 0, 0, j.resync is not None, addrs,
-                    cfg.job_slots, (pj.window, pj.scale))  # fmt: skip
-            servers[j.job_id] = ps.counters
-        self.folded = ({i: j.counters for i, j in self.jobs.items()}, servers)
-
     # -- state ------------------------------------------------------------
     def occupancy(self) -> int:
         """Aggregators now held by some job (ATP/ESA pool; SwitchML's ranges)."""
-        if self.native is not None and self.native.name != "switchml":
-            return self.native.occupied()
-        pool = getattr(self.switch.policy, "pool", None)
-        if pool is not None:
-            return sum(1 for a in pool if a.state != FREE)
-        return len(self.jobs) * self.cfg.job_slots
+        return self.node.occupancy()
+
+    def own_counters(self) -> list[Counters]:
+        """What no job is charged with: the daemon's (and its native driver's)
+        and the node's own."""
+        return [self.counters, cast(Counters, self.node.counter_groups()["node"])]
+
+    def engine_counters(self) -> list[Counters]:
+        """The hosted engines' counters: the switch engine's and every server's."""
+        groups = self.node.counter_groups()
+        servers = cast(dict[int, Counters], groups["servers"])
+        return [cast(Counters, groups["switch"]), *servers.values()]
 
     def stats(self) -> dict[str, Any]:
+        groups = self.node.counter_groups()
         merged = Counters()
-        for e in self.engines():
-            for k, v in e.counters.items():
-                merged[k] += v
-        for c in (self.counters, *(j.counters for j in self.jobs.values())):
+        for c in (self.counters, cast(Counters, groups["node"]), *self.engine_counters(),
+                  *(j.counters for j in self.jobs.values())):  # fmt: skip
             for k, v in c.items():
                 merged[k] += v
         merged["rx_datagrams"] -= sum(j.counters["rx_datagrams"] for j in self.jobs.values())
-        if self.native is not None:
-            self.native.refresh_stats()
         return {
             "policy": self.cfg.policy,
-            "datapath": "native" if self.native is not None else "python",
+            "datapath": "native" if self.native else "python",
             "epoch": self.epoch,
             "uptime_s": (time.monotonic_ns() - self.started_ns) / 1e9,
             "cpu_s": time.process_time(),  # this process's CPU time (one core at most)

@@ -94,7 +94,7 @@ class _Worker(ctypes.Structure):
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     ref = ctypes.POINTER(_Worker)
-    lib, why = native.load(SOURCE, (
+    lib, why = native.load(SOURCE.with_suffix(""), [SOURCE], (
         ("gf_w_size", [], _i64),
         ("gf_w_init", [ref], ctypes.c_int), ("gf_w_free", [ref], None),
         ("gf_w_start", [ref, _i64], ctypes.c_int),

@@ -1,31 +1,27 @@
-"""The switch daemon's native datapath (``_switchpath.c``): SwitchML, ATP, ESA, PS.
+"""The native switch node (``net/native/switch_*.c``) and the native UDP driver
+(``net/native/udp.c``).
 
-Per datagram the Python daemon spends a dozen calls (read, job and token,
-decode, engine, policy, encode, send): on 8 KB datagrams that was the
-daemon's CPU per sum and the switch's bound on shaped links
-(NOTEBOOK.md). ``_switchpath.c`` does the same work in C, a batch of
-datagrams per call (recvmmsg, sendmmsg), from the daemon's own event loop:
-the control plane runs in the same thread between calls, so it needs no
-locks. It tells the C table what it decides (jobs, tokens, worker
-addresses, resynchronisation after a restart: ``NativeSwitch.job``) and
-reads back what the daemon reports (``missing``, occupancy, counters folded
-into the daemon's, the engine's, each job's and each job's PS's
-``Counters`` under the reference's names, so ``stats`` and the metrics read
-the same).
+``NativeSwitchNode`` is a second implementation of ``proto.node.SwitchNode``
+for the schemes SwitchML, ATP, ESA and the PS baseline: the same control
+calls (``add_job``, ``remove_job``, ``resync``, ``missing``, ``occupancy``),
+the same datagram interface (``receive_datagram``, ``datagrams_to_send``,
+``get_timer``, ``handle_timer``) and the same counters under the same names,
+held equal to the reference datagram for datagram by the differential
+harness (``tests/property/test_differential.py``). What the reference models
+besides (DLCP's shaped port, the PS behind modelled links, SA-ATP's
+straggler monitor) it does not: ``unsuitable`` says why, and the daemon
+serves such a node from the reference.
 
-The reference is ``emu.switchd.accept`` plus ``SwitchEngine`` with the
-policy (``SwitchMLPolicy``, ``ATPPolicy``, ``ESAPolicy``) and, for ATP and
-ESA, each job's ``ParameterServer`` hosted in the daemon (the fallback that
-merges what the pool could not, and sends every result back through the
-switch), or the PS baseline's ``ParameterServer`` alone (it answers the
-workers itself). ``tests/property/test_switchpath.py`` holds the two equal datagram
-for datagram on seeded traffic with loss, duplicates, reordering,
-collisions, retransmissions, float payloads, preemptions, stale, foreign,
-forged and malformed datagrams and a job that resynchronises. The daemon
-serves through it only where it is built and nothing else is in the way
-(no impairments, the PS at the switch rather than behind modelled links, no
-SA-ATP job: its straggler monitor runs in the reference; ``--datapath
-python`` keeps the reference), and says so in ``stats`` (``datapath``).
+``UdpBook`` is the native driver's half that a driver owns: the workers'
+addresses and the multicast groups, and ``drain``, which reads a few
+batches of datagrams from the daemon's socket, hands each to the native
+engine and sends what it answers, with no Python per datagram (recvmmsg,
+sendmmsg): the daemon's event loop calls it when its socket is readable.
+
+The boundary is checked at construction: the library's digest against its
+sources (``core.native``), the node's parameters by the C side (a job it
+cannot hold is refused, not assumed); nothing outside the C code reads or
+writes its state but through these functions.
 """
 
 from __future__ import annotations
@@ -37,19 +33,20 @@ from typing import Final
 from gradfabric.core import native
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.proto.actions import Action
-from gradfabric.proto.switch.engine import PoolStats
-from gradfabric.proto.switch.job import SwitchJob
+from gradfabric.proto.node import NodeConfig, NodeJob, Outgoing, server_name, worker_name
+from gradfabric.proto.ps import PsJob
+from gradfabric.proto.schemes import SCHEMES, Placement
+from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.wire.envelope import TOKEN_BYTES
-from gradfabric.wire.packet import Packet
 
-SOURCE = Path(__file__).with_name("_switchpath.c")
-DRAIN_BATCHES: Final = 4  # reads of 64 datagrams per wake-up, then the control plane runs
-# The C core's counters, in its order: the daemon's, then the switch engine's,
-DAEMON_COUNTERS: Final = (
-    "rx_datagrams", "drop_unknown_job", "drop_malformed", "drop_no_address", "tx_datagrams",
-    "drop_tx_full", "socket_error", "native_syscalls",
-)  # fmt: skip
+HERE = Path(__file__).parent
+NATIVE = HERE / "native"
+SOURCES = [NATIVE / f for f in ("switch_node.c", "switch_pool.c", "switch_ps.c", "switch.h",
+                                "wire.h")]  # fmt: skip
+UDP_SOURCES = [NATIVE / "udp.c", NATIVE / "wire.h"]
+SCHEMES_NATIVE: Final = ("switchml", "atp", "esa", "ps")  # in the C node's order
+# The C node's counters, in its order: the node's, then the switch engine's
+NODE_COUNTERS: Final = ("rx_datagrams", "drop_unknown_job", "drop_malformed")
 ENGINE_COUNTERS: Final = (
     "rx_gradient", "rx_help", "drop_bad_worker", "drop_bad_result", "drop_bad_slot",
     "drop_float_payload", "drop_stale", "drop_duplicate", "retx_answered",
@@ -62,123 +59,183 @@ SERVER_COUNTERS: Final = (
     "merged", "resend_answered", "drop_bad_packet", "drop_stale", "drop_late_partial",
     "drop_duplicate", "drop_overlap", "drop_count_mismatch",
 )  # fmt: skip (a job's PS's, after the job's own in C)
-POLICIES: Final = ("switchml", "atp", "esa", "ps")  # in the C core's order
+DRIVER_COUNTERS: Final = (
+    "tx_datagrams", "drop_tx_full", "socket_error", "drop_no_address", "native_syscalls",
+    "drop_no_memory",
+)  # fmt: skip (udp.c's)
+PS_SCALE: Final = PsJob.__dataclass_fields__["scale"].default  # the PS's integer scale
 
 _i64, _p, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 _I64P = ctypes.POINTER(_i64)
 
-
-_LIB, WHY_NOT = native.load(SOURCE, (
+_LIB, WHY_NOT = native.load(HERE / "_switch", SOURCES, (
     ("gf_s_new", [_i64, _i64], _p), ("gf_s_free", [_p], None),
     ("gf_s_job", [_p, _i64, ctypes.c_char_p, _i64, _i64, _i64, _i64, _i64, _i64, _f64],
      ctypes.c_int),
-    ("gf_s_addr", [_p, _i64, _i64, ctypes.c_char_p, _i64], ctypes.c_int),
     ("gf_s_forget", [_p, _i64], None), ("gf_s_missing", [_p, _i64], ctypes.c_uint64),
     ("gf_s_counters", [_p], _I64P), ("gf_s_job_counters", [_p, _i64], _I64P),
     ("gf_s_pool", [_p], _I64P), ("gf_s_occupied", [_p], _i64),
-    ("gf_s_datagram", [_p, ctypes.c_char_p, _i64, _i64], None),
-    ("gf_s_take", [_p, _p, _i64], _i64), ("gf_s_drain", [_p, ctypes.c_int, _i64], _i64),
+    ("gf_s_datagram", [_p, ctypes.c_char_p, _i64, _i64], ctypes.c_int),
+    ("gf_s_take", [_p, _p, _i64], _i64), ("gf_s_ops", [], _p),
 ))  # fmt: skip
+_UDP, UDP_WHY_NOT = native.load(HERE / "_udp", UDP_SOURCES, (
+    ("gf_book_new", [], _p), ("gf_book_free", [_p], None), ("gf_book_counters", [_p], _I64P),
+    ("gf_book_job", [_p, _i64, _i64], ctypes.c_int),
+    ("gf_book_set", [_p, _i64, _i64, ctypes.c_char_p, _i64], ctypes.c_int),
+    ("gf_book_forget", [_p, _i64], None),
+    ("gf_udp_drain", [_p, _p, _p, ctypes.c_int, _i64], _i64),
+))  # fmt: skip
+if _LIB is not None and _UDP is None:
+    _LIB, WHY_NOT = None, f"its driver: {UDP_WHY_NOT}"
 PATH = native.COMPILED if _LIB is not None else native.PYTHON
+DRAIN_BATCHES: Final = 4  # reads of 64 datagrams per wake-up, then the control plane runs
 
 
-class NativeSwitch:
-    """The C pool and job table of one daemon (``slots`` aggregators of
-    ``policy``, one of ``POLICIES``)."""
+def unsuitable(cfg: NodeConfig) -> str | None:
+    """Why the native node cannot run ``cfg`` (None: it can)."""
+    if _LIB is None:
+        return str(WHY_NOT)
+    if cfg.scheme not in SCHEMES_NATIVE:
+        return f"it runs {', '.join(SCHEMES_NATIVE)}, not {cfg.scheme}"
+    if cfg.ps_link_mbps:
+        return "the PS behind modelled links runs in the reference"
+    return None
 
-    def __init__(self, slots: int, policy: str = "switchml") -> None:
-        if _LIB is None:
-            raise ValueError(f"the native switch datapath is not available: {WHY_NOT}")
-        if policy not in POLICIES:
-            raise ValueError(f"the native switch runs {', '.join(POLICIES)}, not {policy!r}")
-        self.lib = _LIB
-        self.s = self.lib.gf_s_new(slots, POLICIES.index(policy))
+
+class NativeSwitchNode:
+    """``proto.node.SwitchNode`` for ``cfg``, in C (see the module doc)."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        why = unsuitable(cfg)
+        if why is not None:
+            raise ConfigError("datapath", f"the native switch node cannot serve: {why}")
+        assert _LIB is not None
+        self.cfg, self.lib = cfg, _LIB
+        self.scheme = SCHEMES.get(cfg.scheme)
+        self.s = self.lib.gf_s_new(cfg.slots, SCHEMES_NATIVE.index(cfg.scheme))
         if not self.s:
             raise MemoryError("the native switch's pool")
-        self.known: dict[int, tuple[object, ...]] = {}  # job -> what C was last told
-        self._buf: ctypes.Array[ctypes.c_char] | None = None
+        self.ops = int(self.lib.gf_s_ops())
+        self.counters = Counters()  # the node's, folded from C (``fold``)
+        self.switch_counters = Counters()
+        self.jobs: dict[int, NodeJob] = {}
+        self.servers: dict[int, Counters] = {}
+        self.lost_to_memory = 0
+        self._buf = ctypes.create_string_buffer(1 << 22)
 
     def close(self) -> None:
         if self.s:
             self.lib.gf_s_free(self.s)
             self.s = None
 
-    # -- what the control plane decided ------------------------------------
-    def job(
-        self, job_id: int, token: bytes, workers: int, slot_base: int, slot_count: int,
-        resync: bool, addrs: dict[int, bytes], window: int = 0, ps: tuple[int, float] = (1, 1e6),
-    ) -> None:  # fmt: skip
-        """Install or update a job (only what changed is written). SwitchML:
-        its slot range; ATP and ESA: the switch job's ``window`` and its PS's
-        (``ps``: the results it keeps, its integer scale; ``proto.ps.PsJob``).
-        ``addrs``: raw sockaddrs by rank; rank -1 is the job's multicast group,
-        where what goes to every worker is sent once (``drain``, not ``take``)."""
-        state = (token, workers, slot_base, slot_count, resync, tuple(sorted(addrs.items())),
-                 window, ps)  # fmt: skip
-        if self.known.get(job_id) == state:
-            return
+    # -- the control plane's calls (as SwitchNode's) ---------------------------
+    def add_job(
+        self, job_id: int, token: bytes, workers: int, slot_base: int = 0, kind: str | None = None,
+        help: HelpConfig | None = None, resyncing: bool = False,
+    ) -> NodeJob:  # fmt: skip
+        cfg, scheme = self.cfg, self.scheme
+        if job_id in self.jobs:
+            raise ConfigError("job_id", f"job {job_id} is registered already")
+        if help is not None:
+            raise ConfigError("help", "SA-ATP's straggler monitor runs in the reference "
+                              "datapath: serve with --datapath python")  # fmt: skip
+        kind = kind or scheme.job_kinds[0]
+        if kind not in scheme.job_kinds:
+            raise ConfigError("kind", f"the {cfg.scheme} switch takes {scheme.job_kinds} jobs")
+        static = scheme.static_slots
+        if static and slot_base + cfg.job_slots > cfg.slots:
+            raise ConfigError("slot_count", f"slots {slot_base}..{slot_base + cfg.job_slots}"
+                              f" exceed the pool of {cfg.slots}")  # fmt: skip
+        window = 0 if static else cfg.job_slots
+        ps_window = max(cfg.job_slots, cfg.ps_window)
         if len(token) != TOKEN_BYTES or self.lib.gf_s_job(
-            self.s, job_id, token, workers, slot_base, slot_count, int(resync), window, *ps
-        ):
-            raise ValueError(f"job {job_id}: not a job the native switch can hold")
-        for rank, raw in addrs.items():
-            if self.lib.gf_s_addr(self.s, job_id, rank, raw, len(raw)):
-                raise ValueError(f"job {job_id}: rank {rank}'s address")
-        self.known[job_id] = state
+            self.s, job_id, token, workers, slot_base if static else 0,
+            cfg.job_slots if static else 0, int(resyncing), window, ps_window, PS_SCALE,
+        ):  # fmt: skip
+            raise ConfigError("job_id", f"job {job_id}: not a job the native switch can hold")
+        names = tuple(worker_name(job_id, r) for r in range(workers))
+        p = Placement(job_id, names, {"sw": names}, servers=(server_name(job_id),),
+                      window=cfg.job_slots, pool_slots=cfg.slots, slot_base=slot_base)  # fmt: skip
+        job = self.jobs[job_id] = NodeJob(job_id, token, kind, p, scheme.entry(p),
+                                          resyncing=resyncing)  # fmt: skip
+        if not static:
+            self.servers[job_id] = Counters()
+        return job
 
-    def forget(self, job_id: int) -> None:
+    def remove_job(self, job_id: int) -> None:
+        self.fold()
+        del self.jobs[job_id]
+        self.servers.pop(job_id, None)
         self.lib.gf_s_forget(self.s, job_id)
-        self.known.pop(job_id, None)
 
-    def missing(self, job_id: int) -> int:
-        return int(self.lib.gf_s_missing(self.s, job_id))
+    def resync(self, job_id: int, on: bool) -> None:
+        job = self.jobs[job_id]
+        job.resyncing = on
+        cfg, static = self.cfg, self.scheme.static_slots
+        self.lib.gf_s_job(
+            self.s, job_id, job.token, job.workers, job.placement.slot_base if static else 0,
+            cfg.job_slots if static else 0, int(on), 0 if static else cfg.job_slots,
+            max(cfg.job_slots, cfg.ps_window), PS_SCALE,
+        )  # fmt: skip
 
-    # -- the datapath ---------------------------------------------------------
-    def drain(self, fd: int) -> int:
-        """Read, aggregate and answer what ``fd`` holds (a few batches)."""
-        return int(self.lib.gf_s_drain(self.s, fd, DRAIN_BATCHES))
+    def missing(self, job_id: int) -> list[int]:
+        bits = int(self.lib.gf_s_missing(self.s, job_id))
+        return [r for r in range(self.jobs[job_id].workers) if bits >> r & 1]
 
-    def datagram(self, data: bytes, now_ns: int) -> None:
-        self.lib.gf_s_datagram(self.s, data, len(data), now_ns)
-
-    def take(self) -> list[tuple[int, bytes]]:
-        """The datagrams queued to send, as (rank, bytes) (for tests)."""
-        if self._buf is None:  # one buffer for every call: a batch's results at most
-            self._buf = ctypes.create_string_buffer(1 << 24)
-        size = self.lib.gf_s_take(self.s, self._buf, len(self._buf))
-        raw, out, at = ctypes.string_at(self._buf, max(size, 0)), [], 0
-        while at < size:
-            rank, n = (
-                int.from_bytes(raw[at : at + 4], "little"),
-                int.from_bytes(raw[at + 4 : at + 8], "little"),
-            )
-            out.append((rank, raw[at + 8 : at + 8 + n]))
-            at += 8 + n
-        return out
-
-    def fold(
-        self, daemon: Counters, engine: Counters, jobs: dict[int, Counters],
-        servers: dict[int, Counters] | None = None,
-    ) -> None:  # fmt: skip
-        """Move the C counters into the daemon's, the engine's, the jobs' and
-        the jobs' PS's (``servers``; a job without one there: its job's)."""
-        _fold(self.lib.gf_s_counters(self.s), DAEMON_COUNTERS + ENGINE_COUNTERS,
-              [daemon] * len(DAEMON_COUNTERS) + [engine] * len(ENGINE_COUNTERS))  # fmt: skip
-        for job_id, counters in jobs.items():
-            ptr = self.lib.gf_s_job_counters(self.s, job_id)
-            if ptr:
-                server = (servers or {}).get(job_id, counters)
-                _fold(ptr, JOB_COUNTERS + SERVER_COUNTERS, [counters] * len(JOB_COUNTERS)
-                      + [server] * len(SERVER_COUNTERS))  # fmt: skip
-
-    def occupied(self) -> int:
-        """ATP's and ESA's aggregators now held by some job."""
+    def occupancy(self) -> int:
+        if self.scheme.static_slots:
+            return len(self.jobs) * self.cfg.job_slots
         return int(self.lib.gf_s_occupied(self.s))
 
-    def pool(self) -> tuple[int, int, int]:
+    def pool_stats(self) -> tuple[int, int, int]:
         """``PoolStats``' busy_ns, held_ns and claims of the C pool."""
         p = self.lib.gf_s_pool(self.s)
         return int(p[0]), int(p[1]), int(p[2])
+
+    def counter_groups(self) -> dict[str, object]:
+        """As ``SwitchNode.counter_groups`` (the C counters folded first)."""
+        self.fold()
+        return {
+            "node": self.counters,
+            "jobs": {j: job.counters for j, job in self.jobs.items()},
+            "switch": self.switch_counters,
+            "servers": dict(self.servers),
+        }
+
+    def fold(self) -> None:
+        """Move the C counters into their ``Counters`` (the reference's names)."""
+        _fold(self.lib.gf_s_counters(self.s), NODE_COUNTERS + ENGINE_COUNTERS,
+              [self.counters] * len(NODE_COUNTERS)
+              + [self.switch_counters] * len(ENGINE_COUNTERS))  # fmt: skip
+        for job_id, job in self.jobs.items():
+            ptr = self.lib.gf_s_job_counters(self.s, job_id)
+            server = self.servers.get(job_id, job.counters)
+            _fold(ptr, JOB_COUNTERS + SERVER_COUNTERS,
+                  [job.counters] * len(JOB_COUNTERS) + [server] * len(SERVER_COUNTERS))  # fmt: skip
+
+    # -- the datagram interface ---------------------------------------------------
+    def receive_datagram(self, data: bytes, now_ns: int) -> None:
+        if self.lib.gf_s_datagram(self.s, data, len(data), now_ns):
+            self.lost_to_memory += 1
+
+    def datagrams_to_send(self, now_ns: int) -> list[Outgoing]:
+        out: list[Outgoing] = []
+        while True:
+            size = int(self.lib.gf_s_take(self.s, self._buf, len(self._buf)))
+            if not size:
+                return out
+            raw, at = self._buf.raw[:size], 0
+            while at < size:
+                job, rank, n = (int.from_bytes(raw[at + k : at + k + 4], "little", signed=True)
+                                for k in (0, 4, 8))  # fmt: skip
+                out.append((job, rank, raw[at + 12 : at + 12 + n]))
+                at += 12 + n
+
+    def get_timer(self) -> int | None:
+        return None
+
+    def handle_timer(self, now_ns: int) -> None:
+        pass
 
 
 def _fold(
@@ -191,43 +248,44 @@ def _fold(
             ptr[i] = 0
 
 
-class NativePolicy:
-    """An allocation policy (``proto.switch.engine.Policy``: ``switchml``,
-    ``atp`` or ``esa``; ``ps``: the idle switch of a PS daemon, whose servers
-    run in C too) whose pool lives in a ``NativeSwitch``: the data never
-    reaches Python, so ``on_gradient`` and ``on_result`` are never called;
-    ``missing``, occupancy and the pool's statistics come from C, and a job
-    that leaves is cleared there (with its PS, for ATP and ESA)."""
+class UdpBook:
+    """The native driver's address book and its drain (see the module doc)."""
 
-    def __init__(self, policy: str, pool_slots: int, counters: Counters) -> None:
-        self.name, self.slots, self.counters = policy, pool_slots, counters
-        self.stats = PoolStats(aggregators=(2 if policy == "switchml" else 1) * pool_slots)
-        self.native = NativeSwitch(pool_slots, policy)
+    def __init__(self, node: NativeSwitchNode) -> None:
+        assert _UDP is not None
+        self.lib, self.node = _UDP, node
+        self.b = self.lib.gf_book_new()
+        if not self.b:
+            raise MemoryError("the native driver's buffers")
+        self.known: dict[int, tuple[object, ...]] = {}  # job -> what C was last told
 
-    def on_gradient(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
-        raise RuntimeError("the native switch datapath takes its datagrams in C")
+    def close(self) -> None:
+        if self.b:
+            self.lib.gf_book_free(self.b)
+            self.b = None
 
-    on_result = on_gradient
+    def job(self, job_id: int, workers: int, addrs: dict[int, bytes]) -> None:
+        """Job ``job_id``'s ``workers`` and addresses (raw sockaddrs by rank;
+        rank -1: its multicast group). Only what changed is written."""
+        state = (workers, tuple(sorted(addrs.items())))
+        if self.known.get(job_id) == state:
+            return
+        self.lib.gf_book_forget(self.b, job_id)
+        if self.lib.gf_book_job(self.b, job_id, workers):
+            raise ValueError(f"job {job_id}: {workers} workers")
+        for rank, raw in addrs.items():
+            if self.lib.gf_book_set(self.b, job_id, rank, raw, len(raw)):
+                raise ValueError(f"job {job_id}: rank {rank}'s address")
+        self.known[job_id] = state
 
-    def result_fan_in(self, job: SwitchJob) -> int:
-        return job.parent_fan_in if self.name == "switchml" else job.fan_in
+    def forget(self, job_id: int) -> None:
+        self.lib.gf_book_forget(self.b, job_id)
+        self.known.pop(job_id, None)
 
-    def admit(self, job: SwitchJob) -> None:
-        if job.slot_base + job.slot_count > self.slots:
-            raise ConfigError(
-                "slot_count",
-                f"slots {job.slot_base}..{job.slot_base + job.slot_count}"
-                f" exceed the pool of {self.slots}",
-            )
+    def drain(self, fd: int) -> int:
+        """Read, aggregate and answer what ``fd`` holds (a few batches)."""
+        return int(self.lib.gf_udp_drain(self.node.ops, self.node.s, self.b, fd, DRAIN_BATCHES))
 
-    def retire(self, job: SwitchJob) -> None:
-        self.native.forget(job.job_id)
-
-    def missing(self, job: SwitchJob) -> int:
-        return self.native.missing(job.job_id)
-
-    def occupied(self) -> int:
-        return self.native.occupied()
-
-    def refresh_stats(self) -> None:
-        self.stats.busy_ns, self.stats.held_ns, self.stats.claims = self.native.pool()
+    def fold(self, into: Counters) -> None:
+        """Move the driver's counters into the daemon's."""
+        _fold(self.lib.gf_book_counters(self.b), DRIVER_COUNTERS, [into] * len(DRIVER_COUNTERS))

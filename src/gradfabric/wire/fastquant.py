@@ -40,7 +40,7 @@ F64 = npt.NDArray[np.float64]
 
 
 _p, _n = ctypes.c_void_p, ctypes.c_int64
-_LIB, WHY_NOT = native.load(SOURCE, (
+_LIB, WHY_NOT = native.load(SOURCE.with_suffix(""), [SOURCE], (
     ("gf_exponents", [_p, _n, _n, _p], ctypes.c_int),
     ("gf_encode", [_p, _n, _n, _p, _p], None),
     ("gf_decode", [_p, _n, _n, _p, _p], None),

@@ -1,0 +1,120 @@
+/* The native switch node's parts (switch_node.c, switch_pool.c, switch_ps.c):
+ * the types they share and what each offers the others. Not a public
+ * interface: net/switchpath.py calls only what switch_node.c exports. */
+#ifndef GF_SWITCH_H
+#define GF_SWITCH_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "wire.h"
+
+#define NACK_GAP 1  /* proto.switch.switchml.NACK_GAP */
+#define MAX_JOBS 65536
+#define INT32_MAX_ 2147483647LL
+
+enum { P_SWITCHML, P_ATP, P_ESA, P_PS }; /* the scheme, as gf_s_new takes it */
+enum { IDLE, AGGREGATING, FORWARDED, COMPLETE }; /* SwitchML's copies */
+enum { FREE, HELD, DONE };                       /* ATP's aggregators: FREE, AGGREGATING, COMPLETE */
+/* counter indices (net.switchpath names them): the node's, the switch
+ * engine's, then ATP's and ESA's */
+enum {
+    N_RX, N_UNKNOWN_JOB, N_MALFORMED,
+    E_RX_GRADIENT, E_RX_HELP, E_BAD_WORKER, E_BAD_RESULT, E_BAD_SLOT, E_FLOAT, E_STALE,
+    E_DUPLICATE, E_RETX_ANSWERED, E_COUNT_MISMATCH, E_STALE_RESULT, E_NACK_SENT,
+    E_PS_OVERFLOW, E_PS_RESEND, E_FLUSH_PARTIAL, E_PS_COLLISION, E_LATE, E_STALE_RECLAIMED,
+    E_RECLAIMED_COMPLETE, E_PREEMPTIONS,
+    NCOUNTERS
+};
+/* a job's own: the datagrams that named it, then its parameter server's */
+enum {
+    J_RX, J_BAD_TOKEN, J_MALFORMED, J_RESYNCING,
+    S_MERGED, S_RESEND_ANSWERED, S_BAD_PACKET, S_STALE, S_LATE_PARTIAL, S_DUPLICATE, S_OVERLAP,
+    S_COUNT_MISMATCH,
+    NJOB
+};
+
+/* proto.ps: a sequence being merged (_Acc) */
+typedef struct {
+    int64_t seq, agg, nvalues, flags;
+    uint64_t bitmap;
+    int has_i, has_f;
+    int64_t *iv;
+    double *fv;
+} acc_t;
+
+/* proto.ps: a kept result, its header and values as sent */
+typedef struct {
+    int64_t seq, len;
+    uint8_t *raw;
+} res_t;
+
+typedef struct {
+    acc_t **accs; /* sorted by seq */
+    int64_t naccs, capaccs;
+    res_t *res; /* sorted by seq: the PS's results and its done heap at once */
+    int64_t nres, capres;
+    int64_t floor, window;
+    double scale;
+} ps_t;
+
+typedef struct {
+    uint8_t token[TOKEN];
+    int64_t id, fan_in, slot_base, slot_count, resync;
+    int64_t window, newest; /* ATP: the switch job's window; the newest result's seq (-1) */
+    ps_t ps;
+    int64_t counters[NJOB];
+} job_t;
+
+typedef struct {
+    int64_t seq, claim_ns;
+    int state, count, nvalues, flags, cap;
+    uint64_t bitmap;
+    int32_t *values;
+} copy_t;
+
+/* ATP's aggregator (proto.switch.atp._Agg) */
+typedef struct {
+    int64_t job, seq, claim_ns;
+    int state, count, nvalues, flags, prio, cap;
+    uint64_t bitmap;
+    int32_t *values;
+} agg_t;
+
+/* a packet between hosted engines: to job ``job``'s PS, or to the switch */
+typedef struct {
+    int64_t job, to_ps, len;
+    uint8_t *raw;
+} msg_t;
+
+typedef struct {
+    int64_t slots, policy;
+    copy_t *copies; /* SwitchML: 2 per slot */
+    agg_t *pool;    /* ATP, ESA */
+    job_t *jobs[MAX_JOBS];
+    int64_t counters[NCOUNTERS];
+    int64_t busy_ns, held_ns, claims; /* proto.switch.engine.PoolStats */
+    gf_dgram *out;                    /* the outbox: datagrams for the driver */
+    int64_t nout, capout;
+    msg_t *work; /* SwitchNode's queue between hosted engines */
+    int64_t nwork, capwork;
+    int oom; /* a datagram was lost to memory: the driver reports it */
+} gf_switch;
+
+/* switch_node.c: what the engines send */
+uint8_t *sw_reserve(gf_switch *s, const job_t *j, int64_t rank, int64_t len);
+void sw_emit(gf_switch *s, const job_t *j, int64_t rank, const uint8_t *raw, int64_t len);
+uint8_t *sw_enqueue(gf_switch *s, int64_t job, int to_ps, int64_t len);
+
+/* switch_pool.c: the switch engine (SwitchEngine's checks, then the policy) */
+void pool_packet(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now);
+void pool_clear_range(gf_switch *s, int64_t base, int64_t count);
+void pool_forget(gf_switch *s, int64_t job);
+uint64_t pool_missing(const gf_switch *s, const job_t *j);
+
+/* switch_ps.c: a job's parameter server (proto.ps) */
+void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p);
+void ps_clear(ps_t *ps);
+uint64_t ps_missing(const job_t *j);
+
+#endif

@@ -1,0 +1,209 @@
+"""The differential harness: both implementations of an engine, driven through
+the one datagram interface by the same hypothesis-generated sequences, must
+send the same datagrams and count the same drops.
+
+An engine with a native core has two implementations: the Python reference
+(what the simulator runs, and what serves under ``GRADFABRIC_PURE``) and
+the C core. Here each pair is driven, step by step, by sequences of
+operations that hypothesis draws (so a failure shrinks to a short sequence):
+well-formed traffic from several jobs' workers (windows of sequences, every
+slot reuse, retransmissions, duplicates, reordering, priorities that
+preempt, shares that overflow into floats) mixed with what a stranger or a
+confused token holder sends (random and truncated bytes, forged tokens,
+unknown jobs, another worker's bit, another job's slot, results from below,
+non-finite floats), jobs that resynchronise after a restart and jobs that
+leave. The edges are drawn too: fan-in 64, the largest datagram (16,000
+values), sequence numbers at the wire's limit, many jobs on a pool small
+enough that they collide.
+
+After every step both must have the same datagrams to send (to the same
+job and rank, byte for byte) and name the same missing workers; at the end,
+the same counters under the same names, where they were counted, and the
+same pool accounting.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradfabric.core.trace import Counters
+from gradfabric.net import switchpath
+from gradfabric.net.switchpath import NativeSwitchNode
+from gradfabric.proto.node import NodeConfig, SwitchNode
+from gradfabric.proto.routes import atp_index
+from gradfabric.wire.envelope import TOKEN_BYTES
+from gradfabric.wire.packet import HEADER_BYTES, MAX_WIRE_VALUES, Flag, Packet, encode
+from tests.native import require
+
+require("the switch node", switchpath.PATH, switchpath.WHY_NOT, module=True)
+
+SEQ_LIMIT = 2**32  # the wire's sequence field
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _nonzero(c: object) -> dict[str, int]:
+    assert isinstance(c, Counters)
+    return {k: v for k, v in c.items() if v}
+
+
+# -- the switch node ---------------------------------------------------------------
+
+
+@st.composite
+def node_setups(draw: st.DrawFn) -> tuple[NodeConfig, list[tuple[int, bytes, int, int, int, int]]]:
+    """A node and its jobs: (id, token, workers, slot base, values a packet,
+    the sequence the job starts at)."""
+    scheme = draw(st.sampled_from(["switchml", "atp", "esa", "ps"]))
+    ids = draw(st.lists(st.integers(1, 0xFFFF), min_size=1, max_size=4, unique=True))
+    job_slots = draw(st.sampled_from([1, 2, 4]))
+    slots = max(len(ids) * job_slots, draw(st.sampled_from([4, 8, 16])))
+    cfg = NodeConfig(scheme=scheme, slots=slots, job_slots=job_slots, values_per_packet=300)
+    jobs = []
+    for k, job_id in enumerate(ids):
+        workers = draw(st.sampled_from([1, 2, 3, 4, 64]))
+        vpp = draw(st.sampled_from([1, 5, 300, MAX_WIRE_VALUES]))
+        start = draw(st.sampled_from([0, 0, 1000, SEQ_LIMIT - 64]))
+        token = draw(st.binary(min_size=TOKEN_BYTES, max_size=TOKEN_BYTES))
+        jobs.append((job_id, token, workers, k * job_slots, vpp, start))
+    return cfg, jobs
+
+
+# What a step sends: well-formed shares most of the time, then every kind of
+# trouble (see the module doc).
+KINDS = ("share", "share", "share", "share", "again", "random", "forged", "truncated", "mutated",
+         "unknown", "bit", "slot", "float", "nonfinite", "count", "below", "help", "resync",
+         "leave")  # fmt: skip
+steps = st.lists(
+    st.tuples(
+        st.sampled_from(KINDS),
+        st.integers(0, 3),  # which job
+        st.integers(0, 63),  # which worker (mod the job's)
+        st.integers(0, 24),  # the sequence, past the job's start
+        st.sampled_from([0, 0, Flag.NACK, Flag.ECN, Flag.RESEND, Flag.FLOAT | Flag.OVERFLOW]),
+        st.integers(0, 3),  # priority (ESA preempts on it)
+        st.integers(0, 2**16),  # what the values, the mutation, the junk come from
+        st.integers(0, 5_000),  # time that passes
+    ),
+    min_size=10,
+    max_size=300,
+)
+
+
+def _datagram(
+    kind: str, job: tuple[int, bytes, int, int, int, int], wid: int, off: int, flags: int,
+    prio: int, seed: int, cfg: NodeConfig,
+) -> bytes:  # fmt: skip
+    """The bytes a step sends."""
+    job_id, token, workers, base, vpp, start = job
+    rng = np.random.default_rng(seed)
+    wid %= workers
+    seq = start + off
+    agg = (base + seq % cfg.job_slots) if cfg.scheme == "switchml" else atp_index(job_id, seq,
+                                                                                    cfg.slots)
+    values: np.ndarray = rng.integers(-(2**30), 2**30, vpp, dtype=np.int32)
+    if flags & Flag.FLOAT:
+        values = (values / 7.0).astype(np.float32)
+    pkt = Packet(job_id, wid, seq, agg, 1 << wid, workers, flags, prio, 0, vpp, values)
+    if kind == "unknown":
+        pkt.job_id = 0 if job_id != 0 else 1
+    elif kind == "bit":  # another worker's bit, or a bitmap of two
+        pkt.bitmap = (1 << workers) - 1 if workers > 1 else 2
+    elif kind == "slot":
+        pkt.agg_index = (agg + 1 + int(rng.integers(cfg.slots))) % (cfg.slots + 2)
+    elif kind == "float" and not flags & Flag.FLOAT:
+        pkt.flags |= Flag.FLOAT
+        pkt.payload = values.astype(np.float32)
+    elif kind == "count":
+        pkt.count = max(0, vpp - 1)
+        pkt.payload = values[: pkt.count]
+    elif kind == "below":  # a result forged from below, as a token holder could
+        pkt.flags = Flag.ACK | flags & (Flag.FLOAT | Flag.RESEND)
+        pkt.bitmap, pkt.fan_in = [((1 << workers) - 1, workers), (1, 1)][seed % 2]
+    elif kind == "help":  # SA-ATP's help under another's bit
+        pkt.flags |= Flag.HELP
+        pkt.bitmap = 1 << int(rng.integers(workers))
+    data = token + encode(pkt)
+    if kind == "random":
+        return rng.bytes(int(rng.integers(0, 80)))
+    if kind == "forged":
+        return rng.bytes(TOKEN_BYTES) + data[TOKEN_BYTES:]
+    if kind == "truncated":
+        return data[: int(rng.integers(TOKEN_BYTES + HEADER_BYTES - 4, len(data)))]
+    if kind == "mutated":  # a header byte (not the job id's)
+        b = bytearray(data)
+        at = int(rng.choice([i for i in range(HEADER_BYTES) if i not in (6, 7)]))
+        b[TOKEN_BYTES + at] = int(rng.integers(256))
+        return bytes(b)
+    if kind == "nonfinite":
+        b = bytearray(token + encode(Packet(job_id, wid, seq, agg, 1 << wid, workers, Flag.FLOAT,
+                                            prio, 0, 1, np.zeros(1, np.float32))))  # fmt: skip
+        b[-4:] = np.array([np.inf], np.float32).tobytes()
+        return bytes(b)
+    return data
+
+
+def _same_state(ref: SwitchNode, nat: NativeSwitchNode, jobs: list[int], now: int) -> None:
+    assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
+    for j in jobs:
+        assert nat.missing(j) == ref.missing(j)
+    assert nat.occupancy() == ref.occupancy()
+    assert nat.get_timer() == ref.get_timer() is None
+
+
+def _same_counters(ref: SwitchNode, nat: NativeSwitchNode) -> None:
+    r, n = ref.counter_groups(), nat.counter_groups()
+    for group in ("node", "switch"):
+        assert _nonzero(n[group]) == _nonzero(r[group]), group
+    for group in ("jobs", "servers"):
+        rg, ng = r[group], n[group]
+        assert isinstance(rg, dict) and isinstance(ng, dict)
+        assert {j: _nonzero(c) for j, c in ng.items()} == {j: _nonzero(c) for j, c in rg.items()}
+    st_ = ref.switch.policy.stats
+    assert nat.pool_stats() == (st_.busy_ns, st_.held_ns, st_.claims)
+
+
+@SETTINGS
+@given(setup=node_setups(), script=steps)
+def test_the_native_switch_node_equals_the_reference(
+    setup: tuple[NodeConfig, list[tuple[int, bytes, int, int, int, int]]],
+    script: list[tuple[str, int, int, int, int, int, int, int]],
+) -> None:
+    cfg, jobs = setup
+    ref, nat = SwitchNode(cfg), NativeSwitchNode(cfg)
+    try:
+        for job_id, token, workers, base, _, _ in jobs:
+            ref.add_job(job_id, token, workers, base)
+            nat.add_job(job_id, token, workers, base)
+        live = [j[0] for j in jobs]
+        now, sent = 0, list[bytes]()
+        for kind, k, wid, off, flags, prio, seed, dt in script:
+            now += dt
+            job = jobs[k % len(jobs)]
+            if kind in ("resync", "leave"):
+                if job[0] not in live:
+                    continue
+                if kind == "leave":
+                    _same_counters(ref, nat)  # (a job's counters leave with it)
+                    ref.remove_job(job[0])
+                    nat.remove_job(job[0])
+                    live.remove(job[0])
+                else:
+                    on = not ref.jobs[job[0]].resyncing
+                    ref.resync(job[0], on)
+                    nat.resync(job[0], on)
+                _same_state(ref, nat, live, now)
+                continue
+            if kind == "again" and sent:
+                data = sent[seed % len(sent)]  # a duplicate, a retransmission, a late copy
+            else:
+                data = _datagram(kind, job, wid, off, flags, prio, seed, cfg)
+            sent.append(data)
+            ref.receive_datagram(data, now)
+            nat.receive_datagram(data, now)
+            _same_state(ref, nat, live, now)
+        _same_counters(ref, nat)
+        assert nat.lost_to_memory == 0
+    finally:
+        nat.close()
