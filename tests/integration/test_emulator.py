@@ -508,7 +508,7 @@ def test_two_jobs_share_the_switch_exactly_under_contention(
     policy: str, ps_link: str, contended: str
 ) -> None:
     """ESA preempts; ATP sends collisions to its PS, here behind modelled
-    200 Mbit/s links per shard (``emu.links``): every sum exact either way."""
+    200 Mbit/s links per shard (``proto.node.ModelledLinks``): every sum exact either way."""
     # a pool far smaller than two windows: the jobs must contend for aggregators
     flags = ("--policy", policy, "--slots", "24", "--job-slots", "16", "--ps-link-mbps", ps_link)
     with switch_daemon(*flags) as sw:

@@ -13,7 +13,7 @@ preemption pays. ``link_gbps``: the daemon in the switch namespace of a
 shaped star (``net.netns.tor_star``) and every worker in a namespace of its
 own behind one link of that rate (0: loopback); ATP's fallback PS, hosted
 in the daemon, sharded per worker behind modelled links of the same rate
-(``emu.links``), as the simulator places it. Workers stamp each
+(``proto.node.ModelledLinks``), as the simulator places it. Workers stamp each
 step's packets with ESA's ``srpt-aging`` priority from their job's
 remaining bytes and age. The same trace runs with the daemon's ``atp``
 policy (collisions fall back to its parameter server) and ``esa``

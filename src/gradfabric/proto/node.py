@@ -34,7 +34,7 @@ time, so that the daemon's clock only says when: DLCP's shaped egress port
 into the job servers (strict priority with WRED, ``proto.qos``, served at
 ``port_mbps``), and ATP's fallback PS behind links of its own
 (``ps_link_mbps``: one shard per worker, each link a FIFO each way, as
-``ShardLinks`` says).
+``ModelledLinks`` says).
 
 What stays with the driver: the socket, the clock, the workers' addresses
 (a rank that never said hello is the driver's ``drop_no_address``) and
@@ -167,7 +167,7 @@ class _Hosted(Port):
         self.node.gave_up(fail)
 
 
-class _Links:
+class ModelledLinks:
     """A hosted server's modelled links (ATP's fallback PS as ATP deploys
     it, BytePS style: one shard per worker, sequence ``s`` on shard ``s mod
     shards``): each shard's link in each direction a FIFO served at the
@@ -199,7 +199,7 @@ class SwitchNode:
         self.ports: dict[str, _Hosted] = {SWITCH: _Hosted(self, SWITCH, self.switch)}
         self.book: dict[str, tuple[NodeJob, int]] = {}  # worker name -> its job, its rank
         self.failed: dict[int, set[str]] = {}  # job -> workers a hosted engine gave up on
-        self.links: dict[str, _Links] = {}
+        self.links: dict[str, ModelledLinks] = {}
         self.now_ns = 0
         self._work: deque[tuple[str, Packet]] = deque()  # packets between hosted engines
         self._out: list[Outgoing] = []
@@ -242,7 +242,7 @@ class SwitchNode:
             for name, engine in scheme.attach(p, self.switch).items():
                 self.ports[name] = _Hosted(self, name, engine)
             if cfg.ps_link_mbps and scheme.policy in ("atp", "esa"):
-                self.links[server_name(job_id)] = _Links(workers, cfg.ps_link_mbps)
+                self.links[server_name(job_id)] = ModelledLinks(workers, cfg.ps_link_mbps)
         job = NodeJob(job_id, token, kind, p, scheme.entry(p), resyncing=resyncing,
                       shaped=scheme.shaped_port and cfg.port_mbps > 0)  # fmt: skip
         self.jobs[job_id] = job
