@@ -41,7 +41,8 @@ PKG = ROOT / "src" / "gradfabric"
 # this order, names the build (``core.native`` computes the same).
 NATIVE = (
     ("gradfabric.wire._fastquant", ["wire/_fastquant.c"], []),
-    ("gradfabric.net._datapath", ["net/_datapath.c"], []),
+    ("gradfabric.net._worker", ["net/native/worker.c"],
+     ["net/native/worker.h", "net/native/wire.h"]),
     ("gradfabric.net._switch",
      ["net/native/switch_node.c", "net/native/switch_pool.c", "net/native/switch_ps.c"],
      ["net/native/switch.h", "net/native/wire.h"]),

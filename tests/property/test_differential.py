@@ -24,6 +24,8 @@ same pool accounting.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,14 +35,18 @@ from gradfabric.net import switchpath
 from gradfabric.net.switchpath import NativeSwitchNode
 from gradfabric.proto.node import NodeConfig, SwitchNode
 from gradfabric.proto.routes import atp_index
+from gradfabric.proto.schemes import SCHEMES, Placement
+from gradfabric.proto.worker import ResumableWorker
 from gradfabric.wire.envelope import TOKEN_BYTES
-from gradfabric.wire.packet import HEADER_BYTES, MAX_WIRE_VALUES, Flag, Packet, encode
+from gradfabric.wire.packet import HEADER_BYTES, MAX_WIRE_VALUES, Flag, Packet, decode, encode
 from tests.native import require
 
 require("the switch node", switchpath.PATH, switchpath.WHY_NOT, module=True)
 
 SEQ_LIMIT = 2**32  # the wire's sequence field
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# GRADFABRIC_EXAMPLES=5000: a longer search than the default suite's
+SETTINGS = settings(max_examples=int(os.environ.get("GRADFABRIC_EXAMPLES", 300)), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
 
 def _nonzero(c: object) -> dict[str, int]:
@@ -207,3 +213,160 @@ def test_the_native_switch_node_equals_the_reference(
         assert nat.lost_to_memory == 0
     finally:
         nat.close()
+
+
+# -- the worker node ---------------------------------------------------------------
+
+WTOKEN = bytes.fromhex("0123456789abcdef")
+WJOB = 7
+
+
+@st.composite
+def worker_setups(draw: st.DrawFn) -> dict[str, object]:
+    """A worker's job: its scheme's route, window, packet size, repair knobs,
+    pace; the fused quantiser or the integer path."""
+    return {
+        "policy": draw(st.sampled_from(["switchml", "atp", "esa", "ps"])),
+        "workers": draw(st.sampled_from([2, 3, 64])),
+        "window": draw(st.integers(1, 8)),
+        "vpp": draw(st.sampled_from([1, 3, 300, MAX_WIRE_VALUES])),
+        "fast": draw(st.sampled_from([0, 0, 2, 3])),
+        "nack": draw(st.booleans()),
+        "retries": draw(st.integers(1, 6)),
+        "pace_gbps": draw(st.sampled_from([0.0, 0.0, 1.0, 10.0])),
+        "fused": draw(st.booleans()),
+        "priority": draw(st.integers(0, 3)),
+    }
+
+
+def _worker_engine(setup: dict[str, object]) -> ResumableWorker:
+    workers = int(setup["workers"])  # type: ignore[call-overload]
+    names = tuple(f"w{r}" for r in range(workers))
+    p = Placement(
+        WJOB, names, {"sw": names}, servers=("sw",), window=int(setup["window"]),  # type: ignore[call-overload]
+        pool_slots=64, slot_base=5, rto_ns=10_000, max_retries=int(setup["retries"]),  # type: ignore[call-overload]
+        values_per_packet=int(setup["vpp"]), resumable=True,  # type: ignore[call-overload]
+        fast_retransmit=int(setup["fast"]), nack=bool(setup["nack"]), takes_help=False,  # type: ignore[call-overload]
+    )  # fmt: skip
+    e = SCHEMES.get(str(setup["policy"])).worker(p, 1)
+    assert isinstance(e, ResumableWorker)
+    return e
+
+
+ANSWERS = ("result", "result", "result", "ecn", "again", "float", "short", "foreign", "notice",
+           "forged", "malformed", "time", "time", "time", "replay", "push")  # fmt: skip
+worker_steps = st.lists(
+    st.tuples(st.sampled_from(ANSWERS), st.integers(0, 2**16), st.integers(0, 30_000)),
+    min_size=5, max_size=250,
+)  # fmt: skip
+
+
+def _result(seq: int, count: int, workers: int, flags: int, seed: int) -> Packet:
+    values: np.ndarray = np.random.default_rng(seed).integers(-(2**20), 2**20, count, np.int32)
+    if flags & Flag.FLOAT:
+        values = values.astype(np.float32)
+    return Packet(WJOB, 0, seq, 0, (1 << workers) - 1, workers, Flag.ACK | flags, 0, 0, count,
+                  values)  # fmt: skip
+
+
+@SETTINGS
+@given(setup=worker_setups(), script=worker_steps)
+def test_the_native_worker_node_equals_the_reference(
+    setup: dict[str, object], script: list[tuple[str, int, int]]
+) -> None:
+    from gradfabric.net import datapath
+    from gradfabric.net.datapath import NativeWorkerNode
+    from gradfabric.proto.worker_node import Fused, WorkerNode
+    from gradfabric.wire import fastquant
+
+    require("the worker node", datapath.PATH, datapath.WHY_NOT)
+    pace, prio = float(setup["pace_gbps"]), int(setup["priority"])  # type: ignore[arg-type,call-overload]
+    ref_engine = _worker_engine(setup)
+    ref = WorkerNode(ref_engine, WTOKEN, prio, pace)
+    nat = NativeWorkerNode(_worker_engine(setup), WTOKEN, prio, pace)
+    vpp, workers = int(setup["vpp"]), int(setup["workers"])  # type: ignore[call-overload]
+    sent: list[tuple[int, int]] = []  # (seq, count) of what was sent
+    now, calls = 0, 0
+    arrays: list[tuple[np.ndarray, ...]] = []
+
+    def push(seed: int) -> None:
+        nonlocal calls
+        n = int(np.random.default_rng(seed).integers(1, 6 * vpp + 2))
+        x = np.random.default_rng(seed + 1).standard_normal(n).astype(np.float32)
+        blocks = -(-n // vpp)
+        scale = np.full(blocks, 2.0**20)
+        for node in (ref, nat):
+            q = np.random.default_rng(seed).integers(-(2**20), 2**20, n, np.int32)
+            out = np.zeros(n, np.int64)
+            fused = None
+            if bool(setup["fused"]) and fastquant.functions() is not None:
+                fused = Fused(x, scale, scale, np.zeros(n, np.float32))
+            node.push(q, out, now, fused)
+            arrays.append((q, out) + (() if fused is None else (fused.out,)))
+        calls += 1
+
+    def compare() -> None:
+        a, b = ref.datagrams_to_send(now), nat.datagrams_to_send(now)
+        assert b == a
+        for d in a:
+            pkt = decode(d[TOKEN_BYTES:])
+            sent.append((pkt.seq, pkt.count))
+        assert nat.get_timer() == ref.get_timer()
+        assert (nat.base, nat.next_seq, nat.done, nat.quiet) == (ref.base, ref.next_seq,
+                                                                 ref.done, ref.quiet)  # fmt: skip
+        assert str(nat.error) == str(ref.error)
+        assert (nat.failed is None) == (ref.failed is None)
+        assert nat.read_wait_ns(now) == ref.read_wait_ns(now)
+        for r, n_ in zip(arrays[-2], arrays[-1], strict=True):
+            assert np.array_equal(r, n_)
+
+    try:
+        push(1)
+        compare()
+        for kind, seed, dt in script:
+            now += dt
+            if ref.failed is not None:
+                break
+            if kind == "time":
+                ref.handle_timer(now)
+                nat.handle_timer(now)
+            elif kind == "replay":
+                floor = ref.base - seed % (3 * int(setup["window"]) + 1)  # type: ignore[call-overload]
+                ref.replay(floor, now)
+                nat.replay(floor, now)
+            elif kind == "push":
+                if ref.done:
+                    push(seed)
+            else:
+                data = _worker_datagram(kind, seed, sent, workers)
+                if data is None:
+                    continue
+                ref.receive_datagram(data, now)
+                nat.receive_datagram(data, now)
+            compare()
+        nat.fold()
+        assert _nonzero(nat.counters) == _nonzero(ref.counters)
+    finally:
+        nat.close()
+
+
+def _worker_datagram(
+    kind: str, seed: int, sent: list[tuple[int, int]], workers: int
+) -> bytes | None:
+    """What the switch (or a stranger) sends the worker in a step."""
+    if not sent:
+        return None
+    seq, count = sent[seed % len(sent)]
+    flags = {"ecn": Flag.ECN, "float": Flag.FLOAT}.get(kind, 0)
+    pkt = _result(seq, count - (kind == "short" and count > 0), workers, flags, seed)
+    if kind == "foreign":
+        pkt.job_id = WJOB + 1
+    if kind == "notice":  # a loss notice for this worker's share
+        pkt = Packet(WJOB, 1, seq, 0, 1 << 1, workers, Flag.NACK, 0, 0, 0,
+                     np.zeros(0, np.int32))  # fmt: skip
+    data = WTOKEN + encode(pkt)
+    if kind == "forged":
+        return bytes(8) + data[TOKEN_BYTES:]
+    if kind == "malformed":
+        return data[: TOKEN_BYTES + HEADER_BYTES - 1 - seed % 5]
+    return data

@@ -65,8 +65,8 @@ from gradfabric.collectives.sparse import (
     run_planned,
     unpack,
 )
-from gradfabric.emu.client import Attached
 from gradfabric.emu.hook import switch_sum
+from gradfabric.emu.session import Session
 from gradfabric.net.peers import keep_alive, name_the_missing
 
 # every non-empty set of a table's paths, in ``COO`` order (ties: the first)
@@ -145,7 +145,7 @@ class AutoState(DenseSkip):
     explore_every: int = 8
     explore_ratio: float = 2.0
     window: int = 32
-    switch: Attached | None = None
+    switch: Session | None = None
     rows: RowState | None = None  # ``RowState.track(model)``: tables by their looked-up rows
     costs: dict[str, PathCost] = field(default_factory=dict)
     buckets: dict[int, BucketLog] = field(default_factory=dict)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV, InaClient
-from gradfabric.net.datapath import ENGINE_COUNTERS
+from gradfabric.net.datapath import COUNTERS
 from gradfabric.net.netns import MTU, check_mtu
 
 # Values per datagram by default: 64 KB datagrams on loopback (it carries them
@@ -234,14 +234,13 @@ def _rank_main(cfg: SwitchBenchConfig, out: str) -> None:
 
 
 def _worker_counters(client: InaClient) -> dict[str, int]:
-    """The workers' engine counters (``net.datapath.ENGINE_COUNTERS``:
-    results, timeouts' and fast retransmits, duplicate results, drops),
-    summed over the workers and every sum of the run, the warm-up included
-    (a native call folds its counts into the engine's when it ends)."""
-    mine = [client.engine.counters[k] for k in ENGINE_COUNTERS]
-    total = torch.tensor(mine, dtype=torch.int64)
+    """The workers' node counters (``net.datapath.COUNTERS``: results,
+    timeouts' and fast retransmits, duplicate results, drops), summed over
+    the workers and every sum of the run, the warm-up included."""
+    counters = client.counters
+    total = torch.tensor([counters[k] for k in COUNTERS], dtype=torch.int64)
     dist.all_reduce(total)
-    return dict(zip(ENGINE_COUNTERS, total.tolist(), strict=True))
+    return dict(zip(COUNTERS, total.tolist(), strict=True))
 
 
 def _switch_cpu(client: InaClient) -> tuple[float, str]:

@@ -16,12 +16,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradfabric.emu.client import Attached
 from gradfabric.emu.dlcp import DlcpClient
+from gradfabric.emu.session import Session
 
 
 def ina_hook(
-    state: Attached,
+    state: Session,
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
 ) -> torch.futures.Future[torch.Tensor]:
     """Each bucket summed through the switch and averaged, on the client's
@@ -66,7 +66,7 @@ def dlcp_hook(
     return state.run(buf, job)
 
 
-def switch_sum(client: Attached, buf: torch.Tensor, group: Any, divide_by: int = 1) -> torch.Tensor:
+def switch_sum(client: Session, buf: torch.Tensor, group: Any, divide_by: int = 1) -> torch.Tensor:
     """``buf`` summed over the job through the switch (divided by
     ``divide_by`` in float32 before it is written back), in place."""
     x = _flat(buf)

@@ -1,39 +1,31 @@
-"""The workers' native datapath: a ``ResumableWorker``'s collective in C.
+"""The native worker node (``net/native/worker.c``) and the worker's driver.
 
-A sum through the switch costs a worker a few Python calls per datagram
-(decode, engine, encode, the event loop), which on 64 KB datagrams was most
-of its CPU besides the quantiser (NOTEBOOK.md). ``_datapath.c`` runs the
-same engine over the same socket for one whole collective: batched reads
-and writes (recvmmsg, sendmmsg), each datagram gathered from a header and
-the int32 tensor in place, results written straight into the int64 sum, the
-clock and the waiting in C with the GIL released (ctypes releases it).
+``NativeWorkerNode`` is a second implementation of
+``proto.worker_node.WorkerNode`` for a worker that takes no help on a route
+of one destination (SwitchML's static slots, ATP's and ESA's hashed pool, a
+parameter server): the same calls (``push``, ``replay``, ``done``,
+``base``), the same datagram interface and the same counters under the same
+names, held equal to the reference datagram for datagram by the
+differential harness (``tests/property/test_differential.py``). The engine
+is one C object; nothing outside it reads or writes its state but through
+these functions, and no call hands state from one implementation to the
+other: ``unsuitable`` says, before a node is built, which one serves.
 
-One protocol, one truth: the C core mirrors ``proto.worker`` line by line
-(see the theory of operation at the top of ``_datapath.c``) and is sans-I/O
-like it, so ``tests/property/test_datapath.py`` drives both with the same
-seeded datagrams and times and requires the same datagrams out, counters,
-sums and final state. The Python engine stays the one the simulator runs and
-the one that serves wherever the library is not built (``GRADFABRIC_PURE``,
-no compiler): ``PATH`` says which (``gradfabric --version``).
-
-The engine's state is the reference's at every call boundary: ``start``
-reads the window, the fast-retransmit marks and the next sequence from the
-engine, ``finish`` writes them back together with whatever is still
-outstanding, unsent or answered (as ``out``, ``timers``, ``queue``,
-``done_above`` and ``kept``), so the Python engine can take a call over
-midway (after a switch restart it replays; after a timeout it keeps
-retransmitting, exactly as if it had served the call from the start).
-
-Serves a worker that takes no help (SA-ATP's helped workers and shadow
-streams stay on the reference) on a route of one destination: SwitchML's
-static slots, ATP's and ESA's hashed pool, a parameter server.
+``run`` is the worker's driver: the calling thread serves its node's
+collective on its UDP socket (and the job's multicast group's) until it is
+done, aborted, past its deadline or given up. For the native node that
+loop is C (``udp.c``'s ``gf_udp_run``, batched reads and writes, the GIL
+released); for the reference node it is the same loop in Python. Both wait
+for the next datagram, the node's deadline or its read period, and send
+what the node lets leave.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections import deque
-from dataclasses import dataclass
+import select
+import socket
+import time
 from pathlib import Path
 from typing import Final
 
@@ -41,80 +33,52 @@ import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core import native
-from gradfabric.core.errors import ProtocolError
+from gradfabric.core.errors import ConfigError, ProtocolError
+from gradfabric.core.trace import Counters
+from gradfabric.proto.actions import Fail
 from gradfabric.proto.routes import HashedPool, Sharded, StaticSlots
 from gradfabric.proto.worker import ResumableWorker
+from gradfabric.proto.worker_node import Fused, WorkerNode
 from gradfabric.wire import fastquant
-from gradfabric.wire.envelope import TOKEN_BYTES
-from gradfabric.wire.packet import Flag, Packet, ina_packet
 
-SOURCE = Path(__file__).with_name("_datapath.c")
-# The C core's counters, in its order; the first twelve are the reference engine's.
+HERE = Path(__file__).parent
+SOURCES = [HERE / "native" / f for f in ("worker.c", "worker.h", "wire.h")]
 COUNTERS: Final = (
     "results", "retransmits", "fast_retransmits", "drop_duplicate_result", "drop_foreign",
-    "ecn_halvings", "drop_malformed", "drop_bad_token", "socket_error", "timer_rearmed",
-    "nack_resends", "drop_stale_nack",
-    "native_tx_datagrams", "native_rx_datagrams", "native_syscalls",
-)  # fmt: skip
-ENGINE_COUNTERS: Final = COUNTERS[:12]
-UNSENT, OUTSTANDING, DONE = 0, 1, 2
-DONE_RUN, ABORTED, TIMEOUT, FAILED, OUT_OF_MEMORY = range(5)
+    "ecn_halvings", "drop_malformed", "drop_bad_token", "timer_rearmed", "nack_resends",
+    "drop_stale_nack", "replays", "replay_answered", "replays_retired",
+)  # fmt: skip (worker.h's order)
+DRIVER_COUNTERS: Final = ("native_tx_datagrams", "native_rx_datagrams", "native_syscalls",
+                          "socket_error")  # fmt: skip (udp.c's)
+DONE, ABORTED, TIMEOUT, FAILED, OUT_OF_MEMORY = range(5)
 _ROUTES: Final = {StaticSlots: 0, HashedPool: 1, Sharded: 2}
+READ_BATCH: Final = 32
+ABORT_CHECK_S: Final = 0.01  # how often a waiting run looks at its abort flag
 
-_i64, _f64, _p = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-
-
-class _Worker(ctypes.Structure):
-    """``gf_worker`` of ``_datapath.c``, field for field."""
-
-    _fields_ = [
-        *((n, _i64) for n in (
-            "job", "worker", "fan_in", "bitmap", "priority", "route", "slot_base", "slot_count",
-            "pool_slots", "resend_flag", "rto_ns", "max_retries", "fast_k", "ecn_window", "vpp",
-            "nack",
-        )),
-        ("max_cwnd", _f64),
-        ("token", ctypes.c_uint8 * TOKEN_BYTES),
-        ("first", _i64), ("npkts", _i64), ("nvalues", _i64),
-        ("q", _p), ("out", _p), ("st", _p), ("deadline", _p), ("tries", _p),
-        *((n, _i64) for n in (
-            "base", "next", "highest", "fast_seq", "fast_from", "recover_seq", "push_end",
-        )),
-        ("cwnd", _f64),
-        ("fail_seq", _i64), ("error_seq", _i64), ("error_kind", _i64),
-        ("counters", _i64 * len(COUNTERS)),
-        ("x", _p), ("enc_scale", _p), ("dec_scale", _p), ("outf", _p), ("enc", _p), ("dec", _p),
-        ("fifo", _p), ("fifo_cap", _i64), ("fifo_head", _i64), ("fifo_len", _i64),
-        ("outbox", _p), ("outbox_cap", _i64), ("outbox_len", _i64),
-        ("rx", _p),
-        ("txq", _p), ("txq_cap", _i64), ("txq_head", _i64), ("txq_len", _i64),
-        ("pace_ns_per_byte", _f64), ("next_tx", _i64),
-    ]  # fmt: skip
-
-
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    ref = ctypes.POINTER(_Worker)
-    lib, why = native.load(SOURCE.with_suffix(""), [SOURCE], (
-        ("gf_w_size", [], _i64),
-        ("gf_w_init", [ref], ctypes.c_int), ("gf_w_free", [ref], None),
-        ("gf_w_start", [ref, _i64], ctypes.c_int),
-        ("gf_w_datagram", [ref, ctypes.c_char_p, _i64, _i64], ctypes.c_int),
-        ("gf_w_deadline", [ref], _i64), ("gf_w_timer", [ref, _i64], ctypes.c_int),
-        ("gf_w_take", [ref, _p, _i64], _i64),
-        ("gf_w_run", [ref, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, _i64, _i64, _p],
-         ctypes.c_int),
-    ))  # fmt: skip
-    if lib is not None and lib.gf_w_size() != ctypes.sizeof(_Worker):
-        return None, "the library's worker layout differs from this module's"
-    return lib, why
-
-
-_LIB, WHY_NOT = _load()
+_i64, _f64, _p, _i32p = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p
+_LIB, WHY_NOT = native.load(HERE / "_worker", SOURCES, (
+    ("gf_w_new", [_i64] * 15 + [_f64, _f64, ctypes.c_char_p], _p), ("gf_w_free", [_p], None),
+    ("gf_w_counters", [_p], ctypes.POINTER(_i64)), ("gf_w_state", [_p, _p], None),
+    ("gf_w_set_priority", [_p, _i64], None),
+    ("gf_w_push", [_p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p, _p], ctypes.c_int),
+    ("gf_w_replay", [_p, _i64, _i64], ctypes.c_int),
+    ("gf_w_datagram", [_p, ctypes.c_char_p, _i64, _i64], ctypes.c_int),
+    ("gf_w_deadline", [_p], _i64), ("gf_w_timer", [_p, _i64], ctypes.c_int),
+    ("gf_w_read_wait", [_p, _i64], _i64), ("gf_w_take", [_p, _p, _i64, _i64], _i64),
+    ("gf_w_ops", [], _p),
+))  # fmt: skip
+_UDP, UDP_WHY_NOT = native.load(HERE / "_udp", [HERE / "native" / "udp.c", HERE / "native" /
+                                                 "wire.h"], (
+    ("gf_udp_run", [_p, _p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, _i64, _i64, _p,
+                    ctypes.c_int, _p], ctypes.c_int),
+))  # fmt: skip
+if _LIB is not None and _UDP is None:
+    _LIB, WHY_NOT = None, f"its driver: {UDP_WHY_NOT}"
 PATH = native.COMPILED if _LIB is not None else native.PYTHON
 
 
 def unsuitable(engine: ResumableWorker) -> str | None:
-    """Why the native path cannot serve ``engine``'s next call (None: it can)."""
+    """Why the native node cannot serve ``engine``'s job (None: it can)."""
     if _LIB is None:
         return f"not available: {WHY_NOT}"
     route = engine.route
@@ -122,208 +86,258 @@ def unsuitable(engine: ResumableWorker) -> str | None:
         return f"route {type(route).__name__} is not one of one destination"
     if engine.cfg.helping >= 0 or engine.cfg.max_ahead != 0 or engine.cap is not None:
         return "the worker takes or gives help (SA-ATP)"
-    if not engine.idle or engine.queue or engine.out or engine.replaying:
-        return "the engine is mid-call or replaying"
+    if engine.next_seq or not engine.idle:
+        return "the engine has been used already"
     return None
 
 
-@dataclass(frozen=True)
-class Fused:
-    """A float sum with the quantiser in the datapath: each packet's block of
-    ``x`` is encoded with ``enc_scale`` as it first leaves, each result decoded
-    with ``dec_scale`` into ``out`` as it arrives (``wire.fastquant``'s own C
-    functions), so neither pass waits for the whole tensor."""
-
-    x: npt.NDArray[np.float32]
-    enc_scale: npt.NDArray[np.float64]
-    dec_scale: npt.NDArray[np.float64]
-    out: npt.NDArray[np.float32]
-
-
-class NativeWorker:
-    """``engine``'s calls through the C core; the engine stays the record."""
+class NativeWorkerNode:
+    """``proto.worker_node.WorkerNode`` for ``engine``'s job, in C (see the
+    module doc). ``engine`` only configures it: it is not driven."""
 
     def __init__(
         self, engine: ResumableWorker, token: bytes, priority: int = 0, pace_gbps: float = 0.0
     ) -> None:
-        """``pace_gbps``: the rate of this worker's link where it is known; the
-        driver then sends at that pace (frames included), resends ahead of new
-        packets, instead of a window's burst into the link's queue (0: off)."""
         why = unsuitable(engine)
         if why is not None:
-            raise ValueError(f"the native datapath cannot serve this worker: {why}")
-        assert _LIB is not None
-        self.lib, self.engine, self.priority = _LIB, engine, priority
-        cfg, route = engine.cfg, engine.route
-        w = self.w = _Worker()
-        if self.lib.gf_w_init(ctypes.byref(w)):
-            raise MemoryError("the native datapath's buffers")
-        w.job, w.worker, w.fan_in = cfg.job_id, cfg.worker_id, cfg.fan_in
-        w.bitmap, w.priority, w.route = 1 << cfg.worker_id, priority, _ROUTES[type(route)]
-        if isinstance(route, StaticSlots):
-            w.slot_base, w.slot_count = route.slot_base, route.slot_count
-        if isinstance(route, HashedPool):
-            w.pool_slots = route.pool_slots
-        w.resend_flag, w.rto_ns, w.max_retries = route.resend_flag, cfg.rto_ns, cfg.max_retries
-        w.fast_k, w.ecn_window, w.vpp, w.nack = (
-            cfg.fast_retransmit,
-            engine.ecn_window,
-            cfg.values_per_packet,
-            cfg.nack,
-        )
-        w.max_cwnd = engine.max_cwnd
+            raise ConfigError("native", f"the native worker cannot serve this job: {why}")
         if pace_gbps < 0:
             raise ValueError(f"pace_gbps must be >= 0, got {pace_gbps}")
-        w.pace_ns_per_byte = 8.0 / pace_gbps if pace_gbps else 0.0
-        w.token[:] = token
-        self.q: npt.NDArray[np.int32] = np.zeros(0, np.int32)
-        self.fused: Fused | None = None
-        self.out: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+        assert _LIB is not None
+        self.lib, cfg, route = _LIB, engine.cfg, engine.route
+        self.vpp = cfg.values_per_packet
+        self.w = self.lib.gf_w_new(
+            cfg.job_id, cfg.worker_id, cfg.fan_in, _ROUTES[type(route)],
+            getattr(route, "slot_base", 0), getattr(route, "slot_count", 0),
+            getattr(route, "pool_slots", 0), int(route.resend_flag), cfg.rto_ns,
+            cfg.max_retries, cfg.fast_retransmit, int(engine.ecn_window), self.vpp,
+            int(cfg.nack), cfg.window, engine.max_cwnd, pace_gbps, token,
+        )  # fmt: skip
+        if not self.w:
+            raise ConfigError("native", "the native worker refused the job's parameters")
+        self.lib.gf_w_set_priority(self.w, priority)
+        self.ops = int(self.lib.gf_w_ops())
+        self.counters = Counters()
+        self._state = np.zeros(7, np.int64)
+        self._keep: tuple[object, ...] = ()  # the call's arrays, alive while C points into them
+        self._buf = ctypes.create_string_buffer(1 << 22)
+        self.rto_ns, self.max_retries = cfg.rto_ns, cfg.max_retries
 
     def close(self) -> None:
-        self.lib.gf_w_free(ctypes.byref(self.w))
+        """Free the C node (its counters stay readable)."""
+        if self.w:
+            self.fold()
+            self.lib.gf_w_free(self.w)
+            self.w = None
 
-    # -- a call -------------------------------------------------------------
-    def start(
+    def set_priority(self, priority: int) -> None:
+        self.lib.gf_w_set_priority(self.w, priority)
+
+    # -- as WorkerNode's -------------------------------------------------------
+    def push(
         self, q: npt.NDArray[np.int32], out: npt.NDArray[np.int64], now_ns: int,
         fused: Fused | None = None,
     ) -> None:  # fmt: skip
-        """Push ``q`` (its sum goes to ``out``) from the engine's next sequence;
-        with ``fused``, ``q`` is filled from ``fused.x`` packet by packet."""
-        e, w = self.engine, self.w
-        why = unsuitable(e)
-        if why is not None:
-            raise ValueError(why)
         if q.dtype != np.int32 or out.dtype != np.int64 or len(out) != len(q) or not len(q):
             raise ValueError("q: a non-empty int32 array; out: int64 of the same length")
-        self.q, self.out = np.ascontiguousarray(q), out
-        vpp = e.cfg.values_per_packet
-        n = -(-len(q) // vpp)
-        self.st = np.zeros(n, np.uint8)
-        self.deadline = np.zeros(n, np.int64)
-        self.tries = np.zeros(n, np.int64)
-        w.first, w.npkts, w.nvalues = e.next_seq, n, len(q)
-        w.q, w.out = self.q.ctypes.data, out.ctypes.data
-        w.st, w.deadline, w.tries = (
-            self.st.ctypes.data,
-            self.deadline.ctypes.data,
-            self.tries.ctypes.data,
-        )
-        w.highest, w.fast_seq, w.fast_from = e.highest, e.fast_seq, e.fast_from
-        w.recover_seq, w.cwnd = e.recover_seq, e.cwnd
-        ctypes.memset(w.counters, 0, ctypes.sizeof(w.counters))
-        self.fused = fused
-        w.x = w.enc_scale = w.dec_scale = w.outf = w.enc = w.dec = None
+        if not (q.flags.c_contiguous and out.flags.c_contiguous and out.flags.writeable):
+            raise ValueError("q and out: contiguous arrays, out writable")
+        x = enc = dec = outf = None
+        fns: tuple[int, int] | tuple[None, None] = (None, None)
         if fused is not None:
-            fns, f = fastquant.functions(), fused
-            if fns is None or not q.flags.writeable:
+            n = -(-len(q) // self.vpp)
+            f = fused
+            funcs = fastquant.functions()
+            if funcs is None or not q.flags.writeable:
                 raise ValueError("the fused quantiser needs the C quantiser and a writable q")
             if not (len(f.x) == len(f.out) == len(q) and len(f.enc_scale) == len(f.dec_scale)
                     == n and f.x.dtype == np.float32 and f.out.dtype == np.float32
-                    and f.enc_scale.dtype == f.dec_scale.dtype == np.float64):  # fmt: skip
+                    and f.enc_scale.dtype == f.dec_scale.dtype == np.float64
+                    and all(a.flags.c_contiguous for a in (f.x, f.out, f.enc_scale,
+                                                           f.dec_scale))):  # fmt: skip
                 raise ValueError("fused: x, out float32 of q's length; a float64 scale per packet")
-            w.x, w.outf = f.x.ctypes.data, f.out.ctypes.data
-            w.enc_scale, w.dec_scale = f.enc_scale.ctypes.data, f.dec_scale.ctypes.data
-            w.enc, w.dec = fns
-        if self.lib.gf_w_start(ctypes.byref(w), now_ns):
-            raise MemoryError("the native datapath's buffers")
+            x, enc, dec, outf = (a.ctypes.data for a in (f.x, f.enc_scale, f.dec_scale, f.out))
+            fns = funcs
+        r = self.lib.gf_w_push(self.w, q.ctypes.data, out.ctypes.data, len(q), now_ns, x, enc,
+                               dec, outf, *fns)  # fmt: skip
+        if r == -2:
+            raise ValueError("the previous collective has not finished")
+        if r:
+            raise MemoryError("the native worker's buffers")
+        self._keep = (q, out, fused)
 
-    def datagram(self, data: bytes, now_ns: int) -> None:
-        if self.lib.gf_w_datagram(ctypes.byref(self.w), data, len(data), now_ns):
-            raise MemoryError("the native datapath's buffers")
+    def replay(self, floor: int, now_ns: int) -> None:
+        if self.lib.gf_w_replay(self.w, floor, now_ns):
+            raise MemoryError("the native worker's buffers")
 
-    def on_timer(self, now_ns: int) -> bool:
-        """The due retransmissions; True if a packet ran out of them (``fail_seq``)."""
-        r = self.lib.gf_w_timer(ctypes.byref(self.w), now_ns)
-        if r < 0:
-            raise MemoryError("the native datapath's buffers")
-        return bool(r)
+    def _read_state(self) -> npt.NDArray[np.int64]:
+        self.lib.gf_w_state(self.w, self._state.ctypes.data)
+        return self._state
 
-    def next_deadline(self) -> int | None:
-        d = int(self.lib.gf_w_deadline(ctypes.byref(self.w)))
-        return None if d < 0 else d
+    @property
+    def base(self) -> int:
+        return int(self._read_state()[0])
 
-    def take(self) -> list[bytes]:
-        """The datagrams queued to send, as bytes (for a driver in Python, and tests)."""
-        cap = int(self.w.outbox_len) * (TOKEN_BYTES + 32 + 4 * int(self.w.vpp) + 4)
-        buf = ctypes.create_string_buffer(max(cap, 1))
-        size = self.lib.gf_w_take(ctypes.byref(self.w), buf, cap)
-        raw, out, at = buf.raw, [], 0
-        while at < size:
-            n = int.from_bytes(raw[at : at + 4], "little")
-            out.append(raw[at + 4 : at + 4 + n])
-            at += 4 + n
-        return out
-
-    def run(
-        self, fd: int, addr: bytes, wall_deadline_ns: int, abort: ctypes.c_int32,
-        group_fd: int = -1,
-    ) -> int:  # fmt: skip
-        """Serve the started call on socket ``fd`` (its peer ``addr``, a raw
-        sockaddr) until done, aborted, past ``wall_deadline_ns`` or failed;
-        results also arrive on ``group_fd`` (the job's multicast group; -1: none)."""
-        return int(self.lib.gf_w_run(ctypes.byref(self.w), fd, group_fd, addr, len(addr),
-                                     wall_deadline_ns, ctypes.addressof(abort)))  # fmt: skip
+    @property
+    def next_seq(self) -> int:
+        return int(self._read_state()[1])
 
     @property
     def done(self) -> bool:
-        return bool(self.w.base >= self.w.push_end)
-
-    def error(self) -> ProtocolError | None:
-        """What the reference's delivery would have raised for this call."""
-        w = self.w
-        if w.error_seq < 0:
-            return None
-        if w.error_kind == 1:
-            return ProtocolError(f"result {w.error_seq} left the integer domain")
-        return ProtocolError(f"result {w.error_seq} carries another count than was sent")
+        return bool(self._read_state()[2])
 
     @property
-    def stats(self) -> dict[str, int]:
-        return {k: int(v) for k, v in zip(COUNTERS, self.w.counters, strict=True)}
+    def quiet(self) -> bool:
+        return bool(self._read_state()[3])
 
-    def finish(self) -> None:
-        """Write the call's state back into the engine (see the module doc)."""
-        e, w = self.engine, self.w
-        first, vpp = int(w.first), e.cfg.values_per_packet
-        e.base, e.next_seq = int(w.base), first + int(w.npkts)
-        e.highest, e.fast_seq, e.fast_from = int(w.highest), int(w.fast_seq), int(w.fast_from)
-        e.recover_seq, e.cwnd = int(w.recover_seq), float(w.cwnd)
-        for name, v in self.stats.items():
-            if v:
-                e.counters[name] += v
-        if self.fused is not None and w.next < w.push_end:  # not quantised yet: now
-            lo, f = (int(w.next) - first) * vpp, self.fused
-            self.q[lo:] = fastquant.encode(f.x[lo:], vpp, f.enc_scale[lo // vpp :])
-        e.out.clear()
-        timers = []
-        for i in np.flatnonzero(self.st == OUTSTANDING).tolist():
-            d = int(self.deadline[i])
-            e.out[first + i] = [self.packet(first + i), d, int(self.tries[i])]
-            if self.tries[i] <= e.cfg.max_retries:  # else it was given up on: no timer
-                timers.append((d, first + i))
-        e.timers = deque(sorted(timers))
-        e.queue = deque(
-            (s, len(p.payload), p.payload, 0, self.priority)
-            for s in (first + i for i in np.flatnonzero(self.st == UNSENT).tolist())
-            if (p := self.packet(s)).payload is not None
-        )
-        # answered sequences, filtered in numpy: a call holds thousands, and
-        # only those past base (none, once done) and the last window matter
-        done = first + np.flatnonzero(self.st == DONE)
-        e.done_above = set(done[done > e.base].tolist())
-        low = e.base - e.keep
-        e.kept = {s: p for s, p in e.kept.items() if s >= low}
-        e.kept.update((s, self.packet(s)) for s in done[done >= low].tolist())
+    @property
+    def failed(self) -> Fail | None:
+        """The give-up, as the reference's ``Fail`` (its peer: the one route)."""
+        s = int(self._read_state()[4])
+        if s < 0:
+            return None
+        return Fail("switch", f"sequence {s} unanswered after {self.max_retries} retries",
+                    self.rto_ns * (self.max_retries + 1))  # fmt: skip
 
-    def packet(self, seq: int) -> Packet:
-        """Sequence ``seq`` of the call as the reference engine builds it."""
-        e, vpp = self.engine, self.engine.cfg.values_per_packet
-        lo = (seq - int(self.w.first)) * vpp
-        part = self.q[lo : lo + vpp]
-        c = e.cfg
-        return ina_packet(
-            job_id=c.job_id, worker_id=c.worker_id, seq=seq, agg_index=e.route.agg_index(seq),
-            bitmap=1 << c.worker_id, fan_in=c.fan_in, priority=self.priority, count=len(part),
-            values=part, flags=Flag.NACK if c.nack else 0,
-        )  # fmt: skip
+    @property
+    def error(self) -> ProtocolError | None:
+        st = self._read_state()
+        seq, kind = int(st[5]), int(st[6])
+        if seq < 0:
+            return None
+        if kind == 1:
+            return ProtocolError(f"result {seq} left the integer domain")
+        return ProtocolError(f"result {seq} carries another count than was sent")
+
+    def fold(self) -> Counters:
+        """The C counters, moved into ``counters`` (the reference's names)."""
+        if not self.w:
+            return self.counters
+        ptr = self.lib.gf_w_counters(self.w)
+        for i, name in enumerate(COUNTERS):
+            if ptr[i]:
+                self.counters[name] += ptr[i]
+                ptr[i] = 0
+        return self.counters
+
+    # -- the datagram interface --------------------------------------------------
+    def receive_datagram(self, data: bytes, now_ns: int) -> None:
+        if self.lib.gf_w_datagram(self.w, data, len(data), now_ns):
+            raise MemoryError("the native worker's buffers")
+
+    def datagrams_to_send(self, now_ns: int) -> list[bytes]:
+        out: list[bytes] = []
+        while True:
+            size = int(self.lib.gf_w_take(self.w, self._buf, len(self._buf), now_ns))
+            raw, at = self._buf.raw[:size], 0
+            while at < size:
+                n = int.from_bytes(raw[at : at + 4], "little")
+                out.append(raw[at + 4 : at + 4 + n])
+                at += 4 + n
+            if size < len(self._buf) // 2:
+                return out
+
+    def get_timer(self) -> int | None:
+        d = int(self.lib.gf_w_deadline(self.w))
+        return None if d < 0 else d
+
+    def handle_timer(self, now_ns: int) -> None:
+        d = self.get_timer()
+        if d is not None and d <= now_ns:
+            r = self.lib.gf_w_timer(self.w, now_ns)
+            if r < 0:
+                raise MemoryError("the native worker's buffers")
+
+    def read_wait_ns(self, now_ns: int) -> int:
+        return int(self.lib.gf_w_read_wait(self.w, now_ns))
+
+
+Node = WorkerNode | NativeWorkerNode
+
+
+def run(
+    node: Node, sock: socket.socket, peer: bytes | tuple[str, int], deadline_ns: int,
+    abort: ctypes.c_int32, group: socket.socket | None = None, quiet: bool = False,
+    counters: Counters | None = None,
+) -> int:  # fmt: skip
+    """Serve ``node`` on ``sock`` (results also on ``group``, the job's
+    multicast socket) until its collective is done (``quiet``: and nothing
+    is outstanding): ``DONE``; or ``abort`` is raised (``ABORTED``),
+    ``deadline_ns`` passes (``TIMEOUT``), it gives up on its peer
+    (``FAILED``). ``peer``: the switch, as a raw sockaddr (the native
+    driver's) or an address. The driver's counters go to ``counters``."""
+    if isinstance(node, NativeWorkerNode):
+        assert _UDP is not None and isinstance(peer, bytes)
+        c = np.zeros(len(DRIVER_COUNTERS), np.int64)
+        rc = int(_UDP.gf_udp_run(node.ops, node.w, sock.fileno(),
+                                 -1 if group is None else group.fileno(), peer, len(peer),
+                                 deadline_ns, ctypes.addressof(abort), int(quiet),
+                                 c.ctypes.data))  # fmt: skip
+        node.fold()
+        if counters is not None:
+            for name, v in zip(DRIVER_COUNTERS, c.tolist(), strict=True):
+                counters[name] += v
+        return rc
+    return _run_python(node, sock, peer, deadline_ns, abort, group, quiet, counters)
+
+
+def _run_python(
+    node: Node, sock: socket.socket, peer: bytes | tuple[str, int], deadline_ns: int,
+    abort: ctypes.c_int32, group: socket.socket | None, quiet: bool, counters: Counters | None,
+) -> int:  # fmt: skip
+    """``run``'s loop in Python (the reference node's driver)."""
+    assert isinstance(node, WorkerNode)
+    c = counters if counters is not None else Counters()
+    fds = [sock] if group is None else [sock, group]
+    poller = select.poll()
+    for s in fds:
+        poller.register(s, select.POLLIN)
+
+    def send_all() -> None:
+        for data in node.datagrams_to_send(time.monotonic_ns()):
+            while True:
+                try:
+                    sock.sendto(data, peer)
+                    break
+                except BlockingIOError:
+                    select.select([], [sock], [], 0.001)
+                except OSError:
+                    c["socket_error"] += 1
+                    break
+
+    send_all()
+    while not (node.quiet if quiet else node.done):
+        if abort.value:
+            return ABORTED
+        now = time.monotonic_ns()
+        if now >= deadline_ns:
+            return TIMEOUT
+        d = node.get_timer()
+        if d is not None and d <= now:
+            node.handle_timer(now)
+            if node.failed is not None:
+                return FAILED
+            send_all()
+            continue
+        wait = min(deadline_ns - now, ABORT_CHECK_S * 1e9)
+        if d is not None:
+            wait = min(wait, d - now)
+        every = node.read_wait_ns(now)
+        if every:
+            time.sleep(min(wait, every) / 1e9)
+            ready = fds
+        else:
+            events = dict(poller.poll(wait / 1e6))
+            ready = [s for s in fds if s.fileno() in events]
+        for s in ready:
+            for _ in range(READ_BATCH):
+                try:
+                    data = s.recv(65_536)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    c["socket_error"] += 1
+                    break
+                node.receive_datagram(data, time.monotonic_ns())
+        send_all()
+    return DONE

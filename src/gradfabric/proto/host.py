@@ -31,12 +31,11 @@ class HostEngine:
         sh = self.shadows.get(straggler)
         if sh is None:
             cfg = replace(self.own.cfg, helping=straggler)
-            sh = self.shadows[straggler] = WorkerEngine(
-                f"{self.name}~{straggler}", cfg, self.own.route
-            )
             # Sending past the host's own window is useless (those sequences also
             # wait on the host) and would only wait out retransmission budgets.
-            sh.cap = self.own
+            sh = self.shadows[straggler] = WorkerEngine(
+                f"{self.name}~{straggler}", cfg, self.own.route, cap=self.own
+            )
         return sh
 
     @property

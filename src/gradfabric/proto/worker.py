@@ -129,7 +129,11 @@ _PKT, _DEADLINE, _TRIES = range(3)
 
 
 class WorkerEngine:
-    def __init__(self, name: str, cfg: WorkerConfig, route: Route) -> None:
+    def __init__(
+        self, name: str, cfg: WorkerConfig, route: Route, cap: WorkerEngine | None = None
+    ) -> None:
+        """``cap``: a stream this one never runs ahead of (an SA-ATP host's own,
+        for a shadow that sends a straggler's share from it)."""
         if cfg.window > route.max_window:
             raise ConfigError(
                 "window",
@@ -160,7 +164,7 @@ class WorkerEngine:
         self.done_above: set[int] = set()
         self.timers: deque[tuple[int, int]] = deque()
         self.recover_seq = 0
-        self.cap: WorkerEngine | None = None
+        self.cap = cap
         self.fast = cfg.fast_retransmit
         self.lowest_first = bool(cfg.fast_retransmit or cfg.nack)  # the timer's rule
         self.highest = -1  # the highest sequence a result came back for
@@ -446,6 +450,16 @@ class ResumableWorker(WorkerEngine):
             self.replaying.discard(seq)
             self.out.pop(seq, None)
             self.counters["replays_retired"] += 1
+
+    def own_kept(self) -> None:
+        """The kept contributions' values copied out of the arrays they were
+        pushed from (a driver calls this once a call is complete: its caller
+        may reuse them, and a replay must send what was sent)."""
+        for seq, pkt in self.kept.items():
+            if pkt.payload is not None and pkt.payload.base is not None:  # a view of theirs
+                own = pkt.clone()
+                own.payload = pkt.payload.copy()
+                self.kept[seq] = own
 
     def _keep(self, seq: int, pkt: Packet) -> None:
         """Keep ``seq``'s contribution; drop those below ``base - keep`` once

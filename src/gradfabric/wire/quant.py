@@ -113,3 +113,18 @@ def block_exponents(x: F32, block: int) -> I32:
 def block_scales(e_max: npt.NDArray[np.integer], fan_in: int) -> npt.NDArray[np.float64]:
     """``BlockExponent(fan_in).scale`` for each agreed block exponent."""
     return np.asarray((INT32_MAX // fan_in) / np.exp2(e_max.astype(np.float64)))
+
+
+def encode_block(x: F32, scale: float) -> I32:
+    """One block quantised with its agreed ``scale``: ``rint(x * scale)``
+    in float64, as int32 (the block-exponent scale keeps it in range; what
+    ``wire.fastquant.encode`` does for every block at once, bit for bit)."""
+    out: I32 = np.rint(x.astype(np.float64) * float(scale)).astype(np.int32)
+    return out
+
+
+def decode_block(r: npt.NDArray[np.int64], scale: float) -> F32:
+    """One block's integer sum back to float32 (``wire.fastquant.decode``'s,
+    bit for bit): one float64 division, one rounding to float32."""
+    out: F32 = (r / float(scale)).astype(np.float32)
+    return out

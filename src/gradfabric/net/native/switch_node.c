@@ -256,7 +256,18 @@ static int gf_s_handle_timer(void *e, int64_t now) {
     return 0;
 }
 
-static const gf_ops OPS = {gf_s_receive, gf_s_pending, gf_s_sent, gf_s_timer, gf_s_handle_timer};
+static int gf_s_done(void *e, int quiet) {
+    (void)e, (void)quiet;
+    return 0; /* a switch serves until it is stopped */
+}
+
+static int64_t gf_s_read_wait(void *e, int64_t now) {
+    (void)e, (void)now;
+    return 0;
+}
+
+static const gf_ops OPS = {gf_s_receive,      gf_s_pending, gf_s_sent,     gf_s_timer,
+                           gf_s_handle_timer, gf_s_done,    gf_s_read_wait};
 
 /* The datagram interface as function pointers, for the native driver (udp.c). */
 GF_API const gf_ops *gf_s_ops(void) { return &OPS; }

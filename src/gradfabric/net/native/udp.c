@@ -3,6 +3,14 @@
  * per datagram. It owns what a driver owns and nothing of a protocol: the
  * socket, the clock, and where each destination is (the book).
  *
+ * gf_udp_run is a worker's: the calling thread serves its engine's
+ * collective until it is done (or, ``quiet``, until nothing is outstanding),
+ * the caller raises ``*abort`` (a switch restart), ``wall_deadline`` passes,
+ * the engine gives up on its peer, or memory runs out; it waits in ppoll
+ * for the next datagram, the engine's deadline or its read period, and
+ * sends what the engine lets leave. net.driver's ``run`` is the same loop in
+ * Python, for the reference engine.
+ *
  * gf_udp_drain is the switch daemon's: the daemon's event loop calls it when
  * its socket is readable; it reads up to a few batches, hands each datagram
  * to the engine, and after each batch sends what the engine has to send,
@@ -16,6 +24,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -26,6 +35,7 @@
 
 #define BATCH 64
 #define BOOK_JOBS 65536
+#define OUTBOX_MAX 64 /* the most an engine hands over at a time (worker.h's OUTBOX) */
 
 /* the driver's counters, in net.udpdriver's order */
 enum { U_TX, U_TX_FULL, U_SOCKET_ERROR, U_NO_ADDRESS, U_SYSCALLS, U_NO_MEMORY, NU };
@@ -200,4 +210,132 @@ GF_API int64_t gf_udp_drain(const gf_ops *ops, void *engine, gf_book *b, int fd,
     }
     free(t);
     return total;
+}
+
+/* ---- a worker's run (gf_udp_run) ---- */
+
+enum { RUN_DONE = 0, RUN_ABORTED = 1, RUN_TIMEOUT = 2, RUN_FAILED = 3, RUN_ERROR = 4 };
+enum { W_TX, W_RX, W_SYSCALLS, W_SOCKET_ERROR, NW }; /* net.driver.DRIVER_COUNTERS */
+#define ABORT_CHECK_NS 10000000LL /* how often a waiting run looks at its abort flag */
+#define WBATCH 32
+
+/* What the engine lets leave now, to its one peer; a full socket buffer
+ * waits for room (the kernel's own pacing). */
+static void send_all(const gf_ops *ops, void *e, int fd, const struct sockaddr *sa, socklen_t alen,
+                     int64_t *c) {
+    struct mmsghdr msgs[OUTBOX_MAX];
+    struct iovec iov[OUTBOX_MAX][2];
+    for (;;) {
+        int64_t now = now_ns();
+        const gf_dgram *out;
+        int64_t n = ops->pending(e, now, &out), at = 0;
+        if (n > OUTBOX_MAX) n = OUTBOX_MAX;
+        for (int64_t i = 0; i < n; i++) {
+            iov[i][0] = (struct iovec){(void *)out[i].head, (size_t)out[i].head_len};
+            iov[i][1] = (struct iovec){(void *)out[i].body, (size_t)out[i].body_len};
+            memset(&msgs[i], 0, sizeof msgs[i]);
+            msgs[i].msg_hdr.msg_name = (void *)sa;
+            msgs[i].msg_hdr.msg_namelen = alen;
+            msgs[i].msg_hdr.msg_iov = iov[i];
+            msgs[i].msg_hdr.msg_iovlen = out[i].body_len ? 2 : 1;
+        }
+        while (at < n) {
+            int sent = sendmmsg(fd, msgs + at, (unsigned)(n - at), 0);
+            c[W_SYSCALLS]++;
+            if (sent > 0) {
+                c[W_TX] += sent;
+                at += sent;
+            } else if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
+                struct pollfd p = {fd, POLLOUT, 0};
+                poll(&p, 1, 1);
+            } else if (errno != EINTR) {
+                c[W_SOCKET_ERROR]++; /* that datagram is lost: the protocol repairs it */
+                at++;
+            }
+        }
+        ops->sent(e, n, now);
+        if (n < OUTBOX_MAX) return;
+    }
+}
+
+/* One batch of what socket ``fd`` holds, into the engine: how many came (0
+ * on a socket error, counted), -1 on memory. */
+static int read_batch(const gf_ops *ops, void *e, int fd, uint8_t *rx, int64_t *c) {
+    struct mmsghdr msgs[WBATCH];
+    struct iovec iov[WBATCH];
+    for (int k = 0; k < WBATCH; k++) {
+        iov[k] = (struct iovec){rx + (size_t)k * DGRAM, DGRAM};
+        memset(&msgs[k], 0, sizeof msgs[k]);
+        msgs[k].msg_hdr.msg_iov = &iov[k];
+        msgs[k].msg_hdr.msg_iovlen = 1;
+    }
+    int got = recvmmsg(fd, msgs, WBATCH, MSG_DONTWAIT, NULL);
+    c[W_SYSCALLS]++;
+    if (got < 0) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) c[W_SOCKET_ERROR]++;
+        return 0;
+    }
+    int64_t now = now_ns();
+    c[W_RX] += got;
+    for (int k = 0; k < got; k++) {
+        int64_t n = (msgs[k].msg_hdr.msg_flags & MSG_TRUNC) ? DGRAM + 1 : msgs[k].msg_len;
+        if (ops->receive(e, rx + (size_t)k * DGRAM, n, now)) return -1;
+    }
+    return got;
+}
+
+GF_API int gf_udp_run(const gf_ops *ops, void *e, int fd, int group_fd, const uint8_t *addr,
+                      int64_t alen, int64_t wall_deadline, volatile const int32_t *abort,
+                      int quiet, int64_t *counters) {
+    const struct sockaddr *sa = (const struct sockaddr *)addr;
+    const int nfds = group_fd < 0 ? 1 : 2;
+    uint8_t *rx = malloc((size_t)WBATCH * DGRAM);
+    int rc = RUN_DONE;
+    if (!rx) return RUN_ERROR;
+    send_all(ops, e, fd, sa, (socklen_t)alen, counters);
+    while (!ops->done(e, quiet)) {
+        if (*abort) {
+            rc = RUN_ABORTED;
+            break;
+        }
+        int64_t now = now_ns();
+        if (now >= wall_deadline) {
+            rc = RUN_TIMEOUT;
+            break;
+        }
+        int64_t d = ops->timer(e);
+        if (d >= 0 && d <= now) {
+            int r = ops->handle_timer(e, now);
+            if (r) {
+                rc = r > 0 ? RUN_FAILED : RUN_ERROR;
+                break;
+            }
+            send_all(ops, e, fd, sa, (socklen_t)alen, counters);
+            continue;
+        }
+        int64_t wait = wall_deadline - now;
+        if (d >= 0 && d - now < wait) wait = d - now;
+        if (wait > ABORT_CHECK_NS) wait = ABORT_CHECK_NS;
+        const int64_t every = ops->read_wait(e, now);
+        if (every && wait > every) wait = every;
+        struct timespec ts = {wait / 1000000000LL, wait % 1000000000LL};
+        const short events = every ? 0 : POLLIN; /* on a read period: wake on it alone */
+        struct pollfd p[2] = {{fd, events, 0}, {group_fd, events, 0}};
+        int ready = ppoll(p, (nfds_t)nfds, &ts, NULL);
+        if (!every && ready <= 0) continue;
+        for (int i = 0; i < nfds; i++) {
+            if (!every && !p[i].revents) continue;
+            int got;
+            while ((got = read_batch(ops, e, p[i].fd, rx, counters)) == WBATCH && every) {
+            } /* (a full batch on a period: more may wait) */
+            if (got < 0) {
+                rc = RUN_ERROR;
+                goto out;
+            }
+        }
+        send_all(ops, e, fd, sa, (socklen_t)alen, counters);
+    }
+out:
+    free(rx);
+    return rc;
 }

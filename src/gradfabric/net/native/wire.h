@@ -77,9 +77,14 @@ typedef struct {
     int64_t (*pending)(void *engine, int64_t now, const gf_dgram **out);
     /* the first ``n`` of them are gone (sent, or dropped and counted) */
     void (*sent)(void *engine, int64_t n, int64_t now);
-    /* the next deadline (-1: none), and its call (-1: out of memory) */
+    /* the next deadline (-1: none), and its call (1: it gave up on a peer;
+     * -1: out of memory) */
     int64_t (*timer)(void *engine);
     int (*handle_timer)(void *engine, int64_t now);
+    /* a worker's: its collective is done (``quiet``: and nothing is
+     * outstanding at all), and how long its sockets may stay unread */
+    int (*done)(void *engine, int quiet);
+    int64_t (*read_wait)(void *engine, int64_t now);
 } gf_ops;
 
 static inline uint16_t gf_rd16(const uint8_t *p) {
