@@ -13,7 +13,7 @@ writes: the README's systems table, the results page (``docs/results.md``,
 every claim by system with its source), the main job's time and each
 experiment's default time. Outside those parts a page may not state a measured
 speed-up, interval or percentage (``HAND_TYPED``); the lab notebook
-(``NOTEBOOK.md``) is a dated history and is not checked.
+(``docs/notebook/``) is a dated history and is not checked.
 """
 
 from __future__ import annotations

@@ -510,8 +510,8 @@ def test_two_jobs_share_the_switch_exactly_under_contention(
     with switch_daemon(*flags) as sw:
         low, high = Ticket.register(sw.control, 2), Ticket.register(sw.control, 2)
         # The workers' reference datapath: with the native one, a loaded CI
-        # pass twice saw no preemption at all (sums exact); why is not yet
-        # known (NOTEBOOK.md). This test is about the switch's pool.
+        # pass twice saw no preemption at all (sums exact), and why was not
+        # found. This test is about the switch's pool.
         clients = [InaClient(low, r, priority=1, native=False) for r in range(2)]
         clients += [InaClient(high, r, priority=9, native=False) for r in range(2)]
         rng = np.random.default_rng(9)

@@ -128,8 +128,9 @@ def test_a_point_whose_run_fails_runs_once_more_and_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A rank that dies (PyTorch's gloo sparse all-reduce has corrupted its
-    heap, NOTEBOOK) costs the point one more run, noted; a second failure
-    ends the study, and a timeout is not retried."""
+    heap, docs/notebook/2026-11-27.md#stores-taken-again-fresh) costs the
+    point one more run, noted; a second failure ends the study, and a
+    timeout is not retried."""
     from gradfabric.collectives.ddpbench import DdpBenchConfig
     from gradfabric.core.errors import PeerTimeoutError
     from gradfabric.experiments import sparse_train

@@ -10,9 +10,9 @@ alternating, after ``warmup`` untimed sums of each (two: the first is a
 one-off, connections and buffers touched for the first time; the second
 was slow too, a quarter over the run's median, while every sum's result was
 a new array, whose pages the kernel zeroed on first touch, and is within a
-few percent of it now: NOTEBOOK). Every switch result is checked
-against gloo's (equal up to the quantisation bound) so a fast wrong answer
-cannot pass.
+few percent of it now: docs/notebook/2026-11-27.md#switch-slow-second-sum).
+Every switch result is checked against gloo's (equal up to the quantisation
+bound) so a fast wrong answer cannot pass.
 
 Where: on loopback, or (``link_gbps``, root) on the star that in-network
 aggregation assumes (``net.netns.tor_star``): each worker in its own

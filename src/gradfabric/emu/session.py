@@ -61,7 +61,8 @@ def block_maxima(exps: Any, group: Any = None) -> Any:
     turn, each a wake-up of a gloo thread that, on a host busy with backward,
     waits for a core: with 4 ranks on 2 cores its 2 KB took 7-38 ms after the
     last rank arrived, the exchange 1-27 ms, and a step's first sum began
-    14-20 ms sooner (two runs each; docs/notebook/2026-11-28.md). Each rank
+    14-20 ms sooner (two runs each;
+    docs/notebook/2026-11-28.md#ddp-step-through-switch). Each rank
     sends n-1 copies: in an alpha-beta model the exchange beats the ring's
     hops while the exponents stay under about twice a hop's latency times
     the link's rate (some 100 KB at 10 Gbit/s and 50 us), at any rank count;

@@ -117,8 +117,9 @@ def fast_retransmit(notices: bool, window: int) -> int:
     every worker of the copy sends it, three in four are needless at 4
     workers. So it waits half a window there, a backstop for what no notice
     reveals (a lost resend, a tensor's last share, a lost result). Measured
-    (NOTEBOOK, "Loss notices"): k = 3 and k = 16 took the same time under 5%
-    loss at window 32, k = 16 with a sixth of the fast resends."""
+    (docs/notebook/2026-11-27.md#loss-notices-switch-names): k = 3 and
+    k = 16 took the same time under 5% loss at window 32, k = 16 with a sixth
+    of the fast resends."""
     return max(FAST_RETRANSMIT, window // 2) if notices else FAST_RETRANSMIT
 
 

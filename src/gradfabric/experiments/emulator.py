@@ -262,7 +262,8 @@ class Emulator:
         where each bucket's sum fell in the step (``bench ddp``'s timeline).
         The claims take the bucket size fixed before the run: 16 MB for the
         MLP (its best in every run since the switch's native datapath), 4 MB
-        for the transformer (its best in five runs of five, NOTEBOOK)."""
+        for the transformer (its best in five runs of five,
+        docs/notebook/2026-11-28.md#ddp-through-switch-bucket)."""
         from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
 
         tick("DDP through the switch, 4 ranks behind 1 Gbit/s links")

@@ -22,7 +22,8 @@ link per step. Quick: DLRM, SGD, 2 ranks.
 
 A point whose run fails is run once more, and the notes say so: PyTorch's
 gloo sparse all-reduce (the stock ``sparse=True`` replica's) has been seen
-to corrupt its heap and take a rank down (NOTEBOOK); a second failure ends
+to corrupt its heap and take a rank down
+(docs/notebook/2026-11-27.md#stores-taken-again-fresh); a second failure ends
 the study.
 """
 
