@@ -195,10 +195,10 @@ def test_the_native_switch_node_equals_the_reference(
                     ref.remove_job(job[0])
                     nat.remove_job(job[0])
                     live.remove(job[0])
-                else:
-                    on = not ref.jobs[job[0]].resyncing
-                    ref.resync(job[0], on)
-                    nat.resync(job[0], on)
+                else:  # a restart: on resuming, the floor the workers agreed on
+                    on, floor = not ref.jobs[job[0]].resyncing, job[5] + off
+                    ref.resync(job[0], on, floor)
+                    nat.resync(job[0], on, floor)
                 _same_state(ref, nat, live, now)
                 continue
             if kind == "again" and sent:
@@ -236,6 +236,7 @@ def worker_setups(draw: st.DrawFn) -> dict[str, object]:
         "pace_gbps": draw(st.sampled_from([0.0, 0.0, 1.0, 10.0])),
         "fused": draw(st.booleans()),
         "priority": draw(st.integers(0, 3)),
+        "first_seq": draw(st.sampled_from([0, 0, SEQ_LIMIT - 300])),
     }
 
 
@@ -247,6 +248,7 @@ def _worker_engine(setup: dict[str, object]) -> ResumableWorker:
         pool_slots=64, slot_base=5, rto_ns=10_000, max_retries=int(setup["retries"]),  # type: ignore[call-overload]
         values_per_packet=int(setup["vpp"]), resumable=True,  # type: ignore[call-overload]
         fast_retransmit=int(setup["fast"]), nack=bool(setup["nack"]), takes_help=False,  # type: ignore[call-overload]
+        first_seq=int(setup["first_seq"]),  # type: ignore[call-overload]
     )  # fmt: skip
     e = SCHEMES.get(str(setup["policy"])).worker(p, 1)
     assert isinstance(e, ResumableWorker)

@@ -19,6 +19,13 @@
 * ``stats``: every counter and the aggregator pool's occupancy.
 * ``unregister``: the job leaves; what it held is released.
 
+Who may ask: with ``allow`` the control port answers only peers in those
+networks; with a ``secret`` a registration (and a restart's restore) must
+carry it (compared in constant time); one client address holds at most
+``max_jobs_per_client`` jobs, its share of the pool. What is refused is
+answered as an error and counted by why (``control_refused_network``,
+``control_refused_secret``, ``register_refused_cap``), never a job.
+
 With a state directory (``--state-dir``) every registration and worker
 address is kept in ``jobs.json`` there; a daemon started on it knows those
 jobs (resynchronising), so their tokens survive a restart and no other job
@@ -30,6 +37,7 @@ An error is answered as ``{"error": ...}`` and counted, never a crash.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import secrets
@@ -86,7 +94,7 @@ class Node(Protocol):
 
     def remove_job(self, job_id: int) -> None: ...
 
-    def resync(self, job_id: int, on: bool) -> None: ...
+    def resync(self, job_id: int, on: bool, floor: int = 0) -> None: ...
 
     def missing(self, job_id: int) -> list[int]: ...
 
@@ -102,6 +110,9 @@ class Daemon(Protocol):
     epoch: str
     multicast: bool
     state_dir: str | None
+    secret: str | None  # a cluster secret registrations carry (None: none asked)
+    networks: list[Any]  # where the control port answers from (empty: anywhere)
+    max_jobs_per_client: int
     pull_bound: float  # DLCP: what the ticket tells workers of their pulls
 
     def data_address(self) -> Address: ...
@@ -117,6 +128,7 @@ class ControlPlane:
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
         self.next_job = 1
+        self.owners: dict[int, str] = {}  # job -> the client address that registered it
 
     @property
     def cfg(self) -> NodeConfig:
@@ -177,7 +189,7 @@ class ControlPlane:
             if len(job.resync) == job.workers:
                 job.floor = min(job.resync.values())
                 job.resync = None
-                self.d.node.resync(job.job_id, False)
+                self.d.node.resync(job.job_id, False, job.floor)
                 self.d.counters["jobs_resumed"] += 1
         if job.resync is None and job.floor is not None:
             return {"floor": job.floor, "epoch": self.d.epoch}
@@ -325,14 +337,34 @@ class ControlPlane:
             return [r for r in range(job.workers) if r not in job.resync]
         return self.d.node.missing(job.job_id)
 
+    def _admit(self, req: dict[str, Any], peer: str) -> None:
+        """Refuse (``ConfigError``, counted) a peer outside ``allow``, a
+        registration or restore without the cluster secret, or one more job
+        than a client may hold."""
+        d, op = self.d, req.get("op")
+        if d.networks and not any(ipaddress.ip_address(peer) in n for n in d.networks):
+            d.counters["control_refused_network"] += 1
+            raise ConfigError("allow", f"{peer} may not use this control port")
+        if d.secret is not None and op in ("register", "restore") and not \
+                secrets.compare_digest(str(req.get("secret", "")).encode(), d.secret.encode()):
+            d.counters["control_refused_secret"] += 1
+            raise ConfigError("secret", "the cluster secret is missing or wrong")
+        held = sum(1 for j, who in self.owners.items() if who == peer and j in d.jobs)
+        if op == "register" and held >= d.max_jobs_per_client:
+            d.counters["register_refused_cap"] += 1
+            raise ConfigError("jobs", f"{peer} holds {held} jobs, as many as a client may")
+
     def handle(self, req: dict[str, Any], peer: str) -> dict[str, Any]:
         d = self.d
         op = req.get("op")
+        self._admit(req, peer)
         if op == "register":
             kind = req.get("kind")
-            return self.register(
+            ticket = self.register(
                 int(req.get("workers", 0)), req.get("help"), None if kind is None else str(kind)
             )
+            self.owners[int(ticket["job_id"])] = peer
+            return ticket
         if op == "stats":
             return d.stats()
         if op == "restore":
@@ -355,6 +387,7 @@ class ControlPlane:
             d.node.remove_job(job.job_id)
             d.forget(job)
             del d.jobs[job.job_id]
+            self.owners.pop(job.job_id, None)
             d.counters["jobs_unregistered"] += 1
             self.save()
             return {"ok": True}

@@ -47,7 +47,7 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.emu.control import control_call
 from gradfabric.emu.session import ANY_HOST, Session
-from gradfabric.emu.ticket import Ticket, scheme_worker
+from gradfabric.emu.ticket import Ticket, scheme_worker, with_secret
 from gradfabric.net import datapath
 from gradfabric.net.datapath import ABORTED, DONE, NativeWorkerNode, run
 from gradfabric.net.udp import join_group, size_buffers, sockaddr
@@ -67,13 +67,16 @@ class InaClient(Session):
     def __init__(
         self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
         bind_host: str | None = None, native: bool | None = None, pace_gbps: float = 0.0,
+        first_seq: int = 0,
     ) -> None:  # fmt: skip
         """``native``: the native worker node (``net.datapath``); None uses
         it where it is built and suits the job, False keeps the reference.
         ``pace_gbps``: the rate of this worker's link, where known: the node
         paces its sends to it (resends first) instead of queueing a window in
-        the link (0: unpaced)."""
-        engine = scheme_worker(ticket, rank, timeout_s)
+        the link (0: unpaced). ``first_seq``: where the job's sequence
+        numbers start (every rank alike; the wire carries their low 32 bits,
+        so a job may start anywhere and run past 2**32)."""
+        engine = scheme_worker(ticket, rank, timeout_s, first_seq=first_seq)
         assert isinstance(engine, ResumableWorker)
         token = bytes.fromhex(ticket.token)
         why = datapath.unsuitable(engine)
@@ -260,7 +263,7 @@ class InaClient(Session):
             "multicast": t.group is not None,
         }  # fmt: skip
         try:
-            epoch = (await control_call(t.control, restore))["epoch"]
+            epoch = (await control_call(t.control, with_secret(restore)))["epoch"]
         except ConfigError as e:  # the daemon cannot take the job back: end it, saying why
             self.refused = str(e)
             self._ask(RESTART, True)  # a call in flight gives up and names the switch

@@ -27,6 +27,7 @@ daemon already knows it from ``state_dir``), agree on a floor and replay
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import secrets
 import signal
 import socket
@@ -94,6 +95,17 @@ class SwitchConfig:
     push_bound: float = _opt(0.1, "dlcp: loss bound, push")
     pull_bound: float = _opt(0.02, "dlcp: loss bound, pull")
     omni_streams: int = _opt(16, "omni: streams per job's aggregator")
+    secret: str | None = _opt(
+        None, "a cluster secret every registration (and a restart's restore) must carry "
+        "(clients read it from $GRADFABRIC_SECRET); none: any client may register",
+    )  # fmt: skip
+    allow: str = _opt(
+        "", "comma-separated networks (CIDR) the control port answers; empty: any",
+    )  # fmt: skip
+    max_jobs_per_client: int = _opt(
+        64, "jobs one client address may hold at once (its share of the pool): past it, "
+        "a registration is refused and counted",
+    )  # fmt: skip
     state_dir: str | None = _opt(
         None, "keep job registrations here: restarted on it, the daemon knows its jobs"
     )
@@ -129,11 +141,22 @@ class SwitchConfig:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
         if self.multicast and self.host in ("", "0.0.0.0"):
             raise ConfigError("multicast", "needs --host: the address that sends the groups")
+        if self.max_jobs_per_client < 1:
+            raise ConfigError("max_jobs_per_client", "must be >= 1")
+        try:
+            self.networks()
+        except ValueError as e:
+            raise ConfigError("allow", f"comma-separated networks such as 10.0.0.0/8: {e}") from e
         if self.datapath not in ("auto", "native", "python"):
             raise ConfigError("datapath", f"one of auto, native, python; got {self.datapath!r}")
         why = self.native_unsuitable()
         if self.datapath == "native" and why is not None:
             raise ConfigError("datapath", f"native cannot serve: {why}")
+
+    def networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """The networks ``allow`` names (none: any)."""
+        return [ipaddress.ip_network(n.strip(), strict=False)
+                for n in self.allow.split(",") if n.strip()]  # fmt: skip
 
     def node(self) -> NodeConfig:
         """What the switch node runs (``proto.node``)."""
@@ -178,6 +201,8 @@ class SwitchDaemon:
         self.timer_at: int | None = None  # the node's pending wake-up
         self.multicast, self.state_dir = cfg.multicast, cfg.state_dir
         self.pull_bound = cfg.pull_bound
+        self.secret, self.networks = cfg.secret, cfg.networks()
+        self.max_jobs_per_client = cfg.max_jobs_per_client
 
     @property
     def native(self) -> bool:

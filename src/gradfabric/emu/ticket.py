@@ -23,6 +23,13 @@ from gradfabric.proto.interface import Engine
 from gradfabric.proto.schemes import SCHEMES, Placement
 
 SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
+SECRET_ENV = "GRADFABRIC_SECRET"  # the cluster secret a daemon may ask registrations for
+
+
+def with_secret(req: dict[str, Any]) -> dict[str, Any]:
+    """``req`` carrying the cluster secret, where ``$GRADFABRIC_SECRET`` holds one."""
+    secret = os.environ.get(SECRET_ENV)
+    return req if secret is None else req | {"secret": secret}
 
 
 def parse_address(text: str) -> Address:
@@ -92,7 +99,7 @@ class Ticket:
     ) -> Ticket:  # fmt: skip
         """Register a job of ``workers`` at the daemon whose control port is ``control``."""
         req = {"op": "register", "workers": workers} | ({"kind": kind} if kind else {}) | extra
-        reply = asyncio.run(control_call(control, req, timeout_s))
+        reply = asyncio.run(control_call(control, with_secret(req), timeout_s))
         known = {f.name for f in fields(cls)}
         args = {k: v for k, v in reply.items() if k in known}
         return cls(control=control, **args | {"switch": tuple(reply["switch"]),
@@ -123,7 +130,9 @@ def fast_retransmit(notices: bool, window: int) -> int:
     return max(FAST_RETRANSMIT, window // 2) if notices else FAST_RETRANSMIT
 
 
-def scheme_worker(ticket: Ticket, rank: int, timeout_s: float, takes_help: bool = False) -> Engine:
+def scheme_worker(
+    ticket: Ticket, rank: int, timeout_s: float, takes_help: bool = False, first_seq: int = 0
+) -> Engine:
     """Rank ``rank``'s engine for the ticket's job, from the scheme registry
     (retrying each packet for up to ``timeout_s``; a switch job's workers can
     replay after a restart; ``takes_help``: results for sequences it has not
@@ -137,7 +146,7 @@ def scheme_worker(ticket: Ticket, rank: int, timeout_s: float, takes_help: bool 
         values_per_packet=t.values_per_packet, streams=t.streams,
         max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)), resumable=True,
         fast_retransmit=fast_retransmit(scheme.sends_notices, t.window), nack=True,
-        takes_help=takes_help,
+        takes_help=takes_help, first_seq=first_seq,
     )  # fmt: skip
     return scheme.worker(p, rank)
 

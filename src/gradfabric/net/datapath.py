@@ -57,7 +57,8 @@ ABORT_CHECK_S: Final = 0.01  # how often a waiting run looks at its abort flag
 
 _i64, _f64, _p, _i32p = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p
 _LIB, WHY_NOT = native.load(HERE / "_worker", SOURCES, (
-    ("gf_w_new", [_i64] * 15 + [_f64, _f64, ctypes.c_char_p], _p), ("gf_w_free", [_p], None),
+    ("gf_w_new", [_i64] * 15 + [_f64, _f64, ctypes.c_char_p, _i64], _p),
+    ("gf_w_free", [_p], None),
     ("gf_w_counters", [_p], ctypes.POINTER(_i64)), ("gf_w_state", [_p, _p], None),
     ("gf_w_set_priority", [_p, _i64], None),
     ("gf_w_push", [_p, _p, _p, _i64, _i64, _p, _p, _p, _p, _p, _p], ctypes.c_int),
@@ -86,7 +87,7 @@ def unsuitable(engine: ResumableWorker) -> str | None:
         return f"route {type(route).__name__} is not one of one destination"
     if engine.cfg.helping >= 0 or engine.cfg.max_ahead != 0 or engine.cap is not None:
         return "the worker takes or gives help (SA-ATP)"
-    if engine.next_seq or not engine.idle:
+    if engine.next_seq != engine.cfg.first_seq or not engine.idle:
         return "the engine has been used already"
     return None
 
@@ -111,7 +112,7 @@ class NativeWorkerNode:
             getattr(route, "slot_base", 0), getattr(route, "slot_count", 0),
             getattr(route, "pool_slots", 0), int(route.resend_flag), cfg.rto_ns,
             cfg.max_retries, cfg.fast_retransmit, int(engine.ecn_window), self.vpp,
-            int(cfg.nack), cfg.window, engine.max_cwnd, pace_gbps, token,
+            int(cfg.nack), cfg.window, engine.max_cwnd, pace_gbps, token, cfg.first_seq,
         )  # fmt: skip
         if not self.w:
             raise ConfigError("native", "the native worker refused the job's parameters")

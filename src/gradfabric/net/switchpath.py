@@ -54,10 +54,11 @@ ENGINE_COUNTERS: Final = (
     "ps_overflow", "ps_resend", "flush_partial", "ps_collision", "drop_late", "stale_reclaimed",
     "reclaimed_complete", "preemptions",
 )  # fmt: skip
+NODE_TAIL: Final = ("drop_outbox_full",)  # the node's again, after the engine's in C
 JOB_COUNTERS: Final = ("rx_datagrams", "drop_bad_token", "drop_malformed", "drop_resyncing")
 SERVER_COUNTERS: Final = (
     "merged", "resend_answered", "drop_bad_packet", "drop_stale", "drop_late_partial",
-    "drop_duplicate", "drop_overlap", "drop_count_mismatch",
+    "drop_duplicate", "drop_overlap", "drop_count_mismatch", "drop_pending_full",
 )  # fmt: skip (a job's PS's, after the job's own in C)
 DRIVER_COUNTERS: Final = (
     "tx_datagrams", "drop_tx_full", "socket_error", "drop_no_address", "native_syscalls",
@@ -72,7 +73,8 @@ _LIB, WHY_NOT = native.load(HERE / "_switch", SOURCES, (
     ("gf_s_new", [_i64, _i64], _p), ("gf_s_free", [_p], None),
     ("gf_s_job", [_p, _i64, ctypes.c_char_p, _i64, _i64, _i64, _i64, _i64, _i64, _f64],
      ctypes.c_int),
-    ("gf_s_forget", [_p, _i64], None), ("gf_s_missing", [_p, _i64], ctypes.c_uint64),
+    ("gf_s_forget", [_p, _i64], None), ("gf_s_floor", [_p, _i64, _i64], None),
+    ("gf_s_missing", [_p, _i64], ctypes.c_uint64),
     ("gf_s_counters", [_p], _I64P), ("gf_s_job_counters", [_p, _i64], _I64P),
     ("gf_s_pool", [_p], _I64P), ("gf_s_occupied", [_p], _i64),
     ("gf_s_datagram", [_p, ctypes.c_char_p, _i64, _i64], ctypes.c_int),
@@ -168,7 +170,7 @@ class NativeSwitchNode:
         self.servers.pop(job_id, None)
         self.lib.gf_s_forget(self.s, job_id)
 
-    def resync(self, job_id: int, on: bool) -> None:
+    def resync(self, job_id: int, on: bool, floor: int = 0) -> None:
         job = self.jobs[job_id]
         job.resyncing = on
         cfg, static = self.cfg, self.scheme.static_slots
@@ -177,6 +179,8 @@ class NativeSwitchNode:
             cfg.job_slots if static else 0, int(on), 0 if static else cfg.job_slots,
             max(cfg.job_slots, cfg.ps_window), PS_SCALE,
         )  # fmt: skip
+        if not on:
+            self.lib.gf_s_floor(self.s, job_id, floor)
 
     def missing(self, job_id: int) -> list[int]:
         bits = int(self.lib.gf_s_missing(self.s, job_id))
@@ -204,9 +208,10 @@ class NativeSwitchNode:
 
     def fold(self) -> None:
         """Move the C counters into their ``Counters`` (the reference's names)."""
-        _fold(self.lib.gf_s_counters(self.s), NODE_COUNTERS + ENGINE_COUNTERS,
+        _fold(self.lib.gf_s_counters(self.s), NODE_COUNTERS + ENGINE_COUNTERS + NODE_TAIL,
               [self.counters] * len(NODE_COUNTERS)
-              + [self.switch_counters] * len(ENGINE_COUNTERS))  # fmt: skip
+              + [self.switch_counters] * len(ENGINE_COUNTERS)
+              + [self.counters] * len(NODE_TAIL))  # fmt: skip
         for job_id, job in self.jobs.items():
             ptr = self.lib.gf_s_job_counters(self.s, job_id)
             server = self.servers.get(job_id, job.counters)

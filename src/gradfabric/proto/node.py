@@ -65,7 +65,14 @@ from gradfabric.proto.switch import SwitchEngine
 from gradfabric.proto.switch.atp import FREE
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.wire.envelope import TOKEN_BYTES, drop_reason, job_of, seal, unseal
-from gradfabric.wire.packet import HEADER_BYTES, MAX_FAN_IN, MAX_WIRE_VALUES, VALUE_BYTES, Packet
+from gradfabric.wire.packet import (
+    HEADER_BYTES,
+    MAX_FAN_IN,
+    MAX_WIRE_VALUES,
+    VALUE_BYTES,
+    Packet,
+    unwrap,
+)
 
 SWITCH: Final = "sw"  # the hosted switch engine's name
 ALL: Final = -1  # the rank of a datagram for every worker of its job
@@ -74,6 +81,10 @@ BURST_NS: Final = 1_000_000  # the DLCP port's credit after idling
 IP_UDP_BYTES: Final = 28  # what a modelled link carries besides the datagram
 UP, DOWN = 0, 1  # a modelled link's directions: out of its server, into it
 NODE_SCHEMES: Final = ("switchml", "atp", "esa", "dlcp", "ps", "omni")
+# Datagrams waiting for the driver at most: a driver takes them after each
+# batch it reads (a few hundred); one that does not has the rest refused,
+# counted (``drop_outbox_full``), never grown without bound.
+OUTBOX_CAP: Final = 4096
 
 Outgoing = tuple[int, int, bytes]  # (job id, rank or ALL, datagram)
 Then = Callable[[str, Packet], None]  # what a modelled link does with a packet once across
@@ -136,6 +147,7 @@ class NodeJob:
     shaped: bool = False  # its datagrams cross the shaped, prioritised port
     resyncing: bool = False  # restored after a restart: nothing taken until it resumes
     counters: Counters = field(default_factory=Counters)  # datagrams that named this job
+    largest: int = -1  # the largest sequence a datagram of the job named (``unwrap``'s reference)
 
     @property
     def workers(self) -> int:
@@ -260,9 +272,13 @@ class SwitchNode:
             self.book.pop(name, None)
         self.failed.pop(job_id, None)
 
-    def resync(self, job_id: int, on: bool) -> None:
-        """Whether ``job_id`` waits for its workers to agree on a floor."""
-        self.jobs[job_id].resyncing = on
+    def resync(self, job_id: int, on: bool, floor: int = 0) -> None:
+        """Whether ``job_id`` waits for its workers to agree on a floor; off,
+        the floor they agreed on (its sequences go on from there)."""
+        job = self.jobs[job_id]
+        job.resyncing = on
+        if not on:
+            job.largest = max(job.largest, floor - 1)
 
     def missing(self, job_id: int) -> list[int]:
         """Ranks some hosted engine waits on, or gave up on."""
@@ -351,6 +367,10 @@ class SwitchNode:
         if job.resyncing:
             job.counters["drop_resyncing"] += 1
             return None
+        # the wire's 32 bits of the sequence, nearest the job's newest (a job
+        # numbers its packets without bound: wire.packet.unwrap)
+        pkt.seq = unwrap(pkt.seq, pkt.seq if job.largest < 0 else job.largest + 1)
+        job.largest = max(job.largest, pkt.seq)
         return job, pkt
 
     def _arrive(self, job: NodeJob, pkt: Packet) -> None:
@@ -427,6 +447,9 @@ class SwitchNode:
 
     def _emit(self, job: NodeJob, rank: int, pkt: Packet) -> None:
         """Out to ``rank`` of ``job`` (or ALL), sealed with its token now."""
+        if len(self._out) >= OUTBOX_CAP:
+            self.counters["drop_outbox_full"] += 1
+            return
         try:
             self._out.append((job.job_id, rank, seal(job.token, pkt)))
         except ValueError:  # an engine built a packet the wire cannot carry

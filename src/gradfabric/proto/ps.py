@@ -14,6 +14,11 @@ contribution is ever counted twice and none is lost.
 
 Completed results are kept to answer retransmissions for ``window``
 sequences, then forgotten; anything at or below the forgotten floor is stale.
+So are the merges under way bounded: at most ``window`` sequences of a job
+wait for contributions at once (no job's workers are further apart than
+its window); a packet that would open one more is refused and counted
+(``drop_pending_full``), whatever a token holder sends, so the server's
+memory stays within a window of every job.
 """
 
 from __future__ import annotations
@@ -108,6 +113,8 @@ class ParameterServer(NoTimers):
             return self._drop("late_partial")
         acc = st.accs.get(pkt.seq)
         if acc is None:
+            if len(st.accs) >= job.window:
+                return self._drop("pending_full")
             acc = st.accs[pkt.seq] = _Acc(pkt)
         if acc.bitmap & pkt.bitmap:
             return self._drop("duplicate" if acc.bitmap & pkt.bitmap == pkt.bitmap else "overlap")

@@ -122,6 +122,7 @@ class Placement:
     fast_retransmit: int = 0  # workers resend a loss after this many later results (0: off)
     nack: bool = False  # workers take the switch's loss notices, where it sends them (SwitchML)
     takes_help: bool = True  # workers take results for sequences others sent for them (SA-ATP)
+    first_seq: int = 0  # where the job's sequences start (tests cross the wire's limit with it)
 
     @property
     def switch(self) -> str:
@@ -222,7 +223,7 @@ class Scheme:
             fast_retransmit=p.fast_retransmit, nack=p.nack and self.sends_notices,
             # a worker that takes no help has no reason to take a result for a
             # sequence it has not sent: a forged or confused one is a drop
-            max_ahead=WorkerConfig.max_ahead if p.takes_help else 0,
+            max_ahead=WorkerConfig.max_ahead if p.takes_help else 0, first_seq=p.first_seq,
         )  # fmt: skip
         kind = ResumableWorker if p.resumable else WorkerEngine
         return kind(name, cfg, self.route(p, name))

@@ -105,6 +105,7 @@ class WorkerConfig:
     ecn_window: bool = False
     fast_retransmit: int = 0  # resend base once a result this far past it came (0: off)
     nack: bool = False  # ask the switch for loss notices (flag shares NACK) and act on them
+    first_seq: int = 0  # where the job's sequences start (every worker of a job alike)
 
     def __post_init__(self) -> None:
         if not 1 <= self.fan_in <= MAX_FAN_IN:
@@ -119,6 +120,8 @@ class WorkerConfig:
             raise ConfigError("values_per_packet", "must be >= 1")
         if self.fast_retransmit < 0:
             raise ConfigError("fast_retransmit", f"must be >= 0, got {self.fast_retransmit}")
+        if not 0 <= self.first_seq < 1 << 32:  # (the switch takes a new job's first as sent)
+            raise ConfigError("first_seq", f"must be in 0..2**32-1, got {self.first_seq}")
         if self.helping >= self.fan_in or self.helping == self.worker_id:
             raise ConfigError("helping", "must name another worker of the job (or -1)")
 
@@ -157,8 +160,8 @@ class WorkerEngine:
         self.counters = Counters()
         self.cwnd = float(cfg.window)
         self.max_cwnd = float(cfg.max_window or cfg.window)
-        self.base = 0
-        self.next_seq = 0
+        self.base = cfg.first_seq
+        self.next_seq = cfg.first_seq
         self.queue: deque[tuple[int, int, np.ndarray | None, int, int]] = deque()
         self.out: dict[int, list[Any]] = {}
         self.done_above: set[int] = set()

@@ -49,8 +49,10 @@ static inline uint32_t magnitude_bits(float f) {
 }
 
 /* The exponent of every `block`-value slice of x (the last may be short).
- * Returns 0, or 1 if x holds a NaN or an infinity (out is then unspecified). */
+ * Returns 0, 1 if x holds a NaN or an infinity (out is then unspecified),
+ * or -1 for a block of no values (the callers check it first). */
 GF_API int gf_exponents(const float *x, int64_t n, int64_t block, int32_t *out) {
+  if (block < 1) return -1;
   uint32_t worst = 0;
   for (int64_t lo = 0, b = 0; lo < n; lo += block, ++b) {
     int64_t hi = lo + block < n ? lo + block : n;
@@ -69,6 +71,7 @@ GF_API int gf_exponents(const float *x, int64_t n, int64_t block, int32_t *out) 
 }
 
 GF_API void gf_encode(const float *x, int64_t n, int64_t block, const double *scale, int32_t *out) {
+  if (block < 1) return;
   for (int64_t lo = 0, b = 0; lo < n; lo += block, ++b) {
     int64_t hi = lo + block < n ? lo + block : n;
     const double s = scale[b];
@@ -80,12 +83,15 @@ GF_API void gf_encode(const float *x, int64_t n, int64_t block, const double *sc
 }
 
 GF_API void gf_decode(const int64_t *r, int64_t n, int64_t block, const double *scale, float *out) {
-  union { double d; int64_t i; } magic = {MAGIC};
+  if (block < 1) return;
+  union { double d; uint64_t u; } magic = {MAGIC};
   for (int64_t lo = 0, b = 0; lo < n; lo += block, ++b) {
     int64_t hi = lo + block < n ? lo + block : n;
     const double s = scale[b];
     for (int64_t i = lo; i < hi; ++i) {
-      union { int64_t i; double d; } v = {r[i] + magic.i};
+      /* (unsigned: a sum past 2**62 wraps, defined, where a signed add would
+       * overflow; sums are below 2**37, where both agree) */
+      union { uint64_t u; double d; } v = {(uint64_t)r[i] + magic.u};
       out[i] = (float)((v.d - MAGIC) / s);
     }
   }

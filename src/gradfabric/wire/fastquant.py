@@ -61,6 +61,7 @@ def functions() -> tuple[int, int] | None:
 def exponents(x: F32, block: int) -> I32 | None:
     """Each ``block``-value slice's exponent (``wire.quant.block_exponents``),
     or None if ``x`` holds a NaN or an infinity."""
+    _check_block(block)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if _LIB is None:
         return exponents_reference(x, block)
@@ -102,14 +103,22 @@ def _per_block(
 ) -> Any:  # fmt: skip
     """One loop of the library over ``src`` with a scale per block, or the
     reference; into ``into`` where given."""
+    _check_block(block)
     src = np.ascontiguousarray(src, dtype=src_type)
     scale = np.ascontiguousarray(scale, dtype=np.float64)
+    if len(scale) < -(-len(src) // block):
+        raise ValueError(f"{len(scale)} scales for {-(-len(src) // block)} blocks")
     out = output(into, len(src), out_type)
     if _LIB is None:
         out[:] = reference(src, block, scale)
         return out
     getattr(_LIB, name)(src.ctypes.data, len(src), block, scale.ctypes.data, out.ctypes.data)
     return out
+
+
+def _check_block(block: int) -> None:
+    if block < 1:
+        raise ValueError(f"a block holds at least one value, got {block}")
 
 
 # -- the reference (numpy), what runs where nothing was compiled --------------

@@ -16,6 +16,14 @@ one rule for every hop. One bitmap word bounds the fan-in of one aggregation
 point to 64; larger jobs aggregate hierarchically (leaf, then spine).
 
 ``decode`` raises only ``ProtocolError``: it is fed untrusted bytes.
+
+Sequence numbers never run out: a job numbers its packets without bound
+(64-bit in the native engines), and the wire carries the low 32 bits. A
+receiver takes the sequence nearest to one it expects (``unwrap``, QUIC's
+packet-number decoding, RFC 9000 A.3): every sequence a peer can still
+send lies within a window of the expected one, far inside half of 2**32,
+so the choice is never ambiguous, and a job trains across the wire's
+limit as it trains below it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ VERSION = 1
 HEADER = struct.Struct("<HBBHHHHHHIIQ")
 HEADER_BYTES = HEADER.size
 MAX_FAN_IN = 64
+SEQ_BITS = 32  # what the wire carries of a sequence number
+SEQ_WRAP = 1 << SEQ_BITS
 MAX_WIRE_VALUES = 16_000  # 64 KB of values: one UDP datagram (loopback, jumbo)
 VALUE_BYTES = 4
 
@@ -186,7 +196,7 @@ def encode(pkt: Packet, prefix: bytes = b"") -> bytes:
         pkt.fan_in,
         pkt.layer,
         pkt.count,
-        pkt.seq,
+        pkt.seq & (SEQ_WRAP - 1),
         pkt.agg_index,
         pkt.bitmap,
     )
@@ -242,6 +252,18 @@ def decode(data: bytes) -> Packet:
     return Packet(
         job_id, worker_id, seq, agg_index, bitmap, fan_in, flags, priority, layer, count, native
     )
+
+
+def unwrap(wire: int, expected: int) -> int:
+    """The sequence whose low 32 bits are ``wire`` nearest to ``expected``
+    (RFC 9000's packet-number decoding); never below 0."""
+    half = SEQ_WRAP // 2
+    candidate = (expected & ~(SEQ_WRAP - 1)) | wire
+    if candidate <= expected - half:
+        candidate += SEQ_WRAP
+    elif candidate > expected + half and candidate >= SEQ_WRAP:
+        candidate -= SEQ_WRAP
+    return candidate
 
 
 def wire_bytes(count: int, values_per_packet: int) -> int:

@@ -10,6 +10,7 @@
 #include "wire.h"
 
 #define NACK_GAP 1  /* proto.switch.switchml.NACK_GAP */
+#define OUTBOX_CAP 4096 /* proto.node.OUTBOX_CAP: datagrams waiting for the driver */
 #define MAX_JOBS 65536
 #define INT32_MAX_ 2147483647LL
 
@@ -23,14 +24,14 @@ enum {
     E_RX_GRADIENT, E_RX_HELP, E_BAD_WORKER, E_BAD_RESULT, E_BAD_SLOT, E_FLOAT, E_STALE,
     E_DUPLICATE, E_RETX_ANSWERED, E_COUNT_MISMATCH, E_STALE_RESULT, E_NACK_SENT,
     E_PS_OVERFLOW, E_PS_RESEND, E_FLUSH_PARTIAL, E_PS_COLLISION, E_LATE, E_STALE_RECLAIMED,
-    E_RECLAIMED_COMPLETE, E_PREEMPTIONS,
+    E_RECLAIMED_COMPLETE, E_PREEMPTIONS, N_OUTBOX_FULL,
     NCOUNTERS
 };
 /* a job's own: the datagrams that named it, then its parameter server's */
 enum {
     J_RX, J_BAD_TOKEN, J_MALFORMED, J_RESYNCING,
     S_MERGED, S_RESEND_ANSWERED, S_BAD_PACKET, S_STALE, S_LATE_PARTIAL, S_DUPLICATE, S_OVERLAP,
-    S_COUNT_MISMATCH,
+    S_COUNT_MISMATCH, S_PENDING_FULL,
     NJOB
 };
 
@@ -62,6 +63,7 @@ typedef struct {
     uint8_t token[TOKEN];
     int64_t id, fan_in, slot_base, slot_count, resync;
     int64_t window, newest; /* ATP: the switch job's window; the newest result's seq (-1) */
+    int64_t largest;        /* the largest sequence a datagram of the job named (-1: none) */
     ps_t ps;
     int64_t counters[NJOB];
 } job_t;
@@ -83,7 +85,7 @@ typedef struct {
 
 /* a packet between hosted engines: to job ``job``'s PS, or to the switch */
 typedef struct {
-    int64_t job, to_ps, len;
+    int64_t job, to_ps, len, seq; /* (the wire carries 32 bits of ``seq``) */
     uint8_t *raw;
 } msg_t;
 
@@ -104,7 +106,7 @@ typedef struct {
 /* switch_node.c: what the engines send */
 uint8_t *sw_reserve(gf_switch *s, const job_t *j, int64_t rank, int64_t len);
 void sw_emit(gf_switch *s, const job_t *j, int64_t rank, const uint8_t *raw, int64_t len);
-uint8_t *sw_enqueue(gf_switch *s, int64_t job, int to_ps, int64_t len);
+uint8_t *sw_enqueue(gf_switch *s, int64_t job, int to_ps, int64_t len, int64_t seq);
 
 /* switch_pool.c: the switch engine (SwitchEngine's checks, then the policy) */
 void pool_packet(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now);

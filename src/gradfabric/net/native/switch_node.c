@@ -54,6 +54,7 @@ GF_API gf_switch *gf_s_new(int64_t slots, int64_t policy) {
 }
 
 static void drop_outbox(gf_switch *s, int64_t n) {
+    if (n <= 0) return; /* (an empty outbox may be NULL: no pointer arithmetic on it) */
     for (int64_t i = 0; i < n; i++) free((void *)s->out[i].head);
     memmove(s->out, s->out + n, (size_t)(s->nout - n) * sizeof *s->out);
     s->nout -= n;
@@ -83,7 +84,7 @@ GF_API int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_
     if (!j) {
         j = s->jobs[id] = calloc(1, sizeof *j);
         if (!j) return -1;
-        j->newest = -1, j->ps.floor = -1;
+        j->newest = -1, j->ps.floor = -1, j->largest = -1;
         pool_clear_range(s, slot_base, slot_count);
     }
     memcpy(j->token, token, TOKEN);
@@ -103,6 +104,12 @@ GF_API void gf_s_forget(gf_switch *s, int64_t id) {
     ps_clear(&j->ps);
     free(j);
     s->jobs[id] = NULL;
+}
+
+/* SwitchNode.resync's floor: the job's sequences go on from ``floor``. */
+GF_API void gf_s_floor(gf_switch *s, int64_t id, int64_t floor) {
+    job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
+    if (j && floor - 1 > j->largest) j->largest = floor - 1;
 }
 
 GF_API int64_t *gf_s_counters(gf_switch *s) { return s->counters; }
@@ -131,6 +138,10 @@ GF_API int64_t gf_s_occupied(gf_switch *s) {
  * token is written; returns where ``len`` bytes of header and values go
  * (NULL: out of memory, a loss the workers recover, counted). */
 uint8_t *sw_reserve(gf_switch *s, const job_t *j, int64_t rank, int64_t len) {
+    if (s->nout >= OUTBOX_CAP) { /* a driver that does not take what waits: refused, counted */
+        s->counters[N_OUTBOX_FULL]++;
+        return NULL;
+    }
     if (s->nout == s->capout) {
         int64_t cap = s->capout ? 2 * s->capout : 64;
         gf_dgram *o = realloc(s->out, (size_t)cap * sizeof *o);
@@ -154,7 +165,7 @@ void sw_emit(gf_switch *s, const job_t *j, int64_t rank, const uint8_t *raw, int
 
 /* Queue ``len`` bytes of packet for job ``job``'s PS (``to_ps``) or the
  * switch; returns where to write them (NULL: out of memory, a loss). */
-uint8_t *sw_enqueue(gf_switch *s, int64_t job, int to_ps, int64_t len) {
+uint8_t *sw_enqueue(gf_switch *s, int64_t job, int to_ps, int64_t len, int64_t seq) {
     if (s->nwork == s->capwork) {
         int64_t cap = s->capwork ? 2 * s->capwork : 16;
         msg_t *w = realloc(s->work, (size_t)cap * sizeof *w);
@@ -163,7 +174,7 @@ uint8_t *sw_enqueue(gf_switch *s, int64_t job, int to_ps, int64_t len) {
     }
     uint8_t *raw = malloc((size_t)(len ? len : 1));
     if (!raw) goto oom;
-    s->work[s->nwork++] = (msg_t){job, to_ps, len, raw};
+    s->work[s->nwork++] = (msg_t){job, to_ps, len, seq, raw};
     return raw;
 oom:
     s->oom = 1;
@@ -178,6 +189,7 @@ static void run_work(gf_switch *s, int64_t now) {
         if (j) {
             gf_pkt p;
             gf_parse(&p, m.raw, m.len);
+            p.seq = m.seq;
             if (m.to_ps)
                 ps_packet(s, j, &p);
             else
@@ -220,6 +232,8 @@ GF_API int gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t
         j->counters[J_RESYNCING]++;
         return 0;
     }
+    p.seq = gf_unwrap(p.seq, j->largest < 0 ? p.seq : j->largest + 1); /* SwitchNode.accept */
+    if (p.seq > j->largest) j->largest = p.seq;
     if (s->policy == P_PS)
         ps_packet(s, j, &p);
     else

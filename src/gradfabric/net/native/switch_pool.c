@@ -136,8 +136,9 @@ static void switchml_gradient(gf_switch *s, job_t *j, const gf_pkt *p, int64_t n
 
 /* ---- ATP and ESA (proto.switch.atp, proto.switch.esa) ---- */
 
-static void to_ps(gf_switch *s, const job_t *j, const uint8_t *raw, int64_t len, int64_t or_flags) {
-    uint8_t *d = sw_enqueue(s, j->id, 1, len);
+static void to_ps(gf_switch *s, const job_t *j, const uint8_t *raw, int64_t len, int64_t seq,
+                  int64_t or_flags) {
+    uint8_t *d = sw_enqueue(s, j->id, 1, len, seq);
     if (!d) return;
     memcpy(d, raw, (size_t)len);
     if (or_flags) gf_wr16(d + 4, gf_rd16(d + 4) | or_flags);
@@ -145,7 +146,7 @@ static void to_ps(gf_switch *s, const job_t *j, const uint8_t *raw, int64_t len,
 
 /* ATPPolicy._aggregate, to the aggregator's owner's PS. */
 static void aggregate(gf_switch *s, const job_t *j, const agg_t *a, int64_t index, int64_t flag) {
-    uint8_t *h = sw_enqueue(s, j->id, 1, HEADER + 4 * (int64_t)a->nvalues);
+    uint8_t *h = sw_enqueue(s, j->id, 1, HEADER + 4 * (int64_t)a->nvalues, a->seq);
     if (!h) return;
     uint8_t *v = gf_header(h, 0, a->flags | flag, j->id, 0, j->fan_in, a->nvalues, a->seq, index,
                            a->bitmap);
@@ -194,7 +195,7 @@ static void atp_gradient(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now) {
     }
     if (p->flags & (F_OVERFLOW | F_FLOAT)) {
         s->counters[E_PS_OVERFLOW]++;
-        to_ps(s, j, p->raw, p->len, 0);
+        to_ps(s, j, p->raw, p->len, p->seq, 0);
         return;
     }
     agg_t *a = &s->pool[p->agg];
@@ -208,7 +209,7 @@ static void atp_gradient(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now) {
         } else if (mine) { /* COMPLETE: the aggregate may have been lost on its way */
             aggregate(s, j, a, p->agg, 0);
         }
-        to_ps(s, j, p->raw, p->len, 0);
+        to_ps(s, j, p->raw, p->len, p->seq, 0);
         return;
     }
     const uint8_t *payload = p->raw + HEADER;
@@ -216,7 +217,7 @@ static void atp_gradient(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now) {
     if (!mine) {
         if (a->state != FREE && make_room(s, a, j, p, p->agg, now)) {
             s->counters[E_PS_COLLISION]++;
-            to_ps(s, j, p->raw, p->len, F_COLLISION);
+            to_ps(s, j, p->raw, p->len, p->seq, F_COLLISION);
             return;
         }
         if (room(&a->values, &a->cap, count)) { /* out of memory: a loss the workers recover */

@@ -40,7 +40,8 @@ uint64_t ps_missing(const job_t *j) {
 /* ParameterServer._unicast: a kept result for worker ``wid`` alone, through
  * the switch flagged RESEND (ATP's fallback), or straight to it (PS). */
 static void unicast(gf_switch *s, const job_t *j, const res_t *r, int64_t wid) {
-    uint8_t *d = s->policy == P_PS ? sw_reserve(s, j, wid, r->len) : sw_enqueue(s, j->id, 0, r->len);
+    uint8_t *d = s->policy == P_PS ? sw_reserve(s, j, wid, r->len)
+                                   : sw_enqueue(s, j->id, 0, r->len, r->seq);
     if (!d) return;
     memcpy(d, r->raw, (size_t)r->len);
     gf_wr16(d + 8, wid);
@@ -84,7 +85,7 @@ static void keep(gf_switch *s, job_t *j, int64_t seq, uint8_t *raw, int64_t len)
         sw_emit(s, j, GF_ALL, raw, len);
         return;
     }
-    uint8_t *d = sw_enqueue(s, j->id, 0, len); /* via the switch */
+    uint8_t *d = sw_enqueue(s, j->id, 0, len, seq); /* via the switch */
     if (d) memcpy(d, raw, (size_t)len);
 }
 
@@ -154,6 +155,10 @@ void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p) {
         return;
     }
     if (!acc) {
+        if (ps->naccs >= ps->window) { /* ParameterServer's bound on merges under way */
+            j->counters[S_PENDING_FULL]++;
+            return;
+        }
         if (ps->naccs == ps->capaccs) {
             int64_t cap = ps->capaccs ? 2 * ps->capaccs : 16;
             acc_t **a = realloc(ps->accs, (size_t)cap * sizeof *a);

@@ -98,6 +98,18 @@ static inline void gf_wr16(uint8_t *p, int64_t v) {
     memcpy(p, &u, 2);
 }
 
+/* wire.packet.unwrap: the sequence whose low 32 bits are ``wire`` nearest
+ * to ``expected`` (RFC 9000's packet-number decoding), never below 0. */
+static inline int64_t gf_unwrap(int64_t wire, int64_t expected) {
+    const int64_t win = 1LL << 32, half = win / 2;
+    int64_t candidate = (expected & ~(win - 1)) | wire;
+    if (candidate <= expected - half)
+        candidate += win;
+    else if (candidate > expected + half && candidate >= win)
+        candidate -= win;
+    return candidate;
+}
+
 /* Two tokens equal, in time that does not depend on where they differ
  * (hmac.compare_digest in the reference). */
 static inline int gf_token_eq(const uint8_t *a, const uint8_t *b) {

@@ -77,12 +77,12 @@ GF_API gf_worker *gf_w_new(int64_t job, int64_t worker, int64_t fan_in, int64_t 
                            int64_t resend_flag, int64_t rto_ns, int64_t max_retries,
                            int64_t fast_k, int64_t ecn_window, int64_t vpp, int64_t nack,
                            int64_t window, double max_cwnd, double pace_gbps,
-                           const uint8_t *token) {
+                           const uint8_t *token, int64_t first_seq) {
     if (fan_in < 1 || fan_in > MAX_FAN_IN || worker < 0 || worker >= fan_in || job < 0 ||
         job > 0xFFFF || route < ROUTE_STATIC || route > ROUTE_ONE || vpp < 1 ||
         vpp > MAX_WIRE_VALUES || window < 1 || rto_ns < 1 || max_retries < 0 || fast_k < 0 ||
         !(max_cwnd >= 1) || !(pace_gbps >= 0) || (route == ROUTE_STATIC && slot_count < 1) ||
-        (route == ROUTE_HASHED && pool_slots < 1))
+        (route == ROUTE_HASHED && pool_slots < 1) || first_seq < 0)
         return NULL; /* (the Python side checks too, and says why) */
     gf_worker *w = calloc(1, sizeof *w);
     if (!w) return NULL;
@@ -95,7 +95,8 @@ GF_API gf_worker *gf_w_new(int64_t job, int64_t worker, int64_t fan_in, int64_t 
     w->cwnd = (double)window, w->max_cwnd = max_cwnd;
     w->ns_per_byte = pace_gbps > 0 ? 8.0 / pace_gbps : 0.0;
     memcpy(w->token, token, TOKEN);
-    w->highest = w->fast_seq = w->fast_from = w->sent_high = -1;
+    w->highest = w->fast_seq = w->fast_from = -1;
+    w->lo = w->first = w->end = w->base = w->next = first_seq, w->sent_high = first_seq - 1;
     w->fail_seq = w->error_seq = -1;
     w->repairs = -1;
     return w;
@@ -380,6 +381,7 @@ GF_API int gf_w_datagram(gf_worker *w, const uint8_t *data, int64_t len, int64_t
         w->counters[C_MALFORMED]++;
         return 0;
     }
+    p.seq = gf_unwrap(p.seq, w->base); /* what can come lies within a window of base */
     int rc = 0, answered = 0;
     if (!(p.flags & F_ACK) || p.job != w->job) {
         if ((p.flags & F_NACK) && w->nack && p.job == w->job && p.wid == w->worker &&

@@ -1,0 +1,62 @@
+/* libFuzzer harness: the native switch node's datagram and control entry
+ * points (net/native/switch_node.c), with AddressSanitizer and
+ * UndefinedBehaviorSanitizer. Config: scheme (switchml, atp, esa, ps),
+ * window, pool size, jobs (1..4: ids 1.., workers 3, 2, 64, 1, tokens their
+ * id eight times). Ops: 0 a datagram; 1 take what the node sends; 2 a job
+ * resynchronises (or resumes); 3 time passes (u32 ns); 4 a job leaves and
+ * comes back. */
+#include <stdlib.h>
+
+#include "../src/gradfabric/net/native/switch.h"
+#include "ops.h"
+
+gf_switch *gf_s_new(int64_t slots, int64_t policy);
+void gf_s_free(gf_switch *s);
+int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_in, int64_t slot_base,
+             int64_t slot_count, int64_t resync, int64_t window, int64_t ps_window, double scale);
+void gf_s_forget(gf_switch *s, int64_t id);
+uint64_t gf_s_missing(gf_switch *s, int64_t id);
+int gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now);
+int64_t gf_s_take(gf_switch *s, uint8_t *buf, int64_t cap);
+int64_t gf_s_occupied(gf_switch *s);
+
+static const int64_t WORKERS[4] = {3, 2, 64, 1};
+
+static void install(gf_switch *s, int policy, int64_t k, int64_t window, int resync) {
+    uint8_t token[8];
+    memset(token, (int)(k + 1), 8);
+    int statics = policy == P_SWITCHML;
+    gf_s_job(s, k + 1, token, WORKERS[k], statics ? k * window : 0, statics ? window : 0, resync,
+             statics ? 0 : window, 4 * window, 1e6);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    reader r = {data, size, 0};
+    int policy = rd_u8(&r) % 4;
+    int64_t window = 1 + rd_u8(&r) % 8, njobs = 1 + rd_u8(&r) % 4;
+    int64_t slots = njobs * window + rd_u8(&r) % 16;
+    gf_switch *s = gf_s_new(slots, policy);
+    if (!s) return 0;
+    int resync[4] = {0};
+    for (int64_t k = 0; k < njobs; k++) install(s, policy, k, window, 0);
+    static uint8_t buf[1 << 20];
+    int64_t now = 0;
+    uint8_t kind;
+    const uint8_t *p;
+    size_t n;
+    while (next_op(&r, &kind, &p, &n)) {
+        int64_t k = n ? p[0] % njobs : 0;
+        switch (kind % 5) {
+        case 0: gf_s_datagram(s, p, (int64_t)n, now); break;
+        case 1: gf_s_take(s, buf, sizeof buf); break;
+        case 2: resync[k] ^= 1, install(s, policy, k, window, resync[k]); break;
+        case 3: now += le32(p, n); break;
+        case 4: gf_s_forget(s, k + 1), install(s, policy, k, window, resync[k]); break;
+        }
+        for (int64_t j = 0; j < njobs; j++) gf_s_missing(s, j + 1);
+        gf_s_occupied(s);
+    }
+    gf_s_take(s, buf, sizeof buf);
+    gf_s_free(s);
+    return 0;
+}

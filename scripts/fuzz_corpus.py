@@ -1,0 +1,122 @@
+"""Write the fuzzers' seed corpus (fuzz/corpus): valid traffic for every
+policy in the op stream of fuzz/ops.h, made by driving the Python
+reference engines, and one regression input for each fault found in the
+native code (``regress-*``). Run again after a change to the op stream:
+
+    .venv/bin/python scripts/fuzz_corpus.py
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from gradfabric.proto.routes import atp_index
+from gradfabric.proto.schemes import SCHEMES, Placement
+from gradfabric.proto.worker import ResumableWorker
+from gradfabric.proto.worker_node import WorkerNode
+from gradfabric.wire.packet import Flag, Packet, decode, encode
+
+ROOT = Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
+SCHEMES_C = ("switchml", "atp", "esa", "ps")
+WORKERS = (3, 2, 64, 1)
+VPP = (1, 3, 300, 16000)
+
+
+def op(kind: int, payload: bytes = b"") -> bytes:
+    return struct.pack("<BH", kind, len(payload)) + payload
+
+
+def switch_seed(scheme: int, window: int, njobs: int, rounds: int, seed: int) -> bytes:
+    """Every job's workers send ``rounds`` windows of shares, some twice."""
+    rng = np.random.default_rng(seed)
+    slots = njobs * window
+    out = bytes([scheme, window - 1, njobs - 1, 0])
+    for seq in range(rounds * window):
+        for k in range(njobs):
+            job, workers = k + 1, WORKERS[k]
+            agg = k * window + seq % window if scheme == 0 else atp_index(job, seq, slots)
+            for w in range(min(workers, 4) if workers != 64 else 64):
+                vals = rng.integers(-1000, 1000, 5, dtype=np.int32)
+                flags = Flag.NACK if scheme == 0 and rng.random() < 0.5 else 0
+                pkt = Packet(job, w, seq, agg, 1 << w, workers, flags, int(rng.integers(4)), 0,
+                             5, vals)  # fmt: skip
+                out += op(0, bytes([job]) * 8 + encode(pkt))
+                if rng.random() < 0.1:
+                    out += op(0, bytes([job]) * 8 + encode(pkt))  # a duplicate
+            out += op(1)
+    return out + op(2, b"\0") + op(0, b"junk") + op(4, b"\1") + op(1)
+
+
+def worker_seed(route: int, window: int, vpp_sel: int, flags: int, seed: int) -> bytes:
+    """A reference worker's collectives answered by a switch that loses
+    some results, recorded as ops."""
+    rng = np.random.default_rng(seed)
+    policy = ("switchml", "atp", "ps")[route]
+    names = ("w0", "w1", "w2")
+    p = Placement(7, names, {"sw": names}, servers=("sw",), window=window, pool_slots=64,
+                  slot_base=5, rto_ns=10_000, max_retries=5, values_per_packet=VPP[vpp_sel],
+                  resumable=True, fast_retransmit=3 if flags & 1 else 0, nack=bool(flags & 2),
+                  takes_help=False)  # fmt: skip
+    engine = SCHEMES.get(policy).worker(p, 1)
+    assert isinstance(engine, ResumableWorker)
+    node = WorkerNode(engine, bytes([7]) * 8, 0, 1.0 if flags & 4 else 0.0)
+    out, now = bytes([route, window - 1, vpp_sel, flags]), 0
+    for _ in range(2):
+        n = int(rng.integers(1, 3 * VPP[vpp_sel] + 2))
+        out += op(3, struct.pack("<I", n - 1))
+        node.push(np.zeros(n, np.int32), np.zeros(n, np.int64), now)
+        for _ in range(200):
+            if node.done:
+                break
+            now += 1000
+            out += op(2, struct.pack("<I", 1000)) + op(1)
+            node.handle_timer(now)
+            for d in node.datagrams_to_send(now):
+                pkt = decode(d[8:])
+                if rng.random() < 0.1:
+                    continue  # lost
+                res = Packet(7, 0, pkt.seq, 0, 7, 3, Flag.ACK, 0, 0, pkt.count,
+                             np.ones(pkt.count, np.int32))  # fmt: skip
+                data = bytes([7]) * 8 + encode(res)
+                out += op(0, data)
+                node.receive_datagram(data, now)
+    return out + op(4, b"\2") + op(1) + op(5)
+
+
+def main() -> None:
+    for name in ("switch_node", "worker", "quant"):
+        (ROOT / name).mkdir(parents=True, exist_ok=True)
+    for scheme in range(4):
+        for window, njobs in ((1, 1), (4, 3), (2, 4)):
+            path = ROOT / "switch_node" / f"{SCHEMES_C[scheme]}-w{window}-j{njobs}"
+            path.write_bytes(switch_seed(scheme, window, njobs, 3, scheme * 10 + window))
+    for route in range(3):
+        for flags in (0, 3, 7, 16 | 4):
+            path = ROOT / "worker" / f"{('static', 'hashed', 'one')[route]}-f{flags}"
+            path.write_bytes(worker_seed(route, 4, 2 if route else 1, flags, route * 100 + flags))
+    # regressions: a share of no values to a copy or an aggregator never
+    # filled (memcpy from NULL); a take of an outbox never used (pointer
+    # arithmetic on NULL, found by the fuzzer); a block of no values (the
+    # quantiser looped for ever); a sum past 2**62 (a signed add overflowed)
+    (ROOT / "switch_node" / "regress-take-empty-outbox").write_bytes(bytes(4) + op(1))
+    for scheme in (0, 1):
+        slots = 1
+        agg = 0 if scheme == 0 else atp_index(1, 0, slots)
+        empty = Packet(1, 0, 0, agg, 1, 3, 0, 0, 0, 0, np.zeros(0, np.int32))
+        seed = bytes([scheme, 0, 0, 0]) + op(0, bytes([1]) * 8 + encode(empty)) + op(1)
+        (ROOT / "switch_node" / f"regress-empty-share-{SCHEMES_C[scheme]}").write_bytes(seed)
+    ones = np.ones(9, np.float32).tobytes()
+    (ROOT / "quant" / "regress-block-0").write_bytes(bytes([8, 0]) + ones)
+    (ROOT / "quant" / "regress-decode-2-62").write_bytes(
+        bytes([9, 0]) + np.array([2**62 + 5, -(2**62)], np.int64).tobytes())
+    rng = np.random.default_rng(0)
+    for block in (1, 5, 200):
+        x = rng.standard_normal(1000).astype(np.float32)
+        (ROOT / "quant" / f"block{block}").write_bytes(bytes([block + 8, 20]) + x.tobytes())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The fuzzers' corpus, differential: every input of fuzz/corpus (the seeds
+and each fault's regression input), read as fuzz/ops.h reads it, drives the
+Python reference and the native core side by side; both must send the same
+datagrams at every ``take`` and count the same at the end. (The sanitizer
+runs themselves are ``scripts/fuzz.sh``; this keeps what they found, and the
+seeds, in the default suite.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradfabric.core.trace import Counters
+from gradfabric.net import datapath, switchpath
+from gradfabric.proto.node import NodeConfig, SwitchNode
+from gradfabric.proto.schemes import SCHEMES, Placement
+from gradfabric.proto.worker import ResumableWorker
+from gradfabric.proto.worker_node import Fused, WorkerNode
+from tests.native import require
+
+CORPUS = Path(__file__).resolve().parents[2] / "fuzz" / "corpus"
+WORKERS = (3, 2, 64, 1)
+VPP = (1, 3, 300, 16000)
+
+
+def _ops(data: bytes, at: int) -> Iterator[tuple[int, bytes]]:
+    while at + 3 <= len(data):
+        kind, n = data[at], int.from_bytes(data[at + 1 : at + 3], "little")
+        yield kind, data[at + 3 : at + 3 + n]
+        at += 3 + n
+
+
+def _u32(p: bytes) -> int:
+    return int.from_bytes(p[:4].ljust(4, b"\0"), "little")
+
+
+def _nonzero(c: object) -> dict[str, int]:
+    assert isinstance(c, Counters)
+    return {k: v for k, v in c.items() if v}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (CORPUS / "switch_node").iterdir()))
+def test_the_switch_node_corpus_runs_alike(name: str) -> None:
+    require("the switch node", switchpath.PATH, switchpath.WHY_NOT)
+    data = (CORPUS / "switch_node" / name).read_bytes().ljust(4, b"\0")
+    scheme = ("switchml", "atp", "esa", "ps")[data[0] % 4]
+    window, njobs = 1 + data[1] % 8, 1 + data[2] % 4
+    cfg = NodeConfig(scheme=scheme, slots=njobs * window + data[3] % 16, job_slots=window)
+    ref, nat = SwitchNode(cfg), switchpath.NativeSwitchNode(cfg)
+    resync = [False] * njobs
+
+    def install(k: int) -> None:
+        base = k * window if scheme == "switchml" else 0
+        for node in (ref, nat):
+            node.add_job(k + 1, bytes([k + 1]) * 8, WORKERS[k], base, resyncing=resync[k])
+
+    try:
+        for k in range(njobs):
+            install(k)
+        now = 0
+        for kind, p in _ops(data, 4):
+            k = p[0] % njobs if p else 0
+            if kind % 5 == 0:
+                ref.receive_datagram(p, now)
+                nat.receive_datagram(p, now)
+            elif kind % 5 == 1:
+                assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
+            elif kind % 5 == 2:
+                resync[k] = not resync[k]
+                ref.resync(k + 1, resync[k])
+                nat.resync(k + 1, resync[k])
+            elif kind % 5 == 3:
+                now += _u32(p)
+            else:
+                for node in (ref, nat):
+                    node.remove_job(k + 1)
+                install(k)
+        assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
+        r, n = ref.counter_groups(), nat.counter_groups()
+        assert _nonzero(n["node"]) == _nonzero(r["node"])
+        assert _nonzero(n["switch"]) == _nonzero(r["switch"])
+    finally:
+        nat.close()
+
+
+def _worker(route: int, window: int, vpp: int, flags: int) -> ResumableWorker:
+    names = ("w0", "w1", "w2")
+    p = Placement(
+        7, names, {"sw": names}, servers=("sw",), window=window, pool_slots=64, slot_base=5,
+        rto_ns=10_000, max_retries=5, values_per_packet=vpp, resumable=True,
+        fast_retransmit=3 if flags & 1 else 0, nack=bool(flags & 2), takes_help=False,
+        first_seq=2**32 - 64 if flags & 16 else 0,
+    )  # fmt: skip
+    e = SCHEMES.get(("switchml", "atp", "ps")[route]).worker(p, 1)
+    assert isinstance(e, ResumableWorker)
+    return e
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (CORPUS / "worker").iterdir()))
+def test_the_worker_node_corpus_runs_alike(name: str) -> None:
+    require("the worker node", datapath.PATH, datapath.WHY_NOT)
+    data = (CORPUS / "worker" / name).read_bytes().ljust(4, b"\0")
+    route, window, vpp, flags = data[0] % 3, 1 + data[1] % 8, VPP[data[2] % 4], data[3]
+    pace = 1.0 if flags & 4 else 0.0
+    ref = WorkerNode(_worker(route, window, vpp, flags), bytes([7]) * 8, 0, pace)
+    nat = datapath.NativeWorkerNode(_worker(route, window, vpp, flags), bytes([7]) * 8, 0, pace)
+    now, calls = 0, []
+    try:
+        for kind, p in _ops(data, 4):
+            if kind % 6 == 0:
+                ref.receive_datagram(p, now)
+                nat.receive_datagram(p, now)
+            elif kind % 6 == 1:
+                assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
+            elif kind % 6 == 2:
+                now += _u32(p)
+                ref.handle_timer(now)
+                nat.handle_timer(now)
+            elif kind % 6 == 3 and ref.done:
+                n = 1 + (_u32(p) & 0xFFFF)
+                q = (np.arange(n, dtype=np.uint64) * 2654435761 % 2**32).astype(np.uint32)
+                x, scale = np.arange(n, dtype=np.float32), np.full(-(-n // vpp), 2.0**20)
+                for node in (ref, nat):
+                    arrays = (q.view(np.int32).copy(), np.zeros(n, np.int64))
+                    fused = Fused(x, scale, scale, np.zeros(n, np.float32)) if flags & 8 else None
+                    node.push(*arrays, now, fused)
+                    calls.append((*arrays, fused))
+            elif kind % 6 == 4:
+                floor = ref.base - (p[0] if p else 0) % (3 * window + 1)
+                ref.replay(floor, now)
+                nat.replay(floor, now)
+            elif kind % 6 == 5:
+                assert nat.read_wait_ns(now) == ref.read_wait_ns(now)
+            assert (nat.base, nat.done) == (ref.base, ref.done)
+        assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
+        for a, b in zip(calls[0::2], calls[1::2], strict=True):
+            assert np.array_equal(a[1], b[1])
+        assert _nonzero(nat.fold()) == _nonzero(ref.counters)
+    finally:
+        nat.close()
