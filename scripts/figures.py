@@ -41,7 +41,8 @@ from gradfabric.experiments.report import (
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data"
-PAGES = ("README.md", "docs")  # every Markdown file under these is checked
+PAGES = ("README.md", "docs")  # every Markdown file under these is checked,
+NOTEBOOK = ROOT / "docs" / "notebook"  # but the notebook's dated history
 BLOCK = re.compile(r"<!-- fig:([\w-]+) -->(.*?)<!-- /fig -->", re.S)
 # a measured figure typed by hand: a decimal speed-up or percentage, an interval
 HAND_TYPED = re.compile(r"\d\.\d+ ?x\b|\d\.\d+%|±|\+-")
@@ -215,7 +216,8 @@ RENDER: dict[str, Callable[[list[Source]], str]] = {
 def pages() -> Iterable[Path]:
     for p in PAGES:
         path = ROOT / p
-        yield from sorted(path.rglob("*.md")) if path.is_dir() else [path]
+        pages = sorted(path.rglob("*.md")) if path.is_dir() else [path]
+        yield from (q for q in pages if NOTEBOOK not in q.parents)
 
 
 def regenerate(text: str, srcs: list[Source]) -> str:

@@ -71,7 +71,7 @@ from gradfabric.wire.packet import (
     MAX_WIRE_VALUES,
     VALUE_BYTES,
     Packet,
-    unwrap,
+    unwrapped,
 )
 
 SWITCH: Final = "sw"  # the hosted switch engine's name
@@ -369,7 +369,7 @@ class SwitchNode:
             return None
         # the wire's 32 bits of the sequence, nearest the job's newest (a job
         # numbers its packets without bound: wire.packet.unwrap)
-        pkt.seq = unwrap(pkt.seq, pkt.seq if job.largest < 0 else job.largest + 1)
+        unwrapped(pkt, pkt.seq if job.largest < 0 else job.largest + 1)
         job.largest = max(job.largest, pkt.seq)
         return job, pkt
 

@@ -14,11 +14,12 @@ contribution is ever counted twice and none is lost.
 
 Completed results are kept to answer retransmissions for ``window``
 sequences, then forgotten; anything at or below the forgotten floor is stale.
-So are the merges under way bounded: at most ``window`` sequences of a job
-wait for contributions at once (no job's workers are further apart than
-its window); a packet that would open one more is refused and counted
-(``drop_pending_full``), whatever a token holder sends, so the server's
-memory stays within a window of every job.
+So are the merges under way bounded: at most ``4 * window`` sequences of
+a job wait for contributions at once (what its workers may have in flight
+spans two of their windows, each at most ``window``: no worker runs more
+than a window ahead of another); a packet that would open one more is
+refused and counted (``drop_pending_full``), whatever a token holder
+sends, so the server's memory stays within a few windows of every job.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class PsJob:
             raise ConfigError("workers", f"need 1..{MAX_FAN_IN} workers, got {len(self.workers)}")
         if self.window < 1:
             raise ConfigError("window", f"must be >= 1, got {self.window}")
+
+
+PENDING_WINDOWS = 4  # merges under way a job may hold, in windows (``PsJob.window``)
 
 
 class _Acc:
@@ -113,7 +117,7 @@ class ParameterServer(NoTimers):
             return self._drop("late_partial")
         acc = st.accs.get(pkt.seq)
         if acc is None:
-            if len(st.accs) >= job.window:
+            if len(st.accs) >= PENDING_WINDOWS * job.window:
                 return self._drop("pending_full")
             acc = st.accs[pkt.seq] = _Acc(pkt)
         if acc.bitmap & pkt.bitmap:

@@ -58,7 +58,7 @@ from gradfabric.proto.actions import Action, Deliver, Fail, Send
 from gradfabric.proto.worker import ResumableWorker
 from gradfabric.wire import quant
 from gradfabric.wire.envelope import TOKEN_BYTES, drop_reason, seal, unseal
-from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Flag, Packet, unwrap
+from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Flag, Packet, unwrapped
 
 FRAME_BYTES: Final = 42  # Ethernet, IPv4 and UDP headers: what a paced link carries besides
 PACE_BURST_NS: Final = 100_000  # credit a paced queue keeps after idling
@@ -162,8 +162,8 @@ class WorkerNode:
         except ProtocolError as e:
             self.counters[drop_reason(e)] += 1
             return
-        pkt.seq = unwrap(pkt.seq, self.engine.base)  # what can come lies within a window of it
-        self._take(self.engine.on_packet(pkt, now_ns), now_ns)
+        # what can come lies within a window of base: the wire's 32 bits, unwrapped near it
+        self._take(self.engine.on_packet(unwrapped(pkt, self.engine.base), now_ns), now_ns)
 
     def datagrams_to_send(self, now_ns: int) -> list[bytes]:
         txq, out = self._txq, []

@@ -266,6 +266,13 @@ def unwrap(wire: int, expected: int) -> int:
     return candidate
 
 
+def unwrapped(pkt: Packet, expected: int) -> Packet:
+    """``pkt`` with the sequence it carries unwrapped nearest ``expected``
+    (in place: a receiver's fresh packet)."""
+    pkt.seq = unwrap(pkt.seq, expected)
+    return pkt
+
+
 def wire_bytes(count: int, values_per_packet: int) -> int:
     """Bytes on the wire for ``count`` values cut into packets of ``values_per_packet``.
 

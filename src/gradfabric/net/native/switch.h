@@ -11,6 +11,7 @@
 
 #define NACK_GAP 1  /* proto.switch.switchml.NACK_GAP */
 #define OUTBOX_CAP 4096 /* proto.node.OUTBOX_CAP: datagrams waiting for the driver */
+#define PENDING_WINDOWS 4 /* proto.ps.PENDING_WINDOWS: merges under way, in windows */
 #define MAX_JOBS 65536
 #define INT32_MAX_ 2147483647LL
 
