@@ -126,6 +126,7 @@ class WorkerNode:
         self._first, self._n = self.engine.next_seq, n
         self._q, self._out, self._fused = q, out, fused
         self.error = None
+        self._repairs = -1  # a call's reads start on the period (``read_wait_ns``)
         self._take(self.engine.push(len(q), now_ns, q, priority=self.priority), now_ns)
 
     @property

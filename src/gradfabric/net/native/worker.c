@@ -114,13 +114,19 @@ GF_API int64_t *gf_w_counters(gf_worker *w) { return w->counters; }
  * or queued (quiet), the sequence given up on, the first error's sequence
  * and kind (1: left the integer domain, 2: another count) */
 GF_API void gf_w_state(const gf_worker *w, int64_t *s) {
-    int64_t quiet = w->base >= w->end && !w->txq_len;
-    for (int64_t i = 0; quiet && i < w->end - w->lo; i++) quiet = w->st[i] != OUTSTANDING;
+    int64_t quiet = w->base >= w->end && !w->txq_len && !w->outstanding;
     s[0] = w->base, s[1] = w->end, s[2] = w->base >= w->end && !w->txq_len, s[3] = quiet;
     s[4] = w->fail_seq, s[5] = w->error_seq, s[6] = w->error_kind;
 }
 
 GF_API void gf_w_set_priority(gf_worker *w, int64_t p) { w->priority = p; }
+
+/* A sequence's new state (the count of outstanding ones kept with it: the
+ * driver asks whether any is left after every wake-up). */
+static void set_state(gf_worker *w, int64_t i, uint8_t st) {
+    w->outstanding += (st == OUTSTANDING) - (w->st[i] == OUTSTANDING);
+    w->st[i] = st;
+}
 
 static int outstanding(const gf_worker *w, int64_t seq) {
     return seq >= w->lo && seq < w->end && w->st[seq - w->lo] == OUTSTANDING;
@@ -179,7 +185,7 @@ static int pump(gf_worker *w, int64_t now) {
             values(w, seq, &count);
             w->enc(w->x + k * w->vpp, count, w->vpp, w->enc_scale + k, w->q + k * w->vpp);
         }
-        w->st[i] = OUTSTANDING, w->deadline[i] = deadline, w->tries[i] = 0;
+        set_state(w, i, OUTSTANDING), w->deadline[i] = deadline, w->tries[i] = 0;
         if (arm(w, seq, deadline) || queue_send(w, seq, 0)) return -1;
     }
     return 0;
@@ -260,6 +266,7 @@ GF_API int gf_w_push(gf_worker *w, int32_t *q, int64_t *out, int64_t n, int64_t 
     w->q = q, w->out = out, w->x = x, w->enc_scale = enc_scale, w->dec_scale = dec_scale;
     w->outf = outf, w->enc = enc, w->dec = dec;
     w->error_seq = -1, w->error_kind = 0;
+    w->repairs = -1; /* a call's reads start on the period (WorkerNode.read_wait_ns) */
     return pump(w, now) ? -1 : 0;
 }
 
@@ -273,7 +280,7 @@ static void retire_replays(gf_worker *w) {
         int64_t i = s - w->lo;
         if (!w->rep[i]) continue;
         w->rep[i] = 0, w->replaying--;
-        if (w->st[i] == OUTSTANDING) w->st[i] = SETTLED;
+        if (w->st[i] == OUTSTANDING) set_state(w, i, SETTLED);
         w->counters[C_REPLAYS_RETIRED]++;
     }
 }
@@ -341,7 +348,7 @@ static int on_result(gf_worker *w, const gf_pkt *p, int64_t now, int *answered) 
     if (outstanding(w, seq) && w->rep[seq - w->lo]) {
         w->rep[seq - w->lo] = 0, w->replaying--;
         if (seq < w->base || w->dlv[seq - w->lo]) { /* delivered already */
-            w->st[seq - w->lo] = SETTLED;
+            set_state(w, seq - w->lo, SETTLED);
             w->counters[C_REPLAY_ANSWERED]++;
             *answered = 1;
             return 0;
@@ -351,7 +358,7 @@ static int on_result(gf_worker *w, const gf_pkt *p, int64_t now, int *answered) 
         w->counters[C_DUPLICATE]++;
         return 0;
     }
-    w->st[seq - w->lo] = SETTLED, w->dlv[seq - w->lo] = 1;
+    set_state(w, seq - w->lo, SETTLED), w->dlv[seq - w->lo] = 1;
     w->counters[C_RESULTS]++;
     if (seq == w->base) {
         int64_t b = seq + 1;
@@ -402,7 +409,7 @@ GF_API int gf_w_replay(gf_worker *w, int64_t floor, int64_t now) {
     int64_t low = max64(floor, w->base - w->keep), deadline = now + w->rto_ns;
     for (int64_t s = max64(low, w->lo); s < w->end; s++) /* kept: what was answered */
         if (w->dlv[s - w->lo] && w->st[s - w->lo] == SETTLED) /* as a new entry: no deadline */
-            w->st[s - w->lo] = OUTSTANDING, w->deadline[s - w->lo] = 0;
+            set_state(w, s - w->lo, OUTSTANDING), w->deadline[s - w->lo] = 0;
     w->replaying = 0;
     w->counters[C_REPLAYS]++;
     for (int64_t s = w->lo; s < w->end; s++) {

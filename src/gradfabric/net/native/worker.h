@@ -35,7 +35,8 @@ typedef struct {
     /* the protocol's state (proto.worker.WorkerEngine, ResumableWorker) */
     int64_t base, next, end, highest, fast_seq, fast_from, recover_seq, sent_high;
     double cwnd;
-    int64_t replaying; /* sequences being replayed */
+    int64_t replaying;   /* sequences being replayed */
+    int64_t outstanding; /* sequences OUTSTANDING (kept with every change of state) */
     /* the sequences tracked, [lo, end): the last ``keep`` of the previous call
      * (their values copied into ``prev``), then the call's */
     int64_t lo, first, cap;
