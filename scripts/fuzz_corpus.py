@@ -33,7 +33,7 @@ def switch_seed(scheme: int, window: int, njobs: int, rounds: int, seed: int) ->
     """Every job's workers send ``rounds`` windows of shares, some twice."""
     rng = np.random.default_rng(seed)
     slots = njobs * window
-    out = bytes([scheme, window - 1, njobs - 1, 0])
+    out = bytes([scheme, window, njobs - 1, 0])
     for seq in range(rounds * window):
         for k in range(njobs):
             job, workers = k + 1, WORKERS[k]
@@ -101,12 +101,16 @@ def main() -> None:
     # filled (memcpy from NULL); a take of an outbox never used (pointer
     # arithmetic on NULL, found by the fuzzer); a block of no values (the
     # quantiser looped for ever); a sum past 2**62 (a signed add overflowed)
-    (ROOT / "switch_node" / "regress-take-empty-outbox").write_bytes(bytes(4) + op(1))
+    (ROOT / "switch_node" / "regress-take-empty-outbox").write_bytes(bytes([0, 1, 0, 0]) + op(1))
+    # a range of no slots (SwitchML's slot of a sequence: a division by its size)
+    zero = Packet(1, 0, 5, 0, 1, 3, 0, 0, 0, 4, np.ones(4, np.int32))
+    (ROOT / "switch_node" / "regress-zero-slot-count").write_bytes(
+        bytes([0, 0, 0, 1]) + op(0, bytes([1]) * 8 + encode(zero)) + op(1))
     for scheme in (0, 1):
         slots = 1
         agg = 0 if scheme == 0 else atp_index(1, 0, slots)
         empty = Packet(1, 0, 0, agg, 1, 3, 0, 0, 0, 0, np.zeros(0, np.int32))
-        seed = bytes([scheme, 0, 0, 0]) + op(0, bytes([1]) * 8 + encode(empty)) + op(1)
+        seed = bytes([scheme, 1, 0, 0]) + op(0, bytes([1]) * 8 + encode(empty)) + op(1)
         (ROOT / "switch_node" / f"regress-empty-share-{SCHEMES_C[scheme]}").write_bytes(seed)
     ones = np.ones(9, np.float32).tobytes()
     (ROOT / "quant" / "regress-block-0").write_bytes(bytes([8, 0]) + ones)

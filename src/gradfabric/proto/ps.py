@@ -17,8 +17,8 @@ sequences, then forgotten; anything at or below the forgotten floor is stale.
 So are the merges under way bounded: at most ``4 * window`` sequences of
 a job wait for contributions at once (what its workers may have in flight
 spans two of their windows, each at most ``window``: no worker runs more
-than a window ahead of another); a packet that would open one more is
-refused and counted (``drop_pending_full``), whatever a token holder
+than a window ahead of another); a packet that would open one more (and
+not complete it at once) is refused and counted (``drop_pending_full``), whatever a token holder
 sends, so the server's memory stays within a few windows of every job.
 """
 
@@ -117,7 +117,8 @@ class ParameterServer(NoTimers):
             return self._drop("late_partial")
         acc = st.accs.get(pkt.seq)
         if acc is None:
-            if len(st.accs) >= PENDING_WINDOWS * job.window:
+            # (a packet of every contribution opens nothing that stays)
+            if len(st.accs) >= PENDING_WINDOWS * job.window and pkt.bitmap != full:
                 return self._drop("pending_full")
             acc = st.accs[pkt.seq] = _Acc(pkt)
         if acc.bitmap & pkt.bitmap:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from gradfabric.core.errors import ConfigError
+
 UNBOUNDED = 1 << 62
 
 
@@ -45,6 +47,10 @@ class StaticSlots:
     slot_base: int
     slot_count: int
     resend_flag: bool = False
+
+    def __post_init__(self) -> None:
+        if self.slot_count < 1 or self.slot_base < 0:
+            raise ConfigError("slot_count", "a range of >= 1 slots from a base >= 0")
 
     @property
     def max_window(self) -> int:

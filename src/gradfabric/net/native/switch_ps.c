@@ -155,7 +155,7 @@ void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p) {
         return;
     }
     if (!acc) {
-        if (ps->naccs >= PENDING_WINDOWS * ps->window) { /* the PS's bound on merges under way */
+        if (ps->naccs >= PENDING_WINDOWS * ps->window && p->bitmap != full) { /* the bound */
             j->counters[S_PENDING_FULL]++;
             return;
         }
