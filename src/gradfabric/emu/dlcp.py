@@ -72,11 +72,12 @@ class DlcpClient(Attached):
 
     def allreduce(  # bounded loss on floats: no quantisation round
         self, x: npt.NDArray[np.float32], layer: int = 0, layers: int = 1, *,
-        out: npt.NDArray[np.float32] | None = None,
+        out: npt.NDArray[np.float32] | None = None, key: int = 0,
     ) -> npt.NDArray[np.float32]:  # fmt: skip
         """Sum ``x`` over the job within the bounds (every rank calls with the same
         length in the same order): values lost beyond recovery read as zero.
-        ``out``: as ``Attached.allreduce``'s (the sum is copied there)."""
+        ``out``: as ``Attached.allreduce``'s (the sum is copied there); ``key``
+        is unused (floats travel as they are: no exponents)."""
         tensor = self.next_tensor
         self.next_tensor = (self.next_tensor + 1) % 0x10000  # the header's tensor id
         done: tuple[threading.Event, list[Any]] = (threading.Event(), [])

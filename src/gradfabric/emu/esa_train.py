@@ -5,7 +5,8 @@ time) trains the catalog's digits MLP (``emu.job``) through one switch
 daemon whose aggregator pool is too small for every job's window at once.
 Each worker computes its micro-batch under a deadline throttle
 (``compute_ms`` of device time per step), sums its gradient as int32 fixed
-point through the switch (``InaClient``) and steps. ``jitter_ms``: each
+point through the switch (``InaClient.allreduce`` with exponents carried
+from the last step's sum: ``ina_hook``'s path, on one tensor) and steps. ``jitter_ms``: each
 step's device time is longer by a seeded uniform draw from ``[0,
 jitter_ms]`` per worker (the simulator's ``iteration_jitter_us``): workers
 out of lockstep hold aggregators partly filled, which is where ESA's
@@ -113,23 +114,23 @@ def _worker(
         torch.set_num_threads(1)
         data()
         replica = Replica(job)
-        client = InaClient(ticket, rank, timeout_s=60.0)
+        client = InaClient(ticket, rank, timeout_s=60.0, exponents="carried")
         losses, device_ms = [], job.device_ms(rank)
         conn.send("ready")
         conn.recv()
         t0, cpu0 = time.monotonic(), time.process_time()
         for step in range(job.steps):
             began = time.monotonic()
-            q, loss = replica.share(step, rank)
+            g, loss = replica.gradient(step, rank)
             time.sleep(max(0.0, began + device_ms[step] / 1e3 - time.monotonic()))
             left = (job.steps - step) * replica.params * 4
             client.set_priority(srpt_aging(left, time.monotonic() - t0, AGING_S))
-            replica.step(client.allreduce_ints(q))
+            replica.step_sum(client.allreduce(g, out=g))  # ina_hook's sum, on one tensor
             losses.append(loss)
         end = time.monotonic()
         client.close()
         conn.send({"t0": t0, "end": end, "cpu_s": time.process_time() - cpu0, "losses": losses,
-                   "weights": fingerprint(replica.net), "clipped": replica.clipped})  # fmt: skip
+                   "weights": fingerprint(replica.net), "clipped": client.clipped})  # fmt: skip
     except Exception as e:  # reported to the parent, never a hang
         conn.send(f"job {job.seed} rank {rank}: {e!r}")
 

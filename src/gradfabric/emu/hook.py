@@ -30,7 +30,7 @@ def ina_hook(
     it, while the switch sums the bucket before (``Overlapped.run_staged``)."""
     buf = bucket.buffer()
     return state.run_staged(
-        buf, lambda group: state.agree(_flat(buf), group),
+        buf, lambda group: state.agree(_flat(buf), group, bucket.index()),
         lambda _, agreed: _averaged(buf, state.sum_agreed(agreed, agreed.x), state.ticket.workers),
     )  # fmt: skip
 

@@ -46,7 +46,7 @@ import numpy.typing as npt
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.emu.control import control_call
-from gradfabric.emu.session import ANY_HOST, Session
+from gradfabric.emu.session import ANY_HOST, Exponents, Session
 from gradfabric.emu.ticket import Ticket, scheme_worker, with_secret
 from gradfabric.net import datapath
 from gradfabric.net.datapath import ABORTED, DONE, NativeWorkerNode, run
@@ -67,7 +67,7 @@ class InaClient(Session):
     def __init__(
         self, ticket: Ticket, rank: int, timeout_s: float = 30.0, priority: int = 0,
         bind_host: str | None = None, native: bool | None = None, pace_gbps: float = 0.0,
-        first_seq: int = 0,
+        first_seq: int = 0, exponents: Exponents = "agreed",
     ) -> None:  # fmt: skip
         """``native``: the native worker node (``net.datapath``); None uses
         it where it is built and suits the job, False keeps the reference.
@@ -75,7 +75,12 @@ class InaClient(Session):
         paces its sends to it (resends first) instead of queueing a window in
         the link (0: unpaced). ``first_seq``: where the job's sequence
         numbers start (every rank alike; the wire carries their low 32 bits,
-        so a job may start anywhere and run past 2**32)."""
+        so a job may start anywhere and run past 2**32). ``exponents``:
+        agreed in a round before each sum, or carried from each tensor's
+        last sum (``emu.session``)."""
+        if exponents not in ("agreed", "carried"):
+            raise ConfigError("exponents", f"agreed or carried, got {exponents!r}")
+        self.exponents = exponents
         engine = scheme_worker(ticket, rank, timeout_s, first_seq=first_seq)
         assert isinstance(engine, ResumableWorker)
         token = bytes.fromhex(ticket.token)

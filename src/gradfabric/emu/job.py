@@ -3,21 +3,21 @@
 The pieces every real-training experiment through the switch shares: the
 catalog's digits MLP (``mlp``: 64-256-128-10, SGD with momentum), a data
 shard per worker and a seeded micro-batch per (step, shard), the gradient of
-a micro-batch, int32 fixed point at a scale every worker derives from the
-previous step's sum, and ``reference``: the same job replayed in one
-process, which a run through the switch must equal bit for bit.
+a micro-batch, its int32 fixed point, and ``reference``: the same job
+replayed in one process, which a run through the switch must equal bit for
+bit.
 
-The scale is a power of two agreed without a message: every worker derives
-it from the previous step's sum (which all hold), with ``HEADROOM`` times
-the largest mean gradient seen then before a sum of ``workers`` shares could
-overflow; a value beyond it is clipped and counted. (An exponent all-reduce
-each step, as ``ina_hook`` does, would wait for the slowest worker.)
+The fixed point is the per-block quantiser ``ina_hook`` users get
+(``wire.fastquant``, a scale per block of the daemon's packet), with each
+block's exponent carried from the previous step's sum, which every worker
+holds (``wire.carried``: the same code as ``InaClient(exponents="carried")``)
+instead of agreed in a round each step, which would wait for the slowest
+worker; a value beyond its block's range is clipped and counted.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from functools import cache
 from typing import Any, Protocol
 
@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from gradfabric.emu.switchd import SwitchConfig
+from gradfabric.wire.carried import CarriedExponents
 
-HEADROOM = 64.0
-FIRST_MAX = 1.0  # the largest mean gradient assumed before any step
 MODEL = "mlp"  # the catalog's digits MLP (64-256-128-10): the simulator models it too
 # The daemon settings these jobs run under (its defaults: the window, the
 # packet size, the workers' RTO), which a simulation of the same job reads too
@@ -108,27 +107,6 @@ def accuracy(net: torch.nn.Module) -> float:
 # ------------------------------------------------------- fixed-point sums
 
 
-def next_scale(largest_mean: float, workers: int) -> float:
-    """A power of two under which ``HEADROOM`` x ``largest_mean`` from each of
-    ``workers`` shares sums inside int32."""
-    limit = (2**31 - 1) // workers
-    return float(2.0 ** math.floor(math.log2(limit / (HEADROOM * max(largest_mean, 1e-30)))))
-
-
-def quantise(g: torch.Tensor, scale: float, workers: int, values: int) -> tuple[np.ndarray, int]:
-    """``g`` as int32 at ``scale``, zero-padded to ``values``; and how many clipped."""
-    limit = (2**31 - 1) // workers
-    q = np.rint(g.double().numpy() * scale)
-    clipped = int(np.count_nonzero(np.abs(q) > limit))
-    out = np.zeros(values, dtype=np.int32)
-    out[: len(q)] = np.clip(q, -limit, limit)
-    return out, clipped
-
-
-def mean_of(total: np.ndarray, scale: float, workers: int, params: int) -> torch.Tensor:
-    return torch.from_numpy(total[:params] / (scale * workers)).float()
-
-
 def reference(cfg: Job) -> dict[str, Any]:
     """The quantised synchronous job replayed in one process: every shard's
     gradient in turn, their int64 sum, the same step. What ``atp`` and
@@ -143,9 +121,11 @@ def reference(cfg: Job) -> dict[str, Any]:
 
 
 class Replica:
-    """One worker's copy of the job: its model, optimizer and the agreed
-    scale. ``share`` computes a shard's int32 share at this step's scale,
-    ``step`` applies a step's int64 sum and derives the next scale."""
+    """One worker's copy of the job: its model, optimizer and its quantiser
+    (exponents carried from sum to sum, ``wire.carried``). ``gradient`` is a
+    shard's float32 gradient, ``share`` the same as int32; ``step`` applies a
+    step's int64 sum, ``step_sum`` its decoded float32 sum (what
+    ``Session.allreduce`` returns)."""
 
     def __init__(self, cfg: Job, values: int = 0) -> None:
         """``values``: a share's length (padded past the parameters; 0: none)."""
@@ -153,21 +133,36 @@ class Replica:
         self.opt = optimizer(cfg, self.net)
         self.params = sum(p.numel() for p in self.net.parameters())
         self.values = max(values, self.params)
-        self.scale = next_scale(FIRST_MAX, cfg.workers)
-        self.clipped = 0
+        self.quant = CarriedExponents(cfg.workers, DAEMON.values_per_packet)
+
+    @property
+    def clipped(self) -> int:
+        return self.quant.clipped
+
+    def gradient(self, step: int, shard: int) -> tuple[np.ndarray, float]:
+        """Shard ``shard``'s float32 gradient in ``step`` (zero-padded to
+        ``values``) and its micro-batch loss."""
+        g, loss = gradient(self.net, shard_batch(self.cfg, step, shard))
+        out = np.zeros(self.values, dtype=np.float32)
+        out[: self.params] = g.numpy()
+        return out, loss
 
     def share(self, step: int, shard: int) -> tuple[np.ndarray, float]:
         """Shard ``shard``'s int32 share of ``step`` and its micro-batch loss."""
-        g, loss = gradient(self.net, shard_batch(self.cfg, step, shard))
-        q, clipped = quantise(g, self.scale, self.cfg.workers, self.values)
-        self.clipped += clipped
-        return q, loss
+        g, loss = self.gradient(step, shard)
+        return self.quant.encode(g), loss
 
     def step(self, total: np.ndarray) -> None:
-        """Apply the step whose shares summed to ``total``."""
-        mean = mean_of(total, self.scale, self.cfg.workers, self.params)
-        apply(self.net, self.opt, mean)
-        self.scale = next_scale(float(mean.abs().max()), self.cfg.workers)
+        """Apply the step whose int32 shares summed to ``total``."""
+        decoded = self.quant.decode(total)
+        self.quant.carry(decoded)
+        self.step_sum(decoded)
+
+    def step_sum(self, total: np.ndarray) -> None:
+        """Apply the step whose decoded sum is ``total`` (float32): its mean,
+        in float32 as ``ina_hook`` averages."""
+        mean = total[: self.params] / np.float32(self.cfg.workers)
+        apply(self.net, self.opt, torch.from_numpy(mean))
 
 
 def _replay(cfg: Job) -> dict[str, Any]:

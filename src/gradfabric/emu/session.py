@@ -19,6 +19,13 @@ all-reduce's would: NaN and inf where DDP's default hook puts them, the
 block's finite values summed, and AMP's gradient scaler sees what it would
 see without the switch.
 
+A client made with ``exponents="carried"`` skips the round: each tensor
+(``key``; a DDP bucket's index in ``ina_hook``) takes its exponents from its
+own last sum, which every rank holds (``wire.carried``: values beyond a
+block's range clip, counted in ``clipped``; a NaN or an infinity is an
+error, as no round can tell the other ranks). No rank waits for another
+before the switch does, which is what a straggler's helpers need (SA-ATP).
+
 A collective that does not finish within ``timeout_s`` raises
 ``PeerTimeoutError`` naming the ranks the switch still waits on (asked over
 the control port), or the switch itself if it is gone or cannot take the
@@ -32,7 +39,7 @@ import os
 import threading
 from concurrent.futures import Future as CFuture
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -43,7 +50,13 @@ from gradfabric.emu.ticket import Ticket, switch_from_env
 from gradfabric.net.overlap import Overlapped
 from gradfabric.net.udp import Address
 from gradfabric.wire import fastquant
+from gradfabric.wire.carried import CarriedExponents
 from gradfabric.wire.quant import block_exponents, block_scales
+
+# How a float all-reduce's ranks agree on each block's exponent: in a round
+# over the process group before each sum (``agreed``), or carried from the
+# tensor's last sum without a message (``carried``: ``wire.carried``)
+Exponents = Literal["agreed", "carried"]
 
 ANY_HOST = "0.0.0.0"
 # An exponent no finite float32 has: the block holds a NaN or an infinity at
@@ -87,6 +100,7 @@ class Agreed:
     lost: npt.NDArray[np.bool_]
     call: int  # its number among the client's float all-reduces (keys the check-in of ``_blame``)
     floats: npt.NDArray[np.float32] | None = None  # the lost blocks' sums, in order
+    carried: CarriedExponents | None = None  # the exponents came from it: the sum goes back
 
 
 class Session(Overlapped):
@@ -101,6 +115,8 @@ class Session(Overlapped):
     _summing: int | None = None  # the float all-reduce the switch serves now (its ``calls``)
     refused: str | None = None  # why the job could not be taken back after a restart
     KIND: str | None = None  # what ``join`` registers (None: the daemon's default)
+    exponents: Exponents = "agreed"  # how the ranks agree on a block's exponent (``agree``)
+    _carried: dict[int, CarriedExponents]  # per tensor (its ``key``), where carried
     DAEMON_OPTIONS: tuple[str, ...] = ()  # switch-serve flags a job of this client wants
 
     def __init__(self, ticket: Ticket, rank: int, timeout_s: float = 30.0, **kw: Any) -> None:
@@ -141,6 +157,7 @@ class Session(Overlapped):
         if not 0 <= rank < ticket.workers:
             raise ConfigError("rank", f"must be in 0..{ticket.workers - 1}")
         self.ticket, self.rank, self.timeout_s = ticket, rank, timeout_s
+        self._carried = {}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -183,21 +200,26 @@ class Session(Overlapped):
     # -- the float all-reduce ------------------------------------------------
     def allreduce(
         self, x: npt.NDArray[np.float32], group: Any = None, *,
-        out: npt.NDArray[np.float32] | None = None,
+        out: npt.NDArray[np.float32] | None = None, key: int = 0,
     ) -> npt.NDArray[np.float32]:  # fmt: skip
         """Sum float32 ``x`` over the job (see the module doc for the
         quantisation), into ``out`` where given (a float32 array of ``len(x)``
         values; ``x`` itself may be it: a block's sum arrives only after the
         block was read), else into a new array. A caller that sums tensors of
         one size again and again (a hook, a benchmark) should pass one: a new
-        array each call costs the kernel's zeroing of its pages."""
-        return self.sum_agreed(self.agree(x, group), out)
+        array each call costs the kernel's zeroing of its pages. ``key``
+        names the tensor where exponents are carried (each its own)."""
+        return self.sum_agreed(self.agree(x, group, key), out)
 
-    def agree(self, x: npt.NDArray[np.float32], group: Any = None) -> Agreed:
+    def agree(self, x: npt.NDArray[np.float32], group: Any = None, key: int = 0) -> Agreed:
         """The first half of ``allreduce``: the job's ranks agree on each
-        block's exponent (an all-reduce of the maxima on ``group``). It needs
-        nothing of the switch, so a hook runs it for the next bucket while the
-        switch sums this one (``emu.hook.ina_hook``)."""
+        block's exponent (an exchange of the maxima on ``group``), or, where
+        exponents are carried, take those of tensor ``key``'s last sum
+        without a message. It needs nothing of the switch, so a hook runs it
+        for the next bucket while the switch sums this one
+        (``emu.hook.ina_hook``)."""
+        if self.exponents == "carried":
+            return self._carry(x, key)
         import torch
         import torch.distributed as dist
 
@@ -231,6 +253,21 @@ class Session(Overlapped):
         scale = block_scales(np.where(lost, 0, e.numpy()), self.ticket.workers)
         return Agreed(x, scale, lost, self.calls, floats)
 
+    def _carry(self, x: npt.NDArray[np.float32], key: int) -> Agreed:
+        vpp = self.ticket.values_per_packet
+        quant = self._carried.get(key)
+        if quant is None:
+            quant = self._carried[key] = CarriedExponents(self.ticket.workers, vpp)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        self.calls += 1
+        lost = np.zeros(-(-len(x) // vpp), dtype=bool)
+        return Agreed(quant.clip(x), quant.scales(len(x)), lost, self.calls, carried=quant)
+
+    @property
+    def clipped(self) -> int:
+        """Values this rank clipped to their block's carried range, so far."""
+        return sum(q.clipped for q in self._carried.values())
+
     def sum_agreed(
         self, a: Agreed, out: npt.NDArray[np.float32] | None = None
     ) -> npt.NDArray[np.float32]:
@@ -239,6 +276,8 @@ class Session(Overlapped):
         out = self._sum_floats(a.x, np.where(a.lost, 0.0, a.scale), a.scale, out)
         if a.floats is not None:  # (a lost block's values were encoded as 0 at every rank)
             out[np.repeat(a.lost, self.ticket.values_per_packet)[: len(a.x)]] = a.floats
+        if a.carried is not None:
+            a.carried.carry(out)
         return out
 
     def _sum_floats(

@@ -61,9 +61,12 @@ class EmuTrainConfig:
     max_restarts: int = 0  # torchrun's restarts of the group after a rank fails
     kill_rank: int = -1  # fault: this rank SIGKILLs itself at kill_step, first attempt only
     kill_step: int = -1
+    exponents: str = "agreed"  # ina_hook's: agreed in a round each bucket, or carried
 
     def __post_init__(self) -> None:
         CLIENTS.get(self.policy)
+        if self.exponents != "agreed" and self.policy not in ("switchml", "atp", "esa"):
+            raise ConfigError("exponents", "carried exponents are ina_hook's (switchml, atp, esa)")
         if self.ranks < 2 or self.steps < 1 or self.batch < 1:
             raise ConfigError("ranks", "need >= 2 ranks, >= 1 step, batch >= 1")
         if self.checkpoint_every < 0 or self.max_restarts < 0:
@@ -142,8 +145,9 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
     xtr, ytr, xte, yte = digits_data()
     here = os.path.dirname(out)
     ckpt = os.path.join(here, "checkpoint.pt")
+    kw = {} if cfg.exponents == "agreed" else {"exponents": cfg.exponents}
     client = CLIENTS.get(cfg.policy).join(
-        timeout_s=cfg.timeout_s, ticket_file=os.path.join(here, "ticket.json")
+        timeout_s=cfg.timeout_s, ticket_file=os.path.join(here, "ticket.json"), **kw
     )
     replicas = {}
     for name in ("default", "switch"):
@@ -198,6 +202,8 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
         dist.broadcast(ref, 0)
         spread = torch.maximum(spread, (p.detach() - ref).abs().max().reshape(1))
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    clipped = torch.tensor([client.clipped])  # values clipped to a carried range, every rank
+    dist.all_reduce(clipped)
     client.close()
     if rank == 0:
         with torch.no_grad():
@@ -209,7 +215,7 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
             json.dump(
                 {"loss": loss_log, "times_s": times, "weights_max_diff": gap,
                  "replica_spread": float(spread), "accuracy": acc,
-                 "attempts": attempt + 1, "resumed_from": start},
+                 "attempts": attempt + 1, "resumed_from": start, "clipped": int(clipped)},
                 f,
             )  # fmt: skip
 
