@@ -173,8 +173,8 @@ def sparse_table(_: list[Source], only: tuple[str, str] | None = None) -> str:
     bytes on the busiest link over the link's rate) in brackets, the step's
     compute alone, and ours against the best DDP option and against
     TorchRec (the faster of its two shardings), paired per step (95%)."""
-    from gradfabric.collectives.trec import SHARDINGS
     from gradfabric.experiments.sparse_train import OURS
+    from gradfabric.lab.trec import SHARDINGS
 
     def at(p: dict[str, Any], hook: str) -> str:
         ms, floor = p["ms"].get(hook), p.get("floor_ms", {}).get(hook)

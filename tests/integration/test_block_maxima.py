@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradfabric.collectives.spawn import spawn
 from gradfabric.emu.client import NON_FINITE, block_maxima
+from gradfabric.lab.spawn import spawn
 
 BLOCKS = 37
 

@@ -17,7 +17,7 @@ import pytest
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import InaClient, Ticket, together
 from gradfabric.emu.control import control_call
-from gradfabric.emu.harness import RunningSwitch, switch_daemon
+from gradfabric.lab.daemon import RunningSwitch, switch_daemon
 from gradfabric.proto.routes import atp_index
 from gradfabric.wire.packet import Flag, Packet, encode
 

@@ -249,7 +249,7 @@ def test_bench_ddp_json_rows_per_model_and_hook(
     where DDP's own did (bit for bit for the exact hooks at 2 ranks; the
     switch's block quantisation, ~5e-10 of a block's peak, for ``ina`` and
     for ``auto``, which may take the switch's path)."""
-    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.lab.daemon import switch_daemon
 
     with switch_daemon("--policy", "atp") as sw:
         code = main(["bench", "ddp", "--models", "mlp,neumf", "--steps", "3", "--warmup", "1",

@@ -43,7 +43,7 @@ for queue in (0, 1):
 
 @pytest.mark.parametrize("push_bound", [0.1, 0.25])
 def test_priority_ports_place_dlcp_datagrams_by_their_header(push_bound: float) -> None:
-    from gradfabric.emu.dlcp_train import BOTTOM, TOP, dlcp_rules
+    from gradfabric.lab.dlcp_train import BOTTOM, TOP, dlcp_rules
 
     port, per_class = 40_000, 50
     with netns.tor_star(1, 0.05, classes=True, queue_kb=64) as (hosts, tor):
@@ -64,7 +64,7 @@ def test_priority_ports_place_dlcp_datagrams_by_their_header(push_bound: float) 
 def test_dlcp_training_over_congested_priority_links() -> None:
     """Reliable mode equals the in-process float64 replay bit for bit (the
     loss curve); bounded mode stays within its bounds and learns."""
-    from gradfabric.emu.dlcp_train import DlcpTrainConfig, replay, run_dlcp_training
+    from gradfabric.lab.dlcp_train import DlcpTrainConfig, replay, run_dlcp_training
 
     cfg = DlcpTrainConfig(scheme="reliable", steps=6, load=0.5, eval_every=3)
     rel = run_dlcp_training(cfg)

@@ -31,8 +31,8 @@ from gradfabric.emu.client import (
     parse_address,
     together,
 )
-from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch, switch_daemon
-from gradfabric.emu.saatp_train import SaatpTrainConfig
+from gradfabric.lab.daemon import RunningSwitch, start_switch, stop_switch, switch_daemon
+from gradfabric.lab.saatp_train import SaatpTrainConfig
 from gradfabric.net import datapath, netns, switchpath
 from gradfabric.net.peers import GRACE_S
 from gradfabric.wire.envelope import TOKEN_BYTES
@@ -647,7 +647,7 @@ def test_ddp_training_through_the_switch_matches_the_default_hook(
     to 4 ranks' (2 bits): up to 2**8 x the step, 1.9e-6 of a block's peak,
     which 12 steps keep under 1e-4 (no value clips: the count is 0; measured
     6.0e-8 on the weights, 1.5e-8 agreed)."""
-    from gradfabric.emu.train import EmuTrainConfig, run_emu_training
+    from gradfabric.lab.switch_train import EmuTrainConfig, run_emu_training
 
     cfg = EmuTrainConfig(policy=policy, loss=loss, steps=12, exponents=exponents)
     rec = run_emu_training(cfg)
@@ -686,7 +686,7 @@ def test_a_killed_rank_rejoins_and_training_resumes_from_the_checkpoint() -> Non
     CPUs); a resume that lost the default replica's momentum moves its loss
     by 0.6-3% (measured). The
     switch-trained replicas stay identical across ranks, exactly."""
-    from gradfabric.emu.train import EmuTrainConfig, run_emu_training
+    from gradfabric.lab.switch_train import EmuTrainConfig, run_emu_training
 
     base = EmuTrainConfig(policy="atp", loss=0.05, steps=10, ranks=3, checkpoint_every=4)
     calm = run_emu_training(base)
@@ -718,7 +718,7 @@ def test_saatp_over_udp_helps_the_straggler_and_stays_exact() -> None:
     """One worker 4x slower: the switch asks a replica holder, which sends the
     straggler's share under its bit; the straggler abandons helped iterations;
     every worker's every result equals the int64 sum of all gradients."""
-    from gradfabric.emu.saatp import SaatpEmuConfig, run_emu_saatp
+    from gradfabric.lab.saatp_udp import SaatpEmuConfig, run_emu_saatp
 
     r = run_emu_saatp(SaatpEmuConfig(workers=3, iterations=4, compute_ms=60.0), help=True)
     assert r["exact"]
@@ -734,7 +734,7 @@ def test_a_helper_that_dies_mid_help_is_named_and_the_job_stops_cleanly() -> Non
     process is left behind."""
     import multiprocessing as mp
 
-    from gradfabric.emu.saatp_train import SaatpTrainConfig, run_switch
+    from gradfabric.lab.saatp_train import SaatpTrainConfig, run_switch
 
     cfg = SaatpTrainConfig(steps=6, compute_ms=30.0, kill_helper_at=2, timeout_s=60.0)
     with pytest.raises(
@@ -745,7 +745,7 @@ def test_a_helper_that_dies_mid_help_is_named_and_the_job_stops_cleanly() -> Non
 
 
 def test_an_esa_trace_whose_pool_cannot_hold_a_window_is_refused_before_any_run() -> None:
-    from gradfabric.emu.esa_train import EsaTrainConfig
+    from gradfabric.lab.esa_train import EsaTrainConfig
 
     with pytest.raises(ConfigError, match=r"pool_slots.*one window \(32\)"):
         EsaTrainConfig(pool_slots=8)
@@ -762,7 +762,7 @@ def test_real_jobs_on_shaped_links_with_atps_ps_behind_links_stay_exact() -> Non
     and no namespace is left behind. (Whether the two jobs overlap, and so
     collide, depends on their processes' start; the collisions through the
     PS links are held exact by ``test_two_jobs_share_the_switch_exactly_under_contention``.)"""
-    from gradfabric.emu.esa_train import EsaTrainConfig, run_trace
+    from gradfabric.lab.esa_train import EsaTrainConfig, run_trace
 
     cfg = EsaTrainConfig(seed=0, jobs=2, steps=(8,), mean_gap_s=0.0, pool_slots=40,
                          jitter_ms=5.0, link_gbps=1.0)  # fmt: skip
@@ -785,7 +785,7 @@ def test_real_jobs_share_a_scarce_esa_pool_exactly_with_preemptions() -> None:
     """Three training jobs of a seeded trace (they overlap) share a daemon
     whose 40 aggregators cannot hold two windows of 32: ESA preempts, and
     every job's loss curve and weights equal its solo replay bit for bit."""
-    from gradfabric.emu.esa_train import EsaTrainConfig, run_trace
+    from gradfabric.lab.esa_train import EsaTrainConfig, run_trace
 
     r = run_trace(EsaTrainConfig(seed=0, pool_slots=40), "esa")
     assert [j["exact"] for j in r["jobs"]] == [True] * 3, r["jobs"]
@@ -798,7 +798,7 @@ def test_dlcp_over_udp_completes_within_its_bounds_under_congestion() -> None:
     job loads it): reliable mode is exact; DLCP zero-fills no more than its
     bounds; the port drops the smallest gradients' packets (precedence 3)
     more often than the largest' (precedence 0)."""
-    from gradfabric.emu.dlcp import DlcpEmuConfig, run_emu_dlcp
+    from gradfabric.lab.dlcp_udp import DlcpEmuConfig, run_emu_dlcp
 
     cfg = DlcpEmuConfig(rounds=1, tensors=4, values=16_384)
     rel = run_emu_dlcp(cfg, reliable=True)
@@ -819,7 +819,7 @@ def test_ddp_training_over_dlcp_through_a_congested_port() -> None:
     """``dlcp_hook`` under DDP: training completes and stays near the default
     hook (at most 10% of a bucket's values zero-filled on the push, 2% on the
     pull, so the curves drift apart a little, not more)."""
-    from gradfabric.emu.train import EmuTrainConfig, run_emu_training
+    from gradfabric.lab.switch_train import EmuTrainConfig, run_emu_training
 
     rec = run_emu_training(EmuTrainConfig(policy="dlcp", steps=12, port_mbps=50.0))
     assert rec["loss"]["switch"][-1] < rec["loss"]["switch"][0]
@@ -838,7 +838,7 @@ def test_training_through_a_switch_in_its_own_namespace_with_kernel_loss() -> No
     in the namespace that bridges them (where the ToR switch sits), nftables
     dropping 5% of the UDP arriving at the switch: exact sums, the same loss
     curve; the namespaces are gone afterwards."""
-    from gradfabric.emu.train import EmuTrainConfig, run_emu_training
+    from gradfabric.lab.switch_train import EmuTrainConfig, run_emu_training
 
     before = netns.listed()
     rec = run_emu_training(EmuTrainConfig(policy="atp", steps=8, link_gbps=1.0, kernel_loss=0.05))
@@ -921,7 +921,7 @@ def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
     so the bound is two rounds of the 3 s timeout and its grace."""
     import tempfile
 
-    from gradfabric.collectives.spawn import spawn
+    from gradfabric.lab.spawn import spawn
 
     with switch_daemon("--policy", "atp") as sw, tempfile.TemporaryDirectory() as tmp:
         spawn(_ddp_rank_that_may_die, 3, (sw.control_text, tmp), deadline_s=90,
@@ -987,7 +987,7 @@ def test_float_allreduce_through_the_switch_carries_nan_and_inf_as_a_dense_sum()
     rounding of the result, under 1.2e-7 of it."""
     import tempfile
 
-    from gradfabric.collectives.spawn import spawn
+    from gradfabric.lab.spawn import spawn
 
     with switch_daemon("--policy", "atp", "--loss", "0.05", "--rto-ms", "10") as sw:
         ticket_probe = Ticket.register(sw.control, 2)
@@ -1016,7 +1016,7 @@ def test_bench_switch_on_loopback_goes_through_the_switch_and_is_exact() -> None
     within the block quantisation (float32 rounding at 2 ranks); loopback has
     no link rate, so no floor. (A 2 s retransmission timeout: no packet is
     sent twice on a loaded machine.)"""
-    from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
+    from gradfabric.lab.switch_bench import SwitchBenchConfig, run_switch_bench
 
     cfg = SwitchBenchConfig(workers=2, tensor_mb=0.5, iters=1, values_per_packet=4000,
                             rto_ms=2000.0)  # fmt: skip
@@ -1032,7 +1032,7 @@ def test_bench_switch_on_loopback_goes_through_the_switch_and_is_exact() -> None
 
 
 def test_bench_switch_config_errors_name_the_field() -> None:
-    from gradfabric.emu.bench import SwitchBenchConfig
+    from gradfabric.lab.switch_bench import SwitchBenchConfig
 
     with pytest.raises(ConfigError, match="kernel_loss"):
         SwitchBenchConfig(kernel_loss=0.05)
@@ -1054,7 +1054,7 @@ def test_bench_switch_on_shaped_links_meets_the_bytes_floor_both_ways(multicast:
     lets a burst of 160 KB pass at once: 1.3 ms of the 32 ms floor, hence
     0.95.) With ``multicast`` the bridge replicates each result to both links.
     The namespaces are gone afterwards."""
-    from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
+    from gradfabric.lab.switch_bench import SwitchBenchConfig, run_switch_bench
 
     before = netns.listed()
     row = run_switch_bench(
@@ -1078,7 +1078,7 @@ def test_bench_ddp_starts_its_switch_where_the_tor_sits() -> None:
     buckets of its own size, 16 MB, beside the default hook's 4) and both steps
     take at least the ring's bytes over the link (32 MB MLP gradients, 2(n-1)/n
     of them each way at 1 Gbit/s: 268 ms; the tbf burst is 1.3 ms of it)."""
-    from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
+    from gradfabric.lab.ddp_bench import DdpBenchConfig, run_ddp_bench
 
     cfg = DdpBenchConfig(models=("mlp",), ranks=2, link_gbps=1.0, steps=3, warmup=1,
                          hooks=("default", "ina@16"), switch_policy="switchml")  # fmt: skip
@@ -1096,8 +1096,8 @@ def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> N
     """Real training through the switch, the slow rank moving every 2 steps:
     helpers send the slow rank's gradients, and the loss curve and weights
     equal the in-process replay of the same fixed-point steps bit for bit."""
-    from gradfabric.emu.job import reference
     from gradfabric.experiments.saatp_train import run_mode
+    from gradfabric.lab.job import reference
 
     ref = reference(SAATP_TRAIN)
     sa = run_mode(SAATP_TRAIN, "saatp")
@@ -1112,8 +1112,8 @@ def test_saatp_trainings_baselines_train_the_same_batch() -> None:
     speed-proportional shares (which re-balance from measured speeds) train
     the same global batch to the same losses; backup workers' server leaves
     the slow rank's gradient out of every step."""
-    from gradfabric.emu.job import reference
     from gradfabric.experiments.saatp_train import run_mode
+    from gradfabric.lab.job import reference
 
     cfg = SAATP_TRAIN
     ref = reference(cfg)

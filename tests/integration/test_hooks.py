@@ -49,8 +49,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradfabric.collectives import AutoState, OmniState, auto_hook, omnireduce_hook
 from gradfabric.collectives.fast import register_hook, why_not
 from gradfabric.collectives.rows import RowState, rows_hook
-from gradfabric.collectives.spawn import spawn
 from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.lab.spawn import spawn
 from gradfabric.net.overlap import Overlapped
 
 FEATURES = (
@@ -217,7 +217,7 @@ def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
     are the same exact halving (bar half precision, below).
     (``dlcp_hook`` through an uncongested switch loses nothing; its server
     adds the two ranks' float32 values, exactly as the ring does.)"""
-    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.lab.daemon import switch_daemon
 
     if hook.endswith("-compiled") and (reason := why_not()) is not None:
         pytest.skip(f"the C++ hook: {reason}")
@@ -583,7 +583,7 @@ def test_auto_hook_with_a_switch_takes_the_in_network_path_too() -> None:
     explored: both ``ina`` and ``dense`` run, and the weights follow DDP's
     (``ina``'s block quantisation, ~5e-10 of a block's peak: 1e-6 absolute
     after 8 steps)."""
-    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.lab.daemon import switch_daemon
 
     with switch_daemon("--policy", "atp") as sw, tempfile.TemporaryDirectory() as tmp:
         spawn(_auto_switch_rank, 2, (sw.control_text, tmp), deadline_s=120)

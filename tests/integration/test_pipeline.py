@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradfabric.collectives.spawn import spawn
+from gradfabric.lab.spawn import spawn
 from gradfabric.planner.cost import Group, Plan, Stage
 from gradfabric.planner.pipeline import PlanRunner, as_run, owner_sets, whole_batches
 
@@ -187,8 +187,8 @@ def test_train_plan_follows_the_controller_through_a_trace_and_trains_exactly() 
     4x the bytes).
     The other schedules of the comparison run in the same processes, each
     from a fresh model through the same trace, and train exactly alike."""
-    from gradfabric.planner.execute import ExecConfig
-    from gradfabric.planner.train_plan import DEFAULT_TRACE, SCHEDULES, TrainPlanConfig, train_plan
+    from gradfabric.lab.plan_bench import ExecConfig
+    from gradfabric.lab.train_plan import DEFAULT_TRACE, SCHEDULES, TrainPlanConfig, train_plan
 
     cfg = TrainPlanConfig(ExecConfig(layers=4, width=32, batch=48), steps_per_slot=2,
                           dtype="float64", calibrate=False, schedules=tuple(SCHEDULES))  # fmt: skip

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from gradfabric.emu.client import InaClient, Ticket
-from gradfabric.emu.harness import RunningSwitch, start_switch, stop_switch
+from gradfabric.lab.daemon import RunningSwitch, start_switch, stop_switch
 from tests.integration.test_emulator import _exact_rounds, _kill, _same_ports, _stats
 
 JOBS, WORKERS = 8, 3

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from gradfabric.collectives import OmniState, omnireduce_hook, sparse_allreduce
-from gradfabric.collectives.bench import block_sparse
 from gradfabric.collectives.sparse import DENSE_MARGIN
-from gradfabric.collectives.spawn import spawn
 from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.lab.collective_bench import block_sparse
+from gradfabric.lab.spawn import spawn
 
 
 def _sparse_input(rank: int, n: int, density: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -280,7 +280,7 @@ def test_ranks_with_unlike_tensors_are_named_not_aborted() -> None:
 
 @pytest.mark.netns
 def test_bench_on_shaped_links_in_namespaces() -> None:
-    from gradfabric.collectives.bench import run_bench
+    from gradfabric.lab.collective_bench import run_bench
     from gradfabric.net.netns import available, listed
 
     if os.geteuid() != 0 or not available():
@@ -303,7 +303,7 @@ def test_ddp_training_with_the_hook_follows_the_default_hook() -> None:
     follows the default hook's: float32 sums of 3 addends in another order
     differ by a few ulps (~1e-7), which 6 SGD steps carry into the loss at
     well under 1e-4."""
-    from gradfabric.collectives.e2e import E2EConfig, run_e2e
+    from gradfabric.lab.sparse_e2e import E2EConfig, run_e2e
 
     rec = run_e2e(E2EConfig(ranks=3, link_gbps=None, steps=6, users=50_000, items=10_000))
     assert rec["replica_spread"] == 0.0

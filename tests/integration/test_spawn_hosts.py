@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradfabric.collectives.spawn import spawn
+from gradfabric.lab.spawn import spawn
 from gradfabric.net import netns
 
 pytestmark = pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")

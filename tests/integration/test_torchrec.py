@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradfabric.collectives.spawn import spawn
+from gradfabric.lab.spawn import spawn
 
 pytest.importorskip("torchrec", reason="the TorchRec extra is not installed")
 
@@ -93,7 +93,7 @@ def _counted_rank(rank: int, world: int, sharding: str, out: str) -> None:
     of TorchRec's all-to-alls hands gloo for the other ranks (its inputs'
     split sizes times a row's bytes), against ``trec.link_bytes``; and the
     sharded tables gathered whole against the model's own weights."""
-    from gradfabric.collectives import trec
+    from gradfabric.lab import trec
     from gradfabric.workloads.trained import Dlrm
 
     sent, got = [0] * world, [0] * world
@@ -155,7 +155,7 @@ def test_bench_ddp_runs_torchrec_beside_the_hooks_from_the_same_weights() -> Non
     replica starts from the default replica's weights, is fed its batches,
     and after the steps its table (gathered) and dense layers are where the
     default hook's are, to float32 rounding of the sums' order."""
-    from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
+    from gradfabric.lab.ddp_bench import DdpBenchConfig, run_ddp_bench
 
     hooks = ("default", "torchrec", "torchrec-cw")
     rows = run_ddp_bench(DdpBenchConfig(models=("mixed",), hooks=hooks, steps=4, warmup=1))

@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import pytest
 
-from gradfabric.net.harness import UDP_DEFAULTS, udp_allreduce
+from gradfabric.lab.udp_harness import UDP_DEFAULTS, udp_allreduce
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.schemes import COLLECTIVES, SCHEMES
 from gradfabric.proto.switch import SwitchEngine, SwitchJob

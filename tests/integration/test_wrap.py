@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gradfabric.emu.client import InaClient, Ticket, parse_address, together
-from gradfabric.emu.harness import switch_daemon
+from gradfabric.lab.daemon import switch_daemon
 from gradfabric.net import datapath
 from tests.native import require
 
@@ -78,7 +78,7 @@ def test_a_ddp_job_trains_across_the_wires_sequence_limit(native: bool) -> None:
     same job started at 0 (the same quantisation, the same integer sums)."""
     import torch
 
-    from gradfabric.collectives.spawn import spawn
+    from gradfabric.lab.spawn import spawn
 
     if native:
         require("the worker node", datapath.PATH, datapath.WHY_NOT)

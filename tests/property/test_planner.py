@@ -106,9 +106,9 @@ def test_executed_baselines_include_each_rule_on_its_best_subset() -> None:
     emulated devices."""
     from itertools import combinations
 
+    from gradfabric.lab.plan_bench import ExecConfig, best_subsets, devices, workload
     from gradfabric.planner.baselines import even_dp
     from gradfabric.planner.cost import Device, evaluate
-    from gradfabric.planner.execute import ExecConfig, best_subsets, devices, workload
 
     cfg = ExecConfig()
     devs, w = devices(cfg, 30e9), workload(cfg)

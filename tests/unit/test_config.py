@@ -86,7 +86,7 @@ def test_bench_ddp_hooks_with_their_own_bucket_caps(hooks: tuple[str, ...], ok: 
     caps, ``@4/16``: DDP's ``bucket_cap_mb_list``); a
     cap that is not a positive number, an unknown hook or a hook twice is a
     ValueError naming the hooks."""
-    from gradfabric.collectives.ddpbench import DdpBenchConfig, bucket_caps, hook_name
+    from gradfabric.lab.ddp_bench import DdpBenchConfig, bucket_caps, hook_name
 
     if not ok:
         with pytest.raises(ValueError, match="hook"):
@@ -104,7 +104,7 @@ def test_bench_ddp_runs_every_replica_through_every_step_in_order(
     """``bench ddp --block N``: each replica takes every step once, in order,
     ``N`` in a row; every round starts with another replica; with ``N`` 1 a
     step's replicas run back to back, as before the option existed."""
-    from gradfabric.collectives.ddpbench import DdpBenchConfig, _schedule
+    from gradfabric.lab.ddp_bench import DdpBenchConfig, _schedule
 
     names = [f"h{k}" for k in range(hooks)]
     order = _schedule(names, steps, block)
@@ -129,7 +129,7 @@ def test_bench_ddp_timeline_takes_medians_over_the_steps_with_the_usual_bucket_c
     end (seconds in, ms out) over the steps that served the most common number
     of buckets; a step with another count (a rebuilt bucket layout, the first
     steps' larger buckets) is left out; no job at all gives ``None``."""
-    from gradfabric.collectives.ddpbench import timeline
+    from gradfabric.lab.ddp_bench import timeline
 
     steps = [
         [(0.010, 0.011, 0.020), (0.020, 0.020, 0.050)],

@@ -11,7 +11,7 @@ import pytest
 
 from gradfabric.core import cpuquota
 from gradfabric.core.errors import ConfigError
-from gradfabric.planner.execute import ExecConfig
+from gradfabric.lab.plan_bench import ExecConfig
 
 
 def _spin(seconds: float) -> tuple[float, float]:

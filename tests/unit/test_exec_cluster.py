@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gradfabric.core.errors import ConfigError
+from gradfabric.lab.plan_bench import ExecConfig, devices, require_fits, workload
 from gradfabric.planner.baselines import even_dp
 from gradfabric.planner.cost import BYTES_PER_PARAM_STATE, evaluate
-from gradfabric.planner.execute import ExecConfig, devices, require_fits, workload
 from gradfabric.planner.search import plan
 
 

@@ -3,7 +3,8 @@
 Each package may import the packages listed for it here and nothing above.
 The table is the team's design (core and wire at the bottom, the engines,
 then the drivers (the simulator, and the UDP emulator over net), then torch
-integration and the planner, then experiments and the CLI), written where a
+integration and the planner, then the lab that measures them (benches and
+per-rank training programs), then experiments and the CLI), written where a
 test can hold the code to it. Imports inside functions count too: a lazy
 import upward is still upward.
 """
@@ -23,7 +24,8 @@ BELOW["net"] = BELOW["proto"] | {"proto"}
 BELOW["emu"] = BELOW["net"] | {"net"}
 BELOW["collectives"] = BELOW["emu"] | {"emu"}
 BELOW["planner"] = BELOW["collectives"] | {"collectives", "sim"}
-BELOW["experiments"] = BELOW["planner"] | {"planner"}
+BELOW["lab"] = BELOW["planner"] | {"planner"}
+BELOW["experiments"] = BELOW["lab"] | {"lab"}
 BELOW["cli"] = BELOW["experiments"] | {"experiments"}
 
 

@@ -136,7 +136,7 @@ def test_the_calibrated_cluster_file_prices_plans_as_the_calibrated_model(tmp_pa
     import yaml
 
     from gradfabric.core.config import dump
-    from gradfabric.planner.execute import (
+    from gradfabric.lab.plan_bench import (
         Calibration,
         ExecConfig,
         calibrated_cluster,

@@ -9,12 +9,8 @@ import itertools
 import pytest
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.planner.baselines import even_dp, proportional_dp
-from gradfabric.planner.cost import Device, Plan, evaluate
-from gradfabric.planner.execute import ExecConfig, reference, workload
-from gradfabric.planner.pipeline import as_run, splits_whole
-from gradfabric.planner.search import brute_force
-from gradfabric.planner.train_plan import (
+from gradfabric.lab.plan_bench import ExecConfig, reference, workload
+from gradfabric.lab.train_plan import (
     CHANGING_TRACE,
     SCHEDULES,
     TrainPlanConfig,
@@ -22,6 +18,10 @@ from gradfabric.planner.train_plan import (
     best_static,
     schedule_plans,
 )
+from gradfabric.planner.baselines import even_dp, proportional_dp
+from gradfabric.planner.cost import Device, Plan, evaluate
+from gradfabric.planner.pipeline import as_run, splits_whole
+from gradfabric.planner.search import brute_force
 
 CFG = TrainPlanConfig(ExecConfig(width=256), steps_per_slot=4, calibrate=False,
                       schedules=tuple(SCHEDULES))  # fmt: skip

@@ -131,9 +131,9 @@ def test_a_point_whose_run_fails_runs_once_more_and_says_so(
     heap, docs/notebook/2026-11-27.md#stores-taken-again-fresh) costs the
     point one more run, noted; a second failure ends the study, and a
     timeout is not retried."""
-    from gradfabric.collectives.ddpbench import DdpBenchConfig
     from gradfabric.core.errors import PeerTimeoutError
     from gradfabric.experiments import sparse_train
+    from gradfabric.lab.ddp_bench import DdpBenchConfig
 
     outcomes: list[Any] = []
 

@@ -14,7 +14,7 @@ from gradfabric.planner.spec import REFERENCE_GFLOPS
 from gradfabric.proto.switch import ALLOCATORS
 
 if TYPE_CHECKING:
-    from gradfabric.planner.execute import ExecConfig
+    from gradfabric.lab.plan_bench import ExecConfig
 
 OMNI_FLOOR = (
     "floor = max over ranks r of max(|N_r|, |U_-r|) * B * 8 / link rate, where N_r "
@@ -141,7 +141,7 @@ def add(sub: Sub) -> None:
     )
     bp.add_argument("--cluster", metavar="FILE",
                     help="the emulated cluster and model from a YAML (the fields of "
-                    "planner.execute.ExecConfig: speeds, device_gflops, link_gbps, shaped, "
+                    "lab.plan_bench.ExecConfig: speeds, device_gflops, link_gbps, shaped, "
                     "devices, quota_cores, layers, width, batch, steps; example: "
                     "configs/emulated-cluster.yaml); the flags below do not apply")  # fmt: skip
     bp.add_argument("--speeds", default="1,1,0.5,0.25", help="comma-separated, one per rank")
@@ -264,7 +264,7 @@ def sim(args: argparse.Namespace) -> int:
 
 
 def omnireduce(args: argparse.Namespace) -> int:
-    from gradfabric.collectives.bench import DENSITIES, run_bench
+    from gradfabric.lab.collective_bench import DENSITIES, run_bench
 
     densities = list(csv(args.densities, float) or DENSITIES)
     if args.ranks < 2 or args.iters < 1 or args.size_mb <= 0:
@@ -292,7 +292,7 @@ MTU_HELP = (
 
 
 def switch(args: argparse.Namespace) -> int:
-    from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
+    from gradfabric.lab.switch_bench import SwitchBenchConfig, run_switch_bench
 
     shaped = args.link_gbps is not None
     cfgs = [
@@ -328,7 +328,7 @@ def switch(args: argparse.Namespace) -> int:
 
 
 def ddp(args: argparse.Namespace) -> int:
-    from gradfabric.collectives.ddpbench import DdpBenchConfig, held_to_default, run_ddp_bench
+    from gradfabric.lab.ddp_bench import DdpBenchConfig, held_to_default, run_ddp_bench
 
     try:
         cfg = DdpBenchConfig(
@@ -368,7 +368,7 @@ def ddp(args: argparse.Namespace) -> int:
 
 
 def _exec_config(args: argparse.Namespace) -> ExecConfig:
-    from gradfabric.planner.execute import ExecConfig
+    from gradfabric.lab.plan_bench import ExecConfig
 
     try:
         return ExecConfig(speeds=tuple(csv(args.speeds, float) or ()), layers=args.layers,
@@ -381,7 +381,7 @@ def _exec_config(args: argparse.Namespace) -> ExecConfig:
 
 
 def plan_bench(args: argparse.Namespace) -> int:
-    from gradfabric.planner.execute import ExecConfig, run_plans, speedup
+    from gradfabric.lab.plan_bench import ExecConfig, run_plans, speedup
 
     if args.cluster:
         from gradfabric.core.config import load_yaml

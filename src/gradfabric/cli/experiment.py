@@ -284,8 +284,8 @@ def dlcp(args: argparse.Namespace) -> int:
 
 
 def sparse_train(args: argparse.Namespace) -> int:
-    from gradfabric.collectives.ddpbench import held_to_default
     from gradfabric.experiments.sparse_train import SparseGrid, claims, draw, points, study
+    from gradfabric.lab.ddp_bench import held_to_default
 
     try:
         grid = SparseGrid(

@@ -95,15 +95,15 @@ def add(sub: Sub) -> None:
 
 
 def train_plan(args: argparse.Namespace) -> int:
-    from gradfabric.planner.execute import ExecConfig
-    from gradfabric.planner.online import load_trace, random_trace
-    from gradfabric.planner.train_plan import (
+    from gradfabric.lab.plan_bench import ExecConfig
+    from gradfabric.lab.train_plan import (
         SCHEDULES,
         TrainPlanConfig,
         changing_trace,
         default_trace,
     )
-    from gradfabric.planner.train_plan import train_plan as run_slots
+    from gradfabric.lab.train_plan import train_plan as run_slots
+    from gradfabric.planner.online import load_trace, random_trace
 
     try:
         cluster = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()),
@@ -151,7 +151,7 @@ def calibrate_here(args: argparse.Namespace) -> ClusterSpec:
     import yaml
 
     from gradfabric.core.config import dump
-    from gradfabric.planner.execute import ExecConfig, calibrate, calibrated_cluster
+    from gradfabric.lab.plan_bench import ExecConfig, calibrate, calibrated_cluster
 
     try:
         cfg = ExecConfig(speeds=tuple(csv(args.speeds, float) or ()))

@@ -121,7 +121,7 @@ def add(esub: Sub) -> None:
 
 
 def saatp_udp(args: argparse.Namespace) -> int:
-    from gradfabric.emu.saatp import SaatpEmuConfig, run_emu_saatp
+    from gradfabric.lab.saatp_udp import SaatpEmuConfig, run_emu_saatp
 
     cfg = SaatpEmuConfig(
         workers=args.workers, iterations=args.iterations, compute_ms=args.compute_ms,
@@ -147,8 +147,8 @@ def saatp_udp(args: argparse.Namespace) -> int:
 
 
 def saatp_train(args: argparse.Namespace) -> int:
-    from gradfabric.emu.saatp_train import SaatpTrainConfig
     from gradfabric.experiments.saatp_train import MODES, claims, draw_loss, draw_steps, study
+    from gradfabric.lab.saatp_train import SaatpTrainConfig
 
     cfg = SaatpTrainConfig(steps=args.steps, compute_ms=args.compute_ms, slowdown=args.slowdown)
     settings = {"steady": 0, "moving": args.move_every}
@@ -222,7 +222,7 @@ def esa_train(args: argparse.Namespace) -> int:
 
 
 def dlcp_udp(args: argparse.Namespace) -> int:
-    from gradfabric.emu.dlcp import DlcpEmuConfig, run_emu_dlcp, summary_row
+    from gradfabric.lab.dlcp_udp import DlcpEmuConfig, run_emu_dlcp, summary_row
 
     cfg = DlcpEmuConfig(
         workers=args.workers, rounds=args.rounds, port_mbps=args.port_mbps,
@@ -246,8 +246,8 @@ def dlcp_udp(args: argparse.Namespace) -> int:
 
 
 def dlcp_train(args: argparse.Namespace) -> int:
-    from gradfabric.emu.dlcp_train import SCHEMES, DlcpTrainConfig
     from gradfabric.experiments.dlcp_train import claims, draw, study
+    from gradfabric.lab.dlcp_train import SCHEMES, DlcpTrainConfig
     from gradfabric.net.netns import nft_available, usable
 
     if not (usable() and nft_available()):

@@ -1,5 +1,5 @@
 """Clients whose engine runs on the session's asyncio loop: OmniReduce's
-(``OmniClient``), and DLCP's and SA-ATP's (``emu.dlcp``, ``emu.saatp``).
+(``OmniClient``), and DLCP's and SA-ATP's (``emu.dlcp``, ``lab.saatp_udp``).
 
 ``Attached`` serves a packet-level engine (the simulator's) from a UDP
 socket through the shared dispatcher (``net.udp.EngineProtocol``): every

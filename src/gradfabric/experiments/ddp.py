@@ -20,9 +20,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from gradfabric.collectives.ddpbench import HOOKS, DdpBenchConfig, paired, run_ddp_bench
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.lab.ddp_bench import HOOKS, DdpBenchConfig, paired, run_ddp_bench
 from gradfabric.net.netns import usable
 
 

@@ -1,4 +1,4 @@
-"""DLCP carrying real DDP training over congested links (``emu.dlcp_train``):
+"""DLCP carrying real DDP training over congested links (``lab.dlcp_train``):
 time to a fixed test accuracy and final accuracy, DLCP against DDP's
 default hook (gloo over TCP, unmarked and marked into the top class) and
 DLCP's own reliable mode, at two background loads, over seeds.
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from gradfabric.core.stats import mean_ci
-from gradfabric.emu.dlcp_train import SCHEMES, DlcpTrainConfig, run_dlcp_training
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.lab.dlcp_train import SCHEMES, DlcpTrainConfig, run_dlcp_training
 
 TARGET = 0.93  # test accuracy; every scheme reaches it within the default 40 steps
 BASELINES = ("gloo", "gloo-prio", "reliable")

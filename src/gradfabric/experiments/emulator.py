@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from gradfabric.core.stats import ratio_ci_apart
-from gradfabric.emu.bench import SwitchBenchConfig, run_switch_bench
 from gradfabric.emu.client import fast_retransmit
-from gradfabric.emu.dlcp import DlcpEmuConfig, run_emu_dlcp, summary_row
-from gradfabric.emu.saatp import SaatpEmuConfig, run_emu_saatp
-from gradfabric.emu.train import EmuTrainConfig, run_emu_training
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.lab.dlcp_udp import DlcpEmuConfig, run_emu_dlcp, summary_row
+from gradfabric.lab.saatp_udp import SaatpEmuConfig, run_emu_saatp
+from gradfabric.lab.switch_bench import SwitchBenchConfig, run_switch_bench
+from gradfabric.lab.switch_train import EmuTrainConfig, run_emu_training
 from gradfabric.net import netns
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
@@ -264,7 +264,7 @@ class Emulator:
         MLP (its best in every run since the switch's native datapath), 4 MB
         for the transformer (its best in five runs of five,
         docs/notebook/2026-11-28.md#ddp-through-switch-bucket)."""
-        from gradfabric.collectives.ddpbench import DdpBenchConfig, run_ddp_bench
+        from gradfabric.lab.ddp_bench import DdpBenchConfig, run_ddp_bench
 
         tick("DDP through the switch, 4 ranks behind 1 Gbit/s links")
         cfg = DdpBenchConfig(models=("mlp", "transformer"), ranks=4, link_gbps=1.0,

@@ -1,4 +1,4 @@
-"""ESA carrying real training jobs (``emu.esa_train``): seeded traces of
+"""ESA carrying real training jobs (``lab.esa_train``): seeded traces of
 jobs sharing one switch daemon, each worker behind its own 1 Gbit/s link,
 ATP against ESA, in the setting where the simulator predicts ESA a gain
 (the pool scarce: two jobs' windows overfill it; workers out of lockstep)
@@ -15,17 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from gradfabric.core.stats import mean_ci
-from gradfabric.emu.esa_train import (
+from gradfabric.experiments import plots
+from gradfabric.experiments.esa import PACKET_JITTER_NS
+from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.lab.esa_train import (
     AGING_S,
     POLICIES,
     EsaTrainConfig,
     run_trace,
     trace,
 )
-from gradfabric.emu.job import DAEMON, MODEL
-from gradfabric.experiments import plots
-from gradfabric.experiments.esa import PACKET_JITTER_NS
-from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.lab.job import DAEMON, MODEL
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import FabricConfig
 from gradfabric.sim.multijob import TenancyConfig, run_tenancy

@@ -30,15 +30,15 @@ from typing import Any
 
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
-from gradfabric.net import netns
-from gradfabric.planner.execute import (
+from gradfabric.lab.plan_bench import (
     ExecConfig,
     predicted_gains,
     run_plans,
     runnable,
     speedup,
 )
-from gradfabric.planner.train_plan import SCHEDULES, TrainPlanConfig, changing_trace, train_plan
+from gradfabric.lab.train_plan import SCHEDULES, TrainPlanConfig, changing_trace, train_plan
+from gradfabric.net import netns
 
 
 class PlanExec:

@@ -1,4 +1,4 @@
-"""SA-ATP carrying a real training job (``emu.saatp_train``): four ranks
+"""SA-ATP carrying a real training job (``lab.saatp_train``): four ranks
 train the digits MLP through the switch daemon with one rank 4x slower,
 steady and moving every two steps, against ATP through the same switch,
 gloo's all-reduce (DDP's default hook), speed-proportional batch shares
@@ -24,7 +24,10 @@ import torch
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.stats import mean_ci
-from gradfabric.emu.job import (
+from gradfabric.experiments import plots
+from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.lab.hosts import run_hosts
+from gradfabric.lab.job import (
     DAEMON,
     MODEL,
     accuracy,
@@ -37,10 +40,8 @@ from gradfabric.emu.job import (
     reference,
     shard_batch,
 )
-from gradfabric.emu.saatp import iteration_times, run_hosts
-from gradfabric.emu.saatp_train import SaatpTrainConfig, run_switch
-from gradfabric.experiments import plots
-from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.lab.saatp_train import SaatpTrainConfig, run_switch
+from gradfabric.lab.saatp_udp import iteration_times
 
 MODES = ("atp", "saatp", "default", "proportional", "backup")
 

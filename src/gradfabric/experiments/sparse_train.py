@@ -34,10 +34,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from gradfabric.collectives.ddpbench import DdpBenchConfig, hook_name, paired, run_ddp_bench
-from gradfabric.collectives.trec import SHARDING_NAMES, SHARDINGS
 from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
+from gradfabric.lab.ddp_bench import DdpBenchConfig, hook_name, paired, run_ddp_bench
+from gradfabric.lab.trec import SHARDING_NAMES, SHARDINGS
 from gradfabric.net.netns import usable
 
 OURS = "sparse+auto"
@@ -68,7 +68,7 @@ def hooks(optimizer: str, torchrec: bool) -> tuple[str, ...]:
 
 
 def study(grid: SparseGrid, tick: Tick) -> tuple[list[dict[str, Any]], list[str]]:
-    from gradfabric.collectives.trec import why_not
+    from gradfabric.lab.trec import why_not
 
     notes = []
     link = grid.link_gbps

@@ -75,7 +75,7 @@ class NeuMF(nn.Module):
         self.mlp = nn.Sequential(*layers)
         self.out = nn.Linear(dim + width, 1)
 
-    # (the form ``collectives.trec`` shards: a table looked up by one id per
+    # (the form ``lab.trec`` shards: a table looked up by one id per
     # sample is a sum-pooled bag of one)
     def bags(self) -> list[nn.Embedding]:
         return [self.gmf_user, self.gmf_item, self.mlp_user, self.mlp_item]

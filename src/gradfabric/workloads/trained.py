@@ -14,7 +14,7 @@ Each ``MODELS`` entry builds (model, batch, loss): ``batch(rank, step)`` is
 that rank's inputs and target at that step (seeded by both, so every replica
 of a run sees the same batches). The recommenders with tables (``Mixed``,
 ``Dlrm``, and ``workloads.ctr.NeuMF``) also split into ``bags``, ``lookups``
-and ``head`` (``Bagged``: the form ``collectives.trec`` shards).
+and ``head`` (``Bagged``: the form ``lab.trec`` shards).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Mixed(nn.Module):
             nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1),
         )  # fmt: skip
 
-    # (``Bagged``: the form ``collectives.trec`` shards)
+    # (``Bagged``: the form ``lab.trec`` shards)
     def bags(self) -> list[nn.EmbeddingBag]:
         return [self.emb]
 

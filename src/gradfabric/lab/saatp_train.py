@@ -1,6 +1,6 @@
 """SA-ATP carrying a real training job through the switch daemon.
 
-Ranks train the catalog's digits MLP (``emu.job``: real forward and
+Ranks train the catalog's digits MLP (``lab.job``: real forward and
 backward passes, SGD with momentum) on a global batch of ``workers``
 micro-batches per step, one per data shard. One rank's device is
 ``slowdown`` times slower: a *deadline* throttle (as the planner's runtime
@@ -18,7 +18,7 @@ parameters and sends those gradients under the straggler's bit through a
 shadow stream. The first copy of each packet counts, and both copies are
 bitwise equal (same parameters, inputs and code), so every sum is the
 synchronous one: the loss curve and weights equal ATP's bit for bit, and
-both equal ``emu.job.reference``, an in-process replay of the same
+both equal ``lab.job.reference``, an in-process replay of the same
 fixed-point steps. The baselines a user would run instead (gloo's
 all-reduce, speed-proportional shares, backup workers) and the study are in
 ``experiments.saatp_train``.
@@ -39,8 +39,9 @@ import torch
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import Ticket
-from gradfabric.emu.job import DAEMON, Replica, accuracy, data, fingerprint, model
-from gradfabric.emu.saatp import HelpedWorker, run_hosts
+from gradfabric.lab.hosts import run_hosts
+from gradfabric.lab.job import DAEMON, Replica, accuracy, data, fingerprint, model
+from gradfabric.lab.saatp_udp import HelpedWorker
 from gradfabric.proto.switch.straggler import holders
 
 
@@ -144,7 +145,7 @@ def _trainer_main(cfg: SaatpTrainConfig, ticket: Ticket, rank: int, conn: Connec
 def run_switch(cfg: SaatpTrainConfig, help: bool) -> dict[str, Any]:
     """The job through a switch daemon (``atp``; with ``help``, registered for
     SA-ATP): each rank's records, the help counts and the switch's counters."""
-    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.lab.daemon import switch_daemon
 
     total_s = cfg.timeout_s + cfg.steps * cfg.device_s(0, 0, cfg.micro_batch) * cfg.slowdown * 2
     vpp = DAEMON.values_per_packet

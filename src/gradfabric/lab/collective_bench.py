@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.collectives.sparse import OmniState, sparse_allreduce
-from gradfabric.collectives.spawn import spawn
+from gradfabric.lab.spawn import spawn
 from gradfabric.net.launch import end_group, init_group, leave
 
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01)
@@ -147,7 +147,7 @@ def _run_in_namespaces(
                 h.netns,
                 sys.executable,
                 "-m",
-                "gradfabric.collectives.bench",
+                "gradfabric.lab.collective_bench",
                 str(r),
                 str(ranks),
                 hosts[0].ip,

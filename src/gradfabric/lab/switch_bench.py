@@ -58,7 +58,7 @@ from gradfabric.net.netns import MTU, check_mtu
 # that one datagram of the links' MTU carries: 2048 (8 KB) in jumbo frames of
 # 9000 bytes, as in a datacenter (gloo's TCP gets the same MTU).
 LOOPBACK_VALUES = 16_000
-MODULE = "gradfabric.emu.bench"  # what torchrun runs on each rank
+MODULE = "gradfabric.lab.switch_bench"  # what torchrun runs on each rank
 DATAPATHS = {"auto": None, "native": True, "python": False}  # InaClient's ``native``
 
 
@@ -119,7 +119,7 @@ class SwitchBenchConfig:
 def run_switch_bench(cfg: SwitchBenchConfig) -> dict[str, Any]:
     from contextlib import ExitStack
 
-    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.lab.daemon import switch_daemon
     from gradfabric.net.launch import run_on_hosts, run_ranks
 
     options = ("--policy", cfg.policy, "--job-slots", str(cfg.job_slots), "--rto-ms",

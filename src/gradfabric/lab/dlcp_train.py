@@ -8,7 +8,7 @@ Each host link also carries ``load`` x ``link_mbps`` of background UDP
 each way (``net.background``: another tenant's bulk traffic, which does
 not back off) in the middle class, where everything unmarked rides.
 
-The job: the catalog's digits MLP under DDP (``emu.job``: the same model,
+The job: the catalog's digits MLP under DDP (``lab.job``: the same model,
 data shards and seeded micro-batches as the other real-training studies),
 SGD with momentum, and one of four ways to sum its gradients:
 
@@ -56,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import SWITCH_ENV
-from gradfabric.emu.job import accuracy, apply, data, gradient, model, optimizer, shard_batch
+from gradfabric.lab.job import accuracy, apply, data, gradient, model, optimizer, shard_batch
 from gradfabric.proto.dlcp import MAG_CLASSES
 from gradfabric.wire.envelope import TOKEN_BYTES
 
@@ -99,7 +99,7 @@ class DlcpTrainConfig:
         return self.scheme in ("reliable", "dlcp")
 
 
-MODULE = "gradfabric.emu.dlcp_train"
+MODULE = "gradfabric.lab.dlcp_train"
 
 
 def dlcp_rules(port: int, push_bound: float) -> list[str]:
@@ -125,7 +125,7 @@ def run_dlcp_training(cfg: DlcpTrainConfig) -> dict[str, Any]:
     """One run of ``cfg.scheme`` (root: namespaces, nftables)."""
     from contextlib import ExitStack
 
-    from gradfabric.emu.harness import cpu_s, switch_daemon
+    from gradfabric.lab.daemon import cpu_s, switch_daemon
     from gradfabric.net.background import background
     from gradfabric.net.launch import run_on_hosts
     from gradfabric.net.netns import class_totals, prioritise, tor_star
@@ -206,7 +206,7 @@ def replay(cfg: DlcpTrainConfig) -> list[float]:
 def _rank_main(cfg: DlcpTrainConfig, out: str) -> None:
     from gradfabric.emu.dlcp import DlcpClient
     from gradfabric.emu.hook import dlcp_hook
-    from gradfabric.emu.train import timed_step
+    from gradfabric.lab.switch_train import timed_step
 
     rank = dist.get_rank()
     torch.set_num_threads(1)  # as ``replay`` computes: a reduction's order follows the threads

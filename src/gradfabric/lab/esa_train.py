@@ -1,7 +1,7 @@
 """ESA with several real training jobs sharing one switch daemon.
 
 A seeded trace of jobs (each: 2 or 3 workers, a number of steps, an arrival
-time) trains the catalog's digits MLP (``emu.job``) through one switch
+time) trains the catalog's digits MLP (``lab.job``) through one switch
 daemon whose aggregator pool is too small for every job's window at once.
 Each worker computes its micro-batch under a deadline throttle
 (``compute_ms`` of device time per step), sums its gradient as int32 fixed
@@ -20,7 +20,7 @@ remaining bytes and age. The same trace runs with the daemon's ``atp``
 policy (collisions fall back to its parameter server) and ``esa``
 (preemption by priority); a job's completion time (JCT) runs from its
 arrival to its last worker's last step. Every job's loss curve and weights
-must equal its solo replay (``emu.job.reference``) bit for bit.
+must equal its solo replay (``lab.job.reference``) bit for bit.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import InaClient, Ticket
-from gradfabric.emu.job import Replica, data, fingerprint, reference
-from gradfabric.emu.saatp import run_hosts
+from gradfabric.lab.hosts import run_hosts
+from gradfabric.lab.job import Replica, data, fingerprint, reference
 from gradfabric.net.netns import NsHost, call_in, enter, tor_star
 from gradfabric.proto.priority import srpt_aging
 
@@ -49,7 +49,7 @@ START_S = 2.0  # the trace's time zero after the daemon is up: every job's worke
 
 @dataclass(frozen=True)
 class EsaJob:
-    """One job of a trace (its fields are ``emu.job.Job``'s)."""
+    """One job of a trace (its fields are ``lab.job.Job``'s)."""
 
     workers: int
     steps: int
@@ -142,7 +142,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
     its own."""
     from contextlib import ExitStack
 
-    from gradfabric.emu.harness import cpu_s, switch_daemon
+    from gradfabric.lab.daemon import cpu_s, switch_daemon
 
     if policy not in POLICIES:
         raise ConfigError("policy", f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")

@@ -53,9 +53,7 @@ from torch import nn
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.stats import mean_ci
-from gradfabric.planner.baselines import best_subset, proportional_dp
-from gradfabric.planner.cost import Device, Plan, Workload, evaluate
-from gradfabric.planner.execute import (
+from gradfabric.lab.plan_bench import (
     ExecConfig,
     calibrate,
     mlp_stack,
@@ -63,6 +61,8 @@ from gradfabric.planner.execute import (
     throttle_score,
     workload,
 )
+from gradfabric.planner.baselines import best_subset, proportional_dp
+from gradfabric.planner.cost import Device, Plan, Workload, evaluate
 from gradfabric.planner.online import (
     CONTROLLER_EXHAUSTIVE_UPTO,
     Trace,
@@ -288,7 +288,7 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
     """Run the job over ``trace`` (default ``default_trace``) under each of
     ``cfg.schedules``, ``cfg.repeats`` times; per-slot rows, one row per
     schedule and a summary (see the module doc)."""
-    from gradfabric.collectives.spawn import spawn
+    from gradfabric.lab.spawn import spawn
 
     trace = default_trace(len(cfg.exec.speeds)) if trace is None else trace
     if not trace:

@@ -75,7 +75,7 @@ class EmuTrainConfig:
             raise ConfigError("max_restarts", "restarts run on loopback (one torchrun)")
 
 
-MODULE = "gradfabric.emu.train"
+MODULE = "gradfabric.lab.switch_train"
 
 
 def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
@@ -84,7 +84,7 @@ def run_emu_training(cfg: EmuTrainConfig) -> dict[str, Any]:
     bridges them, where the top-of-rack switch sits (root only)."""
     from contextlib import ExitStack
 
-    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.lab.daemon import switch_daemon
     from gradfabric.net.launch import run_on_hosts, run_ranks
 
     options = [
@@ -145,7 +145,7 @@ def _rank_main(cfg: EmuTrainConfig, out: str) -> None:
     xtr, ytr, xte, yte = digits_data()
     here = os.path.dirname(out)
     ckpt = os.path.join(here, "checkpoint.pt")
-    kw = {} if cfg.exponents == "agreed" else {"exponents": cfg.exponents}
+    kw: dict[str, Any] = {} if cfg.exponents == "agreed" else {"exponents": cfg.exponents}
     client = CLIENTS.get(cfg.policy).join(
         timeout_s=cfg.timeout_s, ticket_file=os.path.join(here, "ticket.json"), **kw
     )

@@ -64,7 +64,7 @@ def run_e2e(cfg: E2EConfig) -> dict[str, Any]:
         out = os.path.join(tmp, "e2e.json")
         run_ranks(
             cfg.ranks,
-            "gradfabric.collectives.e2e",
+            "gradfabric.lab.sparse_e2e",
             [json.dumps(asdict(cfg)), out],
             link_gbps=cfg.link_gbps,
         )

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing as mp
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -38,6 +37,7 @@ import numpy as np
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import Ticket, scheme_worker
 from gradfabric.emu.switchd import control_call
+from gradfabric.lab.hosts import run_hosts
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver, HelpRequest
 from gradfabric.proto.host import HostEngine
@@ -74,7 +74,7 @@ def gradient(seed: int, iteration: int, worker: int, values: int) -> np.ndarray:
 def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
     """One run; returns per-iteration times (the slowest worker's), help counts
     and the switch's counters."""
-    from gradfabric.emu.harness import switch_daemon
+    from gradfabric.lab.daemon import switch_daemon
 
     with switch_daemon("--policy", "atp", "--datapath", "python") as sw:  # SA-ATP: the reference
         sa = None
@@ -97,76 +97,6 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
         "switch": sw.final.get("counters", {}),
         "config": asdict(cfg),
     }
-
-
-def run_hosts(
-    target: Callable[..., None], args: list[tuple[Any, ...]], start_s: float, total_s: float,
-    go_at: float | None = None,
-) -> list[Any]:
-    """Start one process per ``args`` running ``target(*args, conn)``; once
-    each said "ready" (and not before ``go_at``, a ``time.monotonic()``
-    instant, where given), say "go" to all and collect each one's record (a
-    string is an error, raised here naming the worker). The processes fork
-    from a server that imported ``target``'s module (and so torch) once and
-    has run nothing: a run starts in a fraction of a second, not the seconds
-    of every process importing torch anew, and no parent thread is forked."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([target.__module__])
-    procs, conns = [], []
-    for a in args:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(*a, child), daemon=True)
-        p.start()
-        procs.append(p)
-        conns.append(parent)
-    try:
-        for msg in _collect(conns, procs, start_s, "start"):  # every worker said hello
-            if msg != "ready":
-                raise RuntimeError(msg)
-        if go_at is not None:
-            time.sleep(max(0.0, go_at - time.monotonic()))
-        for c in conns:
-            c.send("go")
-        recs = _collect(conns, procs, total_s, "finish")
-        return recs
-    finally:  # after a failure the others are stuck on the lost peer: stop them now
-        for p in procs:
-            if "recs" in locals():
-                p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
-def _collect(conns: list[Connection], procs: list[Any], seconds: float, what: str) -> list[Any]:
-    """One message from each worker within ``seconds``. A worker that exits
-    without one is named at once (a killed helper must not cost the others'
-    timeouts); an error string it sent is raised as it is."""
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + seconds
-    while len(got) < len(conns):
-        waiting = [w for w in range(len(conns)) if w not in got]
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"worker(s) {waiting} did not {what} within {seconds:g} s")
-        ready = set(wait([conns[w] for w in waiting] + [procs[w].sentinel for w in waiting], left))
-        for w in waiting:
-            if conns[w] in ready or conns[w].poll():
-                try:
-                    msg = conns[w].recv()
-                except EOFError:
-                    msg = None
-                if isinstance(msg, str) and msg != "ready":
-                    raise RuntimeError(msg)
-                if msg is not None:
-                    got[w] = msg
-                    continue
-            if procs[w].sentinel in ready or not procs[w].is_alive():
-                procs[w].join(1)
-                raise RuntimeError(
-                    f"worker {w} died (exit code {procs[w].exitcode}) before it could {what}"
-                )
-    return [got[w] for w in range(len(conns))]
 
 
 def iteration_times(recs: list[dict[str, Any]]) -> list[float]:

@@ -22,7 +22,7 @@ the path its model predicts fastest (``collectives.coo``); ``rows`` is
 ``rows_hook``; ``torchrec`` (the ``mixed``, ``dlrm`` and ``neumf`` models, SGD) is
 TorchRec's ``DistributedModelParallel`` with the sharding its planner picks,
 and ``torchrec-cw`` the same with every table column-wise over every rank,
-from the same weights (``collectives.trec``; an optional install); ``local``
+from the same weights (``lab.trec``; an optional install); ``local``
 is the ``sparse=True`` replica without DDP, exchanging nothing: the step's
 compute alone, the floor under every exchange (its weights drift).
 Where a hook works on a thread of its own (``net.overlap``),
@@ -53,10 +53,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradfabric.collectives import trec
 from gradfabric.collectives.fast import PYTHON, register_hook
 from gradfabric.collectives.rows import tables
 from gradfabric.core import hostcpu
+from gradfabric.lab import trec
 from gradfabric.net.netns import MTU
 from gradfabric.proto.switch import ALLOCATORS
 from gradfabric.workloads.trained import MODELS
@@ -70,7 +70,7 @@ ALL_HOOKS = (
 # what a user has without gradfabric: DDP's own hooks, sparse=True, TorchRec
 STOCK = ("default", "builtin", "allreduce", "sparse", *trec.SHARDINGS)
 SPARSE_TABLES = ("sparse", "sparse+auto", "local")  # replicas whose tables are ``sparse=True``
-TORCHREC_MODELS = ("mixed", "dlrm", "neumf")  # those ``collectives.trec`` has a form of
+TORCHREC_MODELS = ("mixed", "dlrm", "neumf")  # those ``lab.trec`` has a form of
 OPTIMIZERS = ("sgd", "adam")
 
 
@@ -177,7 +177,7 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
 
     from gradfabric.net.launch import run_on_hosts, run_ranks
 
-    module = "gradfabric.collectives.ddpbench"
+    module = "gradfabric.lab.ddp_bench"
     if set(cfg.hooks) & set(trec.SHARDINGS) and (reason := trec.why_not()) is not None:
         raise ValueError(reason)
     with ExitStack() as stack:
@@ -186,8 +186,8 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
             run_ranks(cfg.ranks, module, [json.dumps(asdict(cfg)), out], link_gbps=cfg.link_gbps,
                       mtu=cfg.mtu)  # fmt: skip
         else:
-            from gradfabric.emu.bench import LOOPBACK_VALUES, shaped_values
-            from gradfabric.emu.harness import switch_daemon
+            from gradfabric.lab.daemon import switch_daemon
+            from gradfabric.lab.switch_bench import LOOPBACK_VALUES, shaped_values
 
             vpp = shaped_values(cfg.mtu) if cfg.link_gbps is not None else LOOPBACK_VALUES
             options = ("--policy", cfg.switch_policy, "--values-per-packet", str(vpp),
