@@ -766,13 +766,12 @@ def test_real_jobs_on_shaped_links_with_atps_ps_behind_links_stay_exact() -> Non
 
     cfg = EsaTrainConfig(seed=0, jobs=2, steps=(8,), mean_gap_s=0.0, pool_slots=40,
                          jitter_ms=5.0, link_gbps=1.0)  # fmt: skip
-    before = netns.listed()
     r = run_trace(cfg, "atp")
     assert [j["exact"] for j in r["jobs"]] == [True, True], r["jobs"]
     assert r["counters"]["rx_gradient"] > 0, r["counters"]  # it went through the daemon
     cores = os.cpu_count() or 1  # CPU seconds per second: within the host's cores
     assert 0 < r["daemon_load"] <= cores and 0 < r["workers_load"] <= cores, r
-    assert netns.listed() <= before  # the run's namespaces are gone
+    assert not netns.left_behind()  # the run's namespaces are gone
     # the workers' forkserver was started from the host's own namespace (a later
     # run on loopback forks from it; one started inside the switch's would strand it)
     from multiprocessing import forkserver
@@ -840,10 +839,9 @@ def test_training_through_a_switch_in_its_own_namespace_with_kernel_loss() -> No
     curve; the namespaces are gone afterwards."""
     from gradfabric.lab.switch_train import EmuTrainConfig, run_emu_training
 
-    before = netns.listed()
     rec = run_emu_training(EmuTrainConfig(policy="atp", steps=8, link_gbps=1.0, kernel_loss=0.05))
     assert rec["kernel_dropped"] > 0 and rec["max_loss_diff"] <= 1e-5
-    assert netns.listed() <= before
+    assert not netns.left_behind()
 
 
 @pytest.mark.parametrize(
@@ -1056,7 +1054,6 @@ def test_bench_switch_on_shaped_links_meets_the_bytes_floor_both_ways(multicast:
     The namespaces are gone afterwards."""
     from gradfabric.lab.switch_bench import SwitchBenchConfig, run_switch_bench
 
-    before = netns.listed()
     row = run_switch_bench(
         SwitchBenchConfig(workers=2, tensor_mb=4, iters=1, policy="atp", link_gbps=1.0,
                           kernel_loss=0.05, rto_ms=2.0, multicast=multicast)
@@ -1065,7 +1062,7 @@ def test_bench_switch_on_shaped_links_meets_the_bytes_floor_both_ways(multicast:
     assert row["floor_ms"] == pytest.approx(32.0) and row["ring_floor_ms"] == pytest.approx(32.0)
     assert row["floor_ratio"] >= 0.95 and row["ring_floor_ratio"] >= 0.95
     assert row["kernel_dropped"] > 0
-    assert netns.listed() <= before
+    assert not netns.left_behind()
 
 
 @pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")
@@ -1082,14 +1079,13 @@ def test_bench_ddp_starts_its_switch_where_the_tor_sits() -> None:
 
     cfg = DdpBenchConfig(models=("mlp",), ranks=2, link_gbps=1.0, steps=3, warmup=1,
                          hooks=("default", "ina@16"), switch_policy="switchml")  # fmt: skip
-    before = netns.listed()
     rows = {r["hook"]: r for r in run_ddp_bench(cfg)}
     assert set(rows) == {"default", "ina@16"}
     assert (rows["default"]["bucket_cap_mb"], rows["ina@16"]["bucket_cap_mb"]) == (4.0, 16.0)
     assert rows["ina@16"]["max_param_diff_vs_default"] <= 1e-6
     floor_ms = rows["default"]["grad_mb"] * 2**20 * 8 / 1e9 * 1e3
     assert all(r["iter_ms"] >= 0.95 * floor_ms for r in rows.values())
-    assert netns.listed() <= before
+    assert not netns.left_behind()
 
 
 def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> None:

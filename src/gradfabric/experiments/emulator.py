@@ -37,7 +37,7 @@ class Emulator:
     title = "Emulator: DDP training through the software switch (UDP)"
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
-        steps = 20 if quick else 60
+        steps = 12 if quick else 60
         cfgs = [EmuTrainConfig(policy=p, steps=steps, loss=0.05) for p in EMULATED]
         config = {"training": [asdict(c) for c in cfgs]}
         res = ExperimentResult(self.name, self.title, config=config)
@@ -153,7 +153,7 @@ class Emulator:
         tick("bench switch, 4 workers behind 1 Gbit/s links")
         # (RTO 5 ms for this run and the lossy one below: their repairs wait on it, no
         # lossless sum does)
-        cfg = SwitchBenchConfig(workers=4, tensor_mb=32, iters=7 if quick else 9, link_gbps=1.0,
+        cfg = SwitchBenchConfig(workers=4, tensor_mb=32, iters=5 if quick else 9, link_gbps=1.0,
                                 job_slots=32, rto_ms=5.0, multicast=True)  # fmt: skip
         row = run_switch_bench(cfg)
         row.pop("switch_counters")
@@ -268,7 +268,7 @@ class Emulator:
 
         tick("DDP through the switch, 4 ranks behind 1 Gbit/s links")
         cfg = DdpBenchConfig(models=("mlp", "transformer"), ranks=4, link_gbps=1.0,
-                             steps=16 if quick else 23, warmup=2 if quick else 3,
+                             steps=12 if quick else 23, warmup=2 if quick else 3,
                              hooks=("default", "ina", "ina@16"), switch_policy="switchml",
                              switch_multicast=True)  # fmt: skip
         rows = run_ddp_bench(cfg)

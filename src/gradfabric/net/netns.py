@@ -52,6 +52,16 @@ def listed() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+_MADE: set[str] = set()  # the namespaces this process's stars made and did not delete
+
+
+def left_behind() -> set[str]:
+    """The namespaces this process's stars made, did not delete and that
+    still exist: none once every star is closed (another process's, a
+    concurrent run's, are not this process's to count)."""
+    return _MADE & listed()
+
+
 def _free_tag() -> int:
     """A star's tag (its names and subnet) that no namespace here uses: this
     process's pid picks the first try, and a star left by a killed run (SIGKILL
@@ -298,6 +308,7 @@ def tor_star(
     try:
         _ip("netns", "add", sw)
         made.append(sw)
+        _MADE.add(sw)
         # no IGMP snooping: the bridge floods a job's multicast results to every
         # port, as a switch replicates them (``SwitchConfig.multicast``)
         _ip("-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
@@ -309,6 +320,7 @@ def tor_star(
         for i, ns in enumerate(names):
             _ip("netns", "add", ns)
             made.append(ns)
+            _MADE.add(ns)
             a, b = f"gfh{i}", f"gfs{tag}x{i}"
             _ip(
                 "link",
@@ -352,6 +364,7 @@ def tor_star(
         yield hosts, tor
     finally:
         for ns in reversed(made):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            if subprocess.run(["ip", "netns", "del", ns], capture_output=True).returncode == 0:
+                _MADE.discard(ns)
         if main:
             signal.signal(signal.SIGTERM, previous)
