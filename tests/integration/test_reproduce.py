@@ -61,13 +61,15 @@ def test_reproduce_granularity(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # every experiment, quick: about 6 minutes on 2 cores
+@pytest.mark.timeout(1800)  # the README's main job: under 15 minutes on 2 cores
 def test_reproduce_quick_everything(tmp_path: Path) -> None:
     from gradfabric.experiments.registry import EXPERIMENTS
 
     assert main(["reproduce", "--quick", "--out", str(tmp_path)]) == 0
-    res = _check_report(tmp_path, set(EXPERIMENTS.names()))  # every registered experiment
-    assert {"baselines", "saatp", "esa", "dlcp", "omnireduce", "planner", "emulator"} <= set(res)
+    left = {n for n in EXPERIMENTS.names() if not getattr(EXPERIMENTS.get(n), "main_job", True)}
+    res = _check_report(tmp_path, set(EXPERIMENTS.names()) - left)  # the rest, every one
+    assert left == {"esa"} and "`gradfabric experiment esa`" in (tmp_path / "report.md").read_text()
+    assert {"baselines", "saatp", "dlcp", "omnireduce", "planner", "emulator"} <= set(res)
     assert all(c["met"] for c in res["baselines"]["claims"])  # the analytic bounds hold
     real = {c["system"] for r in res.values() for c in r["claims"]
             if c["headline"] and c["setting"] != "sim"}  # fmt: skip

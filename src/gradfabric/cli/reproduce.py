@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from rich.table import Table
 
@@ -45,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
     choose(executor(args))  # the grids' cells (SA-ATP, ESA, DLCP) run there
     names = args.only.split(",") if args.only else EXPERIMENTS.names()
     exps = [EXPERIMENTS.get(n) for n in names]
+    left = [] if args.only or not args.quick else \
+        [e.name for e in exps if not getattr(e, "main_job", True)]  # fmt: skip
+    exps = [e for e in exps if e.name not in left]
+    for name in left:
+        err.print(f"{name}: left to its own command (gradfabric experiment {name} --quick)")
     dest = results_dir(args.out, "reproduce")
     results = []
     failed = []
@@ -52,11 +58,13 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[bold]{exp.title}[/bold]")
         with progress(8, args.json) as tick:
             try:
+                began = time.monotonic()
                 results.append(exp.run(args.quick, dest, tick))
+                results[-1].seconds = time.monotonic() - began
             except Exception as e:  # one broken experiment must not hide the others
                 failed.append(f"{exp.name}: {e!r}")
                 err.print(f"[red]{exp.name} failed: {e!r}[/red]")
-    report = write_report(results, dest, args.quick)
+    report = write_report(results, dest, args.quick, left)
     if args.json:
         print(
             json.dumps(

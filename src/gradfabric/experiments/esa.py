@@ -223,6 +223,10 @@ def claims(res: dict[str, Any]) -> list[Claim]:
 class Esa:
     name = "esa"
     title = "ESA: preemptive, priority-scheduled switch memory"
+    # not in the quick suite: its smallest grid that contends is two packet-level
+    # runs of some 3 minutes each; esa-train shows the simulator's JCT beside
+    # each real trace there
+    main_job = False
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         grid = EsaGrid.quick() if quick else EsaGrid()

@@ -64,11 +64,14 @@ class ExperimentResult:
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)  # the resolved config it ran
+    seconds: float = 0.0  # how long it ran (wall clock), where the runner timed it
 
 
 class Experiment(Protocol):
     name: str
     title: str
+    # ``main_job``: an experiment whose class sets it False is left out of
+    # ``reproduce --quick`` (too long for a first contact; its own command runs it)
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult: ...
 

@@ -69,7 +69,9 @@ def real_headline(c: Claim) -> bool:
     return c.headline and c.setting != "sim"
 
 
-def write_report(results: list[ExperimentResult], out: Path, quick: bool) -> Path:
+def write_report(
+    results: list[ExperimentResult], out: Path, quick: bool, left: Sequence[str] = ()
+) -> Path:
     claims = [(c, command(r.name, quick)) for r in results for c in r.claims]
 
     def table(chosen: list[tuple[Claim, str]], with_command: bool) -> list[str]:
@@ -86,6 +88,8 @@ def write_report(results: list[ExperimentResult], out: Path, quick: bool) -> Pat
         f"Mode: {'quick' if quick else 'full'}. Every figure below was measured by this run. "
         "Speed-ups read ours over the baseline: above 1 is better, whatever the paper's "
         "wording. \"met\" says whether ours reaches the paper's figure or the target.",
+        *(["", "Left to their own commands (too long for the quick suite): " + ", ".join(
+            f"`gradfabric experiment {n}`" for n in left) + "."] if left else []),
         "",
         "## Headlines in real runs",
         "",
@@ -104,7 +108,8 @@ def write_report(results: list[ExperimentResult], out: Path, quick: bool) -> Pat
         *table([x for x in claims if x[0].kind != "paper"], with_command=True),
     ]
     for r in results:
-        lines += ["", f"## {r.title}", "", f"Measured by {command(r.name, quick)}.", ""]
+        took = f" in {r.seconds:.0f} s" if r.seconds else ""
+        lines += ["", f"## {r.title}", "", f"Measured by {command(r.name, quick)}{took}.", ""]
         lines += [f"- {c.claim} ({SETTINGS[c.setting]}): {c.note}" for c in r.claims if c.note]
         lines += [f"- {n}" for n in r.notes]
         for p in r.plots:
