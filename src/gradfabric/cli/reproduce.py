@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         [e.name for e in exps if not getattr(e, "main_job", True)]  # fmt: skip
     exps = [e for e in exps if e.name not in left]
     for name in left:
-        err.print(f"{name}: left to its own command (gradfabric experiment {name} --quick)")
+        err.print(f"{name}: left to its own run (gradfabric reproduce --quick --only {name})")
     dest = results_dir(args.out, "reproduce")
     results = []
     failed = []

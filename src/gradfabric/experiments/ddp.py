@@ -29,6 +29,7 @@ from gradfabric.net.netns import usable
 class DdpHooks:
     name = "ddp"
     title = "DDP hooks: iteration time per hook and model (default, omnireduce, auto)"
+    main_job = False  # checks, not a headline (sparse-train's is auto_hook's): its own command
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         # the hooks; the stock option for embeddings (nn.Embedding(sparse=True)), and

@@ -11,14 +11,14 @@ speedups): 9 random plans, 14 steps, 5 runs (the full run only). Then the
 cost model searches ``GAIN_GRID`` (link rates, widths, depths, batches) for
 the setting where it predicts the planner's largest gain over the best
 baseline at its best that this host can run,
-and the plans run there again, each device behind its own shaped link (3
-random plans; quick: 8 steps, 3 runs; full: 14 steps, 5 runs). Then
+and the plans run there again, each device behind its own shaped link
+(full: 3 random plans, 14 steps, 5 runs; quick: 1, 8 steps, 3 runs). Then
 ``train_plan`` with every schedule: the online
 controller re-plans a job through a changing cluster (late joiners,
 contention, preemptions: ``CHANGING_TRACE``) on the same processes, each move
 made for real, the loss beside the unsplit run's, against the best static
 plan within the budget, re-planning without the budget's queue and
-speed-proportional DP re-balanced each slot (quick: 3 runs of 3 steps per
+speed-proportional DP re-balanced each slot (quick: 2 runs of 3 steps per
 slot; full: 5 runs of 4).
 """
 
@@ -57,7 +57,7 @@ class PlanExec:
         result.claims += self._shaped(quick, out, result, tick)
         tick("train-plan: the controller and three fixed rules through a changing cluster")
         tp_cfg = TrainPlanConfig(steps_per_slot=3 if quick else 4, schedules=tuple(SCHEDULES),
-                                 repeats=3 if quick else 5)  # fmt: skip
+                                 repeats=2 if quick else 5)  # fmt: skip
         tp = train_plan(tp_cfg, changing_trace(len(tp_cfg.exec.speeds)))
         ts = tp["summary"]
         result.rows += [{"part": "train-plan", **r} for r in tp["rows"]]
@@ -137,7 +137,7 @@ class PlanExec:
                          steps=8 if quick else 14)  # fmt: skip
         repeats = 3 if quick else 5
         tick(f"the planner where the model predicts its largest gain ({where}), {repeats} runs")
-        res = run_plans(cfg, 3, repeats=repeats)
+        res = run_plans(cfg, 1 if quick else 3, repeats=repeats)
         result.config |= {"shaped": asdict(cfg)}
         sm, vs_best = res["summary"], res["summary"]["planner_vs_best_baseline"]
         result.rows += [{"part": "shaped", **r} for r in res["rows"]]

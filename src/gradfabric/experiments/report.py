@@ -88,8 +88,8 @@ def write_report(
         f"Mode: {'quick' if quick else 'full'}. Every figure below was measured by this run. "
         "Speed-ups read ours over the baseline: above 1 is better, whatever the paper's "
         "wording. \"met\" says whether ours reaches the paper's figure or the target.",
-        *(["", "Left to their own commands (too long for the quick suite): " + ", ".join(
-            f"`gradfabric experiment {n}`" for n in left) + "."] if left else []),
+        *(["", "Left to their own runs (longer than a first contact wants): " + ", ".join(
+            f"`gradfabric reproduce --quick --only {n}`" for n in left) + "."] if left else []),
         "",
         "## Headlines in real runs",
         "",

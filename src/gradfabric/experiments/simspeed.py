@@ -147,6 +147,7 @@ def scaling(tick: Tick, cases: tuple[SpeedCase, ...] = SCALING) -> list[dict[str
 class SimSpeed:
     name = "simspeed"
     title = "Simulator speed: compiled vs pure Python, and against workers"
+    main_job = False  # a check of the simulator's own speed: its own command
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         case = SpeedCase()
