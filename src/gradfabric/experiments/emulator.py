@@ -37,7 +37,7 @@ class Emulator:
     title = "Emulator: DDP training through the software switch (UDP)"
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
-        steps = 12 if quick else 60
+        steps = 8 if quick else 60
         cfgs = [EmuTrainConfig(policy=p, steps=steps, loss=0.05) for p in EMULATED]
         config = {"training": [asdict(c) for c in cfgs]}
         res = ExperimentResult(self.name, self.title, config=config)
@@ -81,7 +81,7 @@ class Emulator:
                 out / "emulator_loss.png",
             ).name
         )  # fmt: skip
-        for w in (2, 4):
+        for w in (2,) if quick else (2, 4):  # (quick: 4 workers on the shaped star below)
             tick(f"bench switch, {w} workers")
             row = run_switch_bench(SwitchBenchConfig(workers=w, iters=3 if quick else 10,
                                                      multicast=True))  # fmt: skip

@@ -4,7 +4,7 @@ ATP against ESA, in the setting where the simulator predicts ESA a gain
 (the pool scarce: two jobs' windows overfill it; workers out of lockstep)
 and two where it predicts none (an ample pool; workers in lockstep); the
 simulator's JCT for the same trace beside each. Full: 10 traces per
-setting; quick: 4 traces of the first setting (the headline's) alone.
+setting; quick: 3 traces of the first setting (the headline's) alone.
 Every worker sums through ``InaClient.allreduce`` (``ina_hook``'s path),
 its exponents carried from the last step's sum (``wire.carried``)."""
 
@@ -210,7 +210,7 @@ class EsaTrain:
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         # quick: the headline's setting alone (where the simulator predicts ESA a gain)
         setting = dict(list(settings().items())[:1]) if quick else None
-        res = study(default_config(), seeds=4 if quick else 10, setting=setting, tick=tick)
+        res = study(default_config(), seeds=3 if quick else 10, setting=setting, tick=tick)
         result = ExperimentResult(self.name, self.title, rows=res["rows"], config=res["config"])
         result.claims += claims(res)
         result.plots.append(draw(res, out))
