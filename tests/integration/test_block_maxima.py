@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.emu.client import NON_FINITE, block_maxima
-from gradfabric.lab.spawn import spawn
+from gradfabric.net.launch import spawn
 
 BLOCKS = 37
 

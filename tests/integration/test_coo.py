@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradfabric.collectives import coo
-from gradfabric.lab.spawn import spawn
+from gradfabric.net.launch import spawn
 
 SHAPES = ((40, 4), (7, 5), (300, 6))  # (rows, width) per table
 

@@ -738,7 +738,7 @@ def test_a_helper_that_dies_mid_help_is_named_and_the_job_stops_cleanly() -> Non
 
     cfg = SaatpTrainConfig(steps=6, compute_ms=30.0, kill_helper_at=2, timeout_s=60.0)
     with pytest.raises(
-        RuntimeError, match=r"worker [23] died \(exit code 17\) before it could finish"
+        RuntimeError, match=r"worker [23] died \(exit code 17\) before it finished"
     ):
         run_switch(cfg, help=True)
     assert not [p for p in mp.active_children() if p.name.startswith("ForkServerProcess")]
@@ -919,7 +919,7 @@ def test_a_rank_killed_mid_iteration_in_ddp_is_named() -> None:
     so the bound is two rounds of the 3 s timeout and its grace."""
     import tempfile
 
-    from gradfabric.lab.spawn import spawn
+    from gradfabric.net.launch import spawn
 
     with switch_daemon("--policy", "atp") as sw, tempfile.TemporaryDirectory() as tmp:
         spawn(_ddp_rank_that_may_die, 3, (sw.control_text, tmp), deadline_s=90,
@@ -985,7 +985,7 @@ def test_float_allreduce_through_the_switch_carries_nan_and_inf_as_a_dense_sum()
     rounding of the result, under 1.2e-7 of it."""
     import tempfile
 
-    from gradfabric.lab.spawn import spawn
+    from gradfabric.net.launch import spawn
 
     with switch_daemon("--policy", "atp", "--loss", "0.05", "--rto-ms", "10") as sw:
         ticket_probe = Ticket.register(sw.control, 2)
@@ -1092,8 +1092,8 @@ def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> N
     """Real training through the switch, the slow rank moving every 2 steps:
     helpers send the slow rank's gradients, and the loss curve and weights
     equal the in-process replay of the same fixed-point steps bit for bit."""
-    from gradfabric.experiments.saatp_train import run_mode
     from gradfabric.lab.job import reference
+    from gradfabric.lab.saatp_alternatives import run_mode
 
     ref = reference(SAATP_TRAIN)
     sa = run_mode(SAATP_TRAIN, "saatp")
@@ -1108,8 +1108,8 @@ def test_saatp_trainings_baselines_train_the_same_batch() -> None:
     speed-proportional shares (which re-balance from measured speeds) train
     the same global batch to the same losses; backup workers' server leaves
     the slow rank's gradient out of every step."""
-    from gradfabric.experiments.saatp_train import run_mode
     from gradfabric.lab.job import reference
+    from gradfabric.lab.saatp_alternatives import run_mode
 
     cfg = SAATP_TRAIN
     ref = reference(cfg)

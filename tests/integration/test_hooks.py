@@ -50,7 +50,7 @@ from gradfabric.collectives import AutoState, OmniState, auto_hook, omnireduce_h
 from gradfabric.collectives.fast import register_hook, why_not
 from gradfabric.collectives.rows import RowState, rows_hook
 from gradfabric.core.errors import PeerTimeoutError
-from gradfabric.lab.spawn import spawn
+from gradfabric.net.launch import spawn
 from gradfabric.net.overlap import Overlapped
 
 FEATURES = (

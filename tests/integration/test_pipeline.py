@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradfabric.lab.spawn import spawn
+from gradfabric.net.launch import spawn
 from gradfabric.planner.cost import Group, Plan, Stage
 from gradfabric.planner.pipeline import PlanRunner, as_run, owner_sets, whole_batches
 

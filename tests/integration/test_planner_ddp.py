@@ -8,7 +8,7 @@ import tempfile
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradfabric.lab.spawn import spawn
+from gradfabric.net.launch import spawn
 from gradfabric.planner.cost import split
 from gradfabric.planner.runtime import UnevenConfig, loss_weight, run_uneven
 

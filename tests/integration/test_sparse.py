@@ -14,7 +14,7 @@ from gradfabric.collectives import OmniState, omnireduce_hook, sparse_allreduce
 from gradfabric.collectives.sparse import DENSE_MARGIN
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.lab.collective_bench import block_sparse
-from gradfabric.lab.spawn import spawn
+from gradfabric.net.launch import spawn
 
 
 def _sparse_input(rank: int, n: int, density: float, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradfabric.lab.spawn import spawn
 from gradfabric.net import netns
+from gradfabric.net.launch import spawn
 
 pytestmark = pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")
 

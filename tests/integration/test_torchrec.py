@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradfabric.lab.spawn import spawn
+from gradfabric.net.launch import spawn
 
 pytest.importorskip("torchrec", reason="the TorchRec extra is not installed")
 

@@ -78,7 +78,7 @@ def test_a_ddp_job_trains_across_the_wires_sequence_limit(native: bool) -> None:
     same job started at 0 (the same quantisation, the same integer sums)."""
     import torch
 
-    from gradfabric.lab.spawn import spawn
+    from gradfabric.net.launch import spawn
 
     if native:
         require("the worker node", datapath.PATH, datapath.WHY_NOT)

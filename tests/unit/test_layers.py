@@ -71,6 +71,22 @@ def test_no_module_runs_past_600_lines() -> None:
     assert not long, long
 
 
+# What starts the processes of a run: rank and host processes from Python,
+# torchrun as a program. Only the launcher does; the grid executor
+# (core/cells.py) runs an experiment's independent cells on a pool.
+STARTS_PROCESSES = ("get_context(", ".Process(", "start_processes(", "torch.distributed.run")
+LAUNCHERS = {"net/launch.py", "core/cells.py"}
+
+
+def test_one_launcher_starts_every_run_s_processes() -> None:
+    """Ranks and hosts start in ``net/launch.py`` alone, so every run gets
+    the same rank life and the same naming of a dead or late peer."""
+    elsewhere = sorted(f"{rel}: {what}" for p in ROOT.rglob("*.py")
+                       if (rel := str(p.relative_to(ROOT))) not in LAUNCHERS
+                       for what in STARTS_PROCESSES if what in p.read_text())  # fmt: skip
+    assert not elsewhere, elsewhere
+
+
 def _module_of(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     return ".".join(("gradfabric", *rel.parts)).removesuffix(".__init__")

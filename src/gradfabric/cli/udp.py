@@ -147,7 +147,8 @@ def saatp_udp(args: argparse.Namespace) -> int:
 
 
 def saatp_train(args: argparse.Namespace) -> int:
-    from gradfabric.experiments.saatp_train import MODES, claims, draw_loss, draw_steps, study
+    from gradfabric.experiments.saatp_train import claims, draw_loss, draw_steps, study
+    from gradfabric.lab.saatp_alternatives import MODES
     from gradfabric.lab.saatp_train import SaatpTrainConfig
 
     cfg = SaatpTrainConfig(steps=args.steps, compute_ms=args.compute_ms, slowdown=args.slowdown)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -25,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.collectives.sparse import OmniState, sparse_allreduce
-from gradfabric.lab.spawn import spawn
-from gradfabric.net.launch import end_group, init_group, leave
+from gradfabric.net.launch import spawn
 
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.08, 0.04, 0.02, 0.01)
 
@@ -92,13 +89,17 @@ def run_bench(
     """Run the benchmark on loopback, or with ``link_gbps`` in network
     namespaces whose links are shaped to that rate (root only)."""
     values = int(size_mb * 2**20) // 4
+    # Ranks share the host's cores: one intra-op thread each, or they spin
+    # against each other (both paths are timed under the same setting).
+    args, threads = (values, densities, iters), _threads(ranks)
     with tempfile.TemporaryDirectory() as tmp:
         if link_gbps is None:
-            # Ranks share the host's cores: one intra-op thread each, or they
-            # spin against each other (both paths are timed under the same setting).
-            spawn(_measure, ranks, (tmp, values, densities, iters), threads=_threads(ranks))
+            spawn(_measure, ranks, (tmp, *args), threads=threads, deadline_s=3600)
         else:
-            _run_in_namespaces(ranks, link_gbps, tmp, values, densities, iters)
+            from gradfabric.net.netns import shaped_star
+
+            with shaped_star(ranks, link_gbps) as hosts:
+                spawn(_measure, ranks, (tmp, *args), threads=threads, hosts=hosts, deadline_s=3600)
         per_rank = [torch.load(f"{tmp}/{r}.pt") for r in range(ranks)]
     out = []
     for i, density in enumerate(densities):
@@ -130,49 +131,5 @@ def run_bench(
     return out
 
 
-def _run_in_namespaces(
-    ranks: int, link_gbps: float, tmp: str, values: int, densities: list[float], iters: int
-) -> None:
-    from gradfabric.net.netns import shaped_star
-
-    with shaped_star(ranks, link_gbps) as hosts:
-        port = 29400 + os.getpid() % 500
-        procs = []
-        for r, h in enumerate(hosts):
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": h.ifname}
-            cmd = [
-                "ip",
-                "netns",
-                "exec",
-                h.netns,
-                sys.executable,
-                "-m",
-                "gradfabric.lab.collective_bench",
-                str(r),
-                str(ranks),
-                hosts[0].ip,
-                str(port),
-                tmp,
-                str(values),
-                ",".join(map(str, densities)),
-                str(iters),
-            ]
-            procs.append(subprocess.Popen(cmd, env=env))
-        codes = [p.wait(timeout=3600) for p in procs]
-        if any(codes):
-            raise RuntimeError(f"benchmark ranks exited with {codes}")
-
-
 def _threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks)
-
-
-if __name__ == "__main__":  # one rank, inside a network namespace
-    a = sys.argv[1:]
-    rank, ranks = int(a[0]), int(a[1])
-    os.environ.update(RANK=a[0], WORLD_SIZE=a[1], MASTER_ADDR=a[2], MASTER_PORT=a[3])
-    torch.set_num_threads(_threads(ranks))
-    init_group()  # (as torchrun's ranks join: with faulthandler on)
-    _measure(rank, ranks, a[4], int(a[5]), [float(x) for x in a[6].split(",")], int(a[7]))
-    end_group()
-    leave()

@@ -37,8 +37,8 @@ import torch
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import InaClient, Ticket
-from gradfabric.lab.hosts import run_hosts
 from gradfabric.lab.job import Replica, data, fingerprint, reference
+from gradfabric.net.launch import run_hosts
 from gradfabric.net.netns import NsHost, call_in, enter, tor_star
 from gradfabric.proto.priority import srpt_aging
 

@@ -426,7 +426,7 @@ def _measure(
 ) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Per plan, its step times (each the slowest rank's) and the throttle's
     score summed over ranks."""
-    from gradfabric.lab.spawn import spawn
+    from gradfabric.net.launch import spawn
     from gradfabric.net.netns import shaped_star
 
     require_fits(workload(cfg), devices(cfg), chosen)

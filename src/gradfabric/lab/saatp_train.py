@@ -39,9 +39,9 @@ import torch
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import Ticket
-from gradfabric.lab.hosts import run_hosts
 from gradfabric.lab.job import DAEMON, Replica, accuracy, data, fingerprint, model
 from gradfabric.lab.saatp_udp import HelpedWorker
+from gradfabric.net.launch import run_hosts
 from gradfabric.proto.switch.straggler import holders
 
 

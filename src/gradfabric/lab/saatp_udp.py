@@ -37,7 +37,7 @@ import numpy as np
 from gradfabric.core.errors import ConfigError
 from gradfabric.emu.client import Ticket, scheme_worker
 from gradfabric.emu.switchd import control_call
-from gradfabric.lab.hosts import run_hosts
+from gradfabric.net.launch import run_hosts
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver, HelpRequest
 from gradfabric.proto.host import HostEngine

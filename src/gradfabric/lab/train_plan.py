@@ -288,7 +288,7 @@ def train_plan(cfg: TrainPlanConfig, trace: Trace | None = None) -> dict[str, An
     """Run the job over ``trace`` (default ``default_trace``) under each of
     ``cfg.schedules``, ``cfg.repeats`` times; per-slot rows, one row per
     schedule and a summary (see the module doc)."""
-    from gradfabric.lab.spawn import spawn
+    from gradfabric.net.launch import spawn
 
     trace = default_trace(len(cfg.exec.speeds)) if trace is None else trace
     if not trace:

@@ -12,7 +12,6 @@ what they received. Every scheme the simulator runs runs here
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.net.launch import Hosts
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver
 from gradfabric.proto.interface import Engine
@@ -74,7 +74,7 @@ def _node_main(spec: _NodeSpec, conn: Connection) -> None:
     try:
         asyncio.run(_node(spec, conn))
     except Exception as e:  # report, never hang the parent
-        conn.send(("error", f"{spec.name}: {e!r}"))
+        conn.send(f"{spec.name}: {e!r}")
 
 
 async def _recv(conn: Connection) -> Any:
@@ -102,7 +102,7 @@ async def _node(spec: _NodeSpec, conn: Connection) -> None:
 
     transport, proto = await open_engine(engine, {}, ("127.0.0.1", 0), on_deliver)
     try:
-        conn.send(("port", transport.get_extra_info("sockname")[1]))
+        conn.send(transport.get_extra_info("sockname")[1])  # the port
         proto.book.update(await _recv(conn))
         if name in p.workers:
             await _recv(conn)  # "go": every node has its address book
@@ -116,10 +116,10 @@ async def _node(spec: _NodeSpec, conn: Connection) -> None:
                 if proto.gave_up.done():
                     raise proto.gave_up.result()
                 raise PeerTimeoutError(kind.entry(p), timeout_s)
-            conn.send(("result", result, dict(engine.counters)))
+            conn.send((result, dict(engine.counters)))
         else:
             await _recv(conn)  # "stop"
-            conn.send(("counters", dict(engine.counters)))
+            conn.send(dict(engine.counters))
     finally:
         transport.close()
 
@@ -135,49 +135,19 @@ def udp_allreduce(
     """All-reduce ``values`` int32 per worker through a switch process on loopback."""
     ina = ina or UDP_DEFAULTS
     names = list(job_engines(scheme, workers, ina, values))
-    ctx = mp.get_context("spawn")
-    procs, conns = {}, {}
-    for name in names:
-        parent, child = ctx.Pipe()
-        spec = _NodeSpec(scheme, name, workers, ina, seed, values, timeout_s)
-        p = ctx.Process(target=_node_main, args=(spec, child), daemon=True)
-        p.start()
-        procs[name], conns[name] = p, parent
-    try:
-        book = {}
-        for name in names:
-            _, port = _expect(conns[name], timeout_s, "port")
-            book[name] = ("127.0.0.1", port)
-        for name in names:
-            conns[name].send(book)
+    specs = [(_NodeSpec(scheme, n, workers, ina, seed, values, timeout_s),) for n in names]
+    workers_at = sorted((i for i, n in enumerate(names) if n.startswith("w")),
+                        key=lambda i: int(names[i][1:]))  # w0, w1, ...  # fmt: skip
+    others = [i for i in range(len(names)) if i not in workers_at]
+    with Hosts(_node_main, specs, method="spawn", names=names) as nodes:
+        ports = nodes.gather(timeout_s, "it bound its port")
+        nodes.send({n: ("127.0.0.1", port) for n, port in zip(names, ports, strict=True)})
         t0 = time.perf_counter()
-        wnames = [n for n in names if n.startswith("w")]  # the workers, w0..
-        for name in wnames:
-            conns[name].send("go")
-        results, counters = [], {}
-        for name in sorted(wnames, key=lambda n: int(n[1:])):
-            _, arr, cnt = _expect(conns[name], timeout_s, "result")
-            results.append(arr)
-            counters[name] = cnt
+        nodes.send("go", workers_at)
+        done = nodes.gather(timeout_s, "its result", workers_at)
         wall = time.perf_counter() - t0
-        for name in names:
-            if name not in wnames:
-                conns[name].send("stop")
-                counters[name] = _expect(conns[name], timeout_s, "counters")[1]
-        return UdpResult(results, wall, counters)
-    finally:
-        for p in procs.values():
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-
-
-def _expect(conn: Connection, timeout_s: float, kind: str) -> tuple[Any, ...]:
-    if not conn.poll(timeout_s):
-        raise PeerTimeoutError("node process", timeout_s)
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError(msg[1])
-    if msg[0] != kind:
-        raise RuntimeError(f"expected {kind!r}, got {msg[0]!r}")
-    return tuple(msg)
+        nodes.send("stop", others)
+        stopped = nodes.gather(timeout_s, "it stopped", others)
+        counters = {names[i]: cnt for i, cnt in zip(others, stopped, strict=True)}
+        counters |= {names[i]: cnt for i, (_, cnt) in zip(workers_at, done, strict=True)}
+        return UdpResult([arr for arr, _ in done], wall, counters)

@@ -1,23 +1,41 @@
-"""Launch a torch.distributed program on N ranks with torchrun.
+"""Every process a run starts comes from here: three ways in, one rank life.
 
-On loopback: one ``torchrun`` with ``--nproc-per-node N``. On shaped links:
-each rank is a host in its own network namespace on a ``shaped_star`` (one
-``torchrun`` per namespace, ``--nnodes N --node-rank r``, rendezvous at rank
-0's address), so every byte between ranks crosses a tbf-shaped veth. The
-program reads ``RANK``/``WORLD_SIZE`` from the environment as under any
-torchrun launch.
+- ``run_ranks`` / ``run_on_hosts``: a program under torchrun, as users launch
+  training. On loopback one ``torchrun --nproc-per-node N``; on shaped links
+  each rank is a host in its own network namespace on a ``shaped_star`` (one
+  ``torchrun`` per namespace, ``--nnodes N --node-rank r``, rendezvous at rank
+  0's address), so every byte between ranks crosses a tbf-shaped veth. The
+  program reads ``RANK``/``WORLD_SIZE`` from the environment; ``run_rank``
+  is its body.
+- ``spawn``: a function on N ranks of a process group (the tests, the
+  benches, the planner's executed plans), met in a private ``FileStore``.
+- ``Hosts`` / ``run_hosts``: processes that meet only through the network
+  (the switch's clients, the UDP engines), talking to the parent over pipes.
+
+All three give every process the same life (``faulthandler`` on; a group
+joined, left in order by ``end_group`` and the process ended by ``leave``)
+and name the rank or host that died or overran its deadline. Not here:
+``core.cells`` runs an experiment's independent cells on a pool, dask or
+ray, a grid executor rather than the processes of one run.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing as mp
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from types import TracebackType
+from typing import Any
 
 from gradfabric.core.errors import PeerTimeoutError
-from gradfabric.net.netns import NsHost
+from gradfabric.net.netns import NsHost, enter
 
 
 def _torchrun(nproc: int, *where: str, max_restarts: int = 0) -> list[str]:
@@ -193,5 +211,244 @@ def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
         for p in procs:
             p.kill()
         raise PeerTimeoutError("torchrun ranks", timeout_s) from None
-    if any(codes):
-        raise RuntimeError(f"ranks exited with {codes}")
+    failed = [f"rank {r} (exit code {c})" for r, c in enumerate(codes) if c]
+    if failed:
+        raise RuntimeError(f"torchrun ranks failed: {', '.join(failed)}")
+
+
+# --- spawn: a function on N ranks of a process group ---
+#
+# Run a function on N local torch.distributed ranks, with a rendezvous that
+# cannot race and a teardown that cannot abort.
+#
+# Every multi-process test and benchmark used to carry three bugs of one class,
+# which ``spawn`` and ``_entry`` close:
+#
+# - **A port chosen by binding a socket and closing it** is free only until
+#   another process takes it (a test running beside this one, or gloo's own pair
+#   listeners, which bind ephemeral ports too). The ranks here meet in a
+#   ``FileStore`` inside a private temporary directory instead: no other run can
+#   name it, and gloo's listeners still bind whatever port the kernel hands
+#   them, so nothing is chosen and released.
+# - **A process group that outlives its function.** DDP's reducer (and any hook
+#   state) holds the C++ process group, so ``destroy_process_group`` inside the
+#   function only unregisters it; the group itself is then destroyed during
+#   interpreter finalisation with gloo's threads still running, and
+#   ``std::terminate`` ends the rank with SIGABRT ("terminate called without an
+#   active exception"), one run in a few. The entry here runs the function to
+#   its end (its locals, the DDP module among them, are gone when it returns),
+#   waits at a barrier so that no rank has work in flight, collects garbage and
+#   only then destroys the group, while the interpreter is whole.
+# - **A teardown after the teardown.** Even then a group outlives
+#   ``destroy_process_group`` once a rank built a DDP module, and torch tears
+#   it down in the interpreter's finalisation beside gloo's threads (a rank
+#   aborted once in the suite's runs, most likely there). A rank whose work
+#   returned and whose group was destroyed in order leaves with
+#   ``os._exit(0)`` (``leave``, which says more); ``faulthandler``
+#   is on in every rank, so a fatal signal before that prints every thread's
+#   Python stack.
+#
+# A function that ends with an exception skips the barrier (its peers may be
+# dead or stuck) and the exception reaches ``torch.multiprocessing``'s report.
+# Functions that kill a rank on purpose pass ``barrier_at_exit=False``.
+
+RankFn = Callable[..., None]  # fn(rank, world, *args)
+
+
+def _entry(
+    rank: int,
+    fn: RankFn,
+    world: int,
+    store_path: str,
+    args: tuple[Any, ...],
+    timeout_s: float,
+    barrier_at_exit: bool,
+    backend: str,
+    threads: int | None,
+    hosts: list[NsHost] | None,
+) -> None:
+    faulthandler.enable()  # (a fatal signal prints every thread's Python stack)
+    if hosts is not None:  # (first: gloo's sockets must be made in the namespace)
+        enter(hosts[rank])
+    import torch
+    import torch.distributed as dist
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    fn(rank, world, *args)
+    end_group(barrier_at_exit)
+    leave()
+
+
+def spawn(
+    fn: RankFn,
+    world: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout_s: float = 120.0,
+    deadline_s: float = 600.0,
+    barrier_at_exit: bool = True,
+    backend: str = "gloo",
+    threads: int | None = None,
+    hosts: list[NsHost] | None = None,
+) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks inside a
+    process group of ``backend`` and wait for all of them.
+
+    ``timeout_s`` is the group's collective timeout; ``deadline_s`` bounds the
+    whole run: past it the ranks still running are killed and
+    ``PeerTimeoutError`` names them. A rank's exception or fatal signal is
+    raised here as ``torch.multiprocessing``'s ``ProcessRaisedException`` /
+    ``ProcessExitedException``. ``threads``: intra-op threads per rank (ranks
+    that share a few cores spin against each other otherwise). ``hosts``:
+    rank ``r`` runs in ``hosts[r]``'s network namespace and its gloo sockets
+    on that host's link (``net.netns``; the rendezvous is a file, which every
+    namespace sees)."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if hosts is not None and len(hosts) != world:
+        raise ValueError(f"{world} ranks need {world} hosts, got {len(hosts)}")
+    with tempfile.TemporaryDirectory(prefix="gf-rdzv-") as rdzv:
+        store = os.path.join(rdzv, "store")
+        entry_args = (fn, world, store, args, timeout_s, barrier_at_exit, backend, threads, hosts)
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+            _entry, args=entry_args, nprocs=world, join=False, start_method="spawn"
+        )
+        end = time.monotonic() + deadline_s
+        try:
+            while not ctx.join(timeout=max(0.0, end - time.monotonic())):
+                if time.monotonic() >= end:
+                    alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                    raise PeerTimeoutError(", ".join(f"rank {r}" for r in alive), deadline_s)
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+
+
+# --- Hosts: processes that meet only through the network ---
+
+
+class Hosts:
+    """One process per ``args`` entry, each running ``target(*args, conn)``
+    with a pipe to the parent, started together and stopped together.
+
+    The parent talks to them by index: ``send`` a message to some or all,
+    ``gather`` one message from each of some or all. A string that is not
+    an expected word is a host's error, raised here with its text; a host
+    that exits without its message is named at once (a killed peer must not
+    cost the others' timeouts); a host past the deadline is named in a
+    ``PeerTimeoutError``. On leaving the ``with`` block every host still
+    alive is given ``grace_s`` to exit, then killed.
+
+    ``method``: ``"forkserver"`` forks each host from a server that imported
+    ``target``'s module (and so torch) once and has run nothing: hosts start
+    in a fraction of a second, not the seconds of every process importing
+    torch anew, and no parent thread is forked. ``"spawn"`` starts bare."""
+
+    def __init__(
+        self, target: Callable[..., None], args: list[tuple[Any, ...]],
+        method: str = "forkserver", names: list[str] | None = None, grace_s: float = 5.0,
+    ) -> None:  # fmt: skip
+        ctx: Any = mp.get_context(method)
+        if method == "forkserver":
+            ctx.set_forkserver_preload([target.__module__])
+        self.names = names or [f"host {i}" for i in range(len(args))]
+        self.grace_s = grace_s
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        try:
+            for a in args:
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=target, args=(*a, child), daemon=True)
+                p.start()
+                self._procs.append(p)
+                self._conns.append(parent)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Hosts:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(wait=kind is None)
+
+    def send(self, msg: Any, which: Iterable[int] | None = None) -> None:
+        for i in range(len(self._conns)) if which is None else which:
+            self._conns[i].send(msg)
+
+    def gather(
+        self, seconds: float, what: str, which: Iterable[int] | None = None,
+        words: tuple[str, ...] = ("ready",),
+    ) -> list[Any]:  # fmt: skip
+        """One message from each host of ``which`` (default all) within
+        ``seconds``, in that order; ``what`` names the step in errors."""
+        order = list(range(len(self._conns)) if which is None else which)
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + seconds
+        while len(got) < len(order):
+            waiting = [i for i in order if i not in got]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = ", ".join(self.names[i] for i in waiting)
+                raise PeerTimeoutError(f"{late} (to {what})", seconds)
+            conns = [self._conns[i] for i in waiting]
+            ready = set(wait(conns + [self._procs[i].sentinel for i in waiting], left))
+            for i in waiting:
+                if self._conns[i] in ready or self._conns[i].poll():
+                    try:
+                        msg = self._conns[i].recv()
+                    except EOFError:
+                        msg = None
+                    if isinstance(msg, str) and msg not in words:
+                        raise RuntimeError(msg)
+                    if msg is not None:
+                        got[i] = msg
+                        continue
+                if self._procs[i].sentinel in ready or not self._procs[i].is_alive():
+                    self._procs[i].join(1)
+                    code = self._procs[i].exitcode
+                    raise RuntimeError(f"{self.names[i]} died (exit code {code}) before {what}")
+        return [got[i] for i in order]
+
+    def close(self, wait: bool = False) -> None:
+        """Stop every host: after a clean run each gets ``grace_s`` to exit;
+        after a failure the others are stuck on the lost peer, killed now."""
+        for p in self._procs:
+            if wait:
+                p.join(self.grace_s)
+            if p.is_alive():
+                p.kill()
+                p.join(self.grace_s)
+
+
+def run_hosts(
+    target: Callable[..., None],
+    args: list[tuple[Any, ...]],
+    start_s: float,
+    total_s: float,
+    go_at: float | None = None,
+) -> list[Any]:
+    """The common run of ``Hosts``: each host says "ready" (within
+    ``start_s``), all are told "go" together (not before ``go_at``, a
+    ``time.monotonic()`` instant, where given), and each one's record is
+    collected (within ``total_s``)."""
+    with Hosts(target, args, names=[f"worker {i}" for i in range(len(args))]) as hosts:
+        hosts.gather(start_s, "it started")
+        if go_at is not None:
+            time.sleep(max(0.0, go_at - time.monotonic()))
+        hosts.send("go")
+        return hosts.gather(total_s, "it finished")
