@@ -1,4 +1,4 @@
-"""The block exponents' agreement (``emu.client.block_maxima``) on a real gloo
+"""The block exponents' agreement (``runtime.client.block_maxima``) on a real gloo
 group: every rank ends with the maximum over all ranks' exponents per block,
 the "not finite" mark included, against numpy's maximum of the same seeded
 arrays."""
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradfabric.emu.client import NON_FINITE, block_maxima
 from gradfabric.net.launch import spawn
+from gradfabric.runtime.client import NON_FINITE, block_maxima
 
 BLOCKS = 37
 

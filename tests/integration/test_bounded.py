@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.client import InaClient, Ticket, together
-from gradfabric.emu.control import control_call
 from gradfabric.lab.daemon import RunningSwitch, switch_daemon
 from gradfabric.proto.routes import atp_index
+from gradfabric.runtime.client import InaClient, Ticket, together
+from gradfabric.runtime.control import control_call
 from gradfabric.wire.packet import Flag, Packet, encode
 
 WINDOW = 16  # the daemon's --job-slots: its PS keeps 4 of them, and 4 times that in merges

@@ -23,7 +23,11 @@ import pytest
 
 from gradfabric.cli import main
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.client import (
+from gradfabric.lab.daemon import RunningSwitch, start_switch, stop_switch, switch_daemon
+from gradfabric.lab.saatp_train import SaatpTrainConfig
+from gradfabric.net import datapath, netns, switchpath
+from gradfabric.net.peers import GRACE_S
+from gradfabric.runtime.client import (
     InaClient,
     OmniClient,
     Session,
@@ -31,10 +35,6 @@ from gradfabric.emu.client import (
     parse_address,
     together,
 )
-from gradfabric.lab.daemon import RunningSwitch, start_switch, stop_switch, switch_daemon
-from gradfabric.lab.saatp_train import SaatpTrainConfig
-from gradfabric.net import datapath, netns, switchpath
-from gradfabric.net.peers import GRACE_S
 from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import Flag, Packet, encode
 from tests.native import require
@@ -66,7 +66,7 @@ def _exact_rounds(
 def _stats(sw: RunningSwitch) -> dict[str, Any]:
     import asyncio
 
-    from gradfabric.emu.switchd import control_call
+    from gradfabric.runtime.switchd import control_call
 
     return asyncio.run(control_call(sw.control, {"op": "stats"}))
 
@@ -79,7 +79,7 @@ def test_aggregates_exact_under_loss_duplication_and_reordering(policy: str) -> 
     where built)."""
     with switch_daemon(
         "--policy", policy, "--loss", "0.05", "--dup", "0.02", "--jitter-us", "300",
-        "--rto-ms", "10",
+        "--rto-ms", "10", "--values-per-packet", "1024",  # (datagrams enough for the odds below)
     ) as sw:  # fmt: skip
         ticket = Ticket.register(sw.control, 3)
         if policy == "omni":
@@ -131,7 +131,7 @@ def test_multicast_results_leave_the_switch_once_and_stay_exact(
     assert sum(c.counters["retransmits"] for c in clients) == 0
     if datapath == "python":
         with switch_daemon("--policy", policy, "--multicast", "--loss", "0.05", "--dup", "0.02",
-                           "--rto-ms", "10") as sw:  # fmt: skip
+                           "--rto-ms", "10", "--values-per-packet", "1024") as sw:  # fmt: skip
             ticket = Ticket.register(sw.control, 3)
             clients = [InaClient(ticket, r, timeout_s=30) for r in range(3)]
             try:
@@ -142,12 +142,72 @@ def test_multicast_results_leave_the_switch_once_and_stay_exact(
             assert _stats(sw)["counters"]["impair_loss"] > 0
 
 
-def test_multicast_needs_an_address_to_send_from() -> None:
-    from gradfabric.emu.switchd import SwitchConfig
+def test_groups_are_offered_by_default_but_not_from_the_wildcard_address() -> None:
+    """Every job is offered a group unless the daemon serves on the wildcard
+    address (which names no interface to send the groups from) or is told
+    not to: then each worker gets its copy."""
+    from gradfabric.runtime.switchd import SwitchConfig, SwitchDaemon
 
-    with pytest.raises(ConfigError, match="multicast"):
-        SwitchConfig(multicast=True, host="0.0.0.0")
-    assert SwitchConfig(multicast=True).multicast
+    assert SwitchDaemon(SwitchConfig()).multicast
+    assert not SwitchDaemon(SwitchConfig(host="0.0.0.0")).multicast
+    assert not SwitchDaemon(SwitchConfig(multicast=False)).multicast
+
+
+def test_with_no_flags_results_go_multicast_once_every_rank_got_the_probe() -> None:
+    """A daemon started with no flag: each rank asks for a probe through its
+    job's group and says it came; from then on each result leaves once."""
+    with switch_daemon() as sw:
+        ticket = Ticket.register(sw.control, 3)
+        clients = [InaClient(ticket, r, timeout_s=30) for r in range(3)]
+        try:
+            assert [c.multicast for c in clients] == ["on"] * 3
+            _exact_rounds(clients, 2, np.random.default_rng(7), (1025, 70_001))
+        finally:
+            for c in clients:
+                c.close()
+        stats = _stats(sw)
+    assert stats["jobs"][str(ticket.job_id)]["multicast"] is True
+    assert stats["counters"]["multicast_probes"] == 3
+    assert [c.counters["results"] for c in clients] == [stats["counters"]["tx_datagrams"]] * 3
+
+
+def _unreached_worker(host: Any, ticket: Ticket, rank: int, conn: Any) -> None:
+    try:
+        netns.enter(host)
+        client = InaClient(ticket, rank, timeout_s=20)
+        conn.send("ready")
+        conn.recv()
+        x = np.arange(70_001, dtype=np.int32) * (rank + 1)
+        conn.send((client.allreduce_ints(x), client.multicast))
+        client.close()
+    except Exception as e:
+        conn.send(f"rank {rank}: {e!r}")
+
+
+@pytest.mark.skipif(not netns.usable() or not netns.nft_available(),
+                    reason="needs network namespaces and nftables")  # fmt: skip
+def test_a_rank_the_group_does_not_reach_gets_its_results_one_by_one() -> None:
+    """A network that does not carry the group to one rank (its host drops
+    multicast, nftables): that rank's probe never comes, it says so, and
+    its job's results go to each worker: exact, and the daemon says why."""
+    from gradfabric.net.launch import run_hosts
+
+    with netns.tor_star(2, 1.0) as (hosts, tor):
+        rule = (b"add table inet gfmc\nadd chain inet gfmc in "
+                b"{ type filter hook input priority 0; }\n"
+                b"add rule inet gfmc in ip daddr 224.0.0.0/4 counter drop\n")  # fmt: skip
+        subprocess.run(["ip", "netns", "exec", hosts[1].netns, "nft", "-f", "-"], input=rule,
+                       check=True, capture_output=True)  # fmt: skip
+        with switch_daemon(host=tor) as sw:
+            ticket = netns.call_in(tor, Ticket.register, sw.control, 2)
+            recs = run_hosts(_unreached_worker, [(hosts[r], ticket, r) for r in range(2)], 30, 60)
+            stats = netns.call_in(tor, _stats, sw)
+    ref = np.arange(70_001, dtype=np.int64) * 3
+    for out, _ in recs:
+        np.testing.assert_array_equal(out, ref)
+    assert recs[0][1] == "on" and "no probe" in recs[1][1], recs
+    assert "rank 1 got no probe" in stats["jobs"][str(ticket.job_id)]["multicast"]
+    assert stats["counters"]["multicast_refused"] == 1
 
 
 def _fire(
@@ -421,7 +481,7 @@ def test_switch_killed_mid_collective_and_restarted_resumes_exact(
 def _agreed(xs: list[np.ndarray], ticket: Ticket, call: int) -> list[Any]:
     """Each rank's ``Agreed`` for floats ``xs``, as ``agree`` makes it (the
     exponents' maximum over the ranks), without the gloo round."""
-    from gradfabric.emu.client import Agreed
+    from gradfabric.runtime.client import Agreed
     from gradfabric.wire.quant import block_exponents, block_scales
 
     vpp = ticket.values_per_packet
@@ -574,7 +634,8 @@ def test_daemon_cli_stats_metrics_and_sigterm(capsys: pytest.CaptureFixture[str]
             c.close()
         assert main(["stats", "--switch", sw.control_text, "--json"]) == 0
         st = json.loads(capsys.readouterr().out)
-        assert st["policy"] == "switchml" and st["counters"]["rx_gradient"] == 2 * 3
+        per_worker = -(-3000 // ticket.values_per_packet)  # datagrams each worker sent
+        assert st["policy"] == "switchml" and st["counters"]["rx_gradient"] == 2 * per_worker
         # a datagram under the job's id with a wrong token, and one naming no job
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.sendto(b"\0" * TOKEN_BYTES + encode(Packet(ticket.job_id, 0, 0)), sw.data)
@@ -589,9 +650,9 @@ def test_daemon_cli_stats_metrics_and_sigterm(capsys: pytest.CaptureFixture[str]
             assert time.monotonic() < deadline, body
         job = str(ticket.job_id)
         events = ("gradfabric_switch_events_total", frozenset({("event", "rx_gradient")}))
-        assert samples[events] == 6
+        assert samples[events] == 2 * per_worker
         assert samples[("gradfabric_switch_datagrams_received_total",
-                        frozenset({("job", job)}))] == 6  # fmt: skip
+                        frozenset({("job", job)}))] == 2 * per_worker  # fmt: skip
         assert samples[("gradfabric_switch_dropped_datagrams_total",
                         frozenset({("job", job), ("reason", "bad_token")}))] == 1  # fmt: skip
         assert samples[("gradfabric_switch_job_workers", frozenset({("job", job)}))] == 2
@@ -603,7 +664,7 @@ def test_daemon_cli_stats_metrics_and_sigterm(capsys: pytest.CaptureFixture[str]
             Ticket.register(sw.control, 0)
     finally:
         stop_switch(sw)
-    assert sw.proc.returncode == 0 and sw.final["counters"]["rx_gradient"] == 6
+    assert sw.proc.returncode == 0 and sw.final["counters"]["rx_gradient"] == 2 * per_worker
     assert main(["stats", "--switch", sw.control_text]) == 1  # nobody there now
 
 
@@ -881,7 +942,7 @@ def _ddp_rank_that_may_die(rank: int, world: int, control: str, out: str) -> Non
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gradfabric.emu.hook import ina_hook
+    from gradfabric.runtime.hook import ina_hook
     from gradfabric.workloads.digits import digits_data, digits_mlp
 
     client = InaClient.join(control=parse_address(control), timeout_s=3.0)

@@ -100,9 +100,9 @@ def _state(
         return OmniState(dense_skip=1), omnireduce_hook
     if hook in ("auto", "auto-sparse"):  # (auto-sparse: the table's gradient sparse)
         return AutoState(dense_skip=1, explore_every=2 if explore else 10**9), auto_hook
-    from gradfabric.emu.client import InaClient, parse_address
-    from gradfabric.emu.dlcp import DlcpClient
-    from gradfabric.emu.hook import dlcp_hook, ina_hook
+    from gradfabric.runtime.client import InaClient, parse_address
+    from gradfabric.runtime.dlcp import DlcpClient
+    from gradfabric.runtime.hook import dlcp_hook, ina_hook
 
     assert control is not None
     if hook == "dlcp":
@@ -193,7 +193,7 @@ def _rank(rank: int, world: int, hook: str, control: str | None, out: str) -> No
 
 
 def _daemon(hook: str) -> tuple[str, ...]:
-    from gradfabric.emu.dlcp import DlcpClient
+    from gradfabric.runtime.dlcp import DlcpClient
 
     if hook == "dlcp":
         return ("--policy", "dlcp", *DlcpClient.DAEMON_OPTIONS)
@@ -544,7 +544,7 @@ def test_each_hook_on_cuda_tensors_matches_ddp(hook: str) -> None:
 
 
 def _auto_switch_rank(rank: int, world: int, control: str, out: str) -> None:
-    from gradfabric.emu.client import InaClient, parse_address
+    from gradfabric.runtime.client import InaClient, parse_address
 
     params, paths = [], {}
     for hooked in (False, True):

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.net.launch import spawn
 from gradfabric.planner.cost import split
-from gradfabric.planner.runtime import UnevenConfig, loss_weight, run_uneven
+from gradfabric.planner.uneven import UnevenConfig, loss_weight, run_uneven
 
 SHARES = [3, 9, 1]
 

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import pytest
 
-from gradfabric.emu.client import InaClient, Ticket
 from gradfabric.lab.daemon import RunningSwitch, start_switch, stop_switch
+from gradfabric.runtime.client import InaClient, Ticket
 from tests.integration.test_emulator import _exact_rounds, _kill, _same_ports, _stats
 
 JOBS, WORKERS = 8, 3

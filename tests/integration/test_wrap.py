@@ -12,9 +12,9 @@ import tempfile
 import numpy as np
 import pytest
 
-from gradfabric.emu.client import InaClient, Ticket, parse_address, together
 from gradfabric.lab.daemon import switch_daemon
 from gradfabric.net import datapath
+from gradfabric.runtime.client import InaClient, Ticket, parse_address, together
 from tests.native import require
 
 LIMIT = 2**32
@@ -48,7 +48,7 @@ def _train(rank: int, world: int, control: str, out: str, native: bool) -> None:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gradfabric.emu.hook import ina_hook
+    from gradfabric.runtime.hook import ina_hook
     from gradfabric.workloads.digits import digits_data, digits_mlp
 
     x, y, _, _ = digits_data()

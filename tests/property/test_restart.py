@@ -5,7 +5,7 @@ duplicates and reorders them. At a random moment the switch (and its PS)
 are replaced by fresh engines and every packet in flight is lost (those
 towards the switch died with it; the emulator's workers take new sockets,
 so the old switch's late results cannot reach them), and the workers
-resynchronise as the daemon makes them (``emu.control``): the floor is the
+resynchronise as the daemon makes them (``runtime.control``): the floor is the
 smallest ``base`` at that moment, and each worker replays from it at its own
 later moment, taking the new switch's results meanwhile. Every worker must
 end with the int64 sum.
@@ -19,11 +19,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradfabric.emu.client import fast_retransmit
 from gradfabric.proto.actions import Deliver, Fail, Multicast, Send
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.schemes import SCHEMES, InaConfig, Placement
 from gradfabric.proto.worker import ResumableWorker, WorkerEngine
+from gradfabric.runtime.client import fast_retransmit
 from gradfabric.wire.packet import Packet
 
 VPP = 16

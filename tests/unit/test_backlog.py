@@ -10,8 +10,8 @@ import tempfile
 
 import pytest
 
-from gradfabric.emu import switchd
-from gradfabric.emu.switchd import SwitchConfig, SwitchDaemon
+from gradfabric.runtime import switchd
+from gradfabric.runtime.switchd import SwitchConfig, SwitchDaemon
 
 
 async def _push(n: int, read_after: int) -> tuple[list[bytes], SwitchDaemon]:

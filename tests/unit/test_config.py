@@ -49,9 +49,9 @@ def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
     """``switch serve --datapath native`` names why it cannot serve: a policy
     other than SwitchML, ATP, ESA and PS, impairments (they run in the
     reference), ATP's PS behind modelled links, or no build."""
-    from gradfabric.emu.impair import Impairment
-    from gradfabric.emu.switchd import SwitchConfig
     from gradfabric.net import switchpath
+    from gradfabric.runtime.impair import Impairment
+    from gradfabric.runtime.switchd import SwitchConfig
 
     for kw in (
         {"policy": "dlcp"}, {"policy": "omni"}, {"policy": "esa", "ps_link_mbps": 100.0},

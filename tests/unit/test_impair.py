@@ -8,7 +8,7 @@ import pytest
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.emu.impair import Impairer, Impairment
+from gradfabric.runtime.impair import Impairer, Impairment
 
 
 def _within_binomial(count: int, n: int, p: float, sigmas: float = 6.0) -> bool:

@@ -92,15 +92,18 @@ def add(sub: Sub) -> None:
     bw.add_argument("--policy", default="switchml", choices=(*ALLOCATORS.names(), "ps"),
                     help="the switch's pool, or ps: the parameter-server baseline, one PS per "
                     "job where the switch sits")  # fmt: skip
-    bw.add_argument("--job-slots", type=int, default=8, help="the workers' window")
+    bw.add_argument("--job-slots", type=int, default=0,
+                    help="the workers' window (default: the daemon's, 256 KB of values)")
     bw.add_argument(
         "--values-per-packet", type=int,
         help="values per datagram (default 16000: 64 KB, whole on loopback; with "
-        "--link-gbps the most multiples of 256 one datagram of --mtu carries: 2048 at 9000)",
+        "--link-gbps the daemon's: the most one datagram of --mtu carries whole, at most "
+        "2048: 358 at 1500, 2048 at 9000)",
     )  # fmt: skip
     bw.add_argument("--rto-ms", type=float, default=20.0, help="workers' retransmission timeout")
     bw.add_argument("--link-gbps", type=float, help="shape links in network namespaces (root)")
-    bw.add_argument("--mtu", type=int, default=MTU, help=MTU_HELP)
+    bw.add_argument("--mtu", default="1500,9000",
+                    help=MTU_HELP + "; comma-separated, each a run (default: 1500,9000)")
     bw.add_argument(
         "--kernel-loss", type=float, default=0.0,
         help="with --link-gbps: nftables drops this share of the UDP reaching the switch",
@@ -111,9 +114,9 @@ def add(sub: Sub) -> None:
         "built; the switch's for switchml), python (the reference engines), auto (native)",
     )  # fmt: skip
     bw.add_argument(
-        "--multicast", action="store_true",
-        help="the switch sends each result once, to the job's multicast group, and the "
-        "network replicates it (the daemon's --multicast), instead of once per worker",
+        "--multicast", action=argparse.BooleanOptionalAction, default=True,
+        help="the daemon's default: the switch sends each result once, to the job's multicast "
+        "group, and the network replicates it; --no-multicast: once per worker",
     )  # fmt: skip
     add_output(bw, "bench-switch")
     bw.set_defaults(fn=switch)
@@ -206,15 +209,17 @@ def add(sub: Sub) -> None:
                     "gives that replica its own bucket cap (each at its best in one run: "
                     "default,ina@16)")  # fmt: skip
     bd.add_argument("--switch", help="host:port of a switch daemon's control socket")
-    bd.add_argument("--mtu", type=int, default=MTU, help=MTU_HELP)
+    bd.add_argument("--mtu", default="1500,9000",
+                    help=MTU_HELP + "; comma-separated, each a run (default: 1500,9000)")
     bd.add_argument(
-        "--switch-window", type=int, default=32,
-        help="with --switch-policy: the workers' window in packets (the daemon's --job-slots)",
+        "--switch-window", type=int, default=0,
+        help="with --switch-policy: the workers' window in packets (the daemon's --job-slots; "
+        "default: its own, 256 KB of values)",
     )  # fmt: skip
     bd.add_argument(
-        "--switch-multicast", action="store_true",
-        help="with --switch-policy: the daemon sends each result once, to the job's "
-        "multicast group (its --multicast)",
+        "--switch-multicast", action=argparse.BooleanOptionalAction, default=True,
+        help="with --switch-policy: the daemon's --multicast (its default: each result "
+        "once, to the job's group, where the group reaches every rank)",
     )  # fmt: skip
     bd.add_argument(
         "--switch-policy", choices=ALLOCATORS.names(),
@@ -301,19 +306,21 @@ def switch(args: argparse.Namespace) -> int:
                           policy=args.policy, job_slots=args.job_slots,
                           values_per_packet=args.values_per_packet or 0,
                           link_gbps=args.link_gbps,
-                          kernel_loss=args.kernel_loss, rto_ms=args.rto_ms, mtu=args.mtu,
+                          kernel_loss=args.kernel_loss, rto_ms=args.rto_ms, mtu=mtu,
                           datapath=args.datapath, multicast=args.multicast)
+        for mtu in ((csv(args.mtu, int) or [MTU]) if shaped else [MTU])
         for w in csv(args.workers, int) or (2, 4)
     ]  # fmt: skip
     rows = []
     with progress(len(cfgs), args.json) as tick:
         for c in cfgs:
-            tick(f"{c.workers} workers")
+            tick(f"{c.workers} workers" + (f", MTU {c.mtu}" if shaped else ""))
             rows.append(run_switch_bench(c))
     shown = [{k: v for k, v in r.items() if k != "switch_counters"} for r in rows]
     where = f"{args.link_gbps:g} Gbit/s links" if shaped else "loopback"
     times = ["workers", "tensor_mb", "switch_ms", "gloo_ms", "speedup", "goodput_gbps"]
     if shaped:
+        times.insert(1, "mtu")
         times += ["floor_ms", "floor_ratio", "ring_floor_ms", "ring_floor_ratio"]
     cpu = ["workers", "switch_cpu_s", "switch_cpu_gbps", "worker_cpu_s", "gloo_worker_cpu_s",
            "max_error", "datapath"]  # fmt: skip
@@ -330,26 +337,28 @@ def switch(args: argparse.Namespace) -> int:
 def ddp(args: argparse.Namespace) -> int:
     from gradfabric.lab.ddp_bench import DdpBenchConfig, held_to_default, run_ddp_bench
 
+    mtus = (csv(args.mtu, int) or [MTU]) if args.link_gbps else [MTU]
     try:
-        cfg = DdpBenchConfig(
+        cfgs = [DdpBenchConfig(
             models=tuple(csv(args.models, str) or ()), ranks=args.ranks,
             link_gbps=args.link_gbps, steps=args.steps, warmup=args.warmup,
             bucket_cap_mb=args.bucket_cap_mb,
             gradient_as_bucket_view=args.gradient_as_bucket_view,
             hooks=tuple(csv(args.hooks, str) or ()), switch=args.switch,
-            switch_policy=args.switch_policy, mtu=args.mtu, switch_window=args.switch_window,
+            switch_policy=args.switch_policy, mtu=mtu, switch_window=args.switch_window,
             switch_multicast=args.switch_multicast, optimizer=args.optimizer, block=args.block,
-        )  # fmt: skip
+        ) for mtu in mtus]  # fmt: skip
     except ValueError as e:
         raise ConfigError("bench ddp", str(e)) from None
-    rows = run_ddp_bench(cfg)
+    rows = [r | {"mtu": c.mtu if args.link_gbps else None} for c in cfgs for r in run_ddp_bench(c)]
+    cfg = cfgs[0]
     where = f"{args.link_gbps:g} Gbit/s shaped links" if args.link_gbps else "loopback"
     shown = [{k: v for k, v in r.items() if k != "iter_ms_all"} for r in rows]
     dest = report(
-        args, "bench-ddp", asdict(cfg), {"rows": shown, "full": rows},
+        args, "bench-ddp", {"runs": [asdict(c) for c in cfgs]}, {"rows": shown, "full": rows},
         tables=[("rows", f"DDP iteration time per hook, {cfg.ranks} gloo ranks, {where} "
                  f"(medians of {cfg.steps - cfg.warmup} interleaved steps)",
-                 ["model", "hook", "iter_ms", "cpu_ms", "hook_cpu_ms", "host_busy",
+                 ["model", "mtu", "hook", "iter_ms", "cpu_ms", "hook_cpu_ms", "host_busy",
                   "speedup_vs_default", "paired_vs_default",
                   "best_stock", "paired_vs_best_stock", "density",
                   "max_param_diff_vs_default", "paths", "dense_calls_in"])],

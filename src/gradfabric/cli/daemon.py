@@ -30,7 +30,7 @@ ROLES = (  # (command, what it is, its serve help, the policy it fixes; None: --
 
 
 def add(sub: Sub) -> None:
-    from gradfabric.emu.switchd import SwitchConfig
+    from gradfabric.runtime.switchd import SwitchConfig
 
     for command, what, help_, policy in ROLES:
         role = sub.add_parser(command, help=what)
@@ -46,7 +46,7 @@ def add(sub: Sub) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from gradfabric.emu.switchd import SwitchConfig, SwitchDaemon
+    from gradfabric.runtime.switchd import SwitchConfig, SwitchDaemon
 
     cfg = dataclass_from(SwitchConfig, args, policy=args.policy)
     daemon = SwitchDaemon(cfg)
@@ -70,8 +70,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def stats(args: argparse.Namespace) -> int:
-    from gradfabric.emu.client import parse_address
-    from gradfabric.emu.control import control_call
+    from gradfabric.runtime.client import parse_address
+    from gradfabric.runtime.control import control_call
 
     try:
         st = asyncio.run(control_call(parse_address(args.switch), {"op": "stats"}))

@@ -6,7 +6,7 @@
 Theory of operation. A bucket can be averaged three ways: the dense ring
 all-reduce (``dense``), the sparse exchange of non-zero blocks (``gather`` or
 ``sharded``, ``collectives.sparse``), or, where the job has a switch, in-network
-aggregation (``ina``, ``emu.hook``). Which is fastest depends on the bucket's
+aggregation (``ina``, ``runtime.hook``). Which is fastest depends on the bucket's
 block density and on the machine: on a 1 Gbit/s link the bytes decide; on a
 100 Gbit/s link or a busy host the sparse path's per-block host work and
 every path's fixed cost per call can decide instead. So each path's time is
@@ -65,9 +65,9 @@ from gradfabric.collectives.sparse import (
     run_planned,
     unpack,
 )
-from gradfabric.emu.hook import switch_sum
-from gradfabric.emu.session import Session
 from gradfabric.net.peers import keep_alive, name_the_missing
+from gradfabric.runtime.hook import switch_sum
+from gradfabric.runtime.session import Session
 
 # every non-empty set of a table's paths, in ``COO`` order (ties: the first)
 _SUBSETS = [tuple(p for k, p in enumerate(COO) if m >> k & 1) for m in range(1, 2 ** len(COO))]
@@ -132,7 +132,7 @@ class BucketLog:
 class AutoState(DenseSkip):
     """Picklable state of ``auto_hook`` (without its thread and switch client).
 
-    ``switch``: an ``emu`` client of the job (``InaClient.join()``) to offer
+    ``switch``: a ``runtime`` client of the job (``InaClient.join()``) to offer
     the ``ina`` path; None: dense and sparse only. ``rows``: a
     ``RowState.track(model)`` of the model, to take a bucket that holds
     embedding tables by the rows its batch looked up (``collectives.rows``:

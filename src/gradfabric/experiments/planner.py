@@ -25,9 +25,9 @@ from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult
 from gradfabric.planner.baselines import BASELINES, best_subset
 from gradfabric.planner.cost import Device, Workload
 from gradfabric.planner.online import OnlineResult, random_trace, run_online
-from gradfabric.planner.runtime import UnevenConfig, run_uneven
 from gradfabric.planner.search import exact, plan
 from gradfabric.planner.spec import A100, H100, V100, example_cluster
+from gradfabric.planner.uneven import UnevenConfig, run_uneven
 from gradfabric.workloads.catalog import model_spec
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradfabric.core.errors import PeerTimeoutError
-from gradfabric.emu.client import parse_address
 from gradfabric.net.netns import NsHost
 from gradfabric.net.udp import Address
+from gradfabric.runtime.client import parse_address
 
 
 @dataclass

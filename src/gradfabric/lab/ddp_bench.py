@@ -87,8 +87,8 @@ class DdpBenchConfig:
     switch: str | None = None  # a switch daemon's control address: adds ina_hook
     switch_policy: str | None = None  # start a daemon with this policy for the run instead
     mtu: int = MTU  # with link_gbps: every link's MTU (net.netns.tor_star)
-    switch_window: int = 32  # with switch_policy: the workers' window (the daemon's job slots)
-    switch_multicast: bool = False  # with switch_policy: results once, to the job's group
+    switch_window: int = 0  # with switch_policy: the workers' window (0: the daemon's default)
+    switch_multicast: bool = True  # with switch_policy: the daemon's --multicast (its default)
     optimizer: str = "sgd"  # sgd (lr 0.01) or adam (lr 1e-3); see ``_optimizers``
     block: int = 1  # steps each replica takes in a row before the next (``_schedule``)
     seed: int = 0
@@ -119,8 +119,8 @@ class DdpBenchConfig:
                              "fused optimizers are the EXACT_* family)")  # fmt: skip
         if self.block < 1:
             raise ValueError(f"block must be >= 1, got {self.block}")
-        if self.switch_window < 1:
-            raise ValueError(f"switch_window must be >= 1, got {self.switch_window}")
+        if self.switch_window < 0:
+            raise ValueError(f"switch_window must be >= 0, got {self.switch_window}")
         if self.ranks < 2 or self.steps <= self.warmup or self.warmup < 0:
             raise ValueError("need ranks >= 2 and steps > warmup >= 0")
 
@@ -188,11 +188,12 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
         else:
             from gradfabric.lab.daemon import switch_daemon
             from gradfabric.lab.switch_bench import LOOPBACK_VALUES, shaped_values
+            from gradfabric.runtime.switchd import default_window
 
             vpp = shaped_values(cfg.mtu) if cfg.link_gbps is not None else LOOPBACK_VALUES
             options = ("--policy", cfg.switch_policy, "--values-per-packet", str(vpp),
-                       "--job-slots", str(cfg.switch_window),
-                       *(["--multicast"] if cfg.switch_multicast else []))  # fmt: skip
+                       "--job-slots", str(cfg.switch_window or default_window(vpp)),
+                       "--multicast" if cfg.switch_multicast else "--no-multicast")  # fmt: skip
             hosts, tor = None, None
             if cfg.link_gbps is not None:
                 from gradfabric.net.netns import tor_star
@@ -234,7 +235,7 @@ def _state(hook: str, cfg: DdpBenchConfig, module: nn.Module) -> tuple[Any, Any]
 
         return None, allreduce_hook
     if hook == "ina":
-        from gradfabric.emu.hook import ina_hook
+        from gradfabric.runtime.hook import ina_hook
 
         return _client(cfg), ina_hook
     return None, None
@@ -256,7 +257,7 @@ def _optimizers(module: nn.Module, kind: str) -> list[torch.optim.Optimizer]:
 def _client(cfg: DdpBenchConfig) -> Any:
     if cfg.switch is None:
         return None
-    from gradfabric.emu.client import InaClient, parse_address
+    from gradfabric.runtime.client import InaClient, parse_address
 
     # on shaped links the workers know their link's rate and pace to it
     return InaClient.join(control=parse_address(cfg.switch), pace_gbps=cfg.link_gbps or 0.0)

@@ -55,9 +55,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.client import SWITCH_ENV
 from gradfabric.lab.job import accuracy, apply, data, gradient, model, optimizer, shard_batch
 from gradfabric.proto.dlcp import MAG_CLASSES
+from gradfabric.runtime.client import SWITCH_ENV
 from gradfabric.wire.envelope import TOKEN_BYTES
 
 SCHEMES = ("gloo", "gloo-prio", "reliable", "dlcp")
@@ -204,9 +204,9 @@ def replay(cfg: DlcpTrainConfig) -> list[float]:
 
 
 def _rank_main(cfg: DlcpTrainConfig, out: str) -> None:
-    from gradfabric.emu.dlcp import DlcpClient
-    from gradfabric.emu.hook import dlcp_hook
     from gradfabric.lab.switch_train import timed_step
+    from gradfabric.runtime.dlcp import DlcpClient
+    from gradfabric.runtime.hook import dlcp_hook
 
     rank = dist.get_rank()
     torch.set_num_threads(1)  # as ``replay`` computes: a reduction's order follows the threads

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.client import Ticket, together
-from gradfabric.emu.dlcp import DlcpClient
+from gradfabric.runtime.client import Ticket, together
+from gradfabric.runtime.dlcp import DlcpClient
 from gradfabric.wire.envelope import seal
 from gradfabric.wire.packet import ina_packet, traffic_class
 

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.client import InaClient, Ticket
-from gradfabric.lab.job import Replica, data, fingerprint, reference
+from gradfabric.lab.job import DAEMON_FLAGS, Replica, data, fingerprint, reference
 from gradfabric.net.launch import run_hosts
 from gradfabric.net.netns import NsHost, call_in, enter, tor_star
 from gradfabric.proto.priority import srpt_aging
+from gradfabric.runtime.client import InaClient, Ticket
 
 POLICIES = ("atp", "esa")
 AGING_S = 1.0
@@ -149,7 +149,8 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
     jobs = trace(cfg)
     first = np.cumsum([0] + [j.workers for j in jobs]).tolist()  # each job's first host
     results: list[Any] = [None] * len(jobs)
-    flags = ("--policy", policy, "--slots", str(cfg.pool_slots), "--job-slots", str(cfg.window),
+    flags = (*DAEMON_FLAGS, "--policy", policy, "--slots", str(cfg.pool_slots),
+             "--job-slots", str(cfg.window),
              "--ps-link-mbps", str(cfg.link_gbps * 1000))  # fmt: skip
     with ExitStack() as stack:
         hosts: list[NsHost | None] = [None] * first[-1]

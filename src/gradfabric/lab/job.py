@@ -25,13 +25,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gradfabric.emu.switchd import SwitchConfig
+from gradfabric.runtime.switchd import SwitchConfig
 from gradfabric.wire.carried import CarriedExponents
 
 MODEL = "mlp"  # the catalog's digits MLP (64-256-128-10): the simulator models it too
-# The daemon settings these jobs run under (its defaults: the window, the
-# packet size, the workers' RTO), which a simulation of the same job reads too
-DAEMON = SwitchConfig()
+# The daemon settings these jobs run under, which a simulation of the same job
+# reads too: the studies of SA-ATP and ESA are laid out in packets (a window
+# of 32 datagrams of 1024 values; ESA's scarce pool holds fewer than two
+# jobs' windows), so those are fixed here rather than the daemon's defaults
+# chosen from the MTU; results unicast, as the SA-ATP helpers take them.
+DAEMON = SwitchConfig(values_per_packet=1024, job_slots=32, multicast=False)
+DAEMON_FLAGS = ("--values-per-packet", str(DAEMON.values_per_packet),
+                "--job-slots", str(DAEMON.job_slots), "--no-multicast")  # fmt: skip
 
 
 class Job(Protocol):

@@ -97,7 +97,7 @@ class _GlooRank:
     def rows(self, step: int) -> tuple[np.ndarray, float]:
         """This rank's rows of the step's global batch and its loss weight."""
         from gradfabric.planner.cost import split
-        from gradfabric.planner.runtime import loss_weight
+        from gradfabric.planner.uneven import loss_weight
 
         n, m = self.cfg.workers, self.cfg.micro_batch
         if self.mode != "proportional":

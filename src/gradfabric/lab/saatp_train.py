@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.client import Ticket
-from gradfabric.lab.job import DAEMON, Replica, accuracy, data, fingerprint, model
+from gradfabric.lab.job import DAEMON, DAEMON_FLAGS, Replica, accuracy, data, fingerprint, model
 from gradfabric.lab.saatp_udp import HelpedWorker
 from gradfabric.net.launch import run_hosts
 from gradfabric.proto.switch.straggler import holders
+from gradfabric.runtime.client import Ticket
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ def run_switch(cfg: SaatpTrainConfig, help: bool) -> dict[str, Any]:
 
     total_s = cfg.timeout_s + cfg.steps * cfg.device_s(0, 0, cfg.micro_batch) * cfg.slowdown * 2
     vpp = DAEMON.values_per_packet
-    with switch_daemon("--policy", "atp", "--datapath", "python") as sw:  # SA-ATP: the reference
+    # SA-ATP: the reference datapath
+    with switch_daemon("--policy", "atp", "--datapath", "python", *DAEMON_FLAGS) as sw:
         sa = None
         if help:
             packets = -(-sum(p.numel() for p in model(cfg).parameters()) // vpp)

@@ -35,14 +35,14 @@ from typing import Any
 import numpy as np
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.client import Ticket, scheme_worker
-from gradfabric.emu.switchd import control_call
 from gradfabric.net.launch import run_hosts
 from gradfabric.net.udp import open_engine
 from gradfabric.proto.actions import Deliver, HelpRequest
 from gradfabric.proto.host import HostEngine
 from gradfabric.proto.node import SWITCH
 from gradfabric.proto.worker import WorkerEngine
+from gradfabric.runtime.client import Ticket, scheme_worker
+from gradfabric.runtime.switchd import control_call
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,10 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
     """One run; returns per-iteration times (the slowest worker's), help counts
     and the switch's counters."""
     from gradfabric.lab.daemon import switch_daemon
+    from gradfabric.lab.job import DAEMON_FLAGS
 
-    with switch_daemon("--policy", "atp", "--datapath", "python") as sw:  # SA-ATP: the reference
+    # SA-ATP: the reference datapath; packets laid out as the training study's
+    with switch_daemon("--policy", "atp", "--datapath", "python", *DAEMON_FLAGS) as sw:
         sa = None
         if help:
             sa = {"lag_packets": cfg.lag_packets, "replicas": cfg.replicas,

@@ -49,29 +49,24 @@ import torch
 import torch.distributed as dist
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.client import SWITCH_ENV, InaClient
 from gradfabric.net.datapath import COUNTERS
 from gradfabric.net.netns import MTU, check_mtu
+from gradfabric.net.udp import AUTO_MAX_VALUES, values_fitting
+from gradfabric.runtime.client import SWITCH_ENV, InaClient
+from gradfabric.runtime.switchd import default_window
 
 # Values per datagram by default: 64 KB datagrams on loopback (it carries them
-# whole); on shaped links the most multiples of 256 values (SwitchML's packet)
-# that one datagram of the links' MTU carries: 2048 (8 KB) in jumbo frames of
-# 9000 bytes, as in a datacenter (gloo's TCP gets the same MTU).
+# whole); on shaped links what the daemon chooses from the links' MTU (the
+# most one datagram carries unfragmented, at most 2048: 358 at 1500 bytes,
+# 2048 in jumbo frames of 9000; gloo's TCP gets the same MTU).
 LOOPBACK_VALUES = 16_000
 MODULE = "gradfabric.lab.switch_bench"  # what torchrun runs on each rank
 DATAPATHS = {"auto": None, "native": True, "python": False}  # InaClient's ``native``
 
 
-def values_fitting(mtu: int) -> int:
-    """The most values one datagram carries whole on links of ``mtu`` bytes."""
-    from gradfabric.wire.envelope import TOKEN_BYTES
-    from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
-
-    return (mtu - 28 - TOKEN_BYTES - HEADER_BYTES) // VALUE_BYTES  # less IPv4 and UDP
-
-
 def shaped_values(mtu: int) -> int:
-    return min(LOOPBACK_VALUES, values_fitting(mtu) // 256 * 256)
+    """What the daemon chooses by default on links of ``mtu`` (``SwitchConfig``)."""
+    return min(AUTO_MAX_VALUES, values_fitting(mtu))
 
 
 @dataclass(frozen=True)
@@ -81,7 +76,7 @@ class SwitchBenchConfig:
     iters: int = 5
     warmup: int = 2  # untimed sums of each way before the ``iters`` timed ones
     policy: str = "switchml"
-    job_slots: int = 8  # the workers' window (and SwitchML's slots per job)
+    job_slots: int = 0  # the workers' window (and SwitchML's slots per job); 0: the daemon's
     values_per_packet: int = 0  # 0: LOOPBACK_VALUES on loopback, shaped_values(mtu) on links
     seed: int = 0
     rto_ms: float = 20.0  # the workers' retransmission timeout (the daemon's --rto-ms)
@@ -90,7 +85,7 @@ class SwitchBenchConfig:
     kernel_loss: float = 0.0  # with link_gbps: nftables drops this share of UDP at the switch
     # the workers' and the switch's: native (C where it serves), python (the reference)
     datapath: str = "auto"
-    multicast: bool = False  # the switch sends each result once, to the job's group
+    multicast: bool = True  # the daemon's default: results once, to the job's group
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.iters < 1 or self.tensor_mb <= 0:
@@ -109,6 +104,8 @@ class SwitchBenchConfig:
         if not self.values_per_packet:  # resolved here, so the stored config says it
             auto = LOOPBACK_VALUES if self.link_gbps is None else shaped_values(self.mtu)
             object.__setattr__(self, "values_per_packet", auto)
+        if not self.job_slots:  # as the daemon chooses it
+            object.__setattr__(self, "job_slots", default_window(self.values_per_packet))
         if self.link_gbps is not None and self.values_per_packet > values_fitting(self.mtu):
             raise ConfigError(
                 "values_per_packet", f"at most {values_fitting(self.mtu)} on shaped links "
@@ -125,7 +122,7 @@ def run_switch_bench(cfg: SwitchBenchConfig) -> dict[str, Any]:
     options = ("--policy", cfg.policy, "--job-slots", str(cfg.job_slots), "--rto-ms",
                str(cfg.rto_ms), "--values-per-packet", str(cfg.values_per_packet),
                "--datapath", "python" if cfg.datapath == "python" else "auto",
-               *(["--multicast"] if cfg.multicast else []))  # fmt: skip
+               "--multicast" if cfg.multicast else "--no-multicast")  # fmt: skip
     args = [json.dumps(asdict(cfg))]
     dropped = None
     with ExitStack() as stack:
@@ -247,7 +244,7 @@ def _switch_cpu(client: InaClient) -> tuple[float, str]:
     """The switch process's CPU seconds so far, and its datapath."""
     import asyncio
 
-    from gradfabric.emu.switchd import control_call
+    from gradfabric.runtime.switchd import control_call
 
     st = asyncio.run(control_call(client.ticket.control, {"op": "stats"}))
     return float(st["cpu_s"]), str(st["datapath"])

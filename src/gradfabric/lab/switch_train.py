@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.records import compare_sides
-from gradfabric.emu.client import CLIENTS, SWITCH_ENV
-from gradfabric.emu.dlcp import DlcpClient
-from gradfabric.emu.hook import dlcp_hook, ina_hook
+from gradfabric.runtime.client import CLIENTS, SWITCH_ENV
+from gradfabric.runtime.dlcp import DlcpClient
+from gradfabric.runtime.hook import dlcp_hook, ina_hook
 from gradfabric.workloads.digits import digits_data, digits_mlp
 
 

@@ -23,6 +23,7 @@ what the node lets leave.
 from __future__ import annotations
 
 import ctypes
+import os
 import select
 import socket
 import time
@@ -35,6 +36,7 @@ import numpy.typing as npt
 from gradfabric.core import native
 from gradfabric.core.errors import ConfigError, ProtocolError
 from gradfabric.core.trace import Counters
+from gradfabric.net.udp import Address, sockaddr
 from gradfabric.proto.actions import Fail
 from gradfabric.proto.routes import HashedPool, Sharded, StaticSlots
 from gradfabric.proto.worker import ResumableWorker
@@ -48,8 +50,10 @@ COUNTERS: Final = (
     "ecn_halvings", "drop_malformed", "drop_bad_token", "timer_rearmed", "nack_resends",
     "drop_stale_nack", "replays", "replay_answered", "replays_retired",
 )  # fmt: skip (worker.h's order)
-DRIVER_COUNTERS: Final = ("native_tx_datagrams", "native_rx_datagrams", "native_syscalls",
-                          "socket_error")  # fmt: skip (udp.c's)
+DRIVER_COUNTERS: Final = (
+    "native_tx_datagrams", "native_rx_datagrams", "native_syscalls", "socket_error",
+    "native_gso_sends", "native_gro_reads",
+)  # fmt: skip (udp.c's)
 DONE, ABORTED, TIMEOUT, FAILED, OUT_OF_MEMORY = range(5)
 _ROUTES: Final = {StaticSlots: 0, HashedPool: 1, Sharded: 2}
 READ_BATCH: Final = 32
@@ -72,10 +76,57 @@ _UDP, UDP_WHY_NOT = native.load(HERE / "_udp", [HERE / "native" / "udp.c", HERE 
                                                  "wire.h"], (
     ("gf_udp_run", [_p, _p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, _i64, _i64, _p,
                     ctypes.c_int, _p], ctypes.c_int),
+    ("gf_udp_offload", [ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    ("gf_udp_send", [ctypes.c_int, ctypes.c_char_p, _i64, ctypes.c_char_p, _p, _i64, _p], None),
+    ("gf_udp_take", [ctypes.c_int, _p, _i64, _p, _i64, _p], _i64),
 ))  # fmt: skip
 if _LIB is not None and _UDP is None:
     _LIB, WHY_NOT = None, f"its driver: {UDP_WHY_NOT}"
 PATH = native.COMPILED if _LIB is not None else native.PYTHON
+
+
+OFFLOAD_ENV: Final = "GRADFABRIC_OFFLOAD"  # "0": the native driver sends and reads plainly
+
+
+def offload(sock: socket.socket) -> dict[str, bool]:
+    """Turn on Linux's UDP offloads for the native driver on ``sock``:
+    receive coalescing there (UDP_GRO) and segmented sends (UDP_SEGMENT) for
+    the process, unless ``GRADFABRIC_OFFLOAD=0``; what it got. Only a socket
+    that the native driver alone reads may have them: the reference reads
+    datagram by datagram and would take a coalesced train for one."""
+    if _UDP is None:
+        return {"gro": False, "gso": False}
+    want = os.environ.get(OFFLOAD_ENV, "1") != "0"
+    bits = int(_UDP.gf_udp_offload(sock.fileno(), int(want)))
+    return {"gro": bool(bits & 1), "gso": bool(bits & 2)}
+
+
+def send_datagrams(sock: socket.socket, to: Address, datagrams: list[bytes]) -> dict[str, int]:
+    """Send ``datagrams`` to ``to`` as the native drivers send (a run of one
+    length to one place segmented, where ``offload`` turned it on); the
+    driver's counts. For the differential tests of the offloads."""
+    assert _UDP is not None, UDP_WHY_NOT
+    lens = np.array([len(d) for d in datagrams], np.int64)
+    c = np.zeros(4, np.int64)
+    raw = sockaddr(sock, to)
+    _UDP.gf_udp_send(sock.fileno(), raw, len(raw), b"".join(datagrams), lens.ctypes.data,
+                     len(datagrams), c.ctypes.data)  # fmt: skip
+    return dict(zip(("sent", "refused", "syscalls", "segmented"), c.tolist(), strict=True))
+
+
+def take_datagrams(sock: socket.socket, most: int = 1024) -> tuple[list[bytes], int]:
+    """One read of what ``sock`` holds, cut into datagrams as the native
+    drivers cut a coalesced message before their engine sees it; and how
+    many messages were coalesced."""
+    assert _UDP is not None, UDP_WHY_NOT
+    out = np.zeros(most * 2**16, np.uint8)
+    lens = np.zeros(most, np.int64)
+    coalesced = np.zeros(1, np.int64)
+    n = int(_UDP.gf_udp_take(sock.fileno(), out.ctypes.data, out.size, lens.ctypes.data, most,
+                             coalesced.ctypes.data))  # fmt: skip
+    ends = np.cumsum(lens[:n])
+    got = [out[e - k : e].tobytes() for e, k in zip(ends, lens[:n], strict=True)]
+    return got, int(coalesced[0])
 
 
 def unsuitable(engine: ResumableWorker) -> str | None:

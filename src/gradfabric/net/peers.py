@@ -3,7 +3,7 @@
 Every surviving rank of a failed call checks in at the rendezvous store,
 which does not depend on the broken gloo connections; the ranks that have not
 checked in are named. A rank learns of the failure in one of two ways: gloo
-reports a closed connection at once, or (in ``emu``) the switch stops
+reports a closed connection at once, or (in ``runtime``) the switch stops
 answering and the rank's own timeout passes, a timeout that started about
 when the other ranks' calls did. ``name_the_missing`` therefore waits a grace
 period past the timeout before it names a rank, and a rank that timed out on

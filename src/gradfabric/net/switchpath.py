@@ -62,7 +62,7 @@ SERVER_COUNTERS: Final = (
 )  # fmt: skip (a job's PS's, after the job's own in C)
 DRIVER_COUNTERS: Final = (
     "tx_datagrams", "drop_tx_full", "socket_error", "drop_no_address", "native_syscalls",
-    "drop_no_memory",
+    "drop_no_memory", "gso_sends", "gro_reads",
 )  # fmt: skip (udp.c's)
 PS_SCALE: Final = PsJob.__dataclass_fields__["scale"].default  # the PS's integer scale
 

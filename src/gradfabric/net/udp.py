@@ -71,12 +71,88 @@ def join_group(group: Address, toward: Address) -> socket.socket:
     except OSError as e:
         sock.close()
         raise ConfigError("multicast", f"cannot join {group[0]}:{group[1]} toward "
-                          f"{toward[0]}: {e}; serve without --multicast") from e  # fmt: skip
+                          f"{toward[0]}: {e}") from e  # fmt: skip
     finally:
         probe.close()
     sock.setblocking(False)
     size_buffers(sock)
     return sock
+
+
+IP_MTU: Final = getattr(socket, "IP_MTU", 14)  # Linux's: a connected socket's route MTU
+AUTO_MAX_VALUES: Final = 2048  # a datagram chosen from an MTU carries at most 8 KB of values
+
+
+def values_fitting(mtu: int) -> int:
+    """The most 4-byte values one datagram carries whole (never an IP
+    fragment) on a path of ``mtu`` bytes: less IPv4's 20 and UDP's 8, the
+    job token and the header."""
+    from gradfabric.wire.envelope import TOKEN_BYTES
+    from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
+
+    return (mtu - 28 - TOKEN_BYTES - HEADER_BYTES) // VALUE_BYTES
+
+
+def _sysfs(name: str, what: str) -> int | None:
+    try:
+        with open(f"/sys/class/net/{name}/{what}") as f:
+            return int(f.read(), 0)  # (flags are hexadecimal, 0x1003)
+    except (OSError, ValueError):
+        return None
+
+
+def _ipv4(sock: socket.socket, name: str) -> str | None:
+    import fcntl
+
+    try:  # SIOCGIFADDR: the interface's (first) IPv4 address
+        got = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+    except OSError:
+        return None
+    return socket.inet_ntoa(got[20:24])
+
+
+def interface_mtu(host: str) -> int:
+    """The MTU of the interface that holds IPv4 address ``host``; for the
+    wildcard (or an address no interface holds), the smallest of the
+    interfaces that are up, loopback's only where no other is up (Linux's
+    ``/sys/class/net``; 1500 where none can be read)."""
+    up: dict[str, int] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            mtu, flags = _sysfs(name, "mtu"), _sysfs(name, "flags")
+            if mtu is None:
+                continue
+            if _ipv4(s, name) == host:
+                return mtu
+            if flags is not None and flags & 1:
+                up[name] = mtu
+    others = [m for n, m in up.items() if n != "lo"]
+    return min(others) if others else up.get("lo", 1500)
+
+
+def path_mtu(toward: Address) -> int:
+    """The MTU of the route toward ``toward`` as the kernel knows it (IP_MTU
+    of a socket connected there; no datagram is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(toward)
+        return int(s.getsockopt(socket.IPPROTO_IP, IP_MTU))
+
+
+PROBE: Final = b"gfprobe1"  # a multicast probe datagram: these bytes, then the asker's nonce
+
+
+async def await_probe(sock: socket.socket, nonce: bytes, seconds: float) -> bool:
+    """Whether the probe carrying ``nonce`` reaches non-blocking ``sock``
+    within ``seconds`` (anything else that arrives is passed over)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while (left := end - loop.time()) > 0:
+        try:
+            if await asyncio.wait_for(loop.sock_recv(sock, 64), left) == PROBE + nonce:
+                return True
+        except TimeoutError:
+            break
+    return False
 
 
 def size_buffers(sock: socket.socket) -> None:

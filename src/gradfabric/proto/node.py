@@ -38,7 +38,7 @@ into the job servers (strict priority with WRED, ``proto.qos``, served at
 
 What stays with the driver: the socket, the clock, the workers' addresses
 (a rank that never said hello is the driver's ``drop_no_address``) and
-impairments of the network itself. The control plane (``emu.control``)
+impairments of the network itself. The control plane (``runtime.control``)
 adds and removes jobs, marks them resynchronising, and asks whom a job
 waits on. The native node (``net.switchpath``) is a second implementation
 of exactly this engine, held equal to it datagram for datagram by the

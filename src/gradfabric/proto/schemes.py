@@ -3,7 +3,7 @@
 A job's engines are built here and nowhere else, by every driver: the
 single-job simulator (``sim.collective``), the tenancy simulator
 (``sim.multijob``), the UDP harness (``lab.udp_harness``), and the switch daemon
-with its clients (``emu``). So one name means one protocol wherever it runs.
+with its clients (``runtime``). So one name means one protocol wherever it runs.
 
 A ``Scheme`` knows
 

@@ -67,7 +67,7 @@ keys) tell apart.
 A result still on its way from the old switch must not count as the new
 switch's answer (the new one may still need this worker's share), so a
 driver replays only once no such result can arrive: the emulator's client
-takes a new socket before it reports its ``base`` (``emu.client``).
+takes a new socket before it reports its ``base`` (``runtime.client``).
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ class WorkerNode:
             self._txq.append(pkt)
 
     def _deliver(self, seq: int, pkt: Packet) -> None:
-        """A result into ``out`` (``emu.client``'s rule, which the native
+        """A result into ``out`` (``runtime.client``'s rule, which the native
         node keeps too): an integer result of the count that was sent."""
         i = seq - self._first
         if not 0 <= i < self._n:

@@ -1,7 +1,7 @@
 /* SwitchML's block-exponent quantiser, one pass per step, for the clients.
  *
  * The reference is numpy (`wire.quant.block_exponents`, `block_scales` and
- * the client's encode and decode in `emu.client`): several passes over the
+ * the client's encode and decode in `runtime.client`): several passes over the
  * tensor and a float64 copy of it, which on a worker costs more CPU than
  * every datagram of the sum together (a 64 MB sum: ~0.23 CPU-s of numpy
  * against ~0.08 of packets). These loops compute the same IEEE operations

@@ -1,7 +1,7 @@
 """Block exponents agreed without a message: each carried from the last sum.
 
 ``ina_hook`` agrees on every block's exponent in a round over the training
-process group before each sum (``emu.session``): exact scaling, at the cost
+process group before each sum (``runtime.session``): exact scaling, at the cost
 of one exchange that waits for the slowest rank. Where no rank may wait (a
 straggler whose share others send for it: SA-ATP), or no round is wanted,
 every rank derives the exponents from what all of them already hold, the

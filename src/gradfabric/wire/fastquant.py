@@ -1,7 +1,7 @@
 """The block-exponent quantiser's compiled path, and its numpy reference.
 
 The clients of the switch daemon put every float32 tensor into the int32
-domain block by block (``emu.client``): the block exponents, the encode with
+domain block by block (``runtime.client``): the block exponents, the encode with
 each block's agreed scale, the decode of the summed integers. In numpy that
 is several passes and a float64 copy of the tensor, the largest share of a
 worker's CPU per sum. ``_fastquant.c`` does each step in one pass with the

@@ -14,6 +14,11 @@
   sequence it has no result for); the answer to ``resume`` is then the
   floor, the smallest of those, from which the workers replay
   (``proto.worker``).
+* ``probe`` and ``multicast``: where the daemon offers a job a multicast
+  group, each worker asks for a probe datagram to the group (on a port of
+  its own choosing, apart from the data) and says whether it came. Results
+  go to the group once every rank got it; a rank that did not gets the job
+  its results one by one, with a log line saying why.
 * ``missing``: the ranks the job's engines wait on, or gave up on (while it
   resynchronises: the ranks that have not said ``resume``).
 * ``stats``: every counter and the aggregator pool's occupancy.
@@ -39,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import logging
 import os
 import secrets
 from dataclasses import asdict, dataclass, field
@@ -56,6 +62,7 @@ from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import MAX_FAN_IN
 
 STATE_FILE: Final = "jobs.json"  # in the state directory
+LOG = logging.getLogger("gradfabric.switch")
 
 
 @dataclass
@@ -74,6 +81,14 @@ class DaemonJob:
     resync: dict[int, int] | None = None  # restored, waiting: rank -> its base
     floor: int | None = None  # where the last resynchronisation told workers to replay from
     group: Address | None = None  # its multicast group (``SwitchConfig.multicast``)
+    delivered: set[int] = field(default_factory=set)  # ranks that got the group's probe
+    unicast: str | None = None  # why results go to each worker (a rank got no probe)
+
+    @property
+    def multicasting(self) -> bool:
+        """Results go to the group: every rank got its probe there."""
+        return self.group is not None and self.unicast is None and \
+            len(self.delivered) == self.workers  # fmt: skip
 
     @property
     def counters(self) -> Counters:
@@ -118,6 +133,8 @@ class Daemon(Protocol):
     def data_address(self) -> Address: ...
 
     def addresses_changed(self, job: DaemonJob) -> None: ...
+
+    def probe(self, job: DaemonJob, port: int, nonce: bytes) -> None: ...
 
     def forget(self, job: DaemonJob) -> None: ...
 
@@ -213,7 +230,7 @@ class ControlPlane:
         return job
 
     def ticket(self, job: DaemonJob) -> dict[str, Any]:
-        """What a job's workers need to know (``emu.client.Ticket``)."""
+        """What a job's workers need to know (``runtime.client.Ticket``)."""
         d, cfg = self.d, self.cfg
         return {
             "switch": list(d.data_address()),
@@ -322,6 +339,21 @@ class ControlPlane:
         job.addrs[rank] = addr
         self.d.addresses_changed(job)
 
+    def _delivered(self, job: DaemonJob, rank: int, ok: bool, why: str) -> None:
+        """Rank ``rank`` got its probe through the group (or did not)."""
+        if not 0 <= rank < job.workers:
+            raise ConfigError("rank", f"must be in 0..{job.workers - 1}")
+        was = job.multicasting
+        if ok:
+            job.delivered.add(rank)
+        elif job.unicast is None:
+            job.unicast = f"rank {rank} got no probe through {job.group}: {why or 'none came'}"
+            self.d.counters["multicast_refused"] += 1
+            LOG.warning("job %d: results go to each worker: %s", job.job_id, job.unicast)
+        if job.multicasting != was:
+            LOG.info("job %d: results multicast to %s", job.job_id, job.group)
+            self.d.addresses_changed(job)
+
     def _job(self, req: dict[str, Any]) -> DaemonJob:
         job = self.d.jobs.get(int(req.get("job_id", -1)))
         if job is None or not secrets.compare_digest(
@@ -383,6 +415,14 @@ class ControlPlane:
             return self.resume(job, rank, int(req["base"]))
         if op == "missing":
             return {"missing": self.missing(job)}
+        if op == "probe":
+            if job.group is None:
+                raise ConfigError("multicast", f"job {job.job_id} has no group")
+            d.probe(job, int(req["port"]), bytes.fromhex(str(req["nonce"])))
+            return {"ok": True}
+        if op == "multicast":
+            self._delivered(job, int(req["rank"]), bool(req["ok"]), str(req.get("why", "")))
+            return {"ok": True, "multicast": job.multicasting}
         if op == "unregister":
             d.node.remove_job(job.job_id)
             d.forget(job)

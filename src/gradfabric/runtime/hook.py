@@ -1,4 +1,4 @@
-"""DDP communication hooks over the emulator's switch.
+"""DDP communication hooks over the switch daemon.
 
 ``ina_hook``: each gradient bucket is summed through the software switch
 with the job's policy (SwitchML, ATP or ESA) and averaged. Register it with
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradfabric.emu.dlcp import DlcpClient
-from gradfabric.emu.session import Session
+from gradfabric.runtime.dlcp import DlcpClient
+from gradfabric.runtime.session import Session
 
 
 def ina_hook(

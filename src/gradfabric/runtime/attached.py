@@ -1,5 +1,5 @@
 """Clients whose engine runs on the session's asyncio loop: OmniReduce's
-(``OmniClient``), and DLCP's and SA-ATP's (``emu.dlcp``, ``lab.saatp_udp``).
+(``OmniClient``), and DLCP's and SA-ATP's (``runtime.dlcp``, ``lab.saatp_udp``).
 
 ``Attached`` serves a packet-level engine (the simulator's) from a UDP
 socket through the shared dispatcher (``net.udp.EngineProtocol``): every
@@ -7,7 +7,7 @@ datagram carries the job's token (``wire.envelope``); a collective starts in
 the loop thread and the caller waits for its ``Call`` to fill. These jobs do
 not survive a daemon restart (their engines keep no replay state): their
 collectives end with the switch, naming it. The aggregation worker that
-does, and that has a native implementation, is ``emu.ina.InaClient``.
+does, and that has a native implementation, is ``runtime.ina.InaClient``.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core.errors import ProtocolError
-from gradfabric.emu.control import control_call
-from gradfabric.emu.session import ANY_HOST, Session
-from gradfabric.emu.ticket import Ticket, scheme_worker
 from gradfabric.net.udp import Address, EngineProtocol, join_group, open_engine
 from gradfabric.proto.actions import Action, Deliver
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniWorker
+from gradfabric.runtime.control import control_call
+from gradfabric.runtime.session import ANY_HOST, Session
+from gradfabric.runtime.ticket import Ticket, scheme_worker
 from gradfabric.wire.packet import Flag, Packet
 
 

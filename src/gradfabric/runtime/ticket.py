@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.emu.control import control_call, worker_name
 from gradfabric.net.udp import Address
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.schemes import SCHEMES, Placement
+from gradfabric.runtime.control import control_call, worker_name
 
 SWITCH_ENV = "GRADFABRIC_SWITCH"  # HOST:PORT of the switch daemon's control port
 SECRET_ENV = "GRADFABRIC_SECRET"  # the cluster secret a daemon may ask registrations for

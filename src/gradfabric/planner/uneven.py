@@ -51,7 +51,7 @@ def run_uneven(cfg: UnevenConfig) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "uneven.json")
-        run_ranks(len(cfg.speeds), "gradfabric.planner.runtime", [json.dumps(asdict(cfg)), out])
+        run_ranks(len(cfg.speeds), "gradfabric.planner.uneven", [json.dumps(asdict(cfg)), out])
         with open(out) as f:
             rec: dict[str, Any] = json.load(f)
     for k in ("even", "planned"):

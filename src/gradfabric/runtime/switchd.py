@@ -5,8 +5,8 @@ scheme (``policy``): the reference ``SwitchNode`` or, where it can serve,
 its native twin (``net.switchpath``), both behind one datagram interface.
 This module is the driver: the socket and the clock, the node's one timer,
 where each worker is (its hello), the multicast groups, and the
-impairments of the network itself (``emu.impair``: this kernel has no
-netem). The control plane is ``emu.control``, the metrics ``emu.metrics``.
+impairments of the network itself (``runtime.impair``: this kernel has no
+netem). The control plane is ``runtime.control``, the metrics ``runtime.metrics``.
 
 With the reference node, each datagram read goes to
 ``node.receive_datagram`` (through the impairments: lost, or twice) and
@@ -21,7 +21,7 @@ printed by the CLI). A daemon that dies (SIGKILL, a crash) and is started
 again on the same ports resumes its jobs: each incarnation has an epoch, the
 workers notice the new one and restore their job from their tickets (or the
 daemon already knows it from ``state_dir``), agree on a floor and replay
-(``emu.control``, ``proto.worker``).
+(``runtime.control``, ``proto.worker``).
 """
 
 from __future__ import annotations
@@ -39,17 +39,27 @@ from typing import Any, Final, cast
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.emu.control import ControlPlane, DaemonJob
-from gradfabric.emu.control import control_call as control_call
-from gradfabric.emu.control import server_name as server_name
-from gradfabric.emu.control import worker_name as worker_name
-from gradfabric.emu.impair import Impairer, Impairment
-from gradfabric.emu.metrics import registry, serve_metrics
 from gradfabric.net import switchpath
+from gradfabric.net.datapath import offload
 from gradfabric.net.switchpath import NativeSwitchNode, UdpBook
-from gradfabric.net.udp import IP_MULTICAST_ALL, Address, size_buffers, sockaddr
+from gradfabric.net.udp import (
+    AUTO_MAX_VALUES,
+    IP_MULTICAST_ALL,
+    PROBE,
+    Address,
+    interface_mtu,
+    size_buffers,
+    sockaddr,
+    values_fitting,
+)
 from gradfabric.proto.node import ALL, NODE_SCHEMES, SWITCH, NodeConfig, SwitchNode
-from gradfabric.wire.packet import MAX_WIRE_VALUES
+from gradfabric.runtime.control import ControlPlane, DaemonJob
+from gradfabric.runtime.control import control_call as control_call
+from gradfabric.runtime.control import server_name as server_name
+from gradfabric.runtime.control import worker_name as worker_name
+from gradfabric.runtime.impair import Impairer, Impairment
+from gradfabric.runtime.metrics import registry, serve_metrics
+from gradfabric.wire.packet import MAX_WIRE_VALUES, VALUE_BYTES
 
 DRAIN_BATCH: Final = 256  # datagrams read per wake-up
 MAX_BACKLOG: Final = 65_536  # datagrams waiting for a small send buffer (``sndbuf_kb``)
@@ -59,6 +69,15 @@ DAEMON_SCHEMES: Final = NODE_SCHEMES  # schemes a daemon hosts
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A config field with the help (and choices) its command-line flag shows."""
     return field(default=default, metadata={"help": help, "choices": choices})
+
+
+WINDOW_BYTES: Final = 32 * AUTO_MAX_VALUES * VALUE_BYTES  # a job's window by default: 256 KB
+
+
+def default_window(values_per_packet: int, slots: int = 4096) -> int:
+    """A job's window by default: WINDOW_BYTES of values, whatever the
+    datagram's size (what is in flight is what covers the round trip)."""
+    return max(1, min(slots, round(WINDOW_BYTES / (VALUE_BYTES * values_per_packet))))
 
 
 @dataclass(frozen=True)
@@ -73,8 +92,14 @@ class SwitchConfig:
         DAEMON_SCHEMES,
     )
     slots: int = _opt(4096, "aggregators in the pool")
-    job_slots: int = _opt(32, "SwitchML: slots per job; ATP/ESA: the window")
-    values_per_packet: int = _opt(1024, "values per datagram")
+    job_slots: int = _opt(
+        0, "SwitchML: slots per job; ATP/ESA: the window (0: a window of 256 KB of values: "
+        "32 datagrams of 2048 values, 183 of 358)",
+    )  # fmt: skip
+    values_per_packet: int = _opt(
+        0, "values per datagram (0: the most one datagram carries unfragmented on the MTU "
+        "of the interface --host is on, at most 2048: 358 at 1500, 2048 at 9000)",
+    )  # fmt: skip
     rto_ns: int = _opt(20_000_000, "workers' retransmission timeout")
     host: str = _opt("127.0.0.1", "address to serve on")
     port: int = _opt(0, "data (UDP) port; 0 picks one")
@@ -110,9 +135,10 @@ class SwitchConfig:
         None, "keep job registrations here: restarted on it, the daemon knows its jobs"
     )
     multicast: bool = _opt(
-        False, "send a result once, to its job's multicast group (239.77.x.y on the data "
-        "port), not once per worker: the network replicates it, as a switch's packet "
-        "replication does (loopback and a Linux bridge carry it; needs --host)",
+        True, "offer each job a multicast group (239.77.x.y on the data port): once every "
+        "worker got a probe through it, a result leaves once and the network replicates it, "
+        "as a switch's packet replication does; else each worker gets its copy (loopback "
+        "and a Linux bridge carry it; not with the wildcard --host, which names no interface)",
     )  # fmt: skip
     datapath: str = _opt(
         "auto", "native: the switch's datapath in C (net.switchpath: switchml, atp, esa, ps); "
@@ -124,10 +150,19 @@ class SwitchConfig:
     def __post_init__(self) -> None:
         if self.policy not in DAEMON_SCHEMES:
             raise ConfigError("policy", f"one of {', '.join(DAEMON_SCHEMES)}; got {self.policy!r}")
+        if not 0 <= self.values_per_packet <= MAX_WIRE_VALUES:
+            raise ConfigError("values_per_packet", f"must be in 0..{MAX_WIRE_VALUES}")
+        # 0s are resolved here, where the daemon runs (its config says what it chose):
+        # datagrams as large as the network carries whole, a window of as many bytes
+        # whatever their size (what is in flight is what covers the round trip)
+        if not self.values_per_packet:
+            auto = min(AUTO_MAX_VALUES, values_fitting(interface_mtu(self.host)))
+            object.__setattr__(self, "values_per_packet", max(1, auto))
+        if not self.job_slots:
+            window = default_window(self.values_per_packet, self.slots)
+            object.__setattr__(self, "job_slots", window)
         if not 1 <= self.job_slots <= self.slots:
             raise ConfigError("job_slots", f"must be in 1..slots ({self.slots})")
-        if not 1 <= self.values_per_packet <= MAX_WIRE_VALUES:
-            raise ConfigError("values_per_packet", f"must be in 1..{MAX_WIRE_VALUES}")
         if self.rto_ns <= 0:
             raise ConfigError("rto_ns", "must be > 0")
         if self.sndbuf_kb < 0:
@@ -139,8 +174,6 @@ class SwitchConfig:
         for name in ("push_bound", "pull_bound"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
-        if self.multicast and self.host in ("", "0.0.0.0"):
-            raise ConfigError("multicast", "needs --host: the address that sends the groups")
         if self.max_jobs_per_client < 1:
             raise ConfigError("max_jobs_per_client", "must be >= 1")
         try:
@@ -193,13 +226,16 @@ class SwitchDaemon:
         self.jobs: dict[int, DaemonJob] = {}
         self.control = ControlPlane(self)
         self.sock: socket.socket | None = None
+        self.offload = {"gro": False, "gso": False}  # Linux's UDP offloads (net.datapath.offload)
         self.backlog: deque[tuple[bytes, Address]] = deque()
         self.servers: list[asyncio.Server] = []
         self.stopped = asyncio.Event()
         self.started_ns = time.monotonic_ns()
         self.epoch = secrets.token_hex(8)  # this incarnation: workers notice a restart by it
         self.timer_at: int | None = None  # the node's pending wake-up
-        self.multicast, self.state_dir = cfg.multicast, cfg.state_dir
+        # the wildcard address names no interface to send the groups from
+        self.multicast = cfg.multicast and cfg.host not in ("", "0.0.0.0")
+        self.state_dir = cfg.state_dir
         self.pull_bound = cfg.pull_bound
         self.secret, self.networks = cfg.secret, cfg.networks()
         self.max_jobs_per_client = cfg.max_jobs_per_client
@@ -222,9 +258,17 @@ class SwitchDaemon:
         """``job``'s workers or group moved: the native driver learns it."""
         if self.udp is not None and self.sock is not None:
             addrs = {r: sockaddr(self.sock, a) for r, a in job.addrs.items()}
-            if job.group is not None:
+            if job.multicasting:
+                assert job.group is not None
                 addrs[-1] = sockaddr(self.sock, job.group)
             self.udp.job(job.job_id, job.workers, addrs)
+
+    def probe(self, job: DaemonJob, port: int, nonce: bytes) -> None:
+        """One probe datagram to ``job``'s group on ``port`` (a worker's,
+        apart from the data port), from the data socket: the way results go."""
+        assert self.sock is not None and job.group is not None
+        self.sock.sendto(PROBE + nonce, (job.group[0], port))
+        self.counters["multicast_probes"] += 1
 
     def forget(self, job: DaemonJob) -> None:
         if self.udp is not None:
@@ -243,12 +287,13 @@ class SwitchDaemon:
         if cfg.sndbuf_kb:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.sndbuf_kb * 1024)
         sock.bind((cfg.host, cfg.port))
-        if cfg.multicast:  # out of the interface the workers reach us by; ours stay ours
+        if self.multicast:  # out of the interface the workers reach us by; ours stay ours
             here = socket.inet_aton(sock.getsockname()[0])
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, here)
             sock.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
         if isinstance(self.node, NativeSwitchNode):
             self.udp = UdpBook(self.node)
+            self.offload = offload(sock)  # the native driver alone reads this socket
         loop.add_reader(sock.fileno(), self._drain)
         self.control.load()
         control = await asyncio.start_server(self.control.serve, cfg.host, cfg.control_port)
@@ -320,7 +365,8 @@ class SwitchDaemon:
             job = self.jobs.get(job_id)
             if job is None:
                 self.counters["drop_no_address"] += 1
-            elif rank == ALL and job.group is not None:
+            elif rank == ALL and job.multicasting:
+                assert job.group is not None
                 self._out(data, job.group)
             else:
                 for r in range(job.workers) if rank == ALL else (rank,):
@@ -416,6 +462,9 @@ class SwitchDaemon:
         return {
             "policy": self.cfg.policy,
             "datapath": "native" if self.native else "python",
+            "offload": self.offload,
+            "values_per_packet": self.cfg.values_per_packet,
+            "window": self.cfg.job_slots,
             "epoch": self.epoch,
             "uptime_s": (time.monotonic_ns() - self.started_ns) / 1e9,
             "cpu_s": time.process_time(),  # this process's CPU time (one core at most)
@@ -424,6 +473,7 @@ class SwitchDaemon:
                     "workers": j.workers,
                     "hellos": len(j.addrs),
                     "resyncing": j.resync is not None,
+                    "multicast": j.multicasting if j.unicast is None else j.unicast,
                 }
                 for j in self.jobs.values()
             },

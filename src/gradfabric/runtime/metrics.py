@@ -19,9 +19,9 @@ from gradfabric.core.trace import Counters
 
 
 class Daemon(Protocol):
-    """What the metrics read of the daemon (``emu.switchd.SwitchDaemon``)."""
+    """What the metrics read of the daemon (``runtime.switchd.SwitchDaemon``)."""
 
-    jobs: dict[int, Any]  # id -> ``emu.control.DaemonJob``
+    jobs: dict[int, Any]  # id -> ``runtime.control.DaemonJob``
     counters: Counters
     cfg: Any
 

@@ -45,10 +45,10 @@ import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.control import control_call
-from gradfabric.emu.ticket import Ticket, switch_from_env
 from gradfabric.net.overlap import Overlapped
 from gradfabric.net.udp import Address
+from gradfabric.runtime.control import control_call
+from gradfabric.runtime.ticket import Ticket, switch_from_env
 from gradfabric.wire import fastquant
 from gradfabric.wire.carried import CarriedExponents
 from gradfabric.wire.quant import block_exponents, block_scales
@@ -180,7 +180,7 @@ class Session(Overlapped):
 
             group = self._group[0]
             call = self.calls if self._summing is None else self._summing
-            roll = Roll("emu", group, dist.get_world_size(group), self.rank, call)
+            roll = Roll("ina", group, dist.get_world_size(group), self.rank, call)
         t = self.ticket
         req = {"op": "missing", "job_id": t.job_id, "token": t.token}
         switch = f"switch {t.switch[0]}:{t.switch[1]}"
@@ -217,7 +217,7 @@ class Session(Overlapped):
         exponents are carried, take those of tensor ``key``'s last sum
         without a message. It needs nothing of the switch, so a hook runs it
         for the next bucket while the switch sums this one
-        (``emu.hook.ina_hook``)."""
+        (``runtime.hook.ina_hook``)."""
         if self.exponents == "carried":
             return self._carry(x, key)
         import torch
@@ -248,7 +248,7 @@ class Session(Overlapped):
         except RuntimeError as err:
             world = dist.get_world_size(group)
             raise name_the_missing(
-                "emu", group, world, self.rank, self.calls, self.timeout_s, err
+                "ina", group, world, self.rank, self.calls, self.timeout_s, err
             ) from err
         scale = block_scales(np.where(lost, 0, e.numpy()), self.ticket.workers)
         return Agreed(x, scale, lost, self.calls, floats)

@@ -5,7 +5,7 @@ The switch daemon (policy ``dlcp``) hosts each DLCP job's server
 (``proto.dlcp.DlcpServer``) behind one port served at ``--port-mbps`` with
 strict-priority queues and WRED by drop precedence (``proto.qos``).
 ``DlcpClient`` is one worker (a ``DlcpEndpoint`` on a UDP socket, driven by
-an asyncio loop in a background thread); ``dlcp_hook`` (``emu.hook``) uses
+an asyncio loop in a background thread); ``dlcp_hook`` (``runtime.hook``) uses
 it under DDP. A congested run over UDP, measured: ``lab.dlcp_udp``.
 """
 
@@ -20,10 +20,10 @@ import numpy as np
 import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.emu.client import CLIENTS, Attached, Ticket
-from gradfabric.emu.switchd import worker_name
 from gradfabric.proto.actions import Deliver
 from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender
+from gradfabric.runtime.client import CLIENTS, Attached, Ticket
+from gradfabric.runtime.switchd import worker_name
 from gradfabric.wire import fastquant
 
 

@@ -34,6 +34,8 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import logging
+import secrets
 import socket
 import threading
 import time
@@ -45,18 +47,29 @@ import numpy.typing as npt
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.emu.control import control_call
-from gradfabric.emu.session import ANY_HOST, Exponents, Session
-from gradfabric.emu.ticket import Ticket, scheme_worker, with_secret
 from gradfabric.net import datapath
-from gradfabric.net.datapath import ABORTED, DONE, NativeWorkerNode, run
-from gradfabric.net.udp import join_group, size_buffers, sockaddr
+from gradfabric.net.datapath import ABORTED, DONE, NativeWorkerNode, offload, run
+from gradfabric.net.udp import (
+    await_probe,
+    join_group,
+    path_mtu,
+    size_buffers,
+    sockaddr,
+    values_fitting,
+)
 from gradfabric.proto.worker import ResumableWorker
 from gradfabric.proto.worker_node import Fused, WorkerNode
+from gradfabric.runtime.control import control_call
+from gradfabric.runtime.session import ANY_HOST, Exponents, Session
+from gradfabric.runtime.ticket import Ticket, scheme_worker, with_secret
 from gradfabric.wire import fastquant
+from gradfabric.wire.envelope import TOKEN_BYTES
+from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
 
 RECONNECT_S: Final = 0.05  # between tries to reach a daemon that went away
 RESUME_POLL_S: Final = 0.01  # between asking whether every rank has reported
+PROBE_S, PROBE_TRIES = 0.3, 3  # waiting for a multicast probe, and how often to ask
+LOG = logging.getLogger("gradfabric.client")
 CALL, RESTART, CLOSING = 1, 2, 4  # who asks the node's driver to yield (``_yield``'s bits)
 
 
@@ -77,7 +90,7 @@ class InaClient(Session):
         numbers start (every rank alike; the wire carries their low 32 bits,
         so a job may start anywhere and run past 2**32). ``exponents``:
         agreed in a round before each sum, or carried from each tensor's
-        last sum (``emu.session``)."""
+        last sum (``runtime.session``)."""
         if exponents not in ("agreed", "carried"):
             raise ConfigError("exponents", f"agreed or carried, got {exponents!r}")
         self.exponents = exponents
@@ -101,6 +114,8 @@ class InaClient(Session):
         self.resynced.set()
         self.epoch = ""  # the daemon incarnation this client's job state lives in
         self.sock: socket.socket | None = None
+        self.offload = {"gro": False, "gso": False}  # Linux's UDP offloads (net.datapath.offload)
+        self.multicast = "not offered"  # whether results reach this rank multicast, or why not
         self.group: socket.socket | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._start(ticket, rank, timeout_s)
@@ -218,8 +233,52 @@ class InaClient(Session):
         self.epoch = (await self._new_socket())["epoch"]
         t = self.ticket
         if t.group is not None:
-            self.group = join_group(t.group, t.switch)
+            try:
+                self.group = join_group(t.group, t.switch)
+            except ConfigError as e:  # results come one by one; the daemon hears why
+                self.multicast = str(e)
+            if self.group is not None and isinstance(self.node, NativeWorkerNode):
+                offload(self.group)
+            await self._probe_group()
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        size = 28 + TOKEN_BYTES + HEADER_BYTES + VALUE_BYTES * t.values_per_packet
+        mtu = path_mtu(t.switch)
+        if size > mtu:  # still exact, but each datagram crosses as IP fragments
+            LOG.warning("rank %d: datagrams of %d bytes fragment on a path of MTU %d; serve "
+                        "with --values-per-packet %d or fewer", self.rank, size, mtu,
+                        values_fitting(mtu))  # fmt: skip
+        LOG.info("rank %d: %d values a datagram, a window of %d, results %s, offloads %s",
+                 self.rank, t.values_per_packet, t.window, self.multicast, self.offload)
+
+    async def _probe_group(self) -> None:
+        """Whether the job's group reaches this rank: ask the daemon for a probe
+        datagram there (on a port apart from the data's) and say whether it
+        came. Results go to the group once every rank said yes."""
+        t = self.ticket
+        assert t.group is not None
+        job = {"job_id": t.job_id, "token": t.token, "rank": self.rank}
+        ok = False
+        if self.group is not None:
+            try:
+                sock = join_group((t.group[0], 0), t.switch)
+            except ConfigError as e:
+                self.multicast = str(e)
+            else:
+                with sock:
+                    nonce = secrets.token_bytes(8)
+                    ask = job | {"op": "probe", "port": sock.getsockname()[1], "nonce": nonce.hex()}
+                    for _ in range(PROBE_TRIES):
+                        await control_call(t.control, ask)
+                        if ok := await await_probe(sock, nonce, PROBE_S):
+                            break
+                    else:
+                        self.multicast = f"no probe through {t.group[0]} in {PROBE_TRIES} tries"
+        if ok:
+            self.multicast = "on"
+        else:
+            LOG.warning("rank %d: results come one by one, not multicast: %s", self.rank,
+                        self.multicast)  # fmt: skip
+        await control_call(t.control, job | {"op": "multicast", "ok": ok, "why": self.multicast})
 
     async def _new_socket(self) -> dict[str, Any]:
         """Serve the node from a new UDP socket (the old one closed with
@@ -230,6 +289,8 @@ class InaClient(Session):
         self.sock = sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setblocking(False)
         size_buffers(sock)
+        if isinstance(self.node, NativeWorkerNode):  # the native driver alone reads it
+            self.offload = offload(sock)
         sock.bind((self.bind_host, 0))
         hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": self.rank,
                  "port": sock.getsockname()[1]}  # fmt: skip
@@ -293,6 +354,8 @@ class InaClient(Session):
             self.lock.release()
             self.resynced.set()
         self.epoch = epoch
+        if t.group is not None:  # the new incarnation knows nothing of the group yet
+            await self._probe_group()
         threading.Thread(target=self._background, daemon=True).start()
         return True
 
