@@ -71,6 +71,16 @@ F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
 
 
+def result_error(seq: int, pkt: Packet, sent: int) -> ProtocolError | None:
+    """Why result ``seq`` cannot be taken (None: it can): a result is an
+    integer sum of the count that was sent; anything else is the call's error."""
+    if pkt.flags & Flag.FLOAT or pkt.payload is None:
+        return ProtocolError(f"result {seq} left the integer domain")
+    if pkt.count != sent:
+        return ProtocolError(f"result {seq} carries another count than was sent")
+    return None
+
+
 @dataclass(frozen=True)
 class Fused:
     """A float sum with the quantiser in the node: ``x`` quantised with
@@ -246,13 +256,10 @@ class WorkerNode:
             return
         lo = i * self.vpp
         sent = min(self.vpp, len(self._out) - lo)
-        if pkt.flags & Flag.FLOAT or pkt.payload is None:
-            self.error = self.error or ProtocolError(f"result {seq} left the integer domain")
-        elif pkt.count != sent:
-            self.error = self.error or ProtocolError(
-                f"result {seq} carries another count than was sent"
-            )
+        if (wrong := result_error(seq, pkt, sent)) is not None:
+            self.error = self.error or wrong
         else:
+            assert pkt.payload is not None  # (result_error saw to it)
             self._out[lo : lo + sent] = pkt.payload
             f = self._fused
             if f is not None:

@@ -22,15 +22,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gradfabric.core.errors import ProtocolError
 from gradfabric.net.udp import Address, EngineProtocol, join_group, open_engine
 from gradfabric.proto.actions import Action, Deliver
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniWorker
+from gradfabric.proto.worker_node import result_error
 from gradfabric.runtime.control import control_call
 from gradfabric.runtime.session import ANY_HOST, Session
 from gradfabric.runtime.ticket import Ticket, scheme_worker
-from gradfabric.wire.packet import Flag, Packet
+from gradfabric.wire.packet import Packet
 
 
 class Call:
@@ -52,13 +52,10 @@ class Call:
         an integer result of the count that was sent, else the call's error)."""
         lo = (seq - self.first) * self.vpp
         sent = min(self.vpp, len(self.result) - lo)
-        if pkt.flags & Flag.FLOAT or pkt.payload is None:
-            self.error = self.error or ProtocolError(f"result {seq} left the integer domain")
-        elif pkt.count != sent:
-            self.error = self.error or ProtocolError(
-                f"result {seq} carries another count than was sent"
-            )
+        if (wrong := result_error(seq, pkt, sent)) is not None:
+            self.error = self.error or wrong
         else:
+            assert pkt.payload is not None  # (result_error saw to it)
             self.result[lo : lo + sent] = pkt.payload
 
 
