@@ -436,11 +436,12 @@ def test_switch_killed_mid_collective_and_restarted_resumes_exact(
     restore the job (or find it restored from the state directory), agree on
     a floor and replay; every sum equals the int64 reference, then and after.
     (``mc``: results multicast to the job's group, whose reader a restart
-    must leave running.)"""
+    must leave running, and which the ranks probe again at the new
+    incarnation; the others unicast.)"""
     options = ("--policy", policy, "--loss", "0.05", "--rto-ms", "10", "--job-slots", "16")
-    if state_dir == "mc":  # results multicast
-        options += ("--multicast",)
-    elif state_dir:
+    if state_dir != "mc":
+        options += ("--no-multicast",)
+    if state_dir is True:
         options += ("--state-dir", str(tmp_path))
     sw = start_switch(*options)
     options = _same_ports(sw, *options)
@@ -473,6 +474,9 @@ def test_switch_killed_mid_collective_and_restarted_resumes_exact(
     counters = stats["counters"]
     assert counters["jobs_restored"] == 1 and counters["jobs_resumed"] == 1
     assert counters["impair_loss"] > 0
+    # the new incarnation's group: probed again by every rank (or not offered)
+    assert stats["jobs"][str(ticket.job_id)]["multicast"] is (state_dir == "mc")
+    assert counters.get("multicast_probes", 0) == (3 if state_dir == "mc" else 0)
     assert sum(c.counters["replays"] for c in clients) == 3
     # Whether any kept contribution lay above the floor this time depends on
     # timing; tests/property/test_restart.py is where removing that replay fails.

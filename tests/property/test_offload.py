@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradfabric.net import datapath
+from gradfabric.net import datapath, netns
 from gradfabric.net.datapath import offload, send_datagrams, take_datagrams
 from tests.native import require
 
@@ -129,3 +129,35 @@ def test_the_kernel_here_has_both_offloads() -> None:
     if not got["gro"]:
         pytest.skip(f"this kernel lacks UDP_GRO: {got}")
     assert got == {"gro": True, "gso": True}
+
+
+def _socket(bind: str | None = None) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    if bind is not None:
+        s.bind((bind, 0))
+    return s
+
+
+@pytest.mark.skipif(not netns.usable(), reason="needs root and network namespaces")
+def test_a_run_over_the_route_s_mtu_goes_datagram_by_datagram() -> None:
+    """Datagrams longer than the route's MTU cannot be segmented (the kernel
+    refuses): that run goes datagram by datagram, each as IP fragments, all
+    delivered; the next run of that size is not tried segmented again."""
+    with netns.tor_star(1, 1.0, mtu=1500) as (hosts, tor):
+        rx = netns.call_in(tor, _socket, tor.ip)
+        tx = netns.call_in(hosts[0], _socket)
+        try:
+            if not offload(tx)["gso"]:
+                pytest.skip("this kernel lacks UDP GSO")
+            sent = [bytes([i]) * 4000 for i in range(10)]
+            first = send_datagrams(tx, rx.getsockname(), sent)
+            assert _read_plain(rx, 10) == sent
+            again = send_datagrams(tx, rx.getsockname(), sent)
+            assert _read_plain(rx, 10) == sent
+        finally:
+            tx.close()
+            rx.close()
+    assert first["sent"] == again["sent"] == 10 and first["segmented"] == again["segmented"] == 0
+    assert first["syscalls"] == 1 + 10  # the refused message, then each datagram
+    assert again["syscalls"] == 1  # one batch, no message tried segmented

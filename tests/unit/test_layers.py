@@ -71,10 +71,13 @@ def test_no_module_runs_past_600_lines() -> None:
     assert not long, long
 
 
-# What starts the processes of a run: rank and host processes from Python,
-# torchrun as a program. Only the launcher does; the grid executor
-# (core/cells.py) runs an experiment's independent cells on a pool.
-STARTS_PROCESSES = ("get_context(", ".Process(", "start_processes(", "torch.distributed.run")
+# What starts the rank and host processes of a run: from Python, or torchrun
+# as a program. Only the launcher does; the grid executor (core/cells.py)
+# runs an experiment's independent cells on a pool. (The services a run
+# stands on, the switch daemon and background traffic, are programs their
+# modules start with subprocess, as the namespaces' ``ip`` commands are.)
+STARTS_PROCESSES = ("get_context(", ".Process(", "start_processes(", "mp.spawn(", ".Pool(",
+                    "os.fork(", "torch.distributed.run")  # fmt: skip
 LAUNCHERS = {"net/launch.py", "core/cells.py"}
 
 

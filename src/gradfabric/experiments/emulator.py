@@ -415,7 +415,7 @@ class Emulator:
                 note=f"ina_hook, 16 MB buckets, {mlp['iter_ms']:.0f} ms per step against the "
                 f"default hook's {default['iter_ms']:.0f} ms (4 MB buckets) in the same run "
                 f"(interleaved); the switch with no flag ({v} values a datagram, a window of "
-                f"{default_window(v)}, results multicast, UDP GSO/GRO); ratio of mean step "
+                f"{default_window(v)}); ratio of mean step "
                 f"times, paired 95% "
                 f"interval, {cfg.steps - cfg.warmup} steps" + _busy(mlp, default),
             )

@@ -141,7 +141,8 @@ def run_dlcp_training(cfg: DlcpTrainConfig) -> dict[str, Any]:
         if cfg.dlcp:
             bounds = (0.0, 0.0) if cfg.scheme == "reliable" else (cfg.push_bound, cfg.pull_bound)
             sw = stack.enter_context(switch_daemon(
-                "--policy", "dlcp", "--values-per-packet", "256", "--rto-ms", str(cfg.rto_ms),
+                "--policy", "dlcp", "--values-per-packet", "256", "--job-slots", "32",
+                "--rto-ms", str(cfg.rto_ms),
                 "--push-bound", str(bounds[0]), "--pull-bound", str(bounds[1]),
                 "--sndbuf-kb", str(cfg.pace_kb), host=tor,
             ))  # fmt: skip

@@ -104,7 +104,7 @@ def run_emu_dlcp(cfg: DlcpEmuConfig, reliable: bool = False) -> dict[str, Any]:
     push, pull = (0.0, 0.0) if reliable else (cfg.push_bound, cfg.pull_bound)
     options = ("--policy", "dlcp", "--port-mbps", str(cfg.port_mbps),
                "--push-bound", str(push), "--pull-bound", str(pull),
-               "--values-per-packet", "256", "--rto-ms", "5")  # fmt: skip
+               "--values-per-packet", "256", "--job-slots", "32", "--rto-ms", "5")  # fmt: skip
     with switch_daemon(*options) as sw:
         job = Ticket.register(sw.control, cfg.workers, "dlcp")
         bg = Ticket.register(sw.control, 1, "background")

@@ -149,7 +149,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
     jobs = trace(cfg)
     first = np.cumsum([0] + [j.workers for j in jobs]).tolist()  # each job's first host
     results: list[Any] = [None] * len(jobs)
-    flags = (*DAEMON_FLAGS, "--policy", policy, "--slots", str(cfg.pool_slots),
+    flags = (*DAEMON_FLAGS[:3], "--policy", policy, "--slots", str(cfg.pool_slots),
              "--job-slots", str(cfg.window),
              "--ps-link-mbps", str(cfg.link_gbps * 1000))  # fmt: skip
     with ExitStack() as stack:

@@ -157,7 +157,9 @@ def _row(
         "workers": cfg.workers,
         "tensor_mb": cfg.tensor_mb,
         "policy": cfg.policy,
-        "multicast": cfg.multicast,
+        # what the run got, not what it asked: every rank's probe came (none refused)
+        "multicast": cfg.multicast and counters.get("multicast_probes", 0) > 0
+        and not counters.get("multicast_refused", 0),
         "link_gbps": cfg.link_gbps,
         "mtu": cfg.mtu if cfg.link_gbps is not None else None,
         "kernel_loss": cfg.kernel_loss,

@@ -1,4 +1,4 @@
-"""Every process a run starts comes from here: three ways in, one rank life.
+"""Every rank and host process of a run starts here: three ways in, one life.
 
 - ``run_ranks`` / ``run_on_hosts``: a program under torchrun, as users launch
   training. On loopback one ``torchrun --nproc-per-node N``; on shaped links
@@ -16,7 +16,9 @@ All three give every process the same life (``faulthandler`` on; a group
 joined, left in order by ``end_group`` and the process ended by ``leave``)
 and name the rank or host that died or overran its deadline. Not here:
 ``core.cells`` runs an experiment's independent cells on a pool, dask or
-ray, a grid executor rather than the processes of one run.
+ray, a grid executor rather than the processes of one run; the services a
+run stands on (the switch daemon, ``lab.daemon``; background traffic,
+``net.background``) are programs their own modules start and stop.
 """
 
 from __future__ import annotations
@@ -433,6 +435,8 @@ class Hosts:
             if p.is_alive():
                 p.kill()
                 p.join(self.grace_s)
+        for c in self._conns:
+            c.close()
 
 
 def run_hosts(

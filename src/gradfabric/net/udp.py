@@ -112,17 +112,23 @@ def _ipv4(sock: socket.socket, name: str) -> str | None:
 
 
 def interface_mtu(host: str) -> int:
-    """The MTU of the interface that holds IPv4 address ``host``; for the
-    wildcard (or an address no interface holds), the smallest of the
-    interfaces that are up, loopback's only where no other is up (Linux's
-    ``/sys/class/net``; 1500 where none can be read)."""
+    """The MTU of the interface that holds IPv4 address (or name) ``host``
+    as its first address; for the wildcard (or an address held otherwise:
+    a secondary one), the smallest of the interfaces that are up,
+    loopback's only where no other is up
+    (Linux's ``/sys/class/net``; 1500 where none can be read)."""
+    try:
+        addr = socket.gethostbyname(host) if host else "0.0.0.0"
+    except OSError:
+        addr = "0.0.0.0"
     up: dict[str, int] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             mtu, flags = _sysfs(name, "mtu"), _sysfs(name, "flags")
             if mtu is None:
                 continue
-            if _ipv4(s, name) == host:
+            held = _ipv4(s, name)
+            if held == addr or (name == "lo" and addr.startswith("127.")):  # (all 127/8 is lo's)
                 return mtu
             if flags is not None and flags & 1:
                 up[name] = mtu

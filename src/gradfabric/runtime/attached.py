@@ -13,7 +13,6 @@ does, and that has a native implementation, is ``runtime.ina.InaClient``.
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gradfabric.net.udp import Address, EngineProtocol, join_group, open_engine
+from gradfabric.net.udp import EngineProtocol, open_engine
 from gradfabric.proto.actions import Action, Deliver
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniWorker
@@ -64,7 +63,6 @@ class Attached(Session):
     session's asyncio loop (see the module doc)."""
 
     _call: Call | None = None  # the collective in flight
-    _mcast: asyncio.DatagramTransport | None = None  # the job's multicast results (Ticket.group)
     proto: EngineProtocol
 
     def _attach(
@@ -86,10 +84,9 @@ class Attached(Session):
                      "port": transport.get_extra_info("sockname")[1]}  # fmt: skip
             if bind_host != ANY_HOST:  # else the switch answers where the hello came from
                 hello["host"] = bind_host
+            # (no probe of the job's group: the daemon sends these clients' results
+            # one by one; ``InaClient`` probes and takes them multicast)
             await control_call(t.control, hello)
-            if t.group is not None:
-                self._mcast, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-                    functools.partial(_GroupFeed, self), sock=join_group(t.group, t.switch))
 
         self._wait(open_(), timeout_s)
 
@@ -115,22 +112,7 @@ class Attached(Session):
             proto.attach(None)
             if proto.transport is not None:
                 proto.transport.close()
-        if self._mcast is not None:
-            self._mcast.close()
         await asyncio.sleep(0)  # the transports' close callbacks run
-
-
-class _GroupFeed(asyncio.DatagramProtocol):
-    """The job's multicast results, into the engine's protocol (which
-    answers from the engine's own socket)."""
-
-    def __init__(self, client: Attached) -> None:
-        self.client = client
-
-    def datagram_received(self, data: bytes, addr: Address) -> None:
-        proto = getattr(self.client, "proto", None)
-        if proto is not None and proto.transport is not None:
-            proto.datagram_received(data, addr)
 
 
 class OmniClient(Attached):

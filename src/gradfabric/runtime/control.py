@@ -134,7 +134,7 @@ class Daemon(Protocol):
 
     def addresses_changed(self, job: DaemonJob) -> None: ...
 
-    def probe(self, job: DaemonJob, port: int, nonce: bytes) -> None: ...
+    def probe(self, job: DaemonJob, port: int, nonce: bytes) -> bool: ...
 
     def forget(self, job: DaemonJob) -> None: ...
 
@@ -181,10 +181,10 @@ class ControlPlane:
             if not secrets.compare_digest(token, job.token):
                 raise ConfigError("job_id", f"job {job_id} is another job's now")
             return self.ticket(job)  # restored already, by another rank or from the state dir
+        # (a group need not match: the ranks probe the new incarnation's, if any)
         theirs = {k: req.get(k) for k in ("policy", "window", "values_per_packet")}
-        theirs["multicast"] = bool(req.get("multicast", False))  # whether its ranks joined a group
         ours = {"policy": cfg.scheme, "window": cfg.job_slots,
-                "values_per_packet": cfg.values_per_packet, "multicast": d.multicast}  # fmt: skip
+                "values_per_packet": cfg.values_per_packet}  # fmt: skip
         if theirs != ours:
             raise ConfigError("restore", f"the daemon now runs {ours}, the job had {theirs}")
         workers, base = int(req["workers"]), int(req.get("slot_base", 0))
@@ -330,8 +330,7 @@ class ControlPlane:
         """What a job's workers depend on: a daemon must match it to take the jobs over."""
         cfg = self.cfg
         return {"policy": cfg.scheme, "slots": cfg.slots, "window": cfg.job_slots,
-                "values_per_packet": cfg.values_per_packet,
-                **({"multicast": True} if self.d.multicast else {})}  # fmt: skip
+                "values_per_packet": cfg.values_per_packet}  # fmt: skip
 
     def _hello(self, job: DaemonJob, rank: int, addr: Address) -> None:
         if not 0 <= rank < job.workers:
@@ -351,7 +350,8 @@ class ControlPlane:
             self.d.counters["multicast_refused"] += 1
             LOG.warning("job %d: results go to each worker: %s", job.job_id, job.unicast)
         if job.multicasting != was:
-            LOG.info("job %d: results multicast to %s", job.job_id, job.group)
+            if job.multicasting:
+                LOG.info("job %d: results multicast to %s", job.job_id, job.group)
             self.d.addresses_changed(job)
 
     def _job(self, req: dict[str, Any]) -> DaemonJob:
@@ -418,8 +418,10 @@ class ControlPlane:
         if op == "probe":
             if job.group is None:
                 raise ConfigError("multicast", f"job {job.job_id} has no group")
-            d.probe(job, int(req["port"]), bytes.fromhex(str(req["nonce"])))
-            return {"ok": True}
+            nonce = bytes.fromhex(str(req["nonce"]))
+            if not 1 <= len(nonce) <= 32:
+                raise ConfigError("nonce", "1 to 32 bytes")
+            return {"ok": d.probe(job, int(req["port"]), nonce)}
         if op == "multicast":
             self._delivered(job, int(req["rank"]), bool(req["ok"]), str(req.get("why", "")))
             return {"ok": True, "multicast": job.multicasting}

@@ -23,8 +23,9 @@ one's answer), reports the oldest sequence it has no result for and, once
 the daemon has heard every rank, replays from the floor it answers
 (``proto.worker``): the collective in flight completes with exact sums.
 
-A daemon serving with ``--multicast`` sends each result once, to the job's
-multicast group (``Ticket.group``): the client reads a second socket, joined
+A daemon that offers the job a multicast group (``Ticket.group``; its
+default) sends each result once, to the group, once every rank got a probe
+through it (``_probe_group``): the client reads a second socket, joined
 to the group, into the same node (the driver polls both).
 """
 
@@ -267,12 +268,15 @@ class InaClient(Session):
                 with sock:
                     nonce = secrets.token_bytes(8)
                     ask = job | {"op": "probe", "port": sock.getsockname()[1], "nonce": nonce.hex()}
-                    for _ in range(PROBE_TRIES):
-                        await control_call(t.control, ask)
-                        if ok := await await_probe(sock, nonce, PROBE_S):
-                            break
-                    else:
-                        self.multicast = f"no probe through {t.group[0]} in {PROBE_TRIES} tries"
+                    try:
+                        for _ in range(PROBE_TRIES):
+                            await control_call(t.control, ask)
+                            if ok := await await_probe(sock, nonce, PROBE_S):
+                                break
+                        else:
+                            self.multicast = f"no probe through {t.group[0]} in {PROBE_TRIES} tries"
+                    except ConfigError as e:  # a restarted daemon that offers no group
+                        self.multicast = str(e)
         if ok:
             self.multicast = "on"
         else:
@@ -326,7 +330,6 @@ class InaClient(Session):
         restore = job | {
             "op": "restore", "workers": t.workers, "kind": t.kind, "slot_base": t.slot_base,
             "window": t.window, "values_per_packet": t.values_per_packet, "policy": t.policy,
-            "multicast": t.group is not None,
         }  # fmt: skip
         try:
             epoch = (await control_call(t.control, with_secret(restore)))["epoch"]

@@ -263,12 +263,18 @@ class SwitchDaemon:
                 addrs[-1] = sockaddr(self.sock, job.group)
             self.udp.job(job.job_id, job.workers, addrs)
 
-    def probe(self, job: DaemonJob, port: int, nonce: bytes) -> None:
+    def probe(self, job: DaemonJob, port: int, nonce: bytes) -> bool:
         """One probe datagram to ``job``'s group on ``port`` (a worker's,
-        apart from the data port), from the data socket: the way results go."""
+        apart from the data port), from the data socket: the way results go.
+        False if the kernel would not take it (the worker asks again)."""
         assert self.sock is not None and job.group is not None
-        self.sock.sendto(PROBE + nonce, (job.group[0], port))
+        try:
+            self.sock.sendto(PROBE + nonce, (job.group[0], port))
+        except OSError:
+            self.counters["multicast_probe_errors"] += 1
+            return False
         self.counters["multicast_probes"] += 1
+        return True
 
     def forget(self, job: DaemonJob) -> None:
         if self.udp is not None:

@@ -35,6 +35,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdint.h>
 #include <netinet/in.h>
 #include <netinet/udp.h>
 #include <poll.h>
@@ -63,9 +64,13 @@
 /* the driver's counters, in net.switchpath's order */
 enum { U_TX, U_TX_FULL, U_SOCKET_ERROR, U_NO_ADDRESS, U_SYSCALLS, U_NO_MEMORY, U_GSO, U_GRO, NU };
 
-/* Segmented sends, for the process: on once gf_udp_offload found the kernel
- * has them, off again if it refuses one as unsupported. */
+/* Segmented sends, for the process (the kernel has them or not, for every
+ * socket alike; GRADFABRIC_OFFLOAD=0 is the process's): on once
+ * gf_udp_offload found the kernel has them, off again if it refuses one as
+ * unsupported. Runs of datagrams of ``gso_refused`` bytes or more are not
+ * segmented: the route refused that size (its MTU is smaller). */
 static int gso_on;
+static size_t gso_refused = SIZE_MAX;
 
 /* The offloads for socket ``fd`` (``want`` 0: none, for this process's
  * sends too). Bit 0 of the answer: receive coalescing is on (the kernel has
@@ -74,6 +79,7 @@ GF_API int gf_udp_offload(int fd, int want) {
     int on = want ? 1 : 0, size;
     socklen_t len = sizeof size; /* a kernel that knows UDP_SEGMENT answers for it */
     gso_on = want && getsockopt(fd, IPPROTO_UDP, UDP_SEGMENT, &size, &len) == 0;
+    gso_refused = SIZE_MAX; /* (a new socket may have another route) */
     int gro = setsockopt(fd, IPPROTO_UDP, UDP_GRO, &on, sizeof on) == 0 && want;
     return gro | (gso_on ? 2 : 0);
 }
@@ -112,13 +118,20 @@ static void unsegment(tx_t *t, int i) {
     struct msghdr h = t->msgs[i].msg_hdr;
     int per = (int)h.msg_iovlen / t->segs[i]; /* 1 or 2 iovecs a datagram, alike in a run */
     h.msg_control = NULL, h.msg_controllen = 0, h.msg_iovlen = (size_t)per;
-    for (int k = 0; k < t->segs[i]; k++) {
+    for (int k = 0; k < t->segs[i];) {
         h.msg_iov = t->msgs[i].msg_hdr.msg_iov + k * per;
         (*t->syscalls)++;
-        if (sendmsg(t->fd, &h, t->blocking ? 0 : MSG_DONTWAIT) >= 0)
-            (*t->tx)++;
-        else
-            (*(errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS ? t->full : t->error))++;
+        if (sendmsg(t->fd, &h, t->blocking ? 0 : MSG_DONTWAIT) >= 0) {
+            (*t->tx)++, k++;
+            continue;
+        }
+        int full = errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS;
+        if (full && t->blocking) { /* a worker waits for room, as tx_flush does */
+            struct pollfd p = {t->fd, POLLOUT, 0};
+            poll(&p, 1, 1);
+        } else if (errno != EINTR) {
+            (*(full ? t->full : t->error))++, k++;
+        }
     }
 }
 
@@ -136,10 +149,15 @@ static void tx_flush(tx_t *t) {
             at += sent;
         } else if (errno == EINTR) {
             continue;
-        } else if (t->segs[at] > 1 && (errno == EIO || errno == EINVAL || errno == EOPNOTSUPP)) {
-            /* EINVAL: this message cannot be cut (datagrams over the route's MTU);
-             * else the path cannot cut any (no checksum offload): none is again */
-            if (errno != EINVAL) gso_on = 0;
+        } else if (t->segs[at] > 1 && (errno == EIO || errno == EINVAL || errno == EMSGSIZE ||
+                                       errno == EOPNOTSUPP)) {
+            /* EINVAL, EMSGSIZE: this message cannot be cut (datagrams over the
+             * route's MTU); else the path cannot cut any (no checksum offload):
+             * none is again */
+            if (errno != EINVAL && errno != EMSGSIZE)
+                gso_on = 0;
+            else if (t->seglen[at] < gso_refused)
+                gso_refused = t->seglen[at];
             unsegment(t, at++);
         } else if (t->blocking && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS)) {
             struct pollfd p = {t->fd, POLLOUT, 0}; /* a worker waits for room: the kernel's pacing */
@@ -159,7 +177,8 @@ static void tx_flush(tx_t *t) {
 static void tx_add(tx_t *t, const gf_dgram *o, const void *to, socklen_t len) {
     size_t bytes = (size_t)(o->head_len + o->body_len);
     int per = o->body_len ? 2 : 1, last = t->n - 1;
-    if (last >= 0 && gso_on && bytes && t->to[last] == to && t->seglen[last] == bytes &&
+    if (last >= 0 && gso_on && bytes && bytes < gso_refused && t->to[last] == to &&
+        t->seglen[last] == bytes &&
         t->segs[last] < SEGS_MAX && (size_t)(t->segs[last] + 1) * bytes <= GSO_BYTES &&
         (int)t->msgs[last].msg_hdr.msg_iovlen / t->segs[last] == per && t->niov + per <= IOVS) {
         t->iov[t->niov++] = (struct iovec){(void *)o->head, (size_t)o->head_len};
