@@ -99,11 +99,18 @@ def headlines(srcs: list[Source], system: str, setting: str) -> list[tuple[Claim
     return []
 
 
+def against(c: Claim) -> str:
+    """The baseline's name as a README cell gives it (its details, in
+    brackets, are on the results page), and the link MTU where the claim
+    names one (the same system measured at two)."""
+    m = re.search(r"\bat (MTU \d+)", c.claim)
+    return c.baseline.split(" (")[0].split(", same")[0] + (f" at {m.group(1)}" if m else "")
+
+
 def _cell(claims: list[tuple[Claim, Source]]) -> str:
-    """A README cell: ours against the baseline's name (its details, in
-    brackets, are on the results page)."""
+    """A README cell: ours against the baseline (``against``)."""
     return "; ".join(
-        f"**{c.ours}** vs {c.baseline.split(' (')[0]}" + (" (not met)" if c.met is False else "")
+        f"**{c.ours}** vs {against(c)}" + (" (not met)" if c.met is False else "")
         for c, _ in claims
     ) or "-"
 

@@ -67,7 +67,7 @@ def test_the_readme_table_shows_stored_headlines() -> None:
     table = re.search(r"<!-- fig:systems-table -->(.*?)<!-- /fig -->", readme, re.S)
     assert table
     shown = re.findall(r"\*\*(.+?)\*\* vs ([^;|]+?)(?: \(not met\))?(?:;|\s\|)", table[1])
-    stored = {(c.ours, c.baseline.split(" (")[0])
+    stored = {(c.ours, figures.against(c))
               for s in figures.sources() for c in s.claims if c.headline}  # fmt: skip
     assert shown and all((ours, base.strip()) in stored for ours, base in shown), shown
     systems = [row.split("|")[1].strip() for row in table[1].splitlines()[3:] if row]
@@ -87,3 +87,16 @@ def test_rederive_computes_a_stores_claims_again_from_its_rows(
     d = json.loads((tmp_path / "sparse-train.json").read_text())
     assert d["claims"] == stored["claims"] and d["result"] == stored["result"]
     assert d["claims_derived"] == "2026-01-01" and d["commit"] == stored["commit"]
+
+
+def test_a_cell_names_the_mtu_a_claim_was_measured_at() -> None:
+    """The same system at two MTUs reads apart in the README: the claim's
+    "at MTU N" follows the baseline's bare name."""
+    from gradfabric.experiments.registry import Claim
+
+    def claim(text: str, baseline: str) -> Claim:
+        return Claim("in-network aggregation", text, "udp", baseline, "1.4x", "-", True)
+
+    at = claim("all-reduce at MTU 1500, the defaults (4 workers)", "the ring (best), same MTU")
+    assert figures.against(at) == "the ring at MTU 1500"
+    assert figures.against(claim("all-reduce (4 workers)", "the ring (its best)")) == "the ring"
