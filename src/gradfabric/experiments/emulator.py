@@ -20,16 +20,16 @@ from gradfabric.experiments import plots
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
 from gradfabric.lab.dlcp_udp import DlcpEmuConfig, run_emu_dlcp, summary_row
 from gradfabric.lab.saatp_udp import SaatpEmuConfig, run_emu_saatp
-from gradfabric.lab.switch_bench import SwitchBenchConfig, run_switch_bench, shaped_values
+from gradfabric.lab.switch_bench import SwitchBenchConfig, run_switch_bench
 from gradfabric.lab.switch_train import EmuTrainConfig, run_emu_training
 from gradfabric.net import netns
+from gradfabric.net.udp import datagram_bytes, default_values
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.runtime.client import fast_retransmit
 from gradfabric.runtime.switchd import default_window
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
 from gradfabric.sim.network import LinkSpec
-from gradfabric.wire.envelope import TOKEN_BYTES
-from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
+from gradfabric.wire.packet import VALUE_BYTES
 
 EMULATED = ("switchml", "atp", "esa")
 LOSS = 0.05  # the share of UDP the kernel drops at the switch in the loss row
@@ -234,7 +234,7 @@ class Emulator:
         # each frame with its headers: a datagram's IP, UDP, token and header, a TCP
         # segment's IP and TCP with timestamps (52), and Ethernet's 14 each
         payload = VALUE_BYTES * cfg.values_per_packet
-        ours = payload / (payload + 28 + TOKEN_BYTES + HEADER_BYTES + 14)
+        ours = payload / (datagram_bytes(cfg.values_per_packet) + 14)
         ring = (cfg.mtu - 52) / (cfg.mtu + 14)
         bound = 2 * (cfg.workers - 1) / cfg.workers * ours / ring
         res.claims.append(
@@ -403,7 +403,7 @@ class Emulator:
             r.pop("iter_ms_all")
             res.rows.append(r | {"setting": "DDP, shaped star, MTU 1500"})
         mlp, default = row("mlp", "ina@16", at1500), row("mlp", "default", at1500)
-        v = shaped_values(1500)
+        v = default_values(1500)
         ratio, half = mlp["paired_vs_default"]
         res.claims.append(
             Claim(

@@ -187,10 +187,11 @@ def run_ddp_bench(cfg: DdpBenchConfig) -> list[dict[str, Any]]:
                       mtu=cfg.mtu)  # fmt: skip
         else:
             from gradfabric.lab.daemon import switch_daemon
-            from gradfabric.lab.switch_bench import LOOPBACK_VALUES, shaped_values
+            from gradfabric.lab.switch_bench import LOOPBACK_VALUES
+            from gradfabric.net.udp import default_values
             from gradfabric.runtime.switchd import default_window
 
-            vpp = shaped_values(cfg.mtu) if cfg.link_gbps is not None else LOOPBACK_VALUES
+            vpp = default_values(cfg.mtu) if cfg.link_gbps is not None else LOOPBACK_VALUES
             options = ("--policy", cfg.switch_policy, "--values-per-packet", str(vpp),
                        "--job-slots", str(cfg.switch_window or default_window(vpp)),
                        "--multicast" if cfg.switch_multicast else "--no-multicast")  # fmt: skip

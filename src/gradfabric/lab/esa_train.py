@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.lab.job import DAEMON_FLAGS, Replica, data, fingerprint, reference
+from gradfabric.lab.job import Replica, daemon_flags, data, fingerprint, reference
 from gradfabric.net.launch import run_hosts
 from gradfabric.net.netns import NsHost, call_in, enter, tor_star
 from gradfabric.proto.priority import srpt_aging
@@ -149,8 +149,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
     jobs = trace(cfg)
     first = np.cumsum([0] + [j.workers for j in jobs]).tolist()  # each job's first host
     results: list[Any] = [None] * len(jobs)
-    flags = (*DAEMON_FLAGS[:3], "--policy", policy, "--slots", str(cfg.pool_slots),
-             "--job-slots", str(cfg.window),
+    flags = (*daemon_flags(cfg.window), "--policy", policy, "--slots", str(cfg.pool_slots),
              "--ps-link-mbps", str(cfg.link_gbps * 1000))  # fmt: skip
     with ExitStack() as stack:
         hosts: list[NsHost | None] = [None] * first[-1]

@@ -35,8 +35,10 @@ MODEL = "mlp"  # the catalog's digits MLP (64-256-128-10): the simulator models 
 # jobs' windows), so those are fixed here rather than the daemon's defaults
 # chosen from the MTU; results unicast, as the SA-ATP helpers take them.
 DAEMON = SwitchConfig(values_per_packet=1024, job_slots=32, multicast=False)
-DAEMON_FLAGS = ("--values-per-packet", str(DAEMON.values_per_packet), "--no-multicast",
-                "--job-slots", str(DAEMON.job_slots))  # fmt: skip (ESA's studies set their window)
+def daemon_flags(window: int = DAEMON.job_slots) -> tuple[str, ...]:
+    """``DAEMON``'s settings as a daemon's flags, with a job's ``window``."""
+    return ("--values-per-packet", str(DAEMON.values_per_packet), "--no-multicast",
+            "--job-slots", str(window))  # fmt: skip
 
 
 class Job(Protocol):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.lab.job import DAEMON, DAEMON_FLAGS, Replica, accuracy, data, fingerprint, model
+from gradfabric.lab.job import DAEMON, Replica, accuracy, daemon_flags, data, fingerprint, model
 from gradfabric.lab.saatp_udp import HelpedWorker
 from gradfabric.net.launch import run_hosts
 from gradfabric.proto.switch.straggler import holders
@@ -150,7 +150,7 @@ def run_switch(cfg: SaatpTrainConfig, help: bool) -> dict[str, Any]:
     total_s = cfg.timeout_s + cfg.steps * cfg.device_s(0, 0, cfg.micro_batch) * cfg.slowdown * 2
     vpp = DAEMON.values_per_packet
     # SA-ATP: the reference datapath
-    with switch_daemon("--policy", "atp", "--datapath", "python", *DAEMON_FLAGS) as sw:
+    with switch_daemon("--policy", "atp", "--datapath", "python", *daemon_flags()) as sw:
         sa = None
         if help:
             packets = -(-sum(p.numel() for p in model(cfg).parameters()) // vpp)

@@ -75,10 +75,10 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
     """One run; returns per-iteration times (the slowest worker's), help counts
     and the switch's counters."""
     from gradfabric.lab.daemon import switch_daemon
-    from gradfabric.lab.job import DAEMON_FLAGS
+    from gradfabric.lab.job import daemon_flags
 
     # SA-ATP: the reference datapath; packets laid out as the training study's
-    with switch_daemon("--policy", "atp", "--datapath", "python", *DAEMON_FLAGS) as sw:
+    with switch_daemon("--policy", "atp", "--datapath", "python", *daemon_flags()) as sw:
         sa = None
         if help:
             sa = {"lag_packets": cfg.lag_packets, "replicas": cfg.replicas,

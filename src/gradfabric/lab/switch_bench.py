@@ -51,7 +51,7 @@ import torch.distributed as dist
 from gradfabric.core.errors import ConfigError
 from gradfabric.net.datapath import COUNTERS
 from gradfabric.net.netns import MTU, check_mtu
-from gradfabric.net.udp import AUTO_MAX_VALUES, values_fitting
+from gradfabric.net.udp import default_values, values_fitting
 from gradfabric.runtime.client import SWITCH_ENV, InaClient
 from gradfabric.runtime.switchd import default_window
 
@@ -64,11 +64,6 @@ MODULE = "gradfabric.lab.switch_bench"  # what torchrun runs on each rank
 DATAPATHS = {"auto": None, "native": True, "python": False}  # InaClient's ``native``
 
 
-def shaped_values(mtu: int) -> int:
-    """What the daemon chooses by default on links of ``mtu`` (``SwitchConfig``)."""
-    return min(AUTO_MAX_VALUES, values_fitting(mtu))
-
-
 @dataclass(frozen=True)
 class SwitchBenchConfig:
     workers: int = 2
@@ -77,7 +72,7 @@ class SwitchBenchConfig:
     warmup: int = 2  # untimed sums of each way before the ``iters`` timed ones
     policy: str = "switchml"
     job_slots: int = 0  # the workers' window (and SwitchML's slots per job); 0: the daemon's
-    values_per_packet: int = 0  # 0: LOOPBACK_VALUES on loopback, shaped_values(mtu) on links
+    values_per_packet: int = 0  # 0: LOOPBACK_VALUES on loopback, the daemon's on links
     seed: int = 0
     rto_ms: float = 20.0  # the workers' retransmission timeout (the daemon's --rto-ms)
     link_gbps: float | None = None  # the ToR star of shaped links (root), else loopback
@@ -102,7 +97,7 @@ class SwitchBenchConfig:
         if self.datapath not in DATAPATHS:
             raise ConfigError("datapath", f"one of {', '.join(DATAPATHS)}; got {self.datapath!r}")
         if not self.values_per_packet:  # resolved here, so the stored config says it
-            auto = LOOPBACK_VALUES if self.link_gbps is None else shaped_values(self.mtu)
+            auto = LOOPBACK_VALUES if self.link_gbps is None else default_values(self.mtu)
             object.__setattr__(self, "values_per_packet", auto)
         if not self.job_slots:  # as the daemon chooses it
             object.__setattr__(self, "job_slots", default_window(self.values_per_packet))

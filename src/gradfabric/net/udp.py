@@ -23,8 +23,8 @@ from gradfabric.core.errors import ConfigError, PeerTimeoutError, ProtocolError
 from gradfabric.proto.actions import Deliver, Fail, HelpRequest
 from gradfabric.proto.dispatch import Port, timeout_error
 from gradfabric.proto.interface import Engine
-from gradfabric.wire.envelope import drop_reason, seal, unseal
-from gradfabric.wire.packet import Packet, decode, encode
+from gradfabric.wire.envelope import TOKEN_BYTES, drop_reason, seal, unseal
+from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Packet, decode, encode
 
 Address = tuple[str, int]
 SOCKET_BUFFER_BYTES = 4 * 2**20
@@ -83,14 +83,25 @@ IP_MTU: Final = getattr(socket, "IP_MTU", 14)  # Linux's: a connected socket's r
 AUTO_MAX_VALUES: Final = 2048  # a datagram chosen from an MTU carries at most 8 KB of values
 
 
-def values_fitting(mtu: int) -> int:
-    """The most 4-byte values one datagram carries whole (never an IP
-    fragment) on a path of ``mtu`` bytes: less IPv4's 20 and UDP's 8, the
-    job token and the header."""
-    from gradfabric.wire.envelope import TOKEN_BYTES
-    from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
+IP_UDP_BYTES: Final = 28  # IPv4's header and UDP's, before a datagram's own bytes
 
-    return (mtu - 28 - TOKEN_BYTES - HEADER_BYTES) // VALUE_BYTES
+
+def datagram_bytes(values: int) -> int:
+    """The IP packet of a datagram of ``values`` 4-byte values: IPv4 and UDP,
+    the job token, the header, the values."""
+    return IP_UDP_BYTES + TOKEN_BYTES + HEADER_BYTES + VALUE_BYTES * values
+
+
+def values_fitting(mtu: int) -> int:
+    """The most values one datagram carries whole (never an IP fragment) on
+    a path of ``mtu`` bytes (``datagram_bytes``' inverse)."""
+    return (mtu - datagram_bytes(0)) // VALUE_BYTES
+
+
+def default_values(mtu: int) -> int:
+    """The datagram a daemon chooses on an interface of ``mtu`` bytes: the
+    most values it carries whole, at most AUTO_MAX_VALUES."""
+    return max(1, min(AUTO_MAX_VALUES, values_fitting(mtu)))
 
 
 def _sysfs(name: str, what: str) -> int | None:

@@ -52,6 +52,7 @@ from gradfabric.net import datapath
 from gradfabric.net.datapath import ABORTED, DONE, NativeWorkerNode, offload, run
 from gradfabric.net.udp import (
     await_probe,
+    datagram_bytes,
     join_group,
     path_mtu,
     size_buffers,
@@ -64,8 +65,6 @@ from gradfabric.runtime.control import control_call
 from gradfabric.runtime.session import ANY_HOST, Exponents, Session
 from gradfabric.runtime.ticket import Ticket, scheme_worker, with_secret
 from gradfabric.wire import fastquant
-from gradfabric.wire.envelope import TOKEN_BYTES
-from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES
 
 RECONNECT_S: Final = 0.05  # between tries to reach a daemon that went away
 RESUME_POLL_S: Final = 0.01  # between asking whether every rank has reported
@@ -242,8 +241,7 @@ class InaClient(Session):
                 offload(self.group)
             await self._probe_group()
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
-        size = 28 + TOKEN_BYTES + HEADER_BYTES + VALUE_BYTES * t.values_per_packet
-        mtu = path_mtu(t.switch)
+        size, mtu = datagram_bytes(t.values_per_packet), path_mtu(t.switch)
         if size > mtu:  # still exact, but each datagram crosses as IP fragments
             LOG.warning("rank %d: datagrams of %d bytes fragment on a path of MTU %d; serve "
                         "with --values-per-packet %d or fewer", self.rank, size, mtu,
@@ -256,33 +254,32 @@ class InaClient(Session):
         datagram there (on a port apart from the data's) and say whether it
         came. Results go to the group once every rank said yes."""
         t = self.ticket
-        assert t.group is not None
         job = {"job_id": t.job_id, "token": t.token, "rank": self.rank}
-        ok = False
-        if self.group is not None:
-            try:
-                sock = join_group((t.group[0], 0), t.switch)
-            except ConfigError as e:
-                self.multicast = str(e)
-            else:
-                with sock:
-                    nonce = secrets.token_bytes(8)
-                    ask = job | {"op": "probe", "port": sock.getsockname()[1], "nonce": nonce.hex()}
-                    try:
-                        for _ in range(PROBE_TRIES):
-                            await control_call(t.control, ask)
-                            if ok := await await_probe(sock, nonce, PROBE_S):
-                                break
-                        else:
-                            self.multicast = f"no probe through {t.group[0]} in {PROBE_TRIES} tries"
-                    except ConfigError as e:  # a restarted daemon that offers no group
-                        self.multicast = str(e)
-        if ok:
-            self.multicast = "on"
-        else:
+        if self.group is not None:  # (else ``multicast`` says why it was not joined)
+            why = await self._probe(job)
+            self.multicast = "on" if why is None else why
+        ok = self.multicast == "on"
+        if not ok:
             LOG.warning("rank %d: results come one by one, not multicast: %s", self.rank,
                         self.multicast)  # fmt: skip
         await control_call(t.control, job | {"op": "multicast", "ok": ok, "why": self.multicast})
+
+    async def _probe(self, job: dict[str, Any]) -> str | None:
+        """Ask for a probe through the group, on a port of this rank's own,
+        up to PROBE_TRIES times: None once one came, else why none did."""
+        t = self.ticket
+        assert t.group is not None
+        nonce = secrets.token_bytes(8)
+        try:
+            with join_group((t.group[0], 0), t.switch) as sock:
+                ask = job | {"op": "probe", "port": sock.getsockname()[1], "nonce": nonce.hex()}
+                for _ in range(PROBE_TRIES):
+                    await control_call(t.control, ask)
+                    if await await_probe(sock, nonce, PROBE_S):
+                        return None
+        except ConfigError as e:  # not joined, or a restarted daemon that offers no group
+            return str(e)
+        return f"no probe through {t.group[0]} in {PROBE_TRIES} tries"
 
     async def _new_socket(self) -> dict[str, Any]:
         """Serve the node from a new UDP socket (the old one closed with

@@ -47,10 +47,10 @@ from gradfabric.net.udp import (
     IP_MULTICAST_ALL,
     PROBE,
     Address,
+    default_values,
     interface_mtu,
     size_buffers,
     sockaddr,
-    values_fitting,
 )
 from gradfabric.proto.node import ALL, NODE_SCHEMES, SWITCH, NodeConfig, SwitchNode
 from gradfabric.runtime.control import ControlPlane, DaemonJob
@@ -156,8 +156,7 @@ class SwitchConfig:
         # datagrams as large as the network carries whole, a window of as many bytes
         # whatever their size (what is in flight is what covers the round trip)
         if not self.values_per_packet:
-            auto = min(AUTO_MAX_VALUES, values_fitting(interface_mtu(self.host)))
-            object.__setattr__(self, "values_per_packet", max(1, auto))
+            object.__setattr__(self, "values_per_packet", default_values(interface_mtu(self.host)))
         if not self.job_slots:
             window = default_window(self.values_per_packet, self.slots)
             object.__setattr__(self, "job_slots", window)

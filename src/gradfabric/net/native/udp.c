@@ -259,6 +259,8 @@ typedef struct {
     entry_t *jobs[BOOK_JOBS];
     int64_t counters[NU];
     uint8_t *rx; /* BATCH datagrams */
+    tx_t tx;     /* the drain's batches, made once (gf_book_new), not per wake-up */
+    rx_t rxh;
 } gf_book;
 
 GF_API const char *gf_source(void) { return GRADFABRIC_SOURCE; }
@@ -268,6 +270,11 @@ GF_API gf_book *gf_book_new(void) {
     if (b && !(b->rx = malloc((size_t)BATCH * DGRAM))) {
         free(b);
         return NULL;
+    }
+    if (b) {
+        int64_t *c = b->counters;
+        b->tx = (tx_t){.tx = &c[U_TX], .full = &c[U_TX_FULL], .error = &c[U_SOCKET_ERROR],
+                       .syscalls = &c[U_SYSCALLS], .gso = &c[U_GSO]};
     }
     return b;
 }
@@ -340,12 +347,11 @@ static void flush(const gf_ops *ops, void *engine, gf_book *b, tx_t *t, int64_t 
             run++;
         int64_t lo = o->rank < 0 ? 0 : o->rank, hi = o->rank < 0 ? e->workers : o->rank + 1;
         for (int64_t r = lo; r < hi; r++) {
-            for (int64_t k = i; k < i + run; k++) {
-                if (e->alen[r])
-                    tx_add(t, &out[k], &e->addr[r], e->alen[r]);
-                else
-                    b->counters[U_NO_ADDRESS]++;
+            if (!e->alen[r]) {
+                b->counters[U_NO_ADDRESS] += run;
+                continue;
             }
+            for (int64_t k = i; k < i + run; k++) tx_add(t, &out[k], &e->addr[r], e->alen[r]);
         }
     }
     tx_flush(t); /* (the datagrams point into the engine's outbox until ``sent``) */
@@ -358,14 +364,9 @@ static void flush(const gf_ops *ops, void *engine, gf_book *b, tx_t *t, int64_t 
  * address is counted (drop_no_address). */
 GF_API int64_t gf_udp_drain(const gf_ops *ops, void *engine, gf_book *b, int fd, int64_t batches) {
     int64_t total = 0, *c = b->counters;
-    tx_t *t = malloc(sizeof *t);
-    rx_t *r = malloc(sizeof *r);
-    if (!t || !r) {
-        free(t), free(r);
-        return 0;
-    }
-    *t = (tx_t){.fd = fd, .tx = &c[U_TX], .full = &c[U_TX_FULL], .error = &c[U_SOCKET_ERROR],
-                .syscalls = &c[U_SYSCALLS], .gso = &c[U_GSO]};
+    tx_t *t = &b->tx;
+    rx_t *r = &b->rxh;
+    t->fd = fd; /* (empty between calls: each flush leaves it so) */
     for (int64_t k = 0; k < batches; k++) {
         int got = rx_read(r, fd, b->rx, BATCH);
         c[U_SYSCALLS]++;
@@ -383,7 +384,6 @@ GF_API int64_t gf_udp_drain(const gf_ops *ops, void *engine, gf_book *b, int fd,
         flush(ops, engine, b, t, now);
         if (got < BATCH) break;
     }
-    free(t), free(r);
     return total;
 }
 
@@ -401,8 +401,7 @@ GF_API void gf_udp_send(int fd, const uint8_t *addr, int64_t alen, const uint8_t
                 .error = &counters[1], .syscalls = &counters[2], .gso = &counters[3]};
     for (int64_t i = 0, at = 0; i < n; at += lens[i++]) {
         gf_dgram o = {0, GF_PEER, data + at, lens[i], NULL, 0};
-        tx_add(t, &o, addr, (socklen_t)alen);
-        if (t->n == BATCH) tx_flush(t);
+        tx_add(t, &o, addr, (socklen_t)alen); /* (it flushes a full batch itself) */
     }
     tx_flush(t);
     free(t);
