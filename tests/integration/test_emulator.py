@@ -167,7 +167,7 @@ def test_with_no_flags_results_go_multicast_once_every_rank_got_the_probe() -> N
                 c.close()
         stats = _stats(sw)
     assert stats["jobs"][str(ticket.job_id)]["multicast"] is True
-    assert stats["counters"]["multicast_probes"] == 3
+    assert stats["counters"]["multicast_probes"] >= 3  # (one a rank; a slow host asks again)
     assert [c.counters["results"] for c in clients] == [stats["counters"]["tx_datagrams"]] * 3
 
 
@@ -476,7 +476,8 @@ def test_switch_killed_mid_collective_and_restarted_resumes_exact(
     assert counters["impair_loss"] > 0
     # the new incarnation's group: probed again by every rank (or not offered)
     assert stats["jobs"][str(ticket.job_id)]["multicast"] is (state_dir == "mc")
-    assert counters.get("multicast_probes", 0) == (3 if state_dir == "mc" else 0)
+    probes = counters.get("multicast_probes", 0)
+    assert probes >= 3 if state_dir == "mc" else probes == 0  # (a slow host asks again)
     assert sum(c.counters["replays"] for c in clients) == 3
     # Whether any kept contribution lay above the floor this time depends on
     # timing; tests/property/test_restart.py is where removing that replay fails.
