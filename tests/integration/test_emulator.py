@@ -848,13 +848,19 @@ def test_real_jobs_on_shaped_links_with_atps_ps_behind_links_stay_exact() -> Non
 
 def test_real_jobs_share_a_scarce_esa_pool_exactly_with_preemptions() -> None:
     """Three training jobs of a seeded trace (they overlap) share a daemon
-    whose 40 aggregators cannot hold two windows of 32: ESA preempts, and
-    every job's loss curve and weights equal its solo replay bit for bit."""
+    whose 40 aggregators cannot hold two windows of 32: packets find their
+    slot taken (ESA preempts a lower priority's, or the packet falls back to
+    the PS), and every job's loss curve and weights equal its solo replay
+    bit for bit. (Which of the two a packet meets depends on when each job's
+    window is out, the host's timing: tests/property/test_esa.py makes
+    preemptions happen by construction.)"""
+    from gradfabric.experiments.esa_train import PS_BOUND
     from gradfabric.lab.esa_train import EsaTrainConfig, run_trace
 
     r = run_trace(EsaTrainConfig(seed=0, pool_slots=40), "esa")
     assert [j["exact"] for j in r["jobs"]] == [True] * 3, r["jobs"]
-    assert r["counters"].get("preemptions", 0) > 0, r
+    c = r["counters"]
+    assert c.get("preemptions", 0) + sum(c.get(k, 0) for k in PS_BOUND) > 0, r
     assert all(j["clipped"] == 0 and j["jct_s"] > 0 for j in r["jobs"]), r["jobs"]
 
 
