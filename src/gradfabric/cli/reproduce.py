@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         emulator,
         esa,
         esa_train,
+        flowlevel,
         granularity,
         omnireduce,
         plan_exec,

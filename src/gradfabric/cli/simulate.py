@@ -28,6 +28,19 @@ def run(args: argparse.Namespace) -> int:
     steps = len(cfg.models) * len(cfg.schemes) + 1
     with progress(steps, args.json) as tick:
         res = run_simulate(cfg, tick)
+    if cfg.mode == "flow":
+        clos = cfg.clos
+        shape = (
+            f"{clos.pods} pods x {clos.racks_per_pod} racks x {clos.hosts_per_rack} hosts, "
+            f"{clos.link.link_gbps:g} Gbit/s" if clos else f"{cfg.fabric.topology}"
+        )
+        report(
+            args, "simulate", cfg, res, json_keys=None,
+            tables=[("rows", f"{cfg.name}: {cfg.workers} workers at flow level ({shape})",
+                     ["model", "scheme", "iteration_ms", "compute_ms", "comm_only_ms",
+                      "goodput_gbps", "stragglers", "wall_s"])],
+        )  # fmt: skip
+        return 0
     title = (
         f"{cfg.name}: {cfg.workers} workers, "
         f"{cfg.fabric.link.link_gbps:g} Gbit/s, train={cfg.ina.train_packets}"

@@ -1,5 +1,11 @@
 """``gradfabric simulate``: baselines on real models, checked against analytic bounds.
 
+``mode: packet`` (the default) runs every packet (``sim.collective``);
+``mode: flow`` runs the flow level (``sim.flow``) on ``clos`` (a fat-tree or
+leaf-spine of any size; default: the packet level's ``fabric``), where
+``stragglers`` of the workers compute ``slowdown`` times slower (ATP and ESA
+wait for them; SA-ATP's helpers take their buckets over).
+
 For every (model, scheme) two runs: an *iteration* (forward, then backward
 with DDP-style buckets released as their gradients are ready, overlapping
 communication) and a *communication-only* all-reduce of the whole model
@@ -14,6 +20,7 @@ communication) and a *communication-only* all-reduce of the whole model
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,8 +34,9 @@ from gradfabric.sim.collective import (
     InaConfig,
     run_collective,
 )
+from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
-from gradfabric.workloads.catalog import check_model, model_spec
+from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, check_model, model_spec
 from gradfabric.workloads.compute import device, timeline
 
 
@@ -45,8 +53,19 @@ class SimulateConfig:
     check_bounds: bool = True
     fabric: FabricConfig = field(default_factory=FabricConfig)
     ina: InaConfig = field(default_factory=InaConfig)
+    mode: str = "packet"  # packet | flow
+    clos: Clos | None = None  # flow mode's fabric (None: ``fabric`` as a Clos)
+    stragglers: float = 0.0  # flow mode: the share of workers that straggle
+    slowdown: float = 1.0  # ... this many times slower in compute
+    load_gbps: float = 2.0  # a helper reads the straggler's batch at this rate (SA-ATP)
 
     def __post_init__(self) -> None:
+        if self.mode not in ("packet", "flow"):
+            raise ConfigError("mode", f"unknown {self.mode!r}; valid: packet, flow")
+        if self.mode == "packet" and (self.clos is not None or self.stragglers):
+            raise ConfigError("clos", "clos and stragglers are the flow mode's (mode: flow)")
+        if not 0 <= self.stragglers <= 1 or self.slowdown < 1 or self.load_gbps <= 0:
+            raise ConfigError("stragglers", "stragglers in [0, 1], slowdown >= 1, load_gbps > 0")
         for m in self.models:
             check_model(m, "models")
         for s in self.schemes:
@@ -100,6 +119,8 @@ def _row(
 
 def run_simulate(cfg: SimulateConfig, tick: Tick | None = None) -> dict[str, Any]:
     tick = tick or (lambda _label: None)
+    if cfg.mode == "flow":
+        return {"rows": flow_rows(cfg, tick), "checks": []}
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     dev = device(cfg.device)
@@ -138,6 +159,37 @@ def run_simulate(cfg: SimulateConfig, tick: Tick | None = None) -> dict[str, Any
             )
         )
     return {"rows": rows, "checks": checks}
+
+
+def flow_rows(cfg: SimulateConfig, tick: Tick) -> list[dict[str, Any]]:
+    """Every (model, scheme) at flow level: one iteration and the whole
+    model's all-reduce alone, as packet level's rows (``sim.flow``)."""
+    clos = cfg.clos or Clos.of(cfg.fabric, cfg.workers)
+    dev = device(cfg.device)
+    slow = round(cfg.stragglers * cfg.workers)
+    rows: list[dict[str, Any]] = []
+    for model in cfg.models:
+        spec = model_spec(model)
+        tl = timeline(spec, cfg.batch, dev, cfg.bucket_mb)
+        buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
+        load_ns = round(cfg.batch * STORED_SAMPLE_BYTES[model] * 8 / cfg.load_gbps)
+        for scheme in cfg.schemes:
+            tick(f"{model}/{scheme} (flow)")
+            t0 = time.perf_counter()
+            p = plan(scheme, clos, cfg.workers, cfg.ina)
+            it = iteration_ns(
+                p, buckets, tl.compute_ns, [cfg.slowdown] * slow,
+                helped=scheme == "saatp", help_delay_ns=load_ns,
+            )  # fmt: skip
+            comm = schedule(p, [Bucket(0, spec.params)])
+            rows.append({
+                "model": model, "scheme": scheme, "workers": cfg.workers, "mode": "flow",
+                "iteration_ms": it / 1e6, "compute_ms": tl.compute_ns / 1e6,
+                "comm_only_ms": comm / 1e6, "goodput_gbps": spec.params * 32 / comm,
+                "stragglers": slow, "groups": p.groups,
+                "wall_s": time.perf_counter() - t0,
+            })  # fmt: skip
+    return rows
 
 
 def _ring_check(

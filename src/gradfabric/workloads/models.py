@@ -221,6 +221,8 @@ BUILDERS: dict[str, Builder] = {
     "bert-base": lambda: _tokens(Transformer(30522, 512, 768, 12, 12, 3072, gpt=False), 128),
     "bert-large": lambda: _tokens(Transformer(30522, 512, 1024, 24, 16, 4096, gpt=False), 128),
     "gpt2": lambda: _tokens(Transformer(50257, 1024, 768, 12, 12, 3072, gpt=True), 1024),
+    # GPT-2 XL (1.5B parameters): the scale studies' model (simulated only)
+    "gpt2-xl": lambda: _tokens(Transformer(50257, 1024, 1600, 48, 25, 6400, gpt=True), 1024),
     "lstm": lambda: _tokens(LSTMLM(), 35),
     # A small MLP (51K parameters) for tests and quick runs of the protocols.
     "mlp": lambda: (

@@ -1,0 +1,414 @@
+"""Flow level: the simulator's scale mode, for every collective scheme.
+
+Packet level (``sim.collective``) moves every packet through every queue; it
+is exact and costs an event per packet per hop, so 16,384 workers are out of
+its reach. Here a job's traffic is a set of *flow groups* on the links of a
+Clos fabric, their rates are max-min fair (water-filling), and a bucket's
+all-reduce takes its bytes over its slowest group's rate plus the latency of
+its packet pipeline. What is per packet and not a rate stays per packet: the
+window (a worker's rate is at most ``W`` packets per round trip to its
+aggregation root). ATP's pool is priced for a job whose window fits it, where
+the pool's hash gives every sequence in flight its own aggregator
+(``proto.routes.atp_index``): no collision, no fallback; jobs that share a
+pool (ESA's preemptions) stay at packet level for now.
+
+The fabric (``Clos``) is a star, a two-tier leaf-spine or a three-tier
+fat-tree: ``hosts_per_rack`` under each rack switch, ``racks_per_pod`` rack
+switches under each pod's ``rack_uplinks`` aggregation switches, ``pods``
+pods under the cores (``pod_uplinks`` links up from each aggregation
+switch). Oversubscription is ``hosts_per_rack / rack_uplinks`` at the racks
+and ``racks_per_pod / pod_uplinks`` at the pods. The links of one tier above a
+switch are one *bundle* (ECMP taken as a perfect fluid split, exact for
+per-packet spraying; per-flow hashing can collide where few large flows
+cross a tier, which packet level shows and this level does not: measured in
+``experiments.flowcheck``); a single flow never exceeds one link's rate.
+
+How each scheme becomes flows (``S``: a bucket's bytes on the wire, ``n``
+workers):
+
+* ``ring``: rank ``r`` to ``r+1`` in rank order (a rack's ranks adjacent, as
+  NCCL orders a ring), ``2(n-1)/n S`` each, one bucket at a time; latency
+  ``2(n-1)`` hops of the ring's longest step.
+* ``ps``: every worker to every server ``S/P`` and back, servers placed as
+  packet level places them (server ``i`` in rack ``i mod racks``); the
+  pattern is the same for every worker of a rack, so a rack's NICs are one
+  bundle and groups are (rack, rack) pairs.
+* ``omnireduce``: as ``ps`` with pushes of the non-zero share ``density``
+  and results of the share non-zero at any worker, ``1 - (1-density)^n``.
+* in-network (``switchml``, ``atp``, ``esa``, ``saatp``): each worker's
+  bucket up to its rack switch and the result back; with several racks each
+  rack's partial sum up one link to the job's pod aggregation switch, with
+  several pods each pod's up one link to a core: aggregation at every level
+  (SwitchML's hierarchy, ATP's two levels made three where a fat-tree has
+  them).
+* SA-ATP with stragglers: a straggler's bucket is ready at ``f t_b`` (its
+  slowdown ``f``); ATP waits for it; under SA-ATP a replica holder that
+  finished its own backward at ``C`` computes it from the replica and sends
+  it under the straggler's bit, ready at ``C + load + t_b``: the earlier of
+  the two counts (the best a helper can do; packet level's ``takeover``
+  policies decide when help is worth it, which this level does not model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.proto.schemes import SCHEMES, InaConfig
+from gradfabric.sim.collective import Bucket, FabricConfig
+from gradfabric.sim.network import LinkSpec
+from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
+
+INA = ("switchml", "atp", "esa", "saatp")
+FLOW_SCHEMES = ("ring", "ps", "omnireduce", *INA)
+
+
+@dataclass(frozen=True)
+class Clos:
+    """A star, leaf-spine or fat-tree (module doc); ``rack_uplinks = 0`` is a
+    star (one switch, every host under it)."""
+
+    hosts_per_rack: int = 32
+    racks_per_pod: int = 1
+    pods: int = 1
+    rack_uplinks: int = 0
+    pod_uplinks: int = 0
+    link: LinkSpec = field(default_factory=LinkSpec)
+    fabric: LinkSpec | None = None  # switch-to-switch links (None: ``link``)
+
+    def __post_init__(self) -> None:
+        for name in ("hosts_per_rack", "racks_per_pod", "pods"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.rack_uplinks < 0 or self.pod_uplinks < 0:
+            raise ConfigError("rack_uplinks", "uplinks must be >= 0")
+        if self.racks > 1 and self.rack_uplinks == 0:
+            raise ConfigError("rack_uplinks", "several racks need uplinks")
+        if self.pods > 1 and self.pod_uplinks == 0:
+            raise ConfigError("pod_uplinks", "several pods need uplinks to the cores")
+
+    @staticmethod
+    def fat_tree(k: int, link: LinkSpec | None = None) -> Clos:
+        """The k-ary fat-tree: ``k`` pods of ``k/2`` racks of ``k/2`` hosts, full bisection."""
+        if k < 2 or k % 2:
+            raise ConfigError("k", f"a fat-tree needs an even k >= 2, got {k}")
+        h = k // 2
+        return Clos(h, h, k, h, h, link or LinkSpec())
+
+    @staticmethod
+    def of(fabric: FabricConfig, hosts: int) -> Clos:
+        """The packet level's fabric as a Clos: a star is one rack; a
+        leaf-spine one pod whose aggregation switches are the spines."""
+        if fabric.topology == "star":
+            return Clos(hosts_per_rack=max(1, hosts), link=fabric.link)
+        racks = -(-hosts // fabric.hosts_per_rack)
+        return Clos(
+            fabric.hosts_per_rack, racks, 1, fabric.spines, 0, fabric.link, fabric.fabric_link
+        )
+
+    @property
+    def racks(self) -> int:
+        return self.racks_per_pod * self.pods
+
+    @property
+    def hosts(self) -> int:
+        return self.hosts_per_rack * self.racks
+
+    @property
+    def fabric_link(self) -> LinkSpec:
+        return self.fabric or self.link
+
+
+def gbps_to_bytes_per_ns(gbps: float) -> float:
+    return gbps / 8
+
+
+class Fabric:
+    """Link capacities (bytes/ns) and paths of a Clos with ``hosts`` placed
+    in rank order (workers first, then servers round-robin over the racks,
+    as ``sim.collective`` places them)."""
+
+    def __init__(self, clos: Clos, workers: int, servers: int = 0) -> None:
+        if workers > clos.hosts:
+            raise ConfigError("workers", f"{workers} exceed the fabric's {clos.hosts} hosts")
+        self.clos = clos
+        self.n = workers
+        rack = [w // clos.hosts_per_rack for w in range(workers)]
+        used = max(1, -(-workers // clos.hosts_per_rack))
+        rack += [i % used for i in range(servers)]  # extra hosts beside the workers
+        self.rack = np.array(rack, dtype=np.int64)
+        self.pod = self.rack // clos.racks_per_pod
+        h, r, p = len(rack), clos.racks, clos.pods
+        self.hosts = h
+        per_rack = np.bincount(self.rack, minlength=r)
+        host = gbps_to_bytes_per_ns(clos.link.link_gbps)
+        up = gbps_to_bytes_per_ns(clos.fabric_link.link_gbps)
+        # index space: host up, host down, rack NIC bundles up/down, rack
+        # uplink bundles up/down, pod uplink bundles up/down
+        self.base = np.cumsum([0, h, h, r, r, r, r, p, p])
+        self.cap = np.concatenate([
+            np.full(2 * h, host),
+            np.tile(per_rack * host, 2),
+            np.full(2 * r, clos.rack_uplinks * up),
+            np.full(2 * p, clos.rack_uplinks * clos.pod_uplinks * up),
+        ]).astype(float)  # fmt: skip
+        self.host_rate = host
+        self.link_rate = min(host, up)
+
+    def host_up(self, i: int) -> int:
+        return int(self.base[0] + i)
+
+    def host_down(self, i: int) -> int:
+        return int(self.base[1] + i)
+
+    def nic_up(self, rack: int) -> int:
+        return int(self.base[2] + rack)
+
+    def nic_down(self, rack: int) -> int:
+        return int(self.base[3] + rack)
+
+    def rack_up(self, rack: int) -> int:
+        return int(self.base[4] + rack)
+
+    def rack_down(self, rack: int) -> int:
+        return int(self.base[5] + rack)
+
+    def pod_up(self, pod: int) -> int:
+        return int(self.base[6] + pod)
+
+    def pod_down(self, pod: int) -> int:
+        return int(self.base[7] + pod)
+
+    def between(self, ra: int, rb: int) -> list[int]:
+        """The tier bundles between racks ``ra`` and ``rb`` (none within a rack)."""
+        if ra == rb:
+            return []
+        pa, pb = ra // self.clos.racks_per_pod, rb // self.clos.racks_per_pod
+        mid = [] if pa == pb else [self.pod_up(pa), self.pod_down(pb)]
+        return [self.rack_up(ra), *mid, self.rack_down(rb)]
+
+    def hops(self, ra: int, rb: int) -> int:
+        """Links on a path between hosts in racks ``ra`` and ``rb``."""
+        return 2 + len(self.between(ra, rb))
+
+    def hop_ns(self, ina: InaConfig) -> float:
+        """One link's latency for one (simulated) packet: propagation plus the
+        serialisation a store-and-forward switch waits for (a train's, at
+        packet level's coarse granularity, to compare like with like)."""
+        size = (HEADER_BYTES + VALUE_BYTES * ina.values_per_packet) * ina.train_packets
+        return self.clos.link.prop_delay_ns + size / self.host_rate
+
+
+@dataclass
+class Groups:
+    """Flow groups: ``members`` identical flows each, ``share`` of the bucket's
+    wire bytes per member; ``entries`` (group, link, members crossing it)."""
+
+    share: list[float] = field(default_factory=list)
+    cap: list[float] = field(default_factory=list)
+    entries: list[tuple[int, int, float]] = field(default_factory=list)
+
+    def add(self, share: float, cap: float, links: Sequence[tuple[int, float]]) -> None:
+        g = len(self.share)
+        self.share.append(share)
+        self.cap.append(cap)
+        self.entries.extend((g, link, k) for link, k in links)
+
+
+def max_min(cap: np.ndarray, groups: Groups) -> np.ndarray:
+    """Each group's per-member rate under max-min fairness (water-filling):
+    raise every unfrozen rate alike until a link fills or a group meets its
+    cap, freeze those, repeat."""
+    e = np.array(groups.entries, dtype=float).reshape(-1, 3)
+    eg, el, ek = e[:, 0].astype(np.int64), e[:, 1].astype(np.int64), e[:, 2]
+    gcap = np.array(groups.cap, dtype=float)
+    rate = np.zeros(len(gcap))
+    frozen = np.zeros(len(gcap), dtype=bool)
+    residual = cap.astype(float).copy()
+    while not frozen.all():
+        live = ~frozen[eg]
+        demand = np.bincount(el[live], weights=ek[live], minlength=len(cap))
+        used = demand > 0
+        step = float(np.min(gcap[~frozen] - rate[~frozen]))
+        if used.any():
+            step = min(step, float(np.min(residual[used] / demand[used])))
+        rate[~frozen] += step
+        residual -= demand * step
+        full = used & (residual <= 1e-9 * cap)
+        hit = np.zeros(len(gcap), dtype=bool)
+        hit[eg[live & full[el]]] = True
+        frozen |= hit | (rate >= gcap * (1 - 1e-12))
+    return rate
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one bucket of ``values`` costs a scheme on a fabric."""
+
+    ns_per_byte: float  # the slowest group's: max(share / rate)
+    latency_ns: float  # the packet pipeline's fill (hops) for one bucket
+    floor_ns: float  # the least a bucket's bytes take, however few (a ring's steps)
+    serial: bool  # buckets one at a time (a ring) or streamed back to back
+    vpp: int
+    groups: int = 0
+
+    def bandwidth_ns(self, values: int) -> float:
+        return max(self.floor_ns, wire_bytes(values, self.vpp) * self.ns_per_byte)
+
+
+def _ring(fab: Fabric, ina: InaConfig) -> tuple[Groups, float, float]:
+    """The ring's groups, its per-step floor over all steps and one step's latency."""
+    n, g = fab.n, Groups()
+    hops: list[int] = []
+    for r in range(n):
+        s = (r + 1) % n
+        a, b = int(fab.rack[r]), int(fab.rack[s])
+        mid = fab.between(a, b)
+        hops.append(2 + len(mid))
+        g.add(2 * (n - 1) / n, fab.link_rate,
+              [(fab.host_up(r), 1), *((x, 1) for x in mid), (fab.host_down(s), 1)])  # fmt: skip
+    # Packets are forwarded as they arrive, so the steps' latency hides behind
+    # the bytes until a chunk is shorter than one packet's hop: a packet then
+    # crosses the 2(n-1) steps one edge after another, twice round the ring.
+    hop = fab.hop_ns(ina)
+    return g, 2 * (n - 1) * hop * float(np.mean(hops)), max(hops) * hop
+
+
+def _sharded(fab: Fabric, servers: int, push: float, pull: float) -> tuple[Groups, int]:
+    """Every worker to every server (``push`` of the bytes in all) and back
+    (``pull``), grouped by (rack, rack); returns the groups and the longest path."""
+    g, n = Groups(), fab.n
+    wr = np.bincount(fab.rack[:n], minlength=fab.clos.racks)
+    sr = np.bincount(fab.rack[n:], minlength=fab.clos.racks)
+    hops = 2
+    for a in np.nonzero(wr)[0]:
+        for b in np.nonzero(sr)[0]:
+            m = float(wr[a] * sr[b])  # flows from rack a's workers to rack b's servers
+            mid = fab.between(int(a), int(b))
+            hops = max(hops, 2 + len(mid))
+            g.add(push / servers, fab.link_rate, [(fab.nic_up(int(a)), m),
+                  *((x, m) for x in mid), (fab.nic_down(int(b)), m)])  # fmt: skip
+            back = fab.between(int(b), int(a))
+            g.add(pull / servers, fab.link_rate, [(fab.nic_up(int(b)), m),
+                  *((x, m) for x in back), (fab.nic_down(int(a)), m)])  # fmt: skip
+    return g, hops
+
+
+def _ina_tree(fab: Fabric, g: Groups, cap: Callable[[int], float]) -> int:
+    """In-network aggregation up the fabric and the result back down, each
+    flow at most ``cap(levels)``; returns the levels: the links from a worker
+    to the job's aggregation root."""
+    n = fab.n
+    racks = sorted(set(fab.rack[:n].tolist()))
+    pods = sorted({r // fab.clos.racks_per_pod for r in racks})
+    up = 1 + (len(racks) > 1) + (len(pods) > 1)
+    links = [fab.host_up(w) for w in range(n)] + [fab.host_down(w) for w in range(n)]
+    if len(racks) > 1:  # each rack's partial sum up one link, the result back down
+        links += [fab.rack_up(r) for r in racks] + [fab.rack_down(r) for r in racks]
+    if len(pods) > 1:
+        links += [fab.pod_up(p) for p in pods] + [fab.pod_down(p) for p in pods]
+    for link in links:
+        g.add(1.0, cap(up), [(link, 1)])
+    return up
+
+
+def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float = 1.0) -> Plan:
+    """The flow groups of ``scheme`` on ``clos``, solved: see the module doc."""
+    if scheme not in FLOW_SCHEMES:
+        valid = ", ".join(FLOW_SCHEMES)
+        raise ConfigError("scheme", f"{scheme!r} has no flow model; valid: {valid}")
+    sch = SCHEMES.get(scheme)
+    servers = len(sch.servers(workers, ina))
+    fab = Fabric(clos, workers, servers)
+    vpp = ina.values_per_packet
+    hop = fab.hop_ns(ina)
+    floor = 0.0
+    if scheme == "ring":
+        g, floor, latency = _ring(fab, ina)
+        serial = True
+    elif scheme in ("ps", "omnireduce"):
+        push = density if scheme == "omnireduce" else 1.0
+        pull = 1 - (1 - density) ** workers if scheme == "omnireduce" else 1.0
+        g, hops = _sharded(fab, servers, push, pull)
+        latency, serial = 2 * hops * hop, False
+    else:
+        window = sch.window(ina) * ina.train_packets  # in real packets
+        if scheme != "switchml" and window > ina.atp_pool_slots:
+            raise ConfigError(
+                "atp_window", "the flow level prices a job whose window fits ATP's pool "
+                "(a job never collides with itself then: proto.routes.atp_index); "
+                "run a larger window at packet level",
+            )  # fmt: skip
+        g = Groups()
+        pkt = HEADER_BYTES + VALUE_BYTES * vpp
+
+        def cap(up: int) -> float:  # a window of packets per round trip to the root
+            return min(fab.link_rate, window * pkt / (2 * up * hop))
+
+        rtt = 2 * _ina_tree(fab, g, cap) * hop
+        latency, serial = rtt, False
+    rates = max_min(fab.cap, g)
+    worst = max(float(s / r) for s, r in zip(g.share, rates, strict=True) if s > 0)
+    return Plan(worst, latency, floor, serial, vpp, len(g.share))
+
+
+def schedule(
+    p: Plan, buckets: Sequence[Bucket], ready: Callable[[int], float] | None = None
+) -> float:
+    """When the last bucket is everywhere: each bucket's bytes follow the
+    previous bucket's on the same flows (a ring also waits for its latency),
+    from when every worker has it (``ready(b)``, default its ``ready_ns``)."""
+    free = 0.0  # when the flows are free for the next bucket's bytes
+    done = 0.0
+    for b, bk in enumerate(buckets):
+        at = float(bk.ready_ns) if ready is None else ready(b)
+        start = max(at, free)
+        bw = p.bandwidth_ns(bk.count)
+        done = max(done, start + bw + p.latency_ns)
+        free = start + bw + (p.latency_ns if p.serial else 0.0)
+    return done
+
+
+def iteration_ns(
+    p: Plan, buckets: Sequence[Bucket], compute_ns: int, slowdowns: Sequence[float] = (),
+    helped: bool = False, help_delay_ns: int = 0,
+) -> float:  # fmt: skip
+    """One data-parallel step: compute, buckets as they are ready at the
+    slowest worker (``slowdowns``: the stragglers' factors), or, ``helped``,
+    at the earlier of the straggler and a helper that starts once its own
+    compute is done (``help_delay_ns``: loading the straggler's batch)."""
+    f = max([1.0, *slowdowns])
+
+    def ready(b: int) -> float:
+        t = buckets[b].ready_ns
+        late = f * t
+        if helped and f > 1:
+            late = min(late, compute_ns + help_delay_ns + t)
+        return late
+
+    return max(float(compute_ns), schedule(p, buckets, ready))
+
+
+def check_scale(workers: int, clos: Clos) -> None:
+    if workers < 1:
+        raise ConfigError("workers", f"must be >= 1, got {workers}")
+    if workers > clos.hosts:
+        raise ConfigError("workers", f"{workers} exceed the fabric's {clos.hosts} hosts")
+
+
+__all__ = [
+    "FLOW_SCHEMES",
+    "Clos",
+    "Fabric",
+    "Groups",
+    "Plan",
+    "check_scale",
+    "iteration_ns",
+    "max_min",
+    "plan",
+    "schedule",
+]
+

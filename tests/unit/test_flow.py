@@ -1,0 +1,171 @@
+"""The flow level (``sim.flow``): max-min fairness checked by its defining
+property, every scheme against packet level where both run, the shipped
+16,384-worker configs against analytic floors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradfabric.cli import main
+from gradfabric.core.errors import ConfigError
+from gradfabric.experiments.baselines import builtin_config
+from gradfabric.proto.schemes import InaConfig
+from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
+from gradfabric.sim.flow import Clos, Groups, iteration_ns, max_min, plan, schedule
+from gradfabric.sim.network import LinkSpec
+from gradfabric.wire.packet import wire_bytes
+from gradfabric.workloads.catalog import model_spec
+
+LINK = LinkSpec(link_gbps=100.0, prop_delay_ns=500, queue_bytes=2_000_000)
+
+
+@st.composite
+def instances(draw: st.DrawFn) -> tuple[np.ndarray, Groups]:
+    links = draw(st.integers(1, 6))
+    cap = np.array(draw(st.lists(st.floats(0.5, 20.0), min_size=links, max_size=links)))
+    g = Groups()
+    for _ in range(draw(st.integers(1, 8))):
+        on = draw(st.lists(st.integers(0, links - 1), min_size=1, max_size=links, unique=True))
+        ks = draw(st.lists(st.integers(1, 4), min_size=len(on), max_size=len(on)))
+        g.add(1.0, draw(st.floats(0.1, 50.0)), list(zip(on, map(float, ks), strict=True)))
+    return cap, g
+
+
+@given(instances())
+@settings(max_examples=300, deadline=None)
+def test_rates_are_max_min_fair(inst: tuple[np.ndarray, Groups]) -> None:
+    """Max-min fairness by its definition, not by the algorithm: feasible,
+    and every group is at its cap or crosses a full link on which no group
+    has a higher rate (its bottleneck), which makes the allocation unique."""
+    cap, g = inst
+    rate = max_min(cap, g)
+    load = np.zeros(len(cap))
+    for grp, link, k in g.entries:
+        load[link] += k * rate[grp]
+    assert np.all(load <= cap * (1 + 1e-9))
+    assert np.all(rate <= np.array(g.cap) * (1 + 1e-9))
+    for grp in range(len(g.cap)):
+        if rate[grp] >= g.cap[grp] * (1 - 1e-9):
+            continue
+        mine = [link for gg, link, _ in g.entries if gg == grp]
+        assert any(
+            load[link] >= cap[link] * (1 - 1e-9)
+            and all(rate[gg] <= rate[grp] * (1 + 1e-9) for gg, lk, _ in g.entries if lk == link)
+            for link in mine
+        ), f"group {grp} at {rate[grp]} has no bottleneck"
+
+
+def test_two_flows_share_a_link_and_a_capped_one_leaves_the_rest() -> None:
+    g = Groups()
+    g.add(1.0, 100.0, [(0, 1.0)])
+    g.add(1.0, 2.0, [(0, 1.0), (1, 1.0)])
+    g.add(1.0, 100.0, [(1, 3.0)])  # three flows as one group
+    rate = max_min(np.array([10.0, 8.0]), g)
+    assert rate == pytest.approx([8.0, 2.0, 2.0])
+
+
+@pytest.mark.parametrize(
+    ("scheme", "workers", "topology"),
+    [("ring", 8, "star"), ("ps", 8, "star"), ("switchml", 8, "star"), ("atp", 16, "star"),
+     ("saatp", 16, "star"), ("ring", 64, "leaf_spine"), ("switchml", 64, "leaf_spine")],
+)  # fmt: skip
+def test_flow_level_is_within_5pct_of_packet_level(
+    scheme: str, workers: int, topology: str
+) -> None:
+    fabric = FabricConfig(topology=topology, hosts_per_rack=32, spines=2, link=LINK)
+    ina = InaConfig(train_packets=8)
+    buckets = [Bucket(0, 1_500_000), Bucket(20_000, 500_000)]
+    packet = run_collective(scheme, workers, buckets, fabric, ina).end_ns
+    flow = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina), buckets)
+    assert flow == pytest.approx(packet, rel=0.05)
+
+
+def test_a_slow_fabric_link_bounds_switchml_s_two_levels_at_both_levels() -> None:
+    """Racks' partial sums cross one 25 Gbit/s link each to the root: the
+    whole job runs at that link's rate, at packet level and at flow level."""
+    fabric = FabricConfig(
+        topology="leaf_spine", hosts_per_rack=8, spines=2, link=LINK,
+        fabric_link=LinkSpec(link_gbps=25.0, prop_delay_ns=500, queue_bytes=2_000_000),
+    )  # fmt: skip
+    ina = InaConfig(train_packets=8)
+    values = 2_000_000
+    flow = schedule(plan("switchml", Clos.of(fabric, 16), 16, ina), [Bucket(0, values)])
+    assert flow >= wire_bytes(values, 256) / (25 / 8)  # the slow link's floor
+    packet = run_collective("switchml", 16, [Bucket(0, values)], fabric, ina).end_ns
+    assert flow == pytest.approx(packet, rel=0.05)
+
+
+def test_a_fat_tree_holds_k_cubed_over_4_hosts_and_refuses_more_workers() -> None:
+    clos = Clos.fat_tree(8, LINK)
+    assert (clos.hosts, clos.racks, clos.pods) == (128, 32, 8)
+    with pytest.raises(ConfigError, match="workers"):
+        plan("ring", clos, 129, InaConfig())
+    with pytest.raises(ConfigError, match="k"):
+        Clos.fat_tree(7)
+
+
+def test_an_atp_window_beyond_its_pool_is_left_to_packet_level() -> None:
+    with pytest.raises(ConfigError, match="atp_window"):
+        plan("atp", Clos.fat_tree(4), 8, InaConfig(atp_window=256, atp_pool_slots=128))
+
+
+def test_in_network_aggregation_crosses_an_oversubscribed_core_at_line_rate() -> None:
+    """4:1 oversubscribed racks: a ring's cross-rack flows are one per rack
+    and fit; a PS's all-to-all does not, and slows by the oversubscription."""
+    over = Clos(16, 4, 2, 4, 4, LINK)
+    full = Clos(16, 4, 2, 16, 16, LINK)
+    ina = InaConfig()
+    b = [Bucket(0, 4_000_000)]
+    for scheme in ("switchml", "ring"):
+        assert schedule(plan(scheme, over, 128, ina), b) == pytest.approx(
+            schedule(plan(scheme, full, 128, ina), b), rel=0.01
+        )
+    slow, fast = (schedule(plan("ps", c, 128, ina), b) for c in (over, full))
+    assert slow > 2 * fast
+
+
+def test_a_helper_bounds_a_straggler_s_step_at_its_own_compute_plus_the_straggler_s() -> None:
+    p = plan("saatp", Clos.fat_tree(4, LINK), 16, InaConfig())
+    buckets = [Bucket(1_000_000, 10_000), Bucket(2_000_000, 10_000)]
+    waited = iteration_ns(p, buckets, 2_000_000, [4.0], helped=False)
+    helped = iteration_ns(p, buckets, 2_000_000, [4.0], helped=True, help_delay_ns=100_000)
+    assert waited >= 8_000_000  # the straggler's own backward
+    assert 4_100_000 <= helped < 4_200_000  # helper: its compute, the load, the straggler's
+
+
+@pytest.mark.parametrize("scheme", ["ring", "ps", "switchml", "atp", "esa", "saatp"])
+def test_the_shipped_16k_configs_are_a_gpt2_xl_step_on_a_three_tier_fat_tree(scheme: str) -> None:
+    cfg = builtin_config(f"scale-{scheme}")
+    assert cfg.workers == 16_384 and cfg.mode == "flow" and cfg.schemes == (scheme,)
+    assert cfg.clos is not None and cfg.clos.pods > 1 and cfg.clos.hosts >= cfg.workers
+    assert 1.5e9 < model_spec(cfg.models[0]).params < 1.6e9
+
+
+def test_simulate_flow_mode_meets_the_bandwidth_floor_at_16k(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SwitchML on 16,384 workers: the whole model's all-reduce takes its
+    bytes over one 100 Gbit/s NIC plus a round trip, no less and barely more."""
+    cfg = yaml.safe_load((Path(builtin_config.__code__.co_filename).parent.parent
+                          / "configs" / "scale-switchml.yaml").read_text())  # fmt: skip
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "stragglers": 0.0}))
+    assert main(["simulate", str(path), "--json", "--out", str(tmp_path / "r")]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    floor_ms = wire_bytes(model_spec("gpt2-xl").params, 256) / 12.5 / 1e6
+    assert row["workers"] == 16_384
+    assert floor_ms <= row["comm_only_ms"] <= floor_ms * 1.01
+    assert row["iteration_ms"] >= row["compute_ms"]
+
+
+def test_packet_mode_refuses_the_flow_mode_s_fields(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"workers": 4, "stragglers": 0.5}))
+    assert main(["simulate", str(path), "--out", str(tmp_path / "r")]) == 2
