@@ -13,6 +13,13 @@ def add(sub: Sub) -> None:
     s = sub.add_parser("simulate", help="simulate baselines on real models (built-in default)")
     s.add_argument("config", nargs="?", help="YAML config (default: the built-in baselines)")
     s.add_argument("--train-packets", type=int, help="override ina.train_packets (1 = packets)")
+    s.add_argument("--module", metavar="PKG.MOD:FN",
+                   help="your own model instead of the config's: FN() returns (nn.Module, "
+                        "example inputs for one sample); profiled on the meta device")
+    s.add_argument("--workers", type=int, help="override workers")
+    s.add_argument("--schemes", help="override schemes (comma-separated)")
+    s.add_argument("--mode", choices=("packet", "flow"),
+                   help="override mode (--module or --workers past 64 default to flow)")
     add_output(s, "simulate", "print the results as one JSON object")
     s.set_defaults(fn=run)
 
@@ -20,19 +27,26 @@ def add(sub: Sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from gradfabric.core.config import load_yaml
     from gradfabric.experiments.baselines import builtin_config
-    from gradfabric.experiments.simulate import SimulateConfig, run_simulate
+    from gradfabric.experiments.simulate import SimulateConfig, flow_fabric, run_simulate
 
     cfg = load_yaml(SimulateConfig, Path(args.config)) if args.config else builtin_config()
     if args.train_packets:
         cfg = replace(cfg, ina=replace(cfg.ina, train_packets=args.train_packets))
+    mode = args.mode or ("flow" if args.module or (args.workers or 0) > 64 else cfg.mode)
+    cfg = replace(
+        cfg, mode=mode, workers=args.workers or cfg.workers,
+        models=(args.module,) if args.module else cfg.models,
+        schemes=tuple(args.schemes.split(",")) if args.schemes else cfg.schemes,
+        check_bounds=cfg.check_bounds and mode == "packet",
+    )  # fmt: skip
     steps = len(cfg.models) * len(cfg.schemes) + 1
     with progress(steps, args.json) as tick:
         res = run_simulate(cfg, tick)
     if cfg.mode == "flow":
-        clos = cfg.clos
+        clos = flow_fabric(cfg)
         shape = (
             f"{clos.pods} pods x {clos.racks_per_pod} racks x {clos.hosts_per_rack} hosts, "
-            f"{clos.link.link_gbps:g} Gbit/s" if clos else f"{cfg.fabric.topology}"
+            f"{clos.link.link_gbps:g} Gbit/s"
         )
         report(
             args, "simulate", cfg, res, json_keys=None,

@@ -37,7 +37,8 @@ from gradfabric.sim.collective import (
 from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
 from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, check_model, model_spec
-from gradfabric.workloads.compute import device, timeline
+from gradfabric.workloads.compute import Timeline, device, timeline
+from gradfabric.workloads.trace import is_trace, trace_timeline
 
 
 @dataclass(frozen=True)
@@ -123,12 +124,11 @@ def run_simulate(cfg: SimulateConfig, tick: Tick | None = None) -> dict[str, Any
         return {"rows": flow_rows(cfg, tick), "checks": []}
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
-    dev = device(cfg.device)
     for model in cfg.models:
-        spec = model_spec(model)
-        tl = timeline(spec, cfg.batch, dev, cfg.bucket_mb)
+        tl = workload(model, cfg)
+        params = sum(b.values for b in tl.buckets)
         buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
-        whole = [Bucket(0, spec.params)]
+        whole = [Bucket(0, params)]
         for scheme in cfg.schemes:
             tick(f"{model}/{scheme}")
             it = run_collective(scheme, cfg.workers, buckets, cfg.fabric, cfg.ina, cfg.seed)
@@ -137,7 +137,7 @@ def run_simulate(cfg: SimulateConfig, tick: Tick | None = None) -> dict[str, Any
             if not cfg.check_bounds:
                 continue
             bound = BOUNDS.get(scheme)
-            check = None if bound is None else bound(model, spec.params, comm, cfg)
+            check = None if bound is None else bound(model, params, comm, cfg)
             if check is not None:
                 checks.append(check)
     if cfg.check_bounds and "switchml" in cfg.schemes and cfg.fabric.topology == "star":
@@ -161,18 +161,36 @@ def run_simulate(cfg: SimulateConfig, tick: Tick | None = None) -> dict[str, Any
     return {"rows": rows, "checks": checks}
 
 
+def workload(model: str, cfg: SimulateConfig) -> Timeline:
+    """A model's step: from the catalog or a user's module (FLOPs at the
+    device's rate, ``batch`` samples), or recorded (an execution trace)."""
+    dev = device(cfg.device)
+    if is_trace(model):
+        return trace_timeline(model, dev, cfg.bucket_mb)
+    return timeline(model_spec(model), cfg.batch, dev, cfg.bucket_mb)
+
+
+def flow_fabric(cfg: SimulateConfig) -> Clos:
+    """``clos`` if given, else ``fabric`` as a Clos; a star past the 64 ports
+    a switch's bitmap has is the smallest fat-tree that holds the workers."""
+    if cfg.clos is not None:
+        return cfg.clos
+    if cfg.fabric.topology == "star" and cfg.workers > 64:
+        return Clos.holding(cfg.workers, cfg.fabric.link)
+    return Clos.of(cfg.fabric, cfg.workers)
+
+
 def flow_rows(cfg: SimulateConfig, tick: Tick) -> list[dict[str, Any]]:
     """Every (model, scheme) at flow level: one iteration and the whole
     model's all-reduce alone, as packet level's rows (``sim.flow``)."""
-    clos = cfg.clos or Clos.of(cfg.fabric, cfg.workers)
-    dev = device(cfg.device)
+    clos = flow_fabric(cfg)
     slow = round(cfg.stragglers * cfg.workers)
     rows: list[dict[str, Any]] = []
     for model in cfg.models:
-        spec = model_spec(model)
-        tl = timeline(spec, cfg.batch, dev, cfg.bucket_mb)
+        tl = workload(model, cfg)
+        params = sum(b.values for b in tl.buckets)
         buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
-        load_ns = round(cfg.batch * STORED_SAMPLE_BYTES[model] * 8 / cfg.load_gbps)
+        load_ns = round(cfg.batch * STORED_SAMPLE_BYTES.get(model, 0) * 8 / cfg.load_gbps)
         for scheme in cfg.schemes:
             tick(f"{model}/{scheme} (flow)")
             t0 = time.perf_counter()
@@ -181,11 +199,11 @@ def flow_rows(cfg: SimulateConfig, tick: Tick) -> list[dict[str, Any]]:
                 p, buckets, tl.compute_ns, [cfg.slowdown] * slow,
                 helped=scheme == "saatp", help_delay_ns=load_ns,
             )  # fmt: skip
-            comm = schedule(p, [Bucket(0, spec.params)])
+            comm = schedule(p, [Bucket(0, params)])
             rows.append({
                 "model": model, "scheme": scheme, "workers": cfg.workers, "mode": "flow",
                 "iteration_ms": it / 1e6, "compute_ms": tl.compute_ns / 1e6,
-                "comm_only_ms": comm / 1e6, "goodput_gbps": spec.params * 32 / comm,
+                "comm_only_ms": comm / 1e6, "goodput_gbps": params * 32 / comm,
                 "stragglers": slow, "groups": p.groups,
                 "wall_s": time.perf_counter() - t0,
             })  # fmt: skip

@@ -99,6 +99,14 @@ class Clos:
         return Clos(h, h, k, h, h, link or LinkSpec())
 
     @staticmethod
+    def holding(hosts: int, link: LinkSpec | None = None) -> Clos:
+        """The smallest k-ary fat-tree with room for ``hosts``."""
+        k = 2
+        while k**3 // 4 < hosts:
+            k += 2
+        return Clos.fat_tree(k, link)
+
+    @staticmethod
     def of(fabric: FabricConfig, hosts: int) -> Clos:
         """The packet level's fabric as a Clos: a star is one rack; a
         leaf-spine one pod whose aggregation switches are the spines."""

@@ -41,7 +41,7 @@ MODEL_NAMES = (
 # decodes before computing on it): an ImageNet JPEG averages ~110 KB; a
 # tokenised sequence is its token ids (int32); a click record a few ids; an
 # MNIST-like row 784 floats.
-STORED_SAMPLE_BYTES = {
+STORED_SAMPLE_BYTES: dict[str, int] = {
     "resnet50": 110_000,
     "resnet152": 110_000,
     "vgg16": 110_000,
@@ -118,22 +118,64 @@ def _flops(mod: Any, inp: tuple[Any, ...], out: Any) -> int:
     return 0
 
 
+def is_user_model(name: str) -> bool:
+    """``package.module:callable``: a user's own model (``user_builder``)."""
+    return ":" in name
+
+
 def check_model(name: str, field: str = "model") -> None:
+    if name.endswith(".json"):  # an execution trace (``workloads.trace``), read when used
+        return
+    if is_user_model(name):
+        mod, _, fn = name.partition(":")
+        if not mod or not fn.isidentifier():
+            raise ConfigError(field, f"{name!r}: want package.module:callable")
+        return
     if name not in MODEL_NAMES:
-        raise ConfigError(field, f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+        raise ConfigError(
+            field, f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}, "
+            "a module:callable of your own, or an execution trace (.json)",
+        )  # fmt: skip
+
+
+def user_builder(name: str) -> Any:
+    """The callable ``package.module:callable`` names, imported (the current
+    directory first, as ``python -m`` would find it). It takes no argument
+    and returns ``(model, inputs)``: an ``nn.Module`` and a tuple of example
+    inputs for one sample, as ``workloads.models.BUILDERS`` do; the model is
+    built under ``torch.device("meta")`` so a billion parameters cost nothing."""
+    import importlib
+    import sys
+
+    mod, _, fn = name.partition(":")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError("model", f"{name!r}: {e}") from None
 
 
 @cache
 def model_spec(name: str) -> ModelSpec:
-    """Per-layer spec of a catalog model; raises ``ConfigError`` for unknown names."""
+    """Per-layer spec of a catalog model or a user's ``module:callable``;
+    raises ``ConfigError`` for unknown names."""
     check_model(name)
     import torch
     from torch import nn
 
     from gradfabric.workloads.models import BUILDERS
 
-    with torch.device("meta"):
-        model, inputs = BUILDERS[name]()
+    build = user_builder(name) if is_user_model(name) else BUILDERS[name]
+    try:
+        with torch.device("meta"):
+            built = build()
+    except TypeError as e:  # not a builder that takes no argument
+        raise ConfigError("model", f"{name}: {e}") from None
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)):
+        raise ConfigError("model", f"{name}: return (nn.Module, example inputs for one sample)")
+    model, inputs = built
+    inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     leaf_types = (
         nn.Conv2d,
         nn.Linear,
