@@ -80,7 +80,7 @@ def test_simulate_runs_a_user_module_and_a_trace_at_1024_workers(
     user_module: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     record(user_module, 8, tmp_path / "step.json")
-    for model in ("--module", user_module), ("--module", str(tmp_path / "step.json")):
+    for model in ("--module", user_module), ("--trace", str(tmp_path / "step.json")):
         assert main(["simulate", *model, "--workers", "1024", "--schemes", "switchml,ring",
                      "--json", "--out", str(tmp_path / "r")]) == 0  # fmt: skip
         rows = json.loads(capsys.readouterr().out)["rows"]

@@ -16,6 +16,9 @@ def add(sub: Sub) -> None:
     s.add_argument("--module", metavar="PKG.MOD:FN",
                    help="your own model instead of the config's: FN() returns (nn.Module, "
                         "example inputs for one sample); profiled on the meta device")
+    s.add_argument("--trace", metavar="STEP.json",
+                   help="a step recorded by torch.profiler.ExecutionTraceObserver instead "
+                        "of the config's models")
     s.add_argument("--workers", type=int, help="override workers")
     s.add_argument("--schemes", help="override schemes (comma-separated)")
     s.add_argument("--mode", choices=("packet", "flow"),
@@ -32,10 +35,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_yaml(SimulateConfig, Path(args.config)) if args.config else builtin_config()
     if args.train_packets:
         cfg = replace(cfg, ina=replace(cfg.ina, train_packets=args.train_packets))
-    mode = args.mode or ("flow" if args.module or (args.workers or 0) > 64 else cfg.mode)
+    own = tuple(m for m in (args.module, args.trace) if m)
+    mode = args.mode or ("flow" if own or (args.workers or 0) > 64 else cfg.mode)
     cfg = replace(
-        cfg, mode=mode, workers=args.workers or cfg.workers,
-        models=(args.module,) if args.module else cfg.models,
+        cfg, mode=mode, workers=args.workers or cfg.workers, models=own or cfg.models,
         schemes=tuple(args.schemes.split(",")) if args.schemes else cfg.schemes,
         check_bounds=cfg.check_bounds and mode == "packet",
     )  # fmt: skip
