@@ -131,6 +131,23 @@ def test_in_network_aggregation_crosses_an_oversubscribed_core_at_line_rate() ->
     assert slow > 2 * fast
 
 
+@pytest.mark.parametrize("uplinks", [16, 4])
+def test_a_hierarchical_ring_moves_what_its_three_phases_move(uplinks: int) -> None:
+    """Reduce-scatter in the rack, all-reduce of a 1/h shard across racks,
+    all-gather in the rack: 2(h-1)/h S/B + 2(R-1)/(R h) S/B', with B' the
+    rack's uplinks shared by its h cross-rack rings (4:1 oversubscribed: B/4)."""
+    h, racks = 16, 8
+    clos = Clos(h, racks, 1, uplinks, 0, LINK)
+    ina = InaConfig()
+    values = 50_000_000
+    got = plan("hring", clos, h * racks, ina).bandwidth_ns(values)
+    s_over_b = wire_bytes(values, 256) / (LINK.link_gbps / 8)
+    across = 2 * (racks - 1) / (racks * h) * s_over_b * h / uplinks
+    assert got == pytest.approx(2 * (h - 1) / h * s_over_b + across, rel=0.01)
+    flat = plan("ring", clos, h * racks, ina).bandwidth_ns(values)
+    assert flat == pytest.approx(2 * (h * racks - 1) / (h * racks) * s_over_b, rel=0.01)
+
+
 def test_a_helper_bounds_a_straggler_s_step_at_its_own_compute_plus_the_straggler_s() -> None:
     p = plan("saatp", Clos.fat_tree(4, LINK), 16, InaConfig())
     buckets = [Bucket(1_000_000, 10_000), Bucket(2_000_000, 10_000)]
@@ -140,7 +157,7 @@ def test_a_helper_bounds_a_straggler_s_step_at_its_own_compute_plus_the_straggle
     assert 4_100_000 <= helped < 4_200_000  # helper: its compute, the load, the straggler's
 
 
-@pytest.mark.parametrize("scheme", ["ring", "ps", "switchml", "atp", "esa", "saatp"])
+@pytest.mark.parametrize("scheme", ["ring", "hring", "ps", "switchml", "atp", "esa", "saatp"])
 def test_the_shipped_16k_configs_are_a_gpt2_xl_step_on_a_three_tier_fat_tree(scheme: str) -> None:
     cfg = builtin_config(f"scale-{scheme}")
     assert cfg.workers == 16_384 and cfg.mode == "flow" and cfg.schemes == (scheme,)

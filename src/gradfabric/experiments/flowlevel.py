@@ -44,7 +44,7 @@ STAR = FabricConfig(link=LINK)
 LEAF_SPINE = FabricConfig(topology="leaf_spine", hosts_per_rack=32, spines=4, link=LINK)
 INA = InaConfig(train_packets=8)
 VALUES = 25 * 2**20 // 4  # one DDP bucket of 25 MB
-SCALE = ("ring", "ps", "switchml", "atp", "esa", "saatp")
+SCALE = ("ring", "hring", "ps", "switchml", "atp", "esa", "saatp")
 
 
 def _case(

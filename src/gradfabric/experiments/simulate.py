@@ -34,7 +34,7 @@ from gradfabric.sim.collective import (
     InaConfig,
     run_collective,
 )
-from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
+from gradfabric.sim.flow import FLOW_SCHEMES, Clos, iteration_ns, plan, schedule
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
 from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, check_model, model_spec
 from gradfabric.workloads.compute import Timeline, device, timeline
@@ -70,7 +70,8 @@ class SimulateConfig:
         for m in self.models:
             check_model(m, "models")
         for s in self.schemes:
-            collective(s, "schemes")
+            if self.mode == "packet" or s not in FLOW_SCHEMES:
+                collective(s, "schemes")
         device(self.device)
         if self.workers < 1 or self.batch < 1:
             raise ConfigError("workers", "workers and batch must be >= 1")

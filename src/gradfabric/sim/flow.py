@@ -63,7 +63,8 @@ from gradfabric.sim.network import LinkSpec
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
 
 INA = ("switchml", "atp", "esa", "saatp")
-FLOW_SCHEMES = ("ring", "ps", "omnireduce", *INA)
+# ``hring``, the hierarchical ring, runs at flow level only
+FLOW_SCHEMES = ("ring", "hring", "ps", "omnireduce", *INA)
 
 
 @dataclass(frozen=True)
@@ -253,36 +254,83 @@ def max_min(cap: np.ndarray, groups: Groups) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What one bucket of ``values`` costs a scheme on a fabric."""
+class Phase:
+    """One phase of a bucket's all-reduce: its slowest group's time per byte
+    of the bucket (``max(share / rate)``) and the least it takes however few
+    the bytes (a ring's steps, each a packet's hop)."""
 
-    ns_per_byte: float  # the slowest group's: max(share / rate)
-    latency_ns: float  # the packet pipeline's fill (hops) for one bucket
-    floor_ns: float  # the least a bucket's bytes take, however few (a ring's steps)
+    ns_per_byte: float
+    floor_ns: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one bucket of ``values`` costs a scheme on a fabric: its phases
+    one after another, then its packet pipeline's fill (``latency_ns``)."""
+
+    phases: tuple[Phase, ...]
+    latency_ns: float
     serial: bool  # buckets one at a time (a ring) or streamed back to back
     vpp: int
     groups: int = 0
 
     def bandwidth_ns(self, values: int) -> float:
-        return max(self.floor_ns, wire_bytes(values, self.vpp) * self.ns_per_byte)
+        wire = wire_bytes(values, self.vpp)
+        return sum(max(p.floor_ns, wire * p.ns_per_byte) for p in self.phases)
 
 
-def _ring(fab: Fabric, ina: InaConfig) -> tuple[Groups, float, float]:
-    """The ring's groups, its per-step floor over all steps and one step's latency."""
-    n, g = fab.n, Groups()
+def _rings(
+    fab: Fabric, ina: InaConfig, rings: Sequence[Sequence[int]], share: float, rounds: int
+) -> tuple[Groups, Phase, float]:
+    """Rings running side by side, each rank sending ``share`` of the bucket
+    to the next over ``rounds`` times its ring's steps (2: an all-reduce, 1:
+    a reduce-scatter or all-gather); returns the groups, the phase (before
+    its rates) and the longest step's latency."""
+    g = Groups()
     hops: list[int] = []
-    for r in range(n):
-        s = (r + 1) % n
-        a, b = int(fab.rack[r]), int(fab.rack[s])
-        mid = fab.between(a, b)
-        hops.append(2 + len(mid))
-        g.add(2 * (n - 1) / n, fab.link_rate,
-              [(fab.host_up(r), 1), *((x, 1) for x in mid), (fab.host_down(s), 1)])  # fmt: skip
+    steps = 0
+    for ring in rings:
+        steps = max(steps, len(ring) - 1)
+        for i, r in enumerate(ring):
+            s = ring[(i + 1) % len(ring)]
+            mid = fab.between(int(fab.rack[r]), int(fab.rack[s]))
+            hops.append(2 + len(mid))
+            g.add(share, fab.link_rate,
+                  [(fab.host_up(r), 1), *((x, 1) for x in mid), (fab.host_down(s), 1)])  # fmt: skip
     # Packets are forwarded as they arrive, so the steps' latency hides behind
     # the bytes until a chunk is shorter than one packet's hop: a packet then
-    # crosses the 2(n-1) steps one edge after another, twice round the ring.
+    # crosses the steps one edge after another.
     hop = fab.hop_ns(ina)
-    return g, 2 * (n - 1) * hop * float(np.mean(hops)), max(hops) * hop
+    floor = rounds * steps * hop * float(np.mean(hops))
+    return g, Phase(0.0, floor), max(hops) * hop
+
+
+def _solved(fab: Fabric, g: Groups, phase: Phase) -> Phase:
+    rates = max_min(fab.cap, g)
+    worst = max(float(s / r) for s, r in zip(g.share, rates, strict=True) if s > 0)
+    return Phase(worst, phase.floor_ns)
+
+
+def _hierarchical(fab: Fabric, ina: InaConfig) -> tuple[list[Phase], float, int]:
+    """A rack's ranks reduce-scatter in a ring, the ranks of one local index
+    all-reduce their shard across racks in a ring, the rack all-gathers (the
+    2D ring of NCCL's and Horovod's hierarchical all-reduce); phases whose
+    rings have one rank are left out."""
+    by_rack: dict[int, list[int]] = {}
+    for w in range(fab.n):
+        by_rack.setdefault(int(fab.rack[w]), []).append(w)
+    local = list(by_rack.values())
+    h, racks = max(map(len, local)), len(local)
+    across = [[rk[j] for rk in local if j < len(rk)] for j in range(h)]
+    phases: list[Phase] = []
+    latency, groups = 0.0, 0
+    inner = [(local, (h - 1) / h, 1)] if h > 1 else []
+    outer = [(across, 2 * (racks - 1) / racks / h, 2)] if racks > 1 else []
+    for rings, share, rounds in [*inner, *outer, *inner]:
+        g, phase, lat = _rings(fab, ina, rings, share, rounds)
+        phases.append(_solved(fab, g, phase))
+        latency, groups = latency + lat, groups + len(g.share)
+    return phases, latency, groups
 
 
 def _sharded(fab: Fabric, servers: int, push: float, pull: float) -> tuple[Groups, int]:
@@ -328,39 +376,38 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
     if scheme not in FLOW_SCHEMES:
         valid = ", ".join(FLOW_SCHEMES)
         raise ConfigError("scheme", f"{scheme!r} has no flow model; valid: {valid}")
-    sch = SCHEMES.get(scheme)
+    sch = SCHEMES.get("ring" if scheme == "hring" else scheme)
     servers = len(sch.servers(workers, ina))
     fab = Fabric(clos, workers, servers)
     vpp = ina.values_per_packet
     hop = fab.hop_ns(ina)
-    floor = 0.0
+    if scheme == "hring":
+        phases, latency, groups = _hierarchical(fab, ina)
+        return Plan(tuple(phases), latency, True, vpp, groups)
     if scheme == "ring":
-        g, floor, latency = _ring(fab, ina)
-        serial = True
-    elif scheme in ("ps", "omnireduce"):
+        ring = list(range(workers))
+        g, phase, latency = _rings(fab, ina, [ring], 2 * (workers - 1) / workers, 2)
+        return Plan((_solved(fab, g, phase),), latency, True, vpp, len(g.share))
+    if scheme in ("ps", "omnireduce"):
         push = density if scheme == "omnireduce" else 1.0
         pull = 1 - (1 - density) ** workers if scheme == "omnireduce" else 1.0
         g, hops = _sharded(fab, servers, push, pull)
-        latency, serial = 2 * hops * hop, False
-    else:
-        window = sch.window(ina) * ina.train_packets  # in real packets
-        if scheme != "switchml" and window > ina.atp_pool_slots:
-            raise ConfigError(
-                "atp_window", "the flow level prices a job whose window fits ATP's pool "
-                "(a job never collides with itself then: proto.routes.atp_index); "
-                "run a larger window at packet level",
-            )  # fmt: skip
-        g = Groups()
-        pkt = HEADER_BYTES + VALUE_BYTES * vpp
+        return Plan((_solved(fab, g, Phase(0.0)),), 2 * hops * hop, False, vpp, len(g.share))
+    window = sch.window(ina) * ina.train_packets  # in real packets
+    if scheme != "switchml" and window > ina.atp_pool_slots:
+        raise ConfigError(
+            "atp_window", "the flow level prices a job whose window fits ATP's pool "
+            "(a job never collides with itself then: proto.routes.atp_index); "
+            "run a larger window at packet level",
+        )  # fmt: skip
+    g = Groups()
+    pkt = HEADER_BYTES + VALUE_BYTES * vpp
 
-        def cap(up: int) -> float:  # a window of packets per round trip to the root
-            return min(fab.link_rate, window * pkt / (2 * up * hop))
+    def cap(up: int) -> float:  # a window of packets per round trip to the root
+        return min(fab.link_rate, window * pkt / (2 * up * hop))
 
-        rtt = 2 * _ina_tree(fab, g, cap) * hop
-        latency, serial = rtt, False
-    rates = max_min(fab.cap, g)
-    worst = max(float(s / r) for s, r in zip(g.share, rates, strict=True) if s > 0)
-    return Plan(worst, latency, floor, serial, vpp, len(g.share))
+    rtt = 2 * _ina_tree(fab, g, cap) * hop
+    return Plan((_solved(fab, g, Phase(0.0)),), rtt, False, vpp, len(g.share))
 
 
 def schedule(
