@@ -46,6 +46,9 @@ def add(sub: Sub) -> None:
     bs.add_argument("--repeats", type=int, default=3)
     bs.add_argument("--paths", help="comma-separated from mypyc,python (default: those built)")
     bs.add_argument("--scaling", action="store_true", help="add the table against workers")
+    bs.add_argument("--profile", action="store_true",
+                    help="add where the time goes: the bare event heap's events/s and the "
+                         "run's functions by own time (pure-Python path, cProfile)")
     add_output(bs, "bench-sim", "print the result as one JSON object")
     bs.set_defaults(fn=sim)
 
@@ -247,11 +250,15 @@ def sim(args: argparse.Namespace) -> int:
     if bad := [p for p in paths if p not in ss.PATHS]:
         raise ConfigError("paths", f"unknown {bad}; valid: {', '.join(ss.PATHS)}")
     case = ss.SpeedCase(args.scheme, args.model, args.workers, args.train_packets)
-    steps = args.repeats * len(paths) + (len(ss.SCALING) if args.scaling else 0)
+    steps = args.repeats * len(paths) + (len(ss.SCALING) if args.scaling else 0) + args.profile
     with progress(steps, args.json) as tick:
         res = ss.side_by_side(case, args.repeats, paths, tick)
         if args.scaling:
             res["scaling"] = ss.scaling(tick)
+        if args.profile:
+            tick("profile")
+            res["bare_loop_events_per_s"] = ss.bare_loop()
+            res["profile"] = ss.profile(case)
     eps = res["events_per_s"]
     footer = (
         f"{args.scheme} {args.model}, {args.workers} workers, {res['granularity']}: "
@@ -259,11 +266,15 @@ def sim(args: argparse.Namespace) -> int:
         + ", ".join(f"{p} {eps[p]:,.0f}" for p in paths)
         + (f"; compiled/python {res['compiled_vs_python']:.2f}x"
            if "compiled_vs_python" in res else "")
+        + (f"; the event heap alone: {res['bare_loop_events_per_s']:,.0f}/s"
+           if args.profile else "")
     )  # fmt: skip
     config = {k: vars(args)[k] for k in ("scheme", "model", "workers", "train_packets", "repeats")}
     tables = [("scaling", "events per second against workers (this process's path)",
                ["scheme", "workers", "train_packets", "topology", "path", "events",
-                "wall_s", "events_per_s", "simulated_ms"])]  # fmt: skip
+                "wall_s", "events_per_s", "simulated_ms"]),
+              ("profile", "where the time goes (pure-Python path, by own time)",
+               ["function", "calls", "own_s", "share"])]  # fmt: skip
     report(args, "bench-sim", config, res, tables=tables, json_keys=None, footer=footer)
     return 0
 

@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,58 @@ EXPERIMENTS.add("simspeed", SimSpeed())
 def child(case_json: str) -> None:
     """What ``measure_on`` runs: one measurement, printed as one JSON line."""
     print(json.dumps(measure(SpeedCase(**json.loads(case_json)))))
+
+
+def bare_loop(events: int = 1_000_000, live: int = 64) -> float:
+    """Events per second of the event heap alone (this process's path),
+    ``live`` events pending as a window of packets in flight, each event's
+    callback one interpreted function that schedules the next: the most any
+    run can reach with a callback per event."""
+    from gradfabric.sim.loop import EventLoop
+
+    loop = EventLoop()
+
+    def tick(i: int) -> None:
+        if i < events:
+            loop.push(loop.now + 100 + (i * 7919) % 1000, tick, i + live)
+
+    for i in range(live):
+        loop.at(i, tick, i)
+    t0 = time.perf_counter()
+    loop.run()
+    return loop.events / (time.perf_counter() - t0)
+
+
+def profile(case: SpeedCase, top: int = 12) -> list[dict[str, Any]]:
+    """Where a run's time goes, by function: ``case`` on the pure-Python
+    path (its functions are visible to ``cProfile``; the compiled path runs
+    the same sources, each faster), in a child process; the ``top`` by own
+    time, with their share of the run."""
+    env = {k: v for k, v in os.environ.items() if k != "GRADFABRIC_PURE"} | {"GRADFABRIC_PURE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; from gradfabric.experiments.simspeed import "
+         "profile_child; profile_child(sys.argv[1], int(sys.argv[2]))",
+         json.dumps(asdict(case)), str(top)],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"profiled simulator run failed:\n{out.stderr[-2000:]}")
+    rows: list[dict[str, Any]] = json.loads(out.stdout.strip().splitlines()[-1])
+    return rows
+
+
+def profile_child(case_json: str, top: int) -> None:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(measure, SpeedCase(**json.loads(case_json)))
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in stats.values())
+    rows = [
+        {"function": f"{Path(f).name}:{line} {name}", "calls": int(v[1]),
+         "own_s": v[2], "share": v[2] / total}
+        for (f, line, name), v in stats.items()
+    ]  # fmt: skip
+    rows.sort(key=lambda r: -r["own_s"])
+    print(json.dumps(rows[:top]))
