@@ -47,6 +47,7 @@ STAR = FabricConfig(link=LINK)
 LEAF_SPINE = FabricConfig(topology="leaf_spine", hosts_per_rack=32, spines=4, link=LINK)
 INA = InaConfig(train_packets=8)
 VALUES = 25 * 2**20 // 4  # one DDP bucket of 25 MB
+BOTH = ("ring", "ps", "switchml", "atp", "esa", "saatp")  # at packet level too
 SCALE = ("ring", "hring", "ps", "switchml", "atp", "esa", "saatp")
 
 
@@ -174,7 +175,7 @@ class FlowLevel:
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         whole = [Bucket(0, VALUES)]
         rows: list[dict[str, Any]] = []
-        for scheme in SCALE:
+        for scheme in BOTH:
             tick(f"{scheme}, 64 on a star")
             rows.append(_case("25 MB all-reduce", scheme, 64, STAR, whole))
         for n in (64, 256) if quick else (64, 256, 1024, 4096):
