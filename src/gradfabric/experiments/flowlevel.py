@@ -68,18 +68,26 @@ def _case(
     }  # fmt: skip
 
 
+def train(workers: int) -> int:
+    """Packets per simulated train at both levels: 8 up to 256 workers, then
+    about as many simulated packets per run as at 256 (64 at 1,024, 256 at
+    4,096), which packet level needs to run in minutes."""
+    return max(8, workers // 16)
+
+
 def level_child(args: str) -> None:
     """One 25 MB all-reduce at one level, alone in this process; prints its
     time, wall time and the process's peak resident memory (imports included)."""
     level, scheme, workers, per_rack = json.loads(args)
     fabric = replace(LEAF_SPINE, hosts_per_rack=per_rack)
     buckets = [Bucket(0, VALUES)]
+    ina = replace(INA, train_packets=train(workers))
     t0 = time.perf_counter()
     if level == "packet":
-        r = run_collective(scheme, workers, buckets, fabric, INA)
+        r = run_collective(scheme, workers, buckets, fabric, ina)
         ns = float(r.end_ns - r.start_ns)
     else:
-        ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, INA), buckets)
+        ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina), buckets)
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"ns": ns, "wall_s": wall, "rss_mb": rss}))
@@ -102,7 +110,8 @@ def _isolated(scheme: str, workers: int, per_rack: int) -> dict[str, Any]:
     return {
         "case": "25 MB all-reduce", "scheme": scheme, "workers": workers,
         "topology": "leaf_spine", "packet_ms": packet / 1e6, "flow_ms": flow / 1e6,
-        "error": flow / packet - 1, "packet_wall_s": got["packet"]["wall_s"],
+        "error": flow / packet - 1, "train_packets": train(workers),
+        "packet_wall_s": got["packet"]["wall_s"],
         "flow_wall_s": got["flow"]["wall_s"], "packet_rss_mb": got["packet"]["rss_mb"],
         "flow_rss_mb": got["flow"]["rss_mb"],
     }  # fmt: skip
