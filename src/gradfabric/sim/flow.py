@@ -52,7 +52,7 @@ workers):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -203,12 +203,18 @@ class Fabric:
         """Links on a path between hosts in racks ``ra`` and ``rb``."""
         return 2 + len(self.between(ra, rb))
 
-    def hop_ns(self, ina: InaConfig) -> float:
-        """One link's latency for one (simulated) packet: propagation plus the
-        serialisation a store-and-forward switch waits for (a train's, at
-        packet level's coarse granularity, to compare like with like)."""
-        size = (HEADER_BYTES + VALUE_BYTES * ina.values_per_packet) * ina.train_packets
-        return self.clos.link.prop_delay_ns + size / self.host_rate
+    def path_ns(self, links: float, ina: InaConfig) -> float:
+        """A packet's latency over ``links`` links beyond its own serialisation:
+        propagation on each, and at each switch the one real packet it waits
+        for before forwarding (as packet level's switches start on a train
+        when its first packet is in)."""
+        pkt = HEADER_BYTES + VALUE_BYTES * ina.values_per_packet
+        return links * self.clos.link.prop_delay_ns + (links - 1) * pkt / self.host_rate
+
+    def train_bytes(self, ina: InaConfig) -> int:
+        """A simulated packet's bytes: a host takes it whole (packet level's
+        trains, ``ina.train_packets`` real packets; 1 at packet granularity)."""
+        return (HEADER_BYTES + VALUE_BYTES * ina.values_per_packet) * ina.train_packets
 
 
 @dataclass
@@ -256,11 +262,30 @@ def max_min(cap: np.ndarray, groups: Groups) -> np.ndarray:
 @dataclass(frozen=True)
 class Phase:
     """One phase of a bucket's all-reduce: its slowest group's time per byte
-    of the bucket (``max(share / rate)``) and the least it takes however few
-    the bytes (a ring's steps, each a packet's hop)."""
+    of the bucket (``ns_per_byte = max(share / rate)``), and for rings their
+    ``steps``, each moving ``chunk`` of the bucket's bytes to the next rank
+    over a path of ``step_ns`` latency at ``ns_per_byte / share`` a byte.
+    Packets are forwarded as they arrive, so a ring's steps overlap: the
+    first packet (``packet`` bytes, a whole chunk if smaller) crosses every
+    step, and the chunk's other packets follow it; the phase takes that
+    or its bytes' time, whichever is longer."""
 
     ns_per_byte: float
-    floor_ns: float = 0.0
+    share: float = 1.0
+    steps: int = 0
+    step_ns: float = 0.0
+    chunk: float = 0.0
+    packet: int = 1
+
+    def time_ns(self, wire: int) -> float:
+        bw = wire * self.ns_per_byte
+        if not self.steps:
+            return bw
+        per_byte = self.ns_per_byte / self.share
+        chunk = self.chunk * wire
+        first = min(chunk, self.packet)
+        rest = chunk - first
+        return max(bw, self.steps * (self.step_ns + first * per_byte) + rest * per_byte)
 
 
 @dataclass(frozen=True)
@@ -276,39 +301,39 @@ class Plan:
 
     def bandwidth_ns(self, values: int) -> float:
         wire = wire_bytes(values, self.vpp)
-        return sum(max(p.floor_ns, wire * p.ns_per_byte) for p in self.phases)
+        return sum(p.time_ns(wire) for p in self.phases)
 
 
 def _rings(
-    fab: Fabric, ina: InaConfig, rings: Sequence[Sequence[int]], share: float, rounds: int
+    fab: Fabric, ina: InaConfig, rings: Sequence[Sequence[int]], chunk: float, rounds: int
 ) -> tuple[Groups, Phase, float]:
-    """Rings running side by side, each rank sending ``share`` of the bucket
-    to the next over ``rounds`` times its ring's steps (2: an all-reduce, 1:
-    a reduce-scatter or all-gather); returns the groups, the phase (before
-    its rates) and the longest step's latency."""
+    """Rings running side by side, each rank sending ``chunk`` of the bucket
+    to the next at each of ``rounds`` times its ring's steps (2: an
+    all-reduce, 1: a reduce-scatter or all-gather); returns the groups, the
+    phase (before its rates) and the longest step's latency."""
     g = Groups()
     hops: list[int] = []
     steps = 0
     for ring in rings:
         steps = max(steps, len(ring) - 1)
+    share = rounds * steps * chunk
+    for ring in rings:
         for i, r in enumerate(ring):
             s = ring[(i + 1) % len(ring)]
             mid = fab.between(int(fab.rack[r]), int(fab.rack[s]))
             hops.append(2 + len(mid))
             g.add(share, fab.link_rate,
                   [(fab.host_up(r), 1), *((x, 1) for x in mid), (fab.host_down(s), 1)])  # fmt: skip
-    # Packets are forwarded as they arrive, so the steps' latency hides behind
-    # the bytes until a chunk is shorter than one packet's hop: a packet then
-    # crosses the steps one edge after another.
-    hop = fab.hop_ns(ina)
-    floor = rounds * steps * hop * float(np.mean(hops))
-    return g, Phase(0.0, floor), max(hops) * hop
+    # a packet crosses the steps one edge after another: the edges' mean latency
+    step = fab.path_ns(float(np.mean(hops)), ina)
+    phase = Phase(0.0, share, rounds * steps, step, chunk, fab.train_bytes(ina))
+    return g, phase, fab.path_ns(max(hops), ina)
 
 
 def _solved(fab: Fabric, g: Groups, phase: Phase) -> Phase:
     rates = max_min(fab.cap, g)
     worst = max(float(s / r) for s, r in zip(g.share, rates, strict=True) if s > 0)
-    return Phase(worst, phase.floor_ns)
+    return replace(phase, ns_per_byte=worst)
 
 
 def _hierarchical(fab: Fabric, ina: InaConfig) -> tuple[list[Phase], float, int]:
@@ -324,10 +349,10 @@ def _hierarchical(fab: Fabric, ina: InaConfig) -> tuple[list[Phase], float, int]
     across = [[rk[j] for rk in local if j < len(rk)] for j in range(h)]
     phases: list[Phase] = []
     latency, groups = 0.0, 0
-    inner = [(local, (h - 1) / h, 1)] if h > 1 else []
-    outer = [(across, 2 * (racks - 1) / racks / h, 2)] if racks > 1 else []
-    for rings, share, rounds in [*inner, *outer, *inner]:
-        g, phase, lat = _rings(fab, ina, rings, share, rounds)
+    inner = [(local, 1 / h, 1)] if h > 1 else []
+    outer = [(across, 1 / (racks * h), 2)] if racks > 1 else []
+    for rings, chunk, rounds in [*inner, *outer, *inner]:
+        g, phase, lat = _rings(fab, ina, rings, chunk, rounds)
         phases.append(_solved(fab, g, phase))
         latency, groups = latency + lat, groups + len(g.share)
     return phases, latency, groups
@@ -380,19 +405,20 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
     servers = len(sch.servers(workers, ina))
     fab = Fabric(clos, workers, servers)
     vpp = ina.values_per_packet
-    hop = fab.hop_ns(ina)
+    train = fab.train_bytes(ina) / fab.host_rate  # a host takes a simulated packet whole
     if scheme == "hring":
         phases, latency, groups = _hierarchical(fab, ina)
         return Plan(tuple(phases), latency, True, vpp, groups)
     if scheme == "ring":
         ring = list(range(workers))
-        g, phase, latency = _rings(fab, ina, [ring], 2 * (workers - 1) / workers, 2)
+        g, phase, latency = _rings(fab, ina, [ring], 1 / workers, 2)
         return Plan((_solved(fab, g, phase),), latency, True, vpp, len(g.share))
     if scheme in ("ps", "omnireduce"):
         push = density if scheme == "omnireduce" else 1.0
         pull = 1 - (1 - density) ** workers if scheme == "omnireduce" else 1.0
         g, hops = _sharded(fab, servers, push, pull)
-        return Plan((_solved(fab, g, Phase(0.0)),), 2 * hops * hop, False, vpp, len(g.share))
+        latency = 2 * fab.path_ns(hops, ina) + train
+        return Plan((_solved(fab, g, Phase(0.0)),), latency, False, vpp, len(g.share))
     window = sch.window(ina) * ina.train_packets  # in real packets
     if scheme != "switchml" and window > ina.atp_pool_slots:
         raise ConfigError(
@@ -403,11 +429,15 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
     g = Groups()
     pkt = HEADER_BYTES + VALUE_BYTES * vpp
 
-    def cap(up: int) -> float:  # a window of packets per round trip to the root
-        return min(fab.link_rate, window * pkt / (2 * up * hop))
+    def rtt(up: int) -> float:  # up to the root and back, the result taken whole
+        return fab.path_ns(2 * up, ina) + pkt / fab.host_rate + train
 
-    rtt = 2 * _ina_tree(fab, g, cap) * hop
-    return Plan((_solved(fab, g, Phase(0.0)),), rtt, False, vpp, len(g.share))
+    def cap(up: int) -> float:  # a window of packets per round trip to the root
+        return min(fab.link_rate, window * pkt / rtt(up))
+
+    levels = _ina_tree(fab, g, cap)
+    latency = rtt(levels)
+    return Plan((_solved(fab, g, Phase(0.0)),), latency, False, vpp, len(g.share))
 
 
 def schedule(
