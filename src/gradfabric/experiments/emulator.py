@@ -28,6 +28,7 @@ from gradfabric.proto.schemes import InaConfig
 from gradfabric.runtime.client import fast_retransmit
 from gradfabric.runtime.switchd import default_window
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
+from gradfabric.sim.flow import Clos, plan, schedule
 from gradfabric.sim.network import LinkSpec
 from gradfabric.wire.packet import VALUE_BYTES
 
@@ -200,7 +201,8 @@ class Emulator:
                 note=f"switch {row['switch_ms']:.0f} ms ({row['floor_ratio']:.2f}x its floor), "
                 f"gloo {row['gloo_ms']:.0f} ms ({row['ring_floor_ratio']:.2f}x its floor); the "
                 f"simulator predicts {sim['switchml']:.0f} vs {sim['ring']:.0f} ms "
-                f"({sim['ring'] / sim['switchml']:.2f}x); datapath: {row['datapath']}; "
+                f"({sim['ring'] / sim['switchml']:.2f}x; flow level {sim['switchml@flow']:.0f} "
+                f"vs {sim['ring@flow']:.0f} ms); datapath: {row['datapath']}; "
                 f"results {'multicast' if row['multicast'] else 'unicast'}",
             )
         )
@@ -332,7 +334,8 @@ class Emulator:
             sim = _simulated(replace(star, job_slots=cfg.switch_window), values)
             bits = values * 32
             floors[model] = {"default": 2 * 3 / 4 * bits / 1e6, "ina": bits / 1e6}
-            sims[model] = {"default": sim["ring"], "ina": sim["switchml"]}
+            sims[model] = {"default": sim["ring"], "ina": sim["switchml"],
+                           "default@flow": sim["ring@flow"], "ina@flow": sim["switchml@flow"]}
         bars: dict[str, list[dict[str, Any]]] = {model: [] for model in cfg.models}
         for r in rows + atp[1:]:
             r.pop("iter_ms_all")
@@ -347,9 +350,11 @@ class Emulator:
                 {"hook": label, "what": "bytes floor", "ms": floor[scheme]},
             ]
             if r.get("switch_policy") != "atp" or scheme == "default":
-                bars[r["model"]].append(
-                    {"hook": label, "what": "simulated sum", "ms": sims[r["model"]][scheme]}
-                )
+                bars[r["model"]] += [
+                    {"hook": label, "what": "simulated sum", "ms": sims[r["model"]][scheme]},
+                    {"hook": label, "what": "simulated sum (flow level)",
+                     "ms": sims[r["model"]][f"{scheme}@flow"]},
+                ]  # fmt: skip
         for model, mb in grad_mb.items():
             res.plots.append(
                 plots.grouped_bars(
@@ -462,11 +467,17 @@ def _simulated(
                     fast_retransmit=fast_retransmit(True, cfg.job_slots))  # fmt: skip
     runs = {"switchml": (FabricConfig(link=link, uplink=uplink), ina),
             "ring": (FabricConfig(link=link), InaConfig(values_per_packet=cfg.values_per_packet))}
-    return {
+    got = {
         scheme: run_collective(scheme, cfg.workers, [Bucket(0, values)], *run).comm_ns / 1e6
         for scheme, run in runs.items()
         if scheme in schemes
     }  # fmt: skip
+    if not cfg.kernel_loss:  # and the flow level's (it has no loss), as "<scheme>@flow"
+        for scheme in list(got):
+            fabric, config = runs[scheme]
+            p = plan(scheme, Clos.of(fabric, cfg.workers), cfg.workers, config)
+            got[f"{scheme}@flow"] = schedule(p, [Bucket(0, values)]) / 1e6
+    return got
 
 
 EXPERIMENTS.add("emulator", Emulator())

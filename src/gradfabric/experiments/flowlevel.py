@@ -75,32 +75,15 @@ def train(workers: int) -> int:
     return max(8, workers // 16)
 
 
-def level_child(args: str) -> None:
-    """One 25 MB all-reduce at one level, alone in this process; prints its
-    time, wall time and the process's peak resident memory (imports included)."""
-    level, scheme, workers, per_rack = json.loads(args)
-    fabric = replace(LEAF_SPINE, hosts_per_rack=per_rack)
-    buckets = [Bucket(0, VALUES)]
-    ina = replace(INA, train_packets=train(workers))
-    t0 = time.perf_counter()
-    if level == "packet":
-        r = run_collective(scheme, workers, buckets, fabric, ina)
-        ns = float(r.end_ns - r.start_ns)
-    else:
-        ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina), buckets)
-    wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"ns": ns, "wall_s": wall, "rss_mb": rss}))
-
-
 def _isolated(scheme: str, workers: int, per_rack: int) -> dict[str, Any]:
     """``level_child`` at both levels, each in a process of its own."""
     got = {}
+    fabric = dump(replace(LEAF_SPINE, hosts_per_rack=per_rack))
+    ina = dump(replace(INA, train_packets=train(workers)))
     for level in ("packet", "flow"):
         out = subprocess.run(
-            [sys.executable, "-c", "import sys; from gradfabric.experiments.flowlevel import "
-             "level_child; level_child(sys.argv[1])", json.dumps([level, scheme, workers,
-                                                                  per_rack])],
+            [sys.executable, "-c", "import sys; from gradfabric.sim.flow import alone; "
+             "alone(sys.argv[1])", json.dumps([level, scheme, workers, VALUES, fabric, ina])],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         if out.returncode != 0:

@@ -477,11 +477,30 @@ def iteration_ns(
     return max(float(compute_ns), schedule(p, buckets, ready))
 
 
-def check_scale(workers: int, clos: Clos) -> None:
-    if workers < 1:
-        raise ConfigError("workers", f"must be >= 1, got {workers}")
-    if workers > clos.hosts:
-        raise ConfigError("workers", f"{workers} exceed the fabric's {clos.hosts} hosts")
+def alone(args: str) -> None:
+    """One all-reduce at one level (``packet`` or ``flow``), alone in this
+    process (its imports the simulator's only); prints its time, wall time
+    and the process's peak resident memory as one JSON line. ``args``: JSON
+    ``[level, scheme, workers, values, FabricConfig, InaConfig]`` (plain data)."""
+    import json
+    import resource
+    import time
+
+    from gradfabric.core.config import load
+    from gradfabric.sim.collective import run_collective
+
+    level, scheme, workers, values, fabric_data, ina_data = json.loads(args)
+    fabric, ina = load(FabricConfig, fabric_data), load(InaConfig, ina_data)
+    buckets = [Bucket(0, values)]
+    t0 = time.perf_counter()
+    if level == "packet":
+        r = run_collective(scheme, workers, buckets, fabric, ina)
+        ns = float(r.end_ns - r.start_ns)
+    else:
+        ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina), buckets)
+    wall = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"ns": ns, "wall_s": wall, "rss_mb": rss}))
 
 
 __all__ = [
@@ -490,7 +509,7 @@ __all__ = [
     "Fabric",
     "Groups",
     "Plan",
-    "check_scale",
+    "alone",
     "iteration_ns",
     "max_min",
     "plan",
