@@ -20,7 +20,6 @@ and the process's peak resident memory (an upper bound on the run's).
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult
 from gradfabric.experiments.simulate import flow_rows
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
-from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
+from gradfabric.sim.flow import Clos, iteration_ns, peak_rss_mb, plan, schedule
 from gradfabric.sim.network import LinkSpec
 from gradfabric.sim.stragglers import StragglerConfig
 from gradfabric.sim.training import TrainingConfig, run_training
@@ -131,7 +130,7 @@ def _at_scale(tick: Tick) -> list[dict[str, Any]]:
         row = flow_rows(cfg, tick)[0]
         row["wall_s"] = time.perf_counter() - t0
         # the process's high-water mark so far: a bound on what the run took
-        row["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        row["peak_mb"] = peak_rss_mb()
         rows.append(row)
     return rows
 

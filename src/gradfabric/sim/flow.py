@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -483,7 +484,6 @@ def alone(args: str) -> None:
     and the process's peak resident memory as one JSON line. ``args``: JSON
     ``[level, scheme, workers, values, FabricConfig, InaConfig]`` (plain data)."""
     import json
-    import resource
     import time
 
     from gradfabric.core.config import load
@@ -499,8 +499,17 @@ def alone(args: str) -> None:
     else:
         ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina), buckets)
     wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"ns": ns, "wall_s": wall, "rss_mb": rss}))
+    print(json.dumps({"ns": ns, "wall_s": wall, "rss_mb": peak_rss_mb()}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory since it began its program
+    (``VmHWM``: unlike ``ru_maxrss`` it does not carry the parent's peak
+    across ``fork`` and ``exec``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise OSError("no VmHWM in /proc/self/status")
 
 
 __all__ = [
@@ -512,6 +521,7 @@ __all__ = [
     "alone",
     "iteration_ns",
     "max_min",
+    "peak_rss_mb",
     "plan",
     "schedule",
 ]
