@@ -12,6 +12,7 @@ from torch.profiler import ExecutionTraceObserver
 
 from gradfabric.cli import main
 from gradfabric.core.errors import ConfigError
+from gradfabric.wire.packet import wire_bytes
 from gradfabric.workloads.catalog import model_spec
 from gradfabric.workloads.compute import device, timeline
 from gradfabric.workloads.trace import trace_timeline
@@ -83,9 +84,13 @@ def test_simulate_runs_a_user_module_and_a_trace_at_1024_workers(
     for model in ("--module", user_module), ("--trace", str(tmp_path / "step.json")):
         assert main(["simulate", *model, "--workers", "1024", "--schemes", "switchml,ring",
                      "--json", "--out", str(tmp_path / "r")]) == 0  # fmt: skip
-        rows = json.loads(capsys.readouterr().out)["rows"]
-        assert {r["scheme"] for r in rows} == {"switchml", "ring"}
-        assert all(r["workers"] == 1024 and r["mode"] == "flow" for r in rows)
+        rows = {r["scheme"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+        assert set(rows) == {"switchml", "ring"}
+        assert all(r["workers"] == 1024 and r["mode"] == "flow" for r in rows.values())
+        # the whole model through one 100 Gbit/s NIC, and the ring's 2(n-1)/n of it
+        floor_ms = wire_bytes(model_spec(user_module).params, 256) / 12.5 / 1e6
+        assert floor_ms <= rows["switchml"]["comm_only_ms"] <= 1.02 * floor_ms
+        assert rows["ring"]["comm_only_ms"] >= 2 * 1023 / 1024 * floor_ms
 
 
 def test_a_module_that_is_not_there_or_not_a_model_is_a_config_error(user_module: str) -> None:

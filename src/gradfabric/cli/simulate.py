@@ -13,16 +13,18 @@ def add(sub: Sub) -> None:
     s = sub.add_parser("simulate", help="simulate baselines on real models (built-in default)")
     s.add_argument("config", nargs="?", help="YAML config (default: the built-in baselines)")
     s.add_argument("--train-packets", type=int, help="override ina.train_packets (1 = packets)")
-    s.add_argument("--module", metavar="PKG.MOD:FN",
-                   help="your own model instead of the config's: FN() returns (nn.Module, "
-                        "example inputs for one sample); profiled on the meta device")
-    s.add_argument("--trace", metavar="STEP.json",
-                   help="a step recorded by torch.profiler.ExecutionTraceObserver instead "
-                        "of the config's models")
+    own = s.add_mutually_exclusive_group()
+    own.add_argument("--module", metavar="PKG.MOD:FN",
+                     help="your own model instead of the config's: FN() returns (nn.Module, "
+                          "example inputs for one sample); profiled on the meta device")
+    own.add_argument("--trace", metavar="STEP.json",
+                     help="a step recorded by torch.profiler.ExecutionTraceObserver instead "
+                          "of the config's models")
     s.add_argument("--workers", type=int, help="override workers")
     s.add_argument("--schemes", help="override schemes (comma-separated)")
     s.add_argument("--mode", choices=("packet", "flow"),
-                   help="override mode (--module or --workers past 64 default to flow)")
+                   help="override mode (without a config, --module, --trace or --workers "
+                        "past 64 run at flow level)")
     add_output(s, "simulate", "print the results as one JSON object")
     s.set_defaults(fn=run)
 
@@ -36,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
     if args.train_packets:
         cfg = replace(cfg, ina=replace(cfg.ina, train_packets=args.train_packets))
     own = tuple(m for m in (args.module, args.trace) if m)
-    mode = args.mode or ("flow" if own or (args.workers or 0) > 64 else cfg.mode)
+    # the built-in config is packet level's 8 workers: a model of one's own or
+    # more workers than a star's 64 ports take it to flow level; a config says its own
+    scale = not args.config and (own or (args.workers or 0) > 64)
+    mode = args.mode or ("flow" if scale else cfg.mode)
     cfg = replace(
         cfg, mode=mode, workers=args.workers or cfg.workers, models=own or cfg.models,
         schemes=tuple(args.schemes.split(",")) if args.schemes else cfg.schemes,

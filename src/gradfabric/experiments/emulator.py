@@ -11,6 +11,7 @@ the daemon, which shares the host's cores, a send per worker."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -201,8 +202,9 @@ class Emulator:
                 note=f"switch {row['switch_ms']:.0f} ms ({row['floor_ratio']:.2f}x its floor), "
                 f"gloo {row['gloo_ms']:.0f} ms ({row['ring_floor_ratio']:.2f}x its floor); the "
                 f"simulator predicts {sim['switchml']:.0f} vs {sim['ring']:.0f} ms "
-                f"({sim['ring'] / sim['switchml']:.2f}x; flow level {sim['switchml@flow']:.0f} "
-                f"vs {sim['ring@flow']:.0f} ms); datapath: {row['datapath']}; "
+                f"({sim['ring'] / sim['switchml']:.2f}x; flow level "
+                f"{sim.get('switchml@flow', math.nan):.0f} vs {sim.get('ring@flow', math.nan):.0f}"
+                f" ms); datapath: {row['datapath']}; "
                 f"results {'multicast' if row['multicast'] else 'unicast'}",
             )
         )
@@ -335,7 +337,8 @@ class Emulator:
             bits = values * 32
             floors[model] = {"default": 2 * 3 / 4 * bits / 1e6, "ina": bits / 1e6}
             sims[model] = {"default": sim["ring"], "ina": sim["switchml"],
-                           "default@flow": sim["ring@flow"], "ina@flow": sim["switchml@flow"]}
+                           "default@flow": sim.get("ring@flow", math.nan),
+                           "ina@flow": sim.get("switchml@flow", math.nan)}
         bars: dict[str, list[dict[str, Any]]] = {model: [] for model in cfg.models}
         for r in rows + atp[1:]:
             r.pop("iter_ms_all")

@@ -32,9 +32,10 @@ from gradfabric.experiments import plots
 from gradfabric.experiments.baselines import builtin_config
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.experiments.simulate import flow_rows
+from gradfabric.lab.levels import peak_rss_mb
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
-from gradfabric.sim.flow import Clos, iteration_ns, peak_rss_mb, plan, schedule
+from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
 from gradfabric.sim.network import LinkSpec
 from gradfabric.sim.stragglers import StragglerConfig
 from gradfabric.sim.training import TrainingConfig, run_training
@@ -68,26 +69,21 @@ def _case(
 
 
 def train(workers: int) -> int:
-    """Packets per simulated train at both levels: 8 up to 256 workers, then
-    about as many simulated packets per run as at 256 (64 at 1,024, 256 at
-    4,096), which packet level needs to run in minutes."""
+    """Packets per simulated train at both levels: 8 up to 128 workers, then
+    ``workers / 16`` (16 at 256, 64 at 1,024, 256 at 4,096), which keeps
+    packet level's events per run about constant: minutes at 4,096."""
     return max(8, workers // 16)
 
 
 def _isolated(scheme: str, workers: int, per_rack: int) -> dict[str, Any]:
-    """``level_child`` at both levels, each in a process of its own."""
-    got = {}
+    """``lab.levels.alone`` at both levels, each in a process of its own."""
     fabric = dump(replace(LEAF_SPINE, hosts_per_rack=per_rack))
     ina = dump(replace(INA, train_packets=train(workers)))
-    for level in ("packet", "flow"):
-        out = subprocess.run(
-            [sys.executable, "-c", "import sys; from gradfabric.sim.flow import alone; "
-             "alone(sys.argv[1])", json.dumps([level, scheme, workers, VALUES, fabric, ina])],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if out.returncode != 0:
-            raise RuntimeError(f"{level} level, {workers} workers:\n{out.stderr[-2000:]}")
-        got[level] = json.loads(out.stdout.strip().splitlines()[-1])
+    got = {
+        level: _child("from gradfabric.lab.levels import alone; alone("
+                      + repr(json.dumps([level, scheme, workers, VALUES, fabric, ina])) + ")")
+        for level in ("packet", "flow")
+    }  # fmt: skip
     packet, flow = got["packet"]["ns"], got["flow"]["ns"]
     return {
         "case": "25 MB all-reduce", "scheme": scheme, "workers": workers,
@@ -122,17 +118,32 @@ def _stragglers(scheme: str, slowdown: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def scale_child(name: str) -> None:
+    """One shipped config at flow level, alone in this process (torch and the
+    model's profile included, as ``gradfabric simulate`` runs it); prints
+    its row with the wall time and the process's peak memory."""
+    t0 = time.perf_counter()
+    row = flow_rows(builtin_config(name), lambda _label: None)[0]
+    print(json.dumps(row | {"wall_s": time.perf_counter() - t0, "peak_mb": peak_rss_mb()}))
+
+
 def _at_scale(tick: Tick) -> list[dict[str, Any]]:
     rows = []
     for scheme in SCALE:
-        cfg = builtin_config(f"scale-{scheme}")
-        t0 = time.perf_counter()
-        row = flow_rows(cfg, tick)[0]
-        row["wall_s"] = time.perf_counter() - t0
-        # the process's high-water mark so far: a bound on what the run took
-        row["peak_mb"] = peak_rss_mb()
-        rows.append(row)
+        tick(f"{scheme}, 16,384 workers")
+        rows.append(_child(f"from gradfabric.experiments.flowlevel import scale_child; "
+                           f"scale_child('scale-{scheme}')"))  # fmt: skip
     return rows
+
+
+def _child(code: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter; its last line of output, as JSON."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"{code}:\n{out.stderr[-2000:]}")
+    row: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return row
 
 
 def _oversubscribed(tick: Tick) -> list[dict[str, Any]]:
@@ -141,7 +152,7 @@ def _oversubscribed(tick: Tick) -> list[dict[str, Any]]:
     where the schemes differ in what crosses the core."""
     rows = []
     for uplinks in (32, 8):
-        base = builtin_config("scale-ring")
+        base = builtin_config("scale-ps")  # the fabric with room for the PS's servers
         assert base.clos is not None
         cfg = replace(
             base, name="scale-oversubscribed", stragglers=0.0,

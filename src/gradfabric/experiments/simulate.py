@@ -34,7 +34,7 @@ from gradfabric.sim.collective import (
     InaConfig,
     run_collective,
 )
-from gradfabric.sim.flow import FLOW_SCHEMES, Clos, iteration_ns, plan, schedule
+from gradfabric.sim.flow import FLOW_SCHEMES, Clos, iteration_ns, plan, schedule, servers_of
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
 from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, check_model, model_spec
 from gradfabric.workloads.compute import Timeline, device, timeline
@@ -59,6 +59,9 @@ class SimulateConfig:
     stragglers: float = 0.0  # flow mode: the share of workers that straggle
     slowdown: float = 1.0  # ... this many times slower in compute
     load_gbps: float = 2.0  # a helper reads the straggler's batch at this rate (SA-ATP)
+    # one stored training sample's bytes, which a helper reads (0: the catalog's
+    # for its models; give it for a module or trace of your own, else help is free)
+    sample_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("packet", "flow"):
@@ -68,7 +71,8 @@ class SimulateConfig:
         if not 0 <= self.stragglers <= 1 or self.slowdown < 1 or self.load_gbps <= 0:
             raise ConfigError("stragglers", "stragglers in [0, 1], slowdown >= 1, load_gbps > 0")
         for m in self.models:
-            check_model(m, "models")
+            if not is_trace(m):  # a recorded step: read when it runs (``workload``)
+                check_model(m, "models")
         for s in self.schemes:
             if self.mode == "packet" or s not in FLOW_SCHEMES:
                 collective(s, "schemes")
@@ -145,7 +149,7 @@ def run_simulate(cfg: SimulateConfig, tick: Tick | None = None) -> dict[str, Any
         # The window-limited regime: a window too small to fill the pipe, at
         # packet granularity whatever the config says (a train would blur RTT).
         small = replace(cfg.ina, switchml_slots=8, train_packets=1)
-        values = min(model_spec(cfg.models[0]).params, 4_000_000)
+        values = min(sum(b.values for b in workload(cfg.models[0], cfg).buckets), 4_000_000)
         tick("window-limited switchml")
         r = run_collective(
             "switchml", cfg.workers, [Bucket(0, values)], cfg.fabric, small, cfg.seed
@@ -173,11 +177,13 @@ def workload(model: str, cfg: SimulateConfig) -> Timeline:
 
 def flow_fabric(cfg: SimulateConfig) -> Clos:
     """``clos`` if given, else ``fabric`` as a Clos; a star past the 64 ports
-    a switch's bitmap has is the smallest fat-tree that holds the workers."""
+    a switch's bitmap has is the smallest fat-tree that holds the workers and
+    the schemes' servers."""
     if cfg.clos is not None:
         return cfg.clos
-    if cfg.fabric.topology == "star" and cfg.workers > 64:
-        return Clos.holding(cfg.workers, cfg.fabric.link)
+    if cfg.fabric.topology == "star" and cfg.workers > 64:  # room for every scheme's servers
+        servers = max(servers_of(s, cfg.workers, cfg.ina) for s in cfg.schemes)
+        return Clos.holding(cfg.workers + servers, cfg.fabric.link)
     return Clos.of(cfg.fabric, cfg.workers)
 
 
@@ -191,7 +197,8 @@ def flow_rows(cfg: SimulateConfig, tick: Tick) -> list[dict[str, Any]]:
         tl = workload(model, cfg)
         params = sum(b.values for b in tl.buckets)
         buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
-        load_ns = round(cfg.batch * STORED_SAMPLE_BYTES.get(model, 0) * 8 / cfg.load_gbps)
+        sample = cfg.sample_bytes or STORED_SAMPLE_BYTES.get(model, 0)
+        load_ns = round(cfg.batch * sample * 8 / cfg.load_gbps)
         for scheme in cfg.schemes:
             tick(f"{model}/{scheme} (flow)")
             t0 = time.perf_counter()

@@ -23,16 +23,25 @@ per-packet spraying; per-flow hashing can collide where few large flows
 cross a tier, which packet level shows and this level does not: measured in
 ``experiments.flowcheck``); a single flow never exceeds one link's rate.
 
+No loss: where packet level's windows overflow a queue (a PS with fewer
+servers than workers at its default 2,048-packet window: incast),
+retransmissions take packet level past the flow level's figure, which is
+the bandwidth's.
+
 How each scheme becomes flows (``S``: a bucket's bytes on the wire, ``n``
 workers):
 
 * ``ring``: rank ``r`` to ``r+1`` in rank order (a rack's ranks adjacent, as
-  NCCL orders a ring), ``2(n-1)/n S`` each, one bucket at a time; latency
-  ``2(n-1)`` hops of the ring's longest step.
+  NCCL orders a ring), ``2(n-1)/n S`` each, one bucket at a time; packets
+  forwarded as they arrive, so the ``2(n-1)`` steps' latency (their
+  edges' mean) counts only where a chunk is short (``Phase``);
+* ``hring``: the hierarchical ring (flow level only): reduce-scatter in the
+  rack, all-reduce of a ``1/h`` shard across racks, all-gather in the rack.
 * ``ps``: every worker to every server ``S/P`` and back, servers placed as
-  packet level places them (server ``i`` in rack ``i mod racks``); the
-  pattern is the same for every worker of a rack, so a rack's NICs are one
-  bundle and groups are (rack, rack) pairs.
+  packet level places them (on free hosts, round-robin over the racks); the
+  pattern is the same for every worker of a rack and every server, so a
+  rack's workers' NICs are one bundle, its servers' another, and groups are
+  (rack, rack) pairs.
 * ``omnireduce``: as ``ps`` with pushes of the non-zero share ``density``
   and results of the share non-zero at any worker, ``1 - (1-density)^n``.
 * in-network (``switchml``, ``atp``, ``esa``, ``saatp``): each worker's
@@ -53,7 +62,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -136,37 +144,55 @@ def gbps_to_bytes_per_ns(gbps: float) -> float:
     return gbps / 8
 
 
+def packet_bytes(ina: InaConfig) -> int:
+    """One real packet on the wire."""
+    return HEADER_BYTES + VALUE_BYTES * ina.values_per_packet
+
+
 class Fabric:
-    """Link capacities (bytes/ns) and paths of a Clos with ``hosts`` placed
-    in rank order (workers first, then servers round-robin over the racks,
-    as ``sim.collective`` places them)."""
+    """Link capacities (bytes/ns) and paths of a Clos: workers in rank order
+    (worker ``w`` in rack ``w // hosts_per_rack``), then the job's servers on
+    free hosts, round-robin over the racks that have one. A star's one
+    switch has a port for every host (packet level's star); a rack of a
+    leaf-spine or fat-tree has ``hosts_per_rack``."""
 
     def __init__(self, clos: Clos, workers: int, servers: int = 0) -> None:
-        if workers > clos.hosts:
-            raise ConfigError("workers", f"{workers} exceed the fabric's {clos.hosts} hosts")
+        per = clos.hosts_per_rack
+        star = clos.rack_uplinks == 0
+        if not star and workers + servers > clos.hosts:
+            raise ConfigError(
+                "workers", f"{workers} workers and {servers} servers exceed the fabric's "
+                f"{clos.hosts} hosts",
+            )  # fmt: skip
         self.clos = clos
         self.n = workers
-        rack = [w // clos.hosts_per_rack for w in range(workers)]
-        used = max(1, -(-workers // clos.hosts_per_rack))
-        rack += [i % used for i in range(servers)]  # extra hosts beside the workers
+        rack = [0 if star else w // per for w in range(workers)]
+        free = [0] * clos.racks if star else [per - rack.count(r) for r in range(clos.racks)]
+        for i in range(servers):
+            if star:
+                rack.append(0)
+                continue
+            r = next(r for k in range(clos.racks) if free[r := (i + k) % clos.racks] > 0)
+            free[r] -= 1
+            rack.append(r)
         self.rack = np.array(rack, dtype=np.int64)
-        self.pod = self.rack // clos.racks_per_pod
         h, r, p = len(rack), clos.racks, clos.pods
-        self.hosts = h
-        per_rack = np.bincount(self.rack, minlength=r)
+        workers_in = np.bincount(self.rack[:workers], minlength=r)
+        servers_in = np.bincount(self.rack[workers:], minlength=r)
         host = gbps_to_bytes_per_ns(clos.link.link_gbps)
         up = gbps_to_bytes_per_ns(clos.fabric_link.link_gbps)
-        # index space: host up, host down, rack NIC bundles up/down, rack
-        # uplink bundles up/down, pod uplink bundles up/down
-        self.base = np.cumsum([0, h, h, r, r, r, r, p, p])
+        # index space: host up, host down; a rack's workers' NICs and its
+        # servers' NICs as bundles, up and down; rack uplink bundles up and
+        # down; pod uplink bundles up and down
+        self.base = np.cumsum([0, h, h, r, r, r, r, r, r, p, p])
         self.cap = np.concatenate([
             np.full(2 * h, host),
-            np.tile(per_rack * host, 2),
+            np.tile(workers_in * host, 2), np.tile(servers_in * host, 2),
             np.full(2 * r, clos.rack_uplinks * up),
             np.full(2 * p, clos.rack_uplinks * clos.pod_uplinks * up),
         ]).astype(float)  # fmt: skip
         self.host_rate = host
-        self.link_rate = min(host, up)
+        self.fabric_rate = up
 
     def host_up(self, i: int) -> int:
         return int(self.base[0] + i)
@@ -174,23 +200,24 @@ class Fabric:
     def host_down(self, i: int) -> int:
         return int(self.base[1] + i)
 
-    def nic_up(self, rack: int) -> int:
-        return int(self.base[2] + rack)
+    def nic_up(self, rack: int, servers: bool = False) -> int:
+        """The NICs of a rack's workers (or ``servers``), as one bundle."""
+        return int(self.base[4 if servers else 2] + rack)
 
-    def nic_down(self, rack: int) -> int:
-        return int(self.base[3] + rack)
+    def nic_down(self, rack: int, servers: bool = False) -> int:
+        return int(self.base[5 if servers else 3] + rack)
 
     def rack_up(self, rack: int) -> int:
-        return int(self.base[4] + rack)
+        return int(self.base[6] + rack)
 
     def rack_down(self, rack: int) -> int:
-        return int(self.base[5] + rack)
+        return int(self.base[7] + rack)
 
     def pod_up(self, pod: int) -> int:
-        return int(self.base[6] + pod)
+        return int(self.base[8] + pod)
 
     def pod_down(self, pod: int) -> int:
-        return int(self.base[7] + pod)
+        return int(self.base[9] + pod)
 
     def between(self, ra: int, rb: int) -> list[int]:
         """The tier bundles between racks ``ra`` and ``rb`` (none within a rack)."""
@@ -200,22 +227,28 @@ class Fabric:
         mid = [] if pa == pb else [self.pod_up(pa), self.pod_down(pb)]
         return [self.rack_up(ra), *mid, self.rack_down(rb)]
 
-    def hops(self, ra: int, rb: int) -> int:
-        """Links on a path between hosts in racks ``ra`` and ``rb``."""
-        return 2 + len(self.between(ra, rb))
+    def rate(self, crosses: bool) -> float:
+        """The most one flow takes: its slowest link's rate (a host's, and a
+        fabric link's where it leaves the rack)."""
+        return min(self.host_rate, self.fabric_rate) if crosses else self.host_rate
 
     def path_ns(self, links: float, ina: InaConfig) -> float:
-        """A packet's latency over ``links`` links beyond its own serialisation:
-        propagation on each, and at each switch the one real packet it waits
-        for before forwarding (as packet level's switches start on a train
-        when its first packet is in)."""
-        pkt = HEADER_BYTES + VALUE_BYTES * ina.values_per_packet
-        return links * self.clos.link.prop_delay_ns + (links - 1) * pkt / self.host_rate
+        """A packet's latency over ``links`` links (two of them a host's, the
+        rest the fabric's) beyond its own serialisation: propagation on
+        each, and at each switch the one real packet it waits for on the
+        link it came in on (packet level's switches start on a train when
+        its first packet is in)."""
+        host, fabric = self.clos.link, self.clos.fabric_link
+        inner = max(0.0, links - 2)
+        prop = min(links, 2) * host.prop_delay_ns + inner * fabric.prop_delay_ns
+        pkt = packet_bytes(ina)
+        wait = pkt / self.host_rate + max(0.0, links - 2) * pkt / self.fabric_rate
+        return prop + (wait if links > 1 else 0.0)
 
     def train_bytes(self, ina: InaConfig) -> int:
         """A simulated packet's bytes: a host takes it whole (packet level's
         trains, ``ina.train_packets`` real packets; 1 at packet granularity)."""
-        return (HEADER_BYTES + VALUE_BYTES * ina.values_per_packet) * ina.train_packets
+        return packet_bytes(ina) * ina.train_packets
 
 
 @dataclass
@@ -323,7 +356,7 @@ def _rings(
             s = ring[(i + 1) % len(ring)]
             mid = fab.between(int(fab.rack[r]), int(fab.rack[s]))
             hops.append(2 + len(mid))
-            g.add(share, fab.link_rate,
+            g.add(share, fab.rate(bool(mid)),
                   [(fab.host_up(r), 1), *((x, 1) for x in mid), (fab.host_down(s), 1)])  # fmt: skip
     # a packet crosses the steps one edge after another: the edges' mean latency
     step = fab.path_ns(float(np.mean(hops)), ina)
@@ -347,6 +380,9 @@ def _hierarchical(fab: Fabric, ina: InaConfig) -> tuple[list[Phase], float, int]
         by_rack.setdefault(int(fab.rack[w]), []).append(w)
     local = list(by_rack.values())
     h, racks = max(map(len, local)), len(local)
+    if min(map(len, local)) != h:
+        raise ConfigError("workers", "a hierarchical ring wants every rack's workers alike "
+                          f"(racks of {sorted({len(x) for x in local})})")  # fmt: skip
     across = [[rk[j] for rk in local if j < len(rk)] for j in range(h)]
     phases: list[Phase] = []
     latency, groups = 0.0, 0
@@ -371,30 +407,36 @@ def _sharded(fab: Fabric, servers: int, push: float, pull: float) -> tuple[Group
             m = float(wr[a] * sr[b])  # flows from rack a's workers to rack b's servers
             mid = fab.between(int(a), int(b))
             hops = max(hops, 2 + len(mid))
-            g.add(push / servers, fab.link_rate, [(fab.nic_up(int(a)), m),
-                  *((x, m) for x in mid), (fab.nic_down(int(b)), m)])  # fmt: skip
+            g.add(push / servers, fab.rate(bool(mid)), [(fab.nic_up(int(a)), m),
+                  *((x, m) for x in mid), (fab.nic_down(int(b), servers=True), m)])  # fmt: skip
             back = fab.between(int(b), int(a))
-            g.add(pull / servers, fab.link_rate, [(fab.nic_up(int(b)), m),
+            g.add(pull / servers, fab.rate(bool(mid)), [(fab.nic_up(int(b), servers=True), m),
                   *((x, m) for x in back), (fab.nic_down(int(a)), m)])  # fmt: skip
     return g, hops
 
 
-def _ina_tree(fab: Fabric, g: Groups, cap: Callable[[int], float]) -> int:
+def _ina_tree(fab: Fabric, g: Groups, window: Callable[[int], float]) -> int:
     """In-network aggregation up the fabric and the result back down, each
-    flow at most ``cap(levels)``; returns the levels: the links from a worker
-    to the job's aggregation root."""
+    flow at most its link's rate and ``window(levels)``; returns the levels:
+    the links from a worker to the job's aggregation root."""
     n = fab.n
     racks = sorted(set(fab.rack[:n].tolist()))
     pods = sorted({r // fab.clos.racks_per_pod for r in racks})
     up = 1 + (len(racks) > 1) + (len(pods) > 1)
+    cap = min(fab.rate(up > 1), window(up))  # the job's pipeline runs at its slowest
     links = [fab.host_up(w) for w in range(n)] + [fab.host_down(w) for w in range(n)]
     if len(racks) > 1:  # each rack's partial sum up one link, the result back down
         links += [fab.rack_up(r) for r in racks] + [fab.rack_down(r) for r in racks]
     if len(pods) > 1:
         links += [fab.pod_up(p) for p in pods] + [fab.pod_down(p) for p in pods]
     for link in links:
-        g.add(1.0, cap(up), [(link, 1)])
+        g.add(1.0, cap, [(link, 1)])
     return up
+
+
+def servers_of(scheme: str, workers: int, ina: InaConfig) -> int:
+    """The hosts ``scheme``'s job needs besides its workers."""
+    return len(SCHEMES.get("ring" if scheme == "hring" else scheme).servers(workers, ina))
 
 
 def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float = 1.0) -> Plan:
@@ -403,7 +445,7 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
         valid = ", ".join(FLOW_SCHEMES)
         raise ConfigError("scheme", f"{scheme!r} has no flow model; valid: {valid}")
     sch = SCHEMES.get("ring" if scheme == "hring" else scheme)
-    servers = len(sch.servers(workers, ina))
+    servers = servers_of(scheme, workers, ina)
     fab = Fabric(clos, workers, servers)
     vpp = ina.values_per_packet
     train = fab.train_bytes(ina) / fab.host_rate  # a host takes a simulated packet whole
@@ -428,15 +470,12 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
             "run a larger window at packet level",
         )  # fmt: skip
     g = Groups()
-    pkt = HEADER_BYTES + VALUE_BYTES * vpp
+    pkt = packet_bytes(ina)
 
     def rtt(up: int) -> float:  # up to the root and back, the result taken whole
         return fab.path_ns(2 * up, ina) + pkt / fab.host_rate + train
 
-    def cap(up: int) -> float:  # a window of packets per round trip to the root
-        return min(fab.link_rate, window * pkt / rtt(up))
-
-    levels = _ina_tree(fab, g, cap)
+    levels = _ina_tree(fab, g, lambda up: window * pkt / rtt(up))
     latency = rtt(levels)
     return Plan((_solved(fab, g, Phase(0.0)),), latency, False, vpp, len(g.share))
 
@@ -478,51 +517,16 @@ def iteration_ns(
     return max(float(compute_ns), schedule(p, buckets, ready))
 
 
-def alone(args: str) -> None:
-    """One all-reduce at one level (``packet`` or ``flow``), alone in this
-    process (its imports the simulator's only); prints its time, wall time
-    and the process's peak resident memory as one JSON line. ``args``: JSON
-    ``[level, scheme, workers, values, FabricConfig, InaConfig]`` (plain data)."""
-    import json
-    import time
-
-    from gradfabric.core.config import load
-    from gradfabric.sim.collective import run_collective
-
-    level, scheme, workers, values, fabric_data, ina_data = json.loads(args)
-    fabric, ina = load(FabricConfig, fabric_data), load(InaConfig, ina_data)
-    buckets = [Bucket(0, values)]
-    t0 = time.perf_counter()
-    if level == "packet":
-        r = run_collective(scheme, workers, buckets, fabric, ina)
-        ns = float(r.end_ns - r.start_ns)
-    else:
-        ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina), buckets)
-    wall = time.perf_counter() - t0
-    print(json.dumps({"ns": ns, "wall_s": wall, "rss_mb": peak_rss_mb()}))
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory since it began its program
-    (``VmHWM``: unlike ``ru_maxrss`` it does not carry the parent's peak
-    across ``fork`` and ``exec``)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise OSError("no VmHWM in /proc/self/status")
-
-
 __all__ = [
     "FLOW_SCHEMES",
     "Clos",
     "Fabric",
     "Groups",
     "Plan",
-    "alone",
     "iteration_ns",
     "max_min",
-    "peak_rss_mb",
     "plan",
     "schedule",
+    "servers_of",
 ]
 

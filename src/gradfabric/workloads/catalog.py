@@ -124,8 +124,6 @@ def is_user_model(name: str) -> bool:
 
 
 def check_model(name: str, field: str = "model") -> None:
-    if name.endswith(".json"):  # an execution trace (``workloads.trace``), read when used
-        return
     if is_user_model(name):
         mod, _, fn = name.partition(":")
         if not mod or not fn.isidentifier():
@@ -134,7 +132,7 @@ def check_model(name: str, field: str = "model") -> None:
     if name not in MODEL_NAMES:
         raise ConfigError(
             field, f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}, "
-            "a module:callable of your own, or an execution trace (.json)",
+            "or a module:callable of your own",
         )  # fmt: skip
 
 

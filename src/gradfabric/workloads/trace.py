@@ -7,8 +7,10 @@ needs from it:
 * compute: the FLOPs of the matrix products and convolutions (``aten::mm``,
   ``addmm``, ``bmm``, ``baddbmm``: ``2 M K N`` per product; ``convolution``
   and its backward: ``2 Cin/groups kh kw`` per output element, once for each
-  gradient the backward computes), as the catalog counts a model's (elementwise
-  operators are left out, as there);
+  gradient the backward computes); not counted, unlike the catalog: fused
+  attention kernels (``scaled_dot_product_attention``), recurrent layers
+  and norms, so a trace of a model made of them counts less compute than
+  its catalog profile;
 * the gradients: each ``torch::autograd::AccumulateGrad`` is one parameter's
   gradient, ready once the operators before it have run;
 * forward is everything before the first backward operator
