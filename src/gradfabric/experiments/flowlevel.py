@@ -152,7 +152,7 @@ def _oversubscribed(tick: Tick) -> list[dict[str, Any]]:
     where the schemes differ in what crosses the core."""
     rows = []
     for uplinks in (32, 8):
-        base = builtin_config("scale-ps")  # the fabric with room for the PS's servers
+        base = builtin_config("scale-ps")
         assert base.clos is not None
         cfg = replace(
             base, name="scale-oversubscribed", stragglers=0.0,

@@ -228,7 +228,7 @@ def profile(case: SpeedCase, top: int = 12) -> list[dict[str, Any]]:
     path (its functions are visible to ``cProfile``; the compiled path runs
     the same sources, each faster), in a child process; the ``top`` by own
     time, with their share of the run."""
-    env = {k: v for k, v in os.environ.items() if k != "GRADFABRIC_PURE"} | {"GRADFABRIC_PURE": "1"}
+    env = dict(os.environ, GRADFABRIC_PURE="1")
     out = subprocess.run(
         [sys.executable, "-c", "import sys; from gradfabric.experiments.simspeed import "
          "profile_child; profile_child(sys.argv[1], int(sys.argv[2]))",
