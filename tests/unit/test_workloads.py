@@ -17,6 +17,7 @@ PUBLISHED = {
     "bert-base": 109_482_240,  # "110M"
     "bert-large": 335_141_888,  # "340M" (335M with the pooler)
     "gpt2": 124_439_808,  # "124M"
+    "gpt2-xl": 1_557_611_200,  # "1.5B"
 }
 
 
