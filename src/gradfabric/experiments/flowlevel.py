@@ -39,7 +39,7 @@ from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
 from gradfabric.sim.network import LinkSpec
 from gradfabric.sim.stragglers import StragglerConfig
 from gradfabric.sim.training import TrainingConfig, run_training
-from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, model_spec
+from gradfabric.workloads.catalog import batch_load_ns, model_spec
 from gradfabric.workloads.compute import device, timeline
 
 LINK = LinkSpec(link_gbps=100.0, prop_delay_ns=500, queue_bytes=2_000_000)
@@ -106,7 +106,7 @@ def _stragglers(scheme: str, slowdown: float) -> dict[str, Any]:
     r = run_training(cfg)
     tl = timeline(model_spec(cfg.model), cfg.batch, device(cfg.device), cfg.bucket_mb)
     buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
-    load = round(cfg.batch * STORED_SAMPLE_BYTES[cfg.model] * 8 / cfg.load_gbps)
+    load = batch_load_ns(cfg.model, cfg.batch, cfg.load_gbps)
     p = plan(scheme, Clos.of(STAR, n), n, INA)
     flow = iteration_ns(p, buckets, tl.compute_ns, [slowdown], scheme == "saatp", load)
     packet = float(r.iteration_ns[-1])

@@ -36,7 +36,7 @@ from gradfabric.sim.collective import (
 )
 from gradfabric.sim.flow import FLOW_SCHEMES, Clos, iteration_ns, plan, schedule, servers_of
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
-from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, check_model, model_spec
+from gradfabric.workloads.catalog import batch_load_ns, check_model, model_spec
 from gradfabric.workloads.compute import Timeline, device, timeline
 from gradfabric.workloads.trace import is_trace, trace_timeline
 
@@ -197,8 +197,7 @@ def flow_rows(cfg: SimulateConfig, tick: Tick) -> list[dict[str, Any]]:
         tl = workload(model, cfg)
         params = sum(b.values for b in tl.buckets)
         buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
-        sample = cfg.sample_bytes or STORED_SAMPLE_BYTES.get(model, 0)
-        load_ns = round(cfg.batch * sample * 8 / cfg.load_gbps)
+        load_ns = batch_load_ns(model, cfg.batch, cfg.load_gbps, cfg.sample_bytes)
         for scheme in cfg.schemes:
             tick(f"{model}/{scheme} (flow)")
             t0 = time.perf_counter()

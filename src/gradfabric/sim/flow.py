@@ -69,7 +69,7 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.proto.schemes import SCHEMES, InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig
 from gradfabric.sim.network import LinkSpec
-from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
+from gradfabric.wire.packet import wire_bytes
 
 INA = ("switchml", "atp", "esa", "saatp")
 # ``hring``, the hierarchical ring, runs at flow level only
@@ -146,7 +146,7 @@ def gbps_to_bytes_per_ns(gbps: float) -> float:
 
 def packet_bytes(ina: InaConfig) -> int:
     """One real packet on the wire."""
-    return HEADER_BYTES + VALUE_BYTES * ina.values_per_packet
+    return wire_bytes(ina.values_per_packet, ina.values_per_packet)
 
 
 class Fabric:

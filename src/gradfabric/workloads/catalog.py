@@ -56,6 +56,13 @@ STORED_SAMPLE_BYTES: dict[str, int] = {
 }
 
 
+def batch_load_ns(model: str, batch: int, load_gbps: float, sample_bytes: int = 0) -> int:
+    """How long a host takes to read and decode ``batch`` stored samples of
+    ``model`` at ``load_gbps`` (``sample_bytes``: one sample's, where the
+    catalog has none): what an SA-ATP helper pays before it computes."""
+    return round(batch * (sample_bytes or STORED_SAMPLE_BYTES.get(model, 0)) * 8 / load_gbps)
+
+
 @dataclass(frozen=True)
 class Layer:
     name: str
