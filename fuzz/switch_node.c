@@ -5,7 +5,9 @@
  * and here reaches the C's guard), pool size, jobs (1..4: ids 1.., workers 3, 2, 64, 1, tokens their
  * id eight times). Ops: 0 a datagram; 1 take what the node sends; 2 a job
  * resynchronises (or resumes); 3 time passes (u32 ns); 4 a job leaves and
- * comes back. */
+ * comes back. The first config byte's high bit puts ATP's and ESA's PS behind
+ * modelled links (gf_s_links); after every op the node handles its timer if
+ * it is due. */
 #include <stdlib.h>
 
 #include "../src/gradfabric/net/native/switch.h"
@@ -20,6 +22,9 @@ uint64_t gf_s_missing(gf_switch *s, int64_t id);
 int gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now);
 int64_t gf_s_take(gf_switch *s, uint8_t *buf, int64_t cap);
 int64_t gf_s_occupied(gf_switch *s);
+int gf_s_links(gf_switch *s, double mbps);
+int64_t gf_s_timer(void *e);
+int gf_s_handle_timer(void *e, int64_t now);
 
 static const int64_t WORKERS[4] = {3, 2, 64, 1};
 
@@ -33,11 +38,13 @@ static void install(gf_switch *s, int policy, int64_t k, int64_t window, int res
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     reader r = {data, size, 0};
-    int policy = rd_u8(&r) % 4;
+    uint8_t first = rd_u8(&r);
+    int policy = first % 4;
     int64_t window = rd_u8(&r) % 9, njobs = 1 + rd_u8(&r) % 4;
     int64_t slots = njobs * window + rd_u8(&r) % 16;
     gf_switch *s = gf_s_new(slots, policy);
     if (!s) return 0;
+    if (first & 0x80) gf_s_links(s, first & 0x40 ? 1000.0 : 10.0); /* refused but for ATP, ESA */
     int resync[4] = {0};
     for (int64_t k = 0; k < njobs; k++) install(s, policy, k, window, 0);
     static uint8_t buf[1 << 20];
@@ -54,6 +61,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         case 3: now += le32(p, n); break;
         case 4: gf_s_forget(s, k + 1), install(s, policy, k, window, resync[k]); break;
         }
+        int64_t due = gf_s_timer(s);
+        if (due >= 0 && due <= now) gf_s_handle_timer(s, now);
         for (int64_t j = 0; j < njobs; j++) gf_s_missing(s, j + 1);
         gf_s_occupied(s);
     }

@@ -65,7 +65,11 @@ def node_setups(draw: st.DrawFn) -> tuple[NodeConfig, list[tuple[int, bytes, int
     ids = draw(st.lists(st.integers(1, 0xFFFF), min_size=1, max_size=4, unique=True))
     job_slots = draw(st.sampled_from([1, 2, 4]))
     slots = max(len(ids) * job_slots, draw(st.sampled_from([4, 8, 16])))
-    cfg = NodeConfig(scheme=scheme, slots=slots, job_slots=job_slots, values_per_packet=300)
+    # ATP's and ESA's PS behind modelled links: 0 (none), or slow enough that
+    # what they hold crosses over several steps, or over many
+    links = draw(st.sampled_from([0.0, 0.0, 1000.0, 100.0])) if scheme in ("atp", "esa") else 0.0
+    cfg = NodeConfig(scheme=scheme, slots=slots, job_slots=job_slots, values_per_packet=300,
+                     ps_link_mbps=links)  # fmt: skip
     jobs = []
     for k, job_id in enumerate(ids):
         workers = draw(st.sampled_from([1, 2, 3, 4, 64]))
@@ -155,7 +159,18 @@ def _same_state(ref: SwitchNode, nat: NativeSwitchNode, jobs: list[int], now: in
     for j in jobs:
         assert nat.missing(j) == ref.missing(j)
     assert nat.occupancy() == ref.occupancy()
-    assert nat.get_timer() == ref.get_timer() is None
+    assert nat.get_timer() == ref.get_timer()
+    if not ref.cfg.ps_link_mbps:
+        assert ref.get_timer() is None  # no modelled links: nothing waits
+
+
+def _fire(ref: SwitchNode, nat: NativeSwitchNode, jobs: list[int], now: int) -> None:
+    """What the modelled links have carried by ``now`` goes on, in both."""
+    at = ref.get_timer()
+    if at is not None and at <= now:
+        ref.handle_timer(now)
+        nat.handle_timer(now)
+        _same_state(ref, nat, jobs, now)
 
 
 def _same_counters(ref: SwitchNode, nat: NativeSwitchNode) -> None:
@@ -186,6 +201,7 @@ def test_the_native_switch_node_equals_the_reference(
         now, sent = 0, list[bytes]()
         for kind, k, wid, off, flags, prio, seed, dt in script:
             now += dt
+            _fire(ref, nat, live, now)
             job = jobs[k % len(jobs)]
             if kind in ("resync", "leave"):
                 if job[0] not in live:
@@ -209,6 +225,9 @@ def test_the_native_switch_node_equals_the_reference(
             ref.receive_datagram(data, now)
             nat.receive_datagram(data, now)
             _same_state(ref, nat, live, now)
+        while (at := ref.get_timer()) is not None:  # what the links still hold arrives
+            now = max(now, at)
+            _fire(ref, nat, live, now)
         _same_counters(ref, nat)
         assert nat.lost_to_memory == 0
     finally:

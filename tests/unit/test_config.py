@@ -48,13 +48,13 @@ def test_bad_yaml_is_a_config_error(tmp_path: Path) -> None:
 def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
     """``switch serve --datapath native`` names why it cannot serve: a policy
     other than SwitchML, ATP, ESA and PS, impairments (they run in the
-    reference), ATP's PS behind modelled links, or no build."""
+    reference), or no build; ATP's PS behind modelled links it serves."""
     from gradfabric.net import switchpath
     from gradfabric.runtime.impair import Impairment
     from gradfabric.runtime.switchd import SwitchConfig
 
     for kw in (
-        {"policy": "dlcp"}, {"policy": "omni"}, {"policy": "esa", "ps_link_mbps": 100.0},
+        {"policy": "dlcp"}, {"policy": "omni"},
         {"policy": "switchml", "impair": Impairment(loss=0.1)},
     ):  # fmt: skip
         with pytest.raises(ConfigError, match="datapath: native cannot serve"):
@@ -64,6 +64,9 @@ def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
         SwitchConfig(datapath="fast")
     for policy in ("switchml", "atp", "esa", "ps"):
         serves = SwitchConfig(policy=policy).native_unsuitable() is None
+        assert serves == (switchpath.PATH == "compiled")
+    for policy in ("atp", "esa"):
+        serves = SwitchConfig(policy=policy, ps_link_mbps=100.0).native_unsuitable() is None
         assert serves == (switchpath.PATH == "compiled")
     assert SwitchConfig(policy="switchml", datapath="python").native_unsuitable() is not None
 

@@ -7,10 +7,10 @@ calls (``add_job``, ``remove_job``, ``resync``, ``missing``, ``occupancy``),
 the same datagram interface (``receive_datagram``, ``datagrams_to_send``,
 ``get_timer``, ``handle_timer``) and the same counters under the same names,
 held equal to the reference datagram for datagram by the differential
-harness (``tests/property/test_differential.py``). What the reference models
-besides (DLCP's shaped port, the PS behind modelled links, SA-ATP's
-straggler monitor) it does not: ``unsuitable`` says why, and the daemon
-serves such a node from the reference.
+harness (``tests/property/test_differential.py``), the PS behind modelled
+links (``ps_link_mbps``) included. What the reference models besides
+(DLCP's shaped port, SA-ATP's straggler monitor) it does not: ``unsuitable``
+says why, and the daemon serves such a node from the reference.
 
 ``UdpBook`` is the native driver's half that a driver owns: the workers'
 addresses and the multicast groups, and ``drain``, which reads a few
@@ -79,6 +79,8 @@ _LIB, WHY_NOT = native.load(HERE / "_switch", SOURCES, (
     ("gf_s_pool", [_p], _I64P), ("gf_s_occupied", [_p], _i64),
     ("gf_s_datagram", [_p, ctypes.c_char_p, _i64, _i64], ctypes.c_int),
     ("gf_s_take", [_p, _p, _i64], _i64), ("gf_s_ops", [], _p),
+    ("gf_s_links", [_p, _f64], ctypes.c_int), ("gf_s_timer", [_p], _i64),
+    ("gf_s_handle_timer", [_p, _i64], ctypes.c_int),
 ))  # fmt: skip
 _UDP, UDP_WHY_NOT = native.load(HERE / "_udp", UDP_SOURCES, (
     ("gf_book_new", [], _p), ("gf_book_free", [_p], None), ("gf_book_counters", [_p], _I64P),
@@ -99,8 +101,6 @@ def unsuitable(cfg: NodeConfig) -> str | None:
         return str(WHY_NOT)
     if cfg.scheme not in SCHEMES_NATIVE:
         return f"it runs {', '.join(SCHEMES_NATIVE)}, not {cfg.scheme}"
-    if cfg.ps_link_mbps:
-        return "the PS behind modelled links runs in the reference"
     return None
 
 
@@ -117,6 +117,8 @@ class NativeSwitchNode:
         self.s = self.lib.gf_s_new(cfg.slots, SCHEMES_NATIVE.index(cfg.scheme))
         if not self.s:
             raise MemoryError("the native switch's pool")
+        if cfg.ps_link_mbps and self.scheme.policy in ("atp", "esa"):  # as SwitchNode.add_job
+            self.lib.gf_s_links(self.s, cfg.ps_link_mbps)
         self.ops = int(self.lib.gf_s_ops())
         self.counters = Counters()  # the node's, folded from C (``fold``)
         self.switch_counters = Counters()
@@ -237,10 +239,12 @@ class NativeSwitchNode:
                 at += 12 + n
 
     def get_timer(self) -> int | None:
-        return None
+        at = int(self.lib.gf_s_timer(self.s))
+        return at if at >= 0 else None
 
     def handle_timer(self, now_ns: int) -> None:
-        pass
+        if self.lib.gf_s_handle_timer(self.s, now_ns):
+            self.lost_to_memory += 1
 
 
 def _fold(

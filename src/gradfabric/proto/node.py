@@ -267,7 +267,9 @@ class SwitchNode:
         job = self.jobs.pop(job_id)
         self.scheme.detach(job.placement, self.switch)
         self.ports.pop(server_name(job_id), None)
-        self.links.pop(server_name(job_id), None)
+        if self.links.pop(server_name(job_id), None) is not None:  # what they held goes too
+            self._later = [e for e in self._later if e[4].job_id != job_id]
+            heapq.heapify(self._later)
         for name in job.placement.workers:
             self.book.pop(name, None)
         self.failed.pop(job_id, None)

@@ -342,9 +342,10 @@ class SwitchDaemon:
         sock = self.sock
         if sock is None:
             return
-        if self.udp is not None:  # the native driver: reads, the engine and sends in C
+        if self.udp is not None:  # the native driver: timers, reads, the engine and sends in C
             self.udp.drain(sock.fileno())
             self.udp.fold(self.counters)
+            self._arm()
             return
         for _ in range(DRAIN_BATCH):  # then let the control plane and timers run
             try:
@@ -380,6 +381,10 @@ class SwitchDaemon:
                         self.counters["drop_no_address"] += 1
                     else:
                         self._out(data, addr)
+        self._arm()
+
+    def _arm(self) -> None:
+        """A wake-up at the node's timer, unless an earlier one is set."""
         d = self.node.get_timer()
         if d is not None and (self.timer_at is None or d < self.timer_at):
             self.timer_at = d
@@ -389,6 +394,9 @@ class SwitchDaemon:
         if when != self.timer_at:
             return  # an earlier wake-up took its place
         self.timer_at = None
+        if self.udp is not None:
+            self._drain()  # the native driver handles the timer and sends
+            return
         self.node.handle_timer(time.monotonic_ns())
         self._flush()
 

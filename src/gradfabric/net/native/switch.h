@@ -14,6 +14,8 @@
 #define PENDING_WINDOWS 4 /* proto.ps.PENDING_WINDOWS: merges under way, in windows */
 #define MAX_JOBS 65536
 #define INT32_MAX_ 2147483647LL
+#define IP_UDP 28 /* proto.node.IP_UDP_BYTES: what a modelled link carries besides the datagram */
+enum { UP, DOWN }; /* proto.node's: a modelled link's ways, out of its server and into it */
 
 enum { P_SWITCHML, P_ATP, P_ESA, P_PS }; /* the scheme, as gf_s_new takes it */
 enum { IDLE, AGGREGATING, FORWARDED, COMPLETE }; /* SwitchML's copies */
@@ -65,6 +67,7 @@ typedef struct {
     int64_t id, fan_in, slot_base, slot_count, resync;
     int64_t window, newest; /* ATP: the switch job's window; the newest result's seq (-1) */
     int64_t largest;        /* the largest sequence a datagram of the job named (-1: none) */
+    int64_t *link_free;     /* ATP's PS behind modelled links: when each shard's way is free */
     ps_t ps;
     int64_t counters[NJOB];
 } job_t;
@@ -90,6 +93,12 @@ typedef struct {
     uint8_t *raw;
 } msg_t;
 
+/* a packet on a modelled link: it arrives at ``at`` (``n``: the order it left in) */
+typedef struct {
+    int64_t at, n;
+    msg_t m;
+} held_t;
+
 typedef struct {
     int64_t slots, policy;
     copy_t *copies; /* SwitchML: 2 per slot */
@@ -101,6 +110,10 @@ typedef struct {
     int64_t nout, capout;
     msg_t *work; /* SwitchNode's queue between hosted engines */
     int64_t nwork, capwork;
+    double link_ns_per_byte; /* ATP's and ESA's PS behind modelled links (0: none) */
+    held_t *held;            /* what the links hold, a heap on (at, n) */
+    int64_t nheld, capheld, nsent;
+    int64_t now; /* the time of the datagram or timer being handled */
     int oom; /* a datagram was lost to memory: the driver reports it */
 } gf_switch;
 

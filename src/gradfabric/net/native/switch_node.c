@@ -26,10 +26,19 @@
  * (J_*, S_*). Control (gf_s_job, gf_s_forget) comes from the daemon's control
  * plane, between datagrams, in the same thread. Root switches only (one
  * level, as the daemon runs it); little-endian hosts.
+ *
+ * ATP's fallback PS behind links of its own (gf_s_links: the reference's
+ * ModelledLinks, one shard per worker, each a FIFO each way at the rate): a
+ * packet between the switch and a job's PS is held (``held``, a heap on
+ * when it has crossed, then the order it left in, as the reference's
+ * ``_later``) until the driver's timer (gf_s_timer, gf_s_handle_timer)
+ * says its time has come; it then goes on as if just received. A job that
+ * leaves takes what its links held with it.
  */
 #define _GNU_SOURCE
 #include "switch.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,15 +69,59 @@ static void drop_outbox(gf_switch *s, int64_t n) {
     s->nout -= n;
 }
 
+/* ---- the modelled links' heap, on (at, n) ---- */
+
+static int before(const held_t *a, const held_t *b) {
+    return a->at < b->at || (a->at == b->at && a->n < b->n);
+}
+
+static void sift_down(gf_switch *s, int64_t i) {
+    held_t *h = s->held;
+    for (;;) {
+        int64_t l = 2 * i + 1, m = i;
+        if (l < s->nheld && before(&h[l], &h[m])) m = l;
+        if (l + 1 < s->nheld && before(&h[l + 1], &h[m])) m = l + 1;
+        if (m == i) return;
+        held_t t = h[i];
+        h[i] = h[m], h[m] = t, i = m;
+    }
+}
+
+static msg_t *hold(gf_switch *s, int64_t at) {
+    if (s->nheld == s->capheld) {
+        int64_t cap = s->capheld ? 2 * s->capheld : 64;
+        held_t *h = realloc(s->held, (size_t)cap * sizeof *h);
+        if (!h) return NULL;
+        s->held = h, s->capheld = cap;
+    }
+    int64_t i = s->nheld++;
+    s->held[i] = (held_t){at, ++s->nsent, {0}};
+    for (; i > 0 && before(&s->held[i], &s->held[(i - 1) / 2]); i = (i - 1) / 2) {
+        held_t t = s->held[i];
+        s->held[i] = s->held[(i - 1) / 2], s->held[(i - 1) / 2] = t;
+    }
+    return &s->held[i].m;
+}
+
+/* ModelledLinks.cross: when ``len`` bytes of job ``j``'s sequence ``seq``
+ * offered now have crossed its shard's link ``way``. */
+static int64_t cross(gf_switch *s, job_t *j, int64_t seq, int way, int64_t len) {
+    int64_t *free_at = &j->link_free[2 * (seq % j->fan_in) + way];
+    int64_t start = *free_at > s->now ? *free_at : s->now;
+    *free_at = start + llrint((double)(IP_UDP + len) * s->link_ns_per_byte);
+    return *free_at;
+}
+
 GF_API void gf_s_free(gf_switch *s) {
     if (!s) return;
     for (int64_t i = 0; s->copies && i < 2 * s->slots; i++) free(s->copies[i].values);
     for (int64_t i = 0; s->pool && i < s->slots; i++) free(s->pool[i].values);
     for (int64_t j = 0; j < MAX_JOBS; j++)
-        if (s->jobs[j]) ps_clear(&s->jobs[j]->ps), free(s->jobs[j]);
+        if (s->jobs[j]) ps_clear(&s->jobs[j]->ps), free(s->jobs[j]->link_free), free(s->jobs[j]);
     for (int64_t i = 0; i < s->nwork; i++) free(s->work[i].raw);
+    for (int64_t i = 0; i < s->nheld; i++) free(s->held[i].m.raw);
     drop_outbox(s, s->nout);
-    free(s->copies), free(s->pool), free(s->work), free(s->out), free(s);
+    free(s->copies), free(s->pool), free(s->work), free(s->held), free(s->out), free(s);
 }
 
 /* Install or update a job (the control plane's register, restore, resume);
@@ -81,9 +134,15 @@ GF_API int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_
     if (slot_base < 0 || slot_count < 0 || slot_base + slot_count > s->slots || window < 0) return -1;
     if (!(scale > 0)) return -1;
     job_t *j = s->jobs[id];
+    if (j && s->link_ns_per_byte > 0 && j->fan_in != fan_in) return -1; /* its links: one a worker */
     if (!j) {
         j = s->jobs[id] = calloc(1, sizeof *j);
         if (!j) return -1;
+        if (s->link_ns_per_byte > 0 && !(j->link_free = calloc((size_t)(2 * fan_in), 8))) {
+            free(j);
+            s->jobs[id] = NULL;
+            return -1;
+        }
         j->newest = -1, j->ps.floor = -1, j->largest = -1;
         pool_clear_range(s, slot_base, slot_count);
     }
@@ -102,8 +161,27 @@ GF_API void gf_s_forget(gf_switch *s, int64_t id) {
     pool_clear_range(s, j->slot_base, j->slot_count);
     pool_forget(s, id);
     ps_clear(&j->ps);
+    int64_t kept = 0; /* what its links held goes with it */
+    for (int64_t i = 0; i < s->nheld; i++)
+        if (s->held[i].m.job == id)
+            free(s->held[i].m.raw);
+        else
+            s->held[kept++] = s->held[i];
+    s->nheld = kept;
+    for (int64_t i = kept / 2 - 1; i >= 0; i--) sift_down(s, i);
+    free(j->link_free);
     free(j);
     s->jobs[id] = NULL;
+}
+
+/* ATP's and ESA's PS behind links of ``mbps`` each (ModelledLinks); set
+ * before any job is added. */
+GF_API int gf_s_links(gf_switch *s, double mbps) {
+    if (!(mbps > 0) || (s->policy != P_ATP && s->policy != P_ESA)) return -1;
+    for (int64_t j = 0; j < MAX_JOBS; j++)
+        if (s->jobs[j]) return -1;
+    s->link_ns_per_byte = 8e3 / mbps;
+    return 0;
 }
 
 /* SwitchNode.resync's floor: the job's sequences go on from ``floor``. */
@@ -166,6 +244,17 @@ void sw_emit(gf_switch *s, const job_t *j, int64_t rank, const uint8_t *raw, int
 /* Queue ``len`` bytes of packet for job ``job``'s PS (``to_ps``) or the
  * switch; returns where to write them (NULL: out of memory, a loss). */
 uint8_t *sw_enqueue(gf_switch *s, int64_t job, int to_ps, int64_t len, int64_t seq) {
+    job_t *j = s->jobs[job];
+    if (j && j->link_free) { /* onto the PS's link: into it (DOWN) or out of it (UP) */
+        uint8_t *raw = malloc((size_t)(len ? len : 1));
+        msg_t *m = raw ? hold(s, cross(s, j, seq, to_ps ? DOWN : UP, len)) : NULL;
+        if (!m) {
+            free(raw);
+            goto oom;
+        }
+        *m = (msg_t){job, to_ps, len, seq, raw};
+        return raw;
+    }
     if (s->nwork == s->capwork) {
         int64_t cap = s->capwork ? 2 * s->capwork : 16;
         msg_t *w = realloc(s->work, (size_t)cap * sizeof *w);
@@ -181,22 +270,24 @@ oom:
     return NULL;
 }
 
+/* One packet between hosted engines, to its engine. */
+static void run_msg(gf_switch *s, msg_t m, int64_t now) {
+    job_t *j = s->jobs[m.job];
+    if (j) {
+        gf_pkt p;
+        gf_parse(&p, m.raw, m.len);
+        p.seq = m.seq;
+        if (m.to_ps)
+            ps_packet(s, j, &p);
+        else
+            pool_packet(s, j, &p, now);
+    }
+    free(m.raw);
+}
+
 /* SwitchNode.deliver's loop: every packet between hosted engines, in order. */
 static void run_work(gf_switch *s, int64_t now) {
-    for (int64_t i = 0; i < s->nwork; i++) {
-        msg_t m = s->work[i];
-        job_t *j = s->jobs[m.job];
-        if (j) {
-            gf_pkt p;
-            gf_parse(&p, m.raw, m.len);
-            p.seq = m.seq;
-            if (m.to_ps)
-                ps_packet(s, j, &p);
-            else
-                pool_packet(s, j, &p, now);
-        }
-        free(m.raw);
-    }
+    for (int64_t i = 0; i < s->nwork; i++) run_msg(s, s->work[i], now);
     s->nwork = 0;
 }
 
@@ -206,6 +297,7 @@ static void run_work(gf_switch *s, int64_t now) {
  * for the PS baseline its PS), then what the hosted engines hand each other.
  * Returns -1 if a datagram was lost to memory since the last call. */
 GF_API int gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now) {
+    s->now = now;
     s->counters[N_RX]++;
     if (len < TOKEN + HEADER) { /* wire.envelope.job_of: no job to charge it to */
         s->counters[N_MALFORMED]++;
@@ -260,14 +352,27 @@ static void gf_s_sent(void *e, int64_t n, int64_t now) {
     drop_outbox(e, n);
 }
 
-static int64_t gf_s_timer(void *e) {
-    (void)e;
-    return -1; /* no timers: the links and the port the reference models stay there */
+/* When the first packet a modelled link holds has crossed (-1: none). */
+GF_API int64_t gf_s_timer(void *e) {
+    gf_switch *s = e;
+    return s->nheld ? s->held[0].at : -1;
 }
 
-static int gf_s_handle_timer(void *e, int64_t now) {
-    (void)e, (void)now;
-    return 0;
+/* SwitchNode.handle_timer: every packet that has crossed by ``now``, in
+ * order, each with what it causes. Returns -1 if one was lost to memory. */
+GF_API int gf_s_handle_timer(void *e, int64_t now) {
+    gf_switch *s = e;
+    s->now = now;
+    while (s->nheld && s->held[0].at <= now) {
+        msg_t m = s->held[0].m;
+        s->held[0] = s->held[--s->nheld];
+        sift_down(s, 0);
+        run_msg(s, m, now);
+        run_work(s, now);
+    }
+    int oom = s->oom;
+    s->oom = 0;
+    return oom ? -1 : 0;
 }
 
 static int gf_s_done(void *e, int quiet) {

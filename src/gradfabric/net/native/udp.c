@@ -12,7 +12,9 @@
  * Python, for the reference engine.
  *
  * gf_udp_drain is the switch daemon's: the daemon's event loop calls it when
- * its socket is readable; it reads up to a few batches, hands each datagram
+ * its socket is readable or the engine's timer is due; it first lets the
+ * engine handle a due timer (what its modelled links carried), then reads up
+ * to a few batches, hands each datagram
  * to the engine, and after each batch sends what the engine has to send,
  * each to its job's rank (GF_ALL: the job's multicast group if it has one,
  * else every worker with an address). The Python daemon (runtime.switchd) does
@@ -367,6 +369,11 @@ GF_API int64_t gf_udp_drain(const gf_ops *ops, void *engine, gf_book *b, int fd,
     tx_t *t = &b->tx;
     rx_t *r = &b->rxh;
     t->fd = fd; /* (empty between calls: each flush leaves it so) */
+    int64_t now = now_ns(), due = ops->timer(engine);
+    if (due >= 0 && due <= now) { /* what the engine's modelled links carried by now */
+        if (ops->handle_timer(engine, now) < 0) c[U_NO_MEMORY]++;
+        flush(ops, engine, b, t, now);
+    }
     for (int64_t k = 0; k < batches; k++) {
         int got = rx_read(r, fd, b->rx, BATCH);
         c[U_SYSCALLS]++;
@@ -375,7 +382,7 @@ GF_API int64_t gf_udp_drain(const gf_ops *ops, void *engine, gf_book *b, int fd,
                 c[U_SOCKET_ERROR]++;
             break;
         }
-        int64_t now = now_ns();
+        now = now_ns();
         for (int i = 0; i < got; i++) {
             int64_t n = rx_deliver(r, i, b->rx, ops, engine, now, &c[U_GRO]);
             if (n < 0) c[U_NO_MEMORY]++;
