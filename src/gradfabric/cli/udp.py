@@ -54,9 +54,10 @@ def add(esub: Sub) -> None:
     ee = esub.add_parser(
         "esa-train",
         help="ESA vs ATP with real training jobs sharing one switch daemon",
-        description="Seeded traces of jobs (2 or 3 workers, 8-32 steps of the digits MLP, "
-        "Poisson arrivals) train through one switch daemon, every worker behind its own "
-        "shaped link (--link-gbps; root, network namespaces), under ATP (its fallback PS "
+        description="Seeded traces of jobs (2 or 3 workers, --steps of the digits MLP, "
+        "Poisson arrivals --mean-gap-s apart), each launched by torchrun, train through one "
+        "switch daemon, every worker behind its own shaped link (--link-gbps; root, network "
+        "namespaces), under ATP (its fallback PS "
         "sharded per worker behind links of the same rate) and under ESA (srpt-aging "
         "priorities stamped by the workers). Settings: the pool scarce (--pool-slots, below "
         "two jobs' windows) with workers out of lockstep (each step's device time longer by "
@@ -67,8 +68,15 @@ def add(esub: Sub) -> None:
         "job's loss curve or "
         "weights differ in one bit from its solo replay.",
     )
-    ee.add_argument("--seeds", type=int, default=5, help="traces per setting")
+    ee.add_argument("--seeds", type=int, default=6, help="traces per setting")
     ee.add_argument("--jobs", type=int, default=3)
+    ee.add_argument("--steps", help="comma-separated: a job's length in steps, drawn per job "
+                    "(default 600,1200,2400: jobs of tens of seconds)")  # fmt: skip
+    ee.add_argument("--mean-gap-s", type=float, default=None,
+                    help="the mean gap between arrivals (default 3)")  # fmt: skip
+    ee.add_argument("--settings", help="comma-separated, of scarce-jittered (the simulator "
+                    "predicts ESA a gain), ample-jittered, scarce-lockstep (it predicts none); "
+                    "default: the first two")  # fmt: skip
     ee.add_argument("--pool-slots", type=int, default=40, help="the scarce settings' pool")
     ee.add_argument("--compute-ms", type=float, default=5.0, help="a step's device time")
     ee.add_argument("--jitter-ms", type=float, default=5.0,
@@ -183,12 +191,23 @@ def saatp_train(args: argparse.Namespace) -> int:
 def esa_train(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from gradfabric.experiments.esa_train import claims, default_config, draw, settings, study
+    from gradfabric.experiments.esa_train import (
+        chosen,
+        claims,
+        draw,
+        long_config,
+        settings,
+        study,
+    )
 
-    cfg = replace(default_config(), jobs=args.jobs, compute_ms=args.compute_ms)
+    cfg = replace(long_config(), jobs=args.jobs, compute_ms=args.compute_ms)
+    if args.steps:
+        cfg = replace(cfg, steps=tuple(int(x) for x in args.steps.split(",")))
+    if args.mean_gap_s is not None:
+        cfg = replace(cfg, mean_gap_s=args.mean_gap_s)
     if args.link_gbps is not None:
         cfg = replace(cfg, link_gbps=args.link_gbps)
-    setting = settings(args.pool_slots, args.jitter_ms)
+    setting = chosen(settings(args.pool_slots, args.jitter_ms), args.settings)
     with progress(len(setting) * 2 * args.seeds + 1, args.json) as tick:
         res = study(cfg, args.seeds, setting, tick)
     res["claims"] = [c.__dict__ for c in claims(res)]

@@ -3,8 +3,10 @@ jobs sharing one switch daemon, each worker behind its own 1 Gbit/s link,
 ATP against ESA, in the setting where the simulator predicts ESA a gain
 (the pool scarce: two jobs' windows overfill it; workers out of lockstep)
 and two where it predicts none (an ample pool; workers in lockstep); the
-simulator's JCT for the same trace beside each. Full: 10 traces per
-setting; quick: 3 traces of the first setting (the headline's) alone.
+simulator's JCT for the same trace beside each. Each job is a torchrun
+launch. Full: 6 traces of jobs of tens of seconds in the first two
+settings; quick: 3 traces of jobs of a fraction of a second in the first
+setting (the headline's) alone.
 Every worker sums through ``InaClient.allreduce`` (``ina_hook``'s path),
 its exponents carried from the last step's sum (``wire.carried``)."""
 
@@ -16,6 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from gradfabric.core.errors import ConfigError
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
 from gradfabric.experiments.esa import PACKET_JITTER_NS
@@ -78,6 +81,9 @@ def host_overhead_ms(cfg: EsaTrainConfig, runs: int = 3) -> float:
 
 JITTER_MS = 5.0
 LINK_GBPS = 1.0
+LONG_STEPS = (600, 1200, 2400)  # a full study's job: 10 to 40 s
+LONG_GAP_S = 3.0
+FULL = ("scarce-jittered", "ample-jittered")  # where the simulator predicts a gain, and none
 PS_BOUND = ("ps_collision", "ps_resend", "flush_partial")  # packets the switch sent to the PS
 
 
@@ -92,12 +98,30 @@ def settings(scarce_pool: int = 40, jitter_ms: float = JITTER_MS) -> dict[str, t
     }
 
 
+def chosen(every: dict[str, tuple[int, float]], names: str | None) -> dict[str, tuple[int, float]]:
+    """The settings ``names`` picks (comma-separated, "scarce-jittered" for
+    "scarce, jittered"); None: the full study's (``FULL``)."""
+    picked = [x.strip() for x in (names or ",".join(FULL)).split(",") if x.strip()]
+    known = {k.replace(", ", "-"): k for k in every}
+    bad = [x for x in picked if x not in known]
+    if bad or not picked:
+        raise ConfigError("settings", f"unknown {bad}; valid: {', '.join(known)}")
+    return {known[x]: every[known[x]] for x in picked}
+
+
 def default_config() -> EsaTrainConfig:
     """The study's jobs on 1 Gbit/s links where network namespaces can be
     made (root), else on loopback (the result's config says which)."""
     from gradfabric.net.netns import usable
 
     return EsaTrainConfig(link_gbps=LINK_GBPS if usable() else 0.0)
+
+
+def long_config() -> EsaTrainConfig:
+    """The full study's jobs: tens of seconds each (``LONG_STEPS`` of about
+    16 ms under contention), arriving ``LONG_GAP_S`` apart on average."""
+    return replace(default_config(), steps=LONG_STEPS, mean_gap_s=LONG_GAP_S,
+                   timeout_s=120.0)  # fmt: skip
 
 
 def study(
@@ -209,8 +233,10 @@ class EsaTrain:
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         # quick: the headline's setting alone (where the simulator predicts ESA a gain)
-        setting = dict(list(settings().items())[:1]) if quick else None
-        res = study(default_config(), seeds=3 if quick else 10, setting=setting, tick=tick)
+        if quick:  # jobs of a fraction of a second
+            res = study(default_config(), 3, dict(list(settings().items())[:1]), tick)
+        else:  # jobs of tens of seconds
+            res = study(long_config(), 6, chosen(settings(), None), tick)
         result = ExperimentResult(self.name, self.title, rows=res["rows"], config=res["config"])
         result.claims += claims(res)
         result.plots.append(draw(res, out))

@@ -3,6 +3,11 @@
 A seeded trace of jobs (each: 2 or 3 workers, a number of steps, an arrival
 time) trains the catalog's digits MLP (``lab.job``) through one switch
 daemon whose aggregator pool is too small for every job's window at once.
+Each job is launched as users launch one, by torchrun (one per job on
+loopback; on shaped links one per worker's namespace, rendezvous at the
+job's first worker), and its ranks join a gloo group; every job's torchrun
+starts at once and its ranks wait, ready, for the trace's start and then
+their job's arrival, so a job's start-up does not move it along the trace.
 Each worker computes its micro-batch under a deadline throttle
 (``compute_ms`` of device time per step), sums its gradient as int32 fixed
 point through the switch (``InaClient.allreduce`` with exponents carried
@@ -25,26 +30,32 @@ must equal its solo replay (``lab.job.reference``) bit for bit.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gradfabric.core.errors import ConfigError
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.lab.job import Replica, daemon_flags, data, fingerprint, reference
-from gradfabric.net.launch import run_hosts
-from gradfabric.net.netns import NsHost, call_in, enter, tor_star
+from gradfabric.net.launch import run_on_hosts, run_rank, run_ranks
+from gradfabric.net.netns import NsHost, call_in, tor_star
 from gradfabric.proto.priority import srpt_aging
 from gradfabric.runtime.client import InaClient, Ticket
 
 POLICIES = ("atp", "esa")
 AGING_S = 1.0
-START_S = 2.0  # the trace's time zero after the daemon is up: every job's workers ready by then
+MODULE = "gradfabric.lab.esa_train"
+READY_S = 180.0  # every job's ranks started (torchrun, torch's import, a client) within this
+GO_S = 0.5  # the trace's time zero: this long after the last rank said it is ready
 
 
 @dataclass(frozen=True)
@@ -105,34 +116,58 @@ def trace(cfg: EsaTrainConfig) -> list[EsaJob]:
     ]  # fmt: skip
 
 
-def _worker(
-    job: EsaJob, ticket: Ticket, rank: int, host: NsHost | None, conn: Connection
-) -> None:
-    try:
-        if host is not None:
-            enter(host)  # before any socket is made
-        torch.set_num_threads(1)
-        data()
-        replica = Replica(job)
-        client = InaClient(ticket, rank, timeout_s=60.0, exponents="carried")
-        losses, device_ms = [], job.device_ms(rank)
-        conn.send("ready")
-        conn.recv()
-        t0, cpu0 = time.monotonic(), time.process_time()
-        for step in range(job.steps):
-            began = time.monotonic()
-            g, loss = replica.gradient(step, rank)
-            time.sleep(max(0.0, began + device_ms[step] / 1e3 - time.monotonic()))
-            left = (job.steps - step) * replica.params * 4
-            client.set_priority(srpt_aging(left, time.monotonic() - t0, AGING_S))
-            replica.step_sum(client.allreduce(g, out=g))  # ina_hook's sum, on one tensor
-            losses.append(loss)
-        end = time.monotonic()
-        client.close()
-        conn.send({"t0": t0, "end": end, "cpu_s": time.process_time() - cpu0, "losses": losses,
-                   "weights": fingerprint(replica.net), "clipped": client.clipped})  # fmt: skip
-    except Exception as e:  # reported to the parent, never a hang
-        conn.send(f"job {job.seed} rank {rank}: {e!r}")
+def _rank_main(spec_file: str) -> None:
+    """One rank of a job, under torchrun (``run_rank`` joined its group):
+    say it is ready, wait for the trace's start and the job's arrival, train,
+    write its record beside the spec."""
+    import torch.distributed as dist
+
+    here = Path(spec_file).parent
+    spec = json.loads(Path(spec_file).read_text())
+    job, rank = EsaJob(**spec["job"]), dist.get_rank()
+    torch.set_num_threads(1)
+    data()
+    replica = Replica(job)
+    client = InaClient(Ticket.load(str(here / "ticket.json")), rank, timeout_s=60.0,
+                       exponents="carried")  # fmt: skip
+    losses, device_ms = [], job.device_ms(rank)
+    (here / f"ready.{rank}").touch()
+    go = Path(spec["go_file"])
+    deadline = time.monotonic() + READY_S
+    while not go.exists():  # (written whole: a rename)
+        if time.monotonic() > deadline:
+            raise PeerTimeoutError("the trace's start", READY_S)
+        time.sleep(0.01)
+    time.sleep(max(0.0, float(go.read_text()) + job.arrival_s - time.monotonic()))
+    t0, cpu0 = time.monotonic(), time.process_time()
+    for step in range(job.steps):
+        began = time.monotonic()
+        g, loss = replica.gradient(step, rank)
+        time.sleep(max(0.0, began + device_ms[step] / 1e3 - time.monotonic()))
+        left = (job.steps - step) * replica.params * 4
+        client.set_priority(srpt_aging(left, time.monotonic() - t0, AGING_S))
+        replica.step_sum(client.allreduce(g, out=g))  # ina_hook's sum, on one tensor
+        losses.append(loss)
+    end = time.monotonic()
+    client.close()
+    rec = {"t0": t0, "end": end, "cpu_s": time.process_time() - cpu0, "losses": losses,
+           "weights": fingerprint(replica.net), "clipped": client.clipped}  # fmt: skip
+    (here / f"rank{rank}.json").write_text(json.dumps(rec))
+
+
+def _start(dirs: list[Path], threads: list[threading.Thread], go_file: Path) -> None:
+    """Wait until every job's every rank is ready (or a job's launch
+    failed), then write the trace's time zero."""
+    want = {(d, r) for d in dirs for r in range(json.loads((d / "spec.json").read_text())
+                                                 ["job"]["workers"])}  # fmt: skip
+    deadline = time.monotonic() + READY_S
+    while any(not (d / f"ready.{r}").exists() for d, r in want):
+        if not all(t.is_alive() for t in threads) or time.monotonic() > deadline:
+            break  # (a launch that ended early failed: its thread has the error)
+        time.sleep(0.05)
+    tmp = go_file.with_suffix(".tmp")
+    tmp.write_text(repr(time.monotonic() + GO_S))
+    os.replace(tmp, go_file)
 
 
 def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
@@ -152,34 +187,45 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
     flags = (*daemon_flags(cfg.window), "--policy", policy, "--slots", str(cfg.pool_slots),
              "--ps-link-mbps", str(cfg.link_gbps * 1000))  # fmt: skip
     with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="esa-")))
         hosts: list[NsHost | None] = [None] * first[-1]
         tor = None
         if cfg.link_gbps:
             ns, tor = stack.enter_context(tor_star(first[-1], cfg.link_gbps))
             hosts = list(ns)
         sw = stack.enter_context(switch_daemon(*flags, host=tor))
-        start, daemon_cpu = time.monotonic(), cpu_s(sw.proc.pid)
+        dirs = []
+        for j, job in enumerate(jobs):
+            d = tmp / f"job{j}"
+            d.mkdir()
+            if tor is None:
+                ticket = Ticket.register(sw.control, job.workers)
+            else:  # the daemon's control port is reachable in its namespace only
+                ticket = call_in(tor, Ticket.register, sw.control, job.workers)
+            ticket.save(str(d / "ticket.json"))
+            spec = {"job": asdict(job), "go_file": str(tmp / "go")}
+            (d / "spec.json").write_text(json.dumps(spec))
+            dirs.append(d)
+        daemon_cpu = cpu_s(sw.proc.pid)
 
         def one(j: int, job: EsaJob) -> None:
-            # every job's workers start now and go at its arrival on the trace's
-            # clock: a job's start-up (a fork, its data, its socket) must not
-            # move it along the trace (under load it took as long as the gaps
-            # between arrivals, and jobs that should overlap did not)
-            go_at = start + START_S + job.arrival_s
+            total = READY_S + cfg.timeout_s + job.steps * 2.0
+            args = [str(dirs[j] / "spec.json")]
             try:
                 if tor is None:
-                    ticket = Ticket.register(sw.control, job.workers)
-                else:  # the daemon's control port is reachable in its namespace only
-                    ticket = call_in(tor, Ticket.register, sw.control, job.workers)
-                total = cfg.timeout_s + job.steps * 2.0
-                args = [(job, ticket, r, hosts[first[j] + r]) for r in range(job.workers)]
-                results[j] = run_hosts(_worker, args, cfg.timeout_s, total, go_at=go_at)
+                    run_ranks(job.workers, MODULE, args, timeout_s=total)
+                else:
+                    mine = hosts[first[j] : first[j] + job.workers]
+                    run_on_hosts([h for h in mine if h is not None], MODULE, args, total)
+                results[j] = [json.loads((dirs[j] / f"rank{r}.json").read_text())
+                              for r in range(job.workers)]  # fmt: skip
             except Exception as e:
                 results[j] = e
 
         threads = [threading.Thread(target=one, args=(j, job)) for j, job in enumerate(jobs)]
         for t in threads:
             t.start()
+        _start(dirs, threads, tmp / "go")
         for t in threads:
             t.join()
         daemon_cpu = cpu_s(sw.proc.pid) - daemon_cpu
@@ -207,3 +253,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
         "daemon_load": daemon_cpu / span,
         "workers_load": sum(r["cpu_s"] for r in ranks) / span,
     }  # fmt: skip
+
+
+if __name__ == "__main__":  # one rank of a job, started by torchrun
+    run_rank(_rank_main, sys.argv[1])
