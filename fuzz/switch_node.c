@@ -6,8 +6,9 @@
  * id eight times). Ops: 0 a datagram; 1 take what the node sends; 2 a job
  * resynchronises (or resumes); 3 time passes (u32 ns); 4 a job leaves and
  * comes back. The first config byte's high bit puts ATP's and ESA's PS behind
- * modelled links (gf_s_links); after every op the node handles its timer if
- * it is due. */
+ * modelled links (gf_s_links), the next one SA-ATP's straggler monitor on
+ * every job (gf_s_help); after every op the node handles its timer if it is
+ * due. */
 #include <stdlib.h>
 
 #include "../src/gradfabric/net/native/switch.h"
@@ -23,17 +24,20 @@ int gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t now);
 int64_t gf_s_take(gf_switch *s, uint8_t *buf, int64_t cap);
 int64_t gf_s_occupied(gf_switch *s);
 int gf_s_links(gf_switch *s, double mbps);
+int gf_s_help(gf_switch *s, int64_t id, int64_t lag, int64_t replicas, int64_t max_requests,
+              int64_t it_len, int64_t policy);
 int64_t gf_s_timer(void *e);
 int gf_s_handle_timer(void *e, int64_t now);
 
 static const int64_t WORKERS[4] = {3, 2, 64, 1};
 
-static void install(gf_switch *s, int policy, int64_t k, int64_t window, int resync) {
+static void install(gf_switch *s, int policy, int64_t k, int64_t window, int resync, int help) {
     uint8_t token[8];
     memset(token, (int)(k + 1), 8);
     int statics = policy == P_SWITCHML;
     gf_s_job(s, k + 1, token, WORKERS[k], statics ? k * window : 0, statics ? window : 0, resync,
              statics ? 0 : window, 4 * window, 1e6);
+    if (help) gf_s_help(s, k + 1, 1 + k, 2, 3, 1 + window, k % 2); /* refused but for ATP, ESA */
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -46,7 +50,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!s) return 0;
     if (first & 0x80) gf_s_links(s, first & 0x40 ? 1000.0 : 10.0); /* refused but for ATP, ESA */
     int resync[4] = {0};
-    for (int64_t k = 0; k < njobs; k++) install(s, policy, k, window, 0);
+    const int help = first & 0x20;
+    for (int64_t k = 0; k < njobs; k++) install(s, policy, k, window, 0, help);
     static uint8_t buf[1 << 20];
     int64_t now = 0;
     uint8_t kind;
@@ -57,9 +62,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         switch (kind % 5) {
         case 0: gf_s_datagram(s, p, (int64_t)n, now); break;
         case 1: gf_s_take(s, buf, sizeof buf); break;
-        case 2: resync[k] ^= 1, install(s, policy, k, window, resync[k]); break;
+        case 2: resync[k] ^= 1, install(s, policy, k, window, resync[k], 0); break;
         case 3: now += le32(p, n); break;
-        case 4: gf_s_forget(s, k + 1), install(s, policy, k, window, resync[k]); break;
+        case 4: gf_s_forget(s, k + 1), install(s, policy, k, window, resync[k], help); break;
         }
         int64_t due = gf_s_timer(s);
         if (due >= 0 && due <= now) gf_s_handle_timer(s, now);

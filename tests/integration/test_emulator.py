@@ -769,15 +769,22 @@ def test_a_killed_rank_rejoins_and_training_resumes_from_the_checkpoint() -> Non
     assert len(hit["switch"]["jobs"]) == 1  # the old job is gone, the new one left
 
 
-def test_a_native_switch_refuses_an_saatp_job_and_says_how_to_serve_one() -> None:
-    """SA-ATP's straggler monitor is Python: a daemon on the native datapath
-    refuses a job that asks for help (never a monitor that sees no packet),
-    and names the flag that serves one."""
+def test_a_native_switch_serves_an_saatp_job_and_refuses_help_it_cannot_give() -> None:
+    """SA-ATP's straggler monitor runs in the native node: a daemon on the
+    native datapath takes a job that asks for help (and says it serves it
+    natively); help without the packets of an iteration, or on a switch whose
+    scheme cannot help, is refused with the reason."""
     require("the switch datapath", switchpath.PATH, switchpath.WHY_NOT)
-    with switch_daemon("--policy", "atp") as sw:
-        with pytest.raises(ConfigError, match="--datapath python"):
-            Ticket.register(sw.control, 3, help={"iteration_packets": 8})
-        assert Ticket.register(sw.control, 3).job_id > 0  # plain jobs still welcome
+    with switch_daemon("--policy", "atp", "--datapath", "native") as sw:
+        assert Ticket.register(sw.control, 3, help={"iteration_packets": 8}).job_id > 0
+        with pytest.raises(ConfigError, match="packets per iteration"):
+            Ticket.register(sw.control, 3, help={"iteration_packets": 0})
+        assert _stats(sw)["datapath"] == "native"
+    with (
+        switch_daemon("--policy", "switchml", "--datapath", "native") as sw,
+        pytest.raises(ConfigError, match="help runs on the atp and esa policies"),
+    ):
+        Ticket.register(sw.control, 3, help={"iteration_packets": 8})
 
 
 def test_saatp_over_udp_helps_the_straggler_and_stays_exact() -> None:

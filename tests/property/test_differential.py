@@ -32,10 +32,11 @@ from hypothesis import strategies as st
 
 from gradfabric.core.trace import Counters
 from gradfabric.net import switchpath
-from gradfabric.net.switchpath import NativeSwitchNode
+from gradfabric.net.switchpath import HELPERS_NATIVE, NativeSwitchNode
 from gradfabric.proto.node import NodeConfig, SwitchNode
 from gradfabric.proto.routes import atp_index
 from gradfabric.proto.schemes import SCHEMES, Placement
+from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import ResumableWorker
 from gradfabric.wire.envelope import TOKEN_BYTES
 from gradfabric.wire.packet import HEADER_BYTES, MAX_WIRE_VALUES, Flag, Packet, decode, encode
@@ -49,6 +50,10 @@ SETTINGS = settings(max_examples=int(os.environ.get("GRADFABRIC_EXAMPLES", 300))
                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 
 
+# a job: id, token, workers, slot base, values a packet, first sequence, SA-ATP's help
+Job = tuple[int, bytes, int, int, int, int, HelpConfig | None]
+
+
 def _nonzero(c: object) -> dict[str, int]:
     assert isinstance(c, Counters)
     return {k: v for k, v in c.items() if v}
@@ -58,9 +63,9 @@ def _nonzero(c: object) -> dict[str, int]:
 
 
 @st.composite
-def node_setups(draw: st.DrawFn) -> tuple[NodeConfig, list[tuple[int, bytes, int, int, int, int]]]:
+def node_setups(draw: st.DrawFn) -> tuple[NodeConfig, list[Job]]:
     """A node and its jobs: (id, token, workers, slot base, values a packet,
-    the sequence the job starts at)."""
+    the sequence the job starts at, SA-ATP's help or None)."""
     scheme = draw(st.sampled_from(["switchml", "atp", "esa", "ps"]))
     ids = draw(st.lists(st.integers(1, 0xFFFF), min_size=1, max_size=4, unique=True))
     job_slots = draw(st.sampled_from([1, 2, 4]))
@@ -76,7 +81,14 @@ def node_setups(draw: st.DrawFn) -> tuple[NodeConfig, list[tuple[int, bytes, int
         vpp = draw(st.sampled_from([1, 5, 300, MAX_WIRE_VALUES]))
         start = draw(st.sampled_from([0, 0, 1000, SEQ_LIMIT - 64]))
         token = draw(st.binary(min_size=TOKEN_BYTES, max_size=TOKEN_BYTES))
-        jobs.append((job_id, token, workers, k * job_slots, vpp, start))
+        help = None
+        if scheme in ("atp", "esa") and draw(st.booleans()):  # SA-ATP's monitor on the job
+            help = HelpConfig(
+                helper=draw(st.sampled_from(HELPERS_NATIVE)), lag_packets=draw(st.integers(1, 8)),
+                replicas=draw(st.integers(1, 4)), max_requests=draw(st.integers(1, 3)),
+                iteration_packets=draw(st.integers(1, 12)),
+            )  # fmt: skip
+        jobs.append((job_id, token, workers, k * job_slots, vpp, start, help))
     return cfg, jobs
 
 
@@ -102,11 +114,10 @@ steps = st.lists(
 
 
 def _datagram(
-    kind: str, job: tuple[int, bytes, int, int, int, int], wid: int, off: int, flags: int,
-    prio: int, seed: int, cfg: NodeConfig,
+    kind: str, job: Job, wid: int, off: int, flags: int, prio: int, seed: int, cfg: NodeConfig,
 ) -> bytes:  # fmt: skip
     """The bytes a step sends."""
-    job_id, token, workers, base, vpp, start = job
+    job_id, token, workers, base, vpp, start, _ = job
     rng = np.random.default_rng(seed)
     wid %= workers
     seq = start + off
@@ -188,15 +199,15 @@ def _same_counters(ref: SwitchNode, nat: NativeSwitchNode) -> None:
 @SETTINGS
 @given(setup=node_setups(), script=steps)
 def test_the_native_switch_node_equals_the_reference(
-    setup: tuple[NodeConfig, list[tuple[int, bytes, int, int, int, int]]],
+    setup: tuple[NodeConfig, list[Job]],
     script: list[tuple[str, int, int, int, int, int, int, int]],
 ) -> None:
     cfg, jobs = setup
     ref, nat = SwitchNode(cfg), NativeSwitchNode(cfg)
     try:
-        for job_id, token, workers, base, _, _ in jobs:
-            ref.add_job(job_id, token, workers, base)
-            nat.add_job(job_id, token, workers, base)
+        for job_id, token, workers, base, _, _, help in jobs:
+            ref.add_job(job_id, token, workers, base, help=help)
+            nat.add_job(job_id, token, workers, base, help=help)
         live = [j[0] for j in jobs]
         now, sent = 0, list[bytes]()
         for kind, k, wid, off, flags, prio, seed, dt in script:
@@ -230,6 +241,53 @@ def test_the_native_switch_node_equals_the_reference(
             _fire(ref, nat, live, now)
         _same_counters(ref, nat)
         assert nat.lost_to_memory == 0
+    finally:
+        nat.close()
+
+
+@SETTINGS
+@given(
+    scheme=st.sampled_from(["atp", "esa"]),
+    workers=st.integers(2, 6),
+    help=st.builds(
+        HelpConfig, helper=st.sampled_from(HELPERS_NATIVE), lag_packets=st.integers(1, 6),
+        replicas=st.integers(1, 5), max_requests=st.integers(1, 3),
+        iteration_packets=st.integers(1, 10),
+    ),
+    script=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 5), st.booleans(), st.integers(0, 3)),
+        min_size=5, max_size=200,
+    ),
+)  # fmt: skip
+def test_the_native_straggler_monitor_equals_the_reference(
+    scheme: str, workers: int, help: HelpConfig, script: list[tuple[int, int, bool, int]]
+) -> None:
+    """SA-ATP's monitor where it has work: workers that send their sequences
+    in order, some far behind the others (each step: a worker, how many of
+    its next sequences it sends, whether instead it helps another worker
+    with that one's next, and the time that passes)."""
+    cfg = NodeConfig(scheme=scheme, slots=16, job_slots=4, values_per_packet=300)
+    token, job_id = WTOKEN, 3
+    ref, nat = SwitchNode(cfg), NativeSwitchNode(cfg)
+    try:
+        ref.add_job(job_id, token, workers, 0, help=help)
+        nat.add_job(job_id, token, workers, 0, help=help)
+        sent, now = [0] * workers, 0
+        for who, burst, helps, dt in script:
+            now += 1000 * dt
+            w = who % workers
+            for _ in range(burst):
+                owner = (w + 1 + dt) % workers if helps else w  # a helper sends for ``owner``
+                seq = sent[owner]
+                sent[owner] += 1
+                pkt = Packet(job_id, w, seq, atp_index(job_id, seq, cfg.slots), 1 << owner,
+                             workers, Flag.HELP if helps else 0, 0, 0, 2,
+                             np.full(2, seq, np.int32))  # fmt: skip
+                data = token + encode(pkt)
+                ref.receive_datagram(data, now)
+                nat.receive_datagram(data, now)
+                _same_state(ref, nat, [job_id], now)
+        _same_counters(ref, nat)
     finally:
         nat.close()
 

@@ -149,8 +149,7 @@ def run_switch(cfg: SaatpTrainConfig, help: bool) -> dict[str, Any]:
 
     total_s = cfg.timeout_s + cfg.steps * cfg.device_s(0, 0, cfg.micro_batch) * cfg.slowdown * 2
     vpp = DAEMON.values_per_packet
-    # SA-ATP: the reference datapath
-    with switch_daemon("--policy", "atp", "--datapath", "python", *daemon_flags()) as sw:
+    with switch_daemon("--policy", "atp", *daemon_flags()) as sw:  # SA-ATP's monitor: native
         sa = None
         if help:
             packets = -(-sum(p.numel() for p in model(cfg).parameters()) // vpp)

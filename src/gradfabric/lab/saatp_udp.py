@@ -77,8 +77,8 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
     from gradfabric.lab.daemon import switch_daemon
     from gradfabric.lab.job import daemon_flags
 
-    # SA-ATP: the reference datapath; packets laid out as the training study's
-    with switch_daemon("--policy", "atp", "--datapath", "python", *daemon_flags()) as sw:
+    # packets laid out as the training study's; SA-ATP's monitor in the native node
+    with switch_daemon("--policy", "atp", *daemon_flags()) as sw:
         sa = None
         if help:
             sa = {"lag_packets": cfg.lag_packets, "replicas": cfg.replicas,

@@ -8,9 +8,10 @@ the same datagram interface (``receive_datagram``, ``datagrams_to_send``,
 ``get_timer``, ``handle_timer``) and the same counters under the same names,
 held equal to the reference datagram for datagram by the differential
 harness (``tests/property/test_differential.py``), the PS behind modelled
-links (``ps_link_mbps``) included. What the reference models besides
-(DLCP's shaped port, SA-ATP's straggler monitor) it does not: ``unsuitable``
-says why, and the daemon serves such a node from the reference.
+links (``ps_link_mbps``) and SA-ATP's straggler monitor (its registered
+detector and helper policies) included. What the reference models besides
+(DLCP's shaped port) it does not: ``unsuitable`` says why, and the daemon
+serves such a node from the reference.
 
 ``UdpBook`` is the native driver's half that a driver owns: the workers'
 addresses and the multicast groups, and ``drain``, which reads a few
@@ -41,10 +42,12 @@ from gradfabric.wire.envelope import TOKEN_BYTES
 
 HERE = Path(__file__).parent
 NATIVE = HERE / "native"
-SOURCES = [NATIVE / f for f in ("switch_node.c", "switch_pool.c", "switch_ps.c", "switch.h",
-                                "wire.h")]  # fmt: skip
+SOURCES = [NATIVE / f for f in ("switch_node.c", "switch_pool.c", "switch_ps.c",
+                                "switch_help.c", "switch.h", "wire.h")]  # fmt: skip
 UDP_SOURCES = [NATIVE / "udp.c", NATIVE / "wire.h"]
 SCHEMES_NATIVE: Final = ("switchml", "atp", "esa", "ps")  # in the C node's order
+HELPERS_NATIVE: Final = ("most-ahead", "next-holder")  # SA-ATP's helper policies, in C's order
+DETECTORS_NATIVE: Final = ("progress-gap",)
 # The C node's counters, in its order: the node's, then the switch engine's
 NODE_COUNTERS: Final = ("rx_datagrams", "drop_unknown_job", "drop_malformed")
 ENGINE_COUNTERS: Final = (
@@ -52,7 +55,7 @@ ENGINE_COUNTERS: Final = (
     "drop_float_payload", "drop_stale", "drop_duplicate", "retx_answered",
     "drop_count_mismatch", "drop_stale_result", "nack_sent",
     "ps_overflow", "ps_resend", "flush_partial", "ps_collision", "drop_late", "stale_reclaimed",
-    "reclaimed_complete", "preemptions",
+    "reclaimed_complete", "preemptions", "help_requests",
 )  # fmt: skip
 NODE_TAIL: Final = ("drop_outbox_full",)  # the node's again, after the engine's in C
 JOB_COUNTERS: Final = ("rx_datagrams", "drop_bad_token", "drop_malformed", "drop_resyncing")
@@ -80,6 +83,7 @@ _LIB, WHY_NOT = native.load(HERE / "_switch", SOURCES, (
     ("gf_s_datagram", [_p, ctypes.c_char_p, _i64, _i64], ctypes.c_int),
     ("gf_s_take", [_p, _p, _i64], _i64), ("gf_s_ops", [], _p),
     ("gf_s_links", [_p, _f64], ctypes.c_int), ("gf_s_timer", [_p], _i64),
+    ("gf_s_help", [_p, _i64, _i64, _i64, _i64, _i64, _i64], ctypes.c_int),
     ("gf_s_handle_timer", [_p, _i64], ctypes.c_int),
 ))  # fmt: skip
 _UDP, UDP_WHY_NOT = native.load(HERE / "_udp", UDP_SOURCES, (
@@ -141,8 +145,15 @@ class NativeSwitchNode:
         if job_id in self.jobs:
             raise ConfigError("job_id", f"job {job_id} is registered already")
         if help is not None:
-            raise ConfigError("help", "SA-ATP's straggler monitor runs in the reference "
-                              "datapath: serve with --datapath python")  # fmt: skip
+            if not scheme.can_help:
+                raise ConfigError("help", f"SA-ATP help does not run on {cfg.scheme}")
+            if help.detector not in DETECTORS_NATIVE or help.helper not in HELPERS_NATIVE:
+                raise ConfigError("help", f"the native switch detects with "
+                                  f"{', '.join(DETECTORS_NATIVE)} and helps with "
+                                  f"{', '.join(HELPERS_NATIVE)}: serve other policies with "
+                                  "--datapath python")  # fmt: skip
+            if help.iteration_packets < 1:
+                raise ConfigError("iteration_packets", "the monitor needs packets per iteration")
         kind = kind or scheme.job_kinds[0]
         if kind not in scheme.job_kinds:
             raise ConfigError("kind", f"the {cfg.scheme} switch takes {scheme.job_kinds} jobs")
@@ -157,9 +168,16 @@ class NativeSwitchNode:
             cfg.job_slots if static else 0, int(resyncing), window, ps_window, PS_SCALE,
         ):  # fmt: skip
             raise ConfigError("job_id", f"job {job_id}: not a job the native switch can hold")
+        if help is not None and self.lib.gf_s_help(
+            self.s, job_id, help.lag_packets, help.replicas, help.max_requests,
+            help.iteration_packets, HELPERS_NATIVE.index(help.helper),
+        ):  # fmt: skip
+            self.lib.gf_s_forget(self.s, job_id)
+            raise MemoryError(f"job {job_id}: the native switch's straggler monitor")
         names = tuple(worker_name(job_id, r) for r in range(workers))
         p = Placement(job_id, names, {"sw": names}, servers=(server_name(job_id),),
-                      window=cfg.job_slots, pool_slots=cfg.slots, slot_base=slot_base)  # fmt: skip
+                      window=cfg.job_slots, pool_slots=cfg.slots, slot_base=slot_base,
+                      help=help)  # fmt: skip
         job = self.jobs[job_id] = NodeJob(job_id, token, kind, p, scheme.entry(p),
                                           resyncing=resyncing)  # fmt: skip
         if not static:

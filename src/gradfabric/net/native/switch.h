@@ -27,7 +27,7 @@ enum {
     E_RX_GRADIENT, E_RX_HELP, E_BAD_WORKER, E_BAD_RESULT, E_BAD_SLOT, E_FLOAT, E_STALE,
     E_DUPLICATE, E_RETX_ANSWERED, E_COUNT_MISMATCH, E_STALE_RESULT, E_NACK_SENT,
     E_PS_OVERFLOW, E_PS_RESEND, E_FLUSH_PARTIAL, E_PS_COLLISION, E_LATE, E_STALE_RECLAIMED,
-    E_RECLAIMED_COMPLETE, E_PREEMPTIONS, N_OUTBOX_FULL,
+    E_RECLAIMED_COMPLETE, E_PREEMPTIONS, E_HELP_REQUESTS, N_OUTBOX_FULL,
     NCOUNTERS
 };
 /* a job's own: the datagrams that named it, then its parameter server's */
@@ -62,12 +62,23 @@ typedef struct {
     double scale;
 } ps_t;
 
+/* SA-ATP's straggler monitor (switch_help.c) */
+enum { HELP_MOST_AHEAD, HELP_NEXT_HOLDER }; /* the helper policy, as gf_s_help takes it */
+typedef struct {
+    int64_t s, it, count, lead, helper;
+} ask_t;
+typedef struct {
+    int64_t s, it;
+} hkey_t;
+typedef struct help_t help_t;
+
 typedef struct {
     uint8_t token[TOKEN];
     int64_t id, fan_in, slot_base, slot_count, resync;
     int64_t window, newest; /* ATP: the switch job's window; the newest result's seq (-1) */
     int64_t largest;        /* the largest sequence a datagram of the job named (-1: none) */
     int64_t *link_free;     /* ATP's PS behind modelled links: when each shard's way is free */
+    help_t *help;           /* SA-ATP's straggler monitor (NULL: the job asked for none) */
     ps_t ps;
     int64_t counters[NJOB];
 } job_t;
@@ -127,6 +138,12 @@ void pool_packet(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now);
 void pool_clear_range(gf_switch *s, int64_t base, int64_t count);
 void pool_forget(gf_switch *s, int64_t job);
 uint64_t pool_missing(const gf_switch *s, const job_t *j);
+
+/* switch_help.c: SA-ATP's straggler monitor (proto.switch.straggler) */
+help_t *help_new(int64_t fan_in, int64_t lag, int64_t replicas, int64_t max_requests,
+                 int64_t it_len, int64_t policy);
+void help_free(help_t *h);
+void help_observe(gf_switch *s, const job_t *j, const gf_pkt *p);
 
 /* switch_ps.c: a job's parameter server (proto.ps) */
 void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p);

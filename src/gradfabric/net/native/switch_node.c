@@ -117,7 +117,9 @@ GF_API void gf_s_free(gf_switch *s) {
     for (int64_t i = 0; s->copies && i < 2 * s->slots; i++) free(s->copies[i].values);
     for (int64_t i = 0; s->pool && i < s->slots; i++) free(s->pool[i].values);
     for (int64_t j = 0; j < MAX_JOBS; j++)
-        if (s->jobs[j]) ps_clear(&s->jobs[j]->ps), free(s->jobs[j]->link_free), free(s->jobs[j]);
+        if (s->jobs[j])
+            ps_clear(&s->jobs[j]->ps), help_free(s->jobs[j]->help), free(s->jobs[j]->link_free),
+                free(s->jobs[j]);
     for (int64_t i = 0; i < s->nwork; i++) free(s->work[i].raw);
     for (int64_t i = 0; i < s->nheld; i++) free(s->held[i].m.raw);
     drop_outbox(s, s->nout);
@@ -169,9 +171,26 @@ GF_API void gf_s_forget(gf_switch *s, int64_t id) {
             s->held[kept++] = s->held[i];
     s->nheld = kept;
     for (int64_t i = kept / 2 - 1; i >= 0; i--) sift_down(s, i);
+    help_free(j->help);
     free(j->link_free);
     free(j);
     s->jobs[id] = NULL;
+}
+
+/* SA-ATP's straggler help for job ``id`` (SwitchEngine.watch: the monitor
+ * starts afresh); ATP's and ESA's pool only. */
+GF_API int gf_s_help(gf_switch *s, int64_t id, int64_t lag, int64_t replicas,
+                     int64_t max_requests, int64_t it_len, int64_t policy) {
+    job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
+    if (!j || (s->policy != P_ATP && s->policy != P_ESA)) return -1;
+    if (lag < 1 || replicas < 1 || it_len < 1 || policy < HELP_MOST_AHEAD ||
+        policy > HELP_NEXT_HOLDER)
+        return -1;
+    help_t *h = help_new(j->fan_in, lag, replicas, max_requests, it_len, policy);
+    if (!h) return -1;
+    help_free(j->help);
+    j->help = h;
+    return 0;
 }
 
 /* ATP's and ESA's PS behind links of ``mbps`` each (ModelledLinks); set

@@ -298,4 +298,5 @@ void pool_packet(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now) {
         switchml_gradient(s, j, p, now);
     else
         atp_gradient(s, j, p, now);
+    if (j->help) help_observe(s, j, p); /* SA-ATP: after the policy, as the reference */
 }
