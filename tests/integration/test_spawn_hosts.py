@@ -71,3 +71,32 @@ def test_a_star_left_behind_by_a_killed_run_neither_blocks_a_new_one_nor_is_dele
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
     assert stale not in netns.listed()
+
+
+FAILING_RANK = """
+import os, sys
+if os.environ["RANK"] == "1":
+    sys.exit(3)  # before its group forms: rank 0 waits for it there
+from gradfabric.net.launch import init_group
+init_group()
+"""
+
+
+def test_a_rank_that_dies_before_its_group_forms_is_named_and_ends_the_others(
+    tmp_path: Path,
+) -> None:
+    """One torchrun per namespace; rank 1 exits at once while rank 0 waits
+    for it in the group's rendezvous: the run fails naming rank 1 first (not
+    a timeout after the launch's deadline), and rank 0's torchrun and rank
+    are ended, not left running."""
+    from gradfabric.net.launch import run_on_hosts
+
+    (tmp_path / "failing_rank.py").write_text(FAILING_RANK)
+    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    with (
+        netns.shaped_star(2, RATE_GBPS) as hosts,
+        pytest.raises(RuntimeError, match=r"torchrun failed: rank 1 .*first: rank 1"),
+    ):
+        run_on_hosts(hosts, "failing_rank", [], timeout_s=600, extra_env=env)
+    left = subprocess.run(["pgrep", "-f", "failing_rank"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from gradfabric.core.trace import Counters
 from gradfabric.net import switchpath
 from gradfabric.net.switchpath import HELPERS_NATIVE, NativeSwitchNode
-from gradfabric.proto.node import NodeConfig, SwitchNode
+from gradfabric.proto.node import LINK_HOLD, NodeConfig, SwitchNode
 from gradfabric.proto.routes import atp_index
 from gradfabric.proto.schemes import SCHEMES, Placement
 from gradfabric.proto.switch.straggler import HelpConfig
@@ -72,7 +72,9 @@ def node_setups(draw: st.DrawFn) -> tuple[NodeConfig, list[Job]]:
     slots = max(len(ids) * job_slots, draw(st.sampled_from([4, 8, 16])))
     # ATP's and ESA's PS behind modelled links: 0 (none), or slow enough that
     # what they hold crosses over several steps, or over many
-    links = draw(st.sampled_from([0.0, 0.0, 1000.0, 100.0])) if scheme in ("atp", "esa") else 0.0
+    # (3000 and 16000: nanoseconds per byte with a fraction, halves included, to round)
+    links = (draw(st.sampled_from([0.0, 0.0, 1000.0, 100.0, 3000.0, 16000.0]))
+             if scheme in ("atp", "esa") else 0.0)  # fmt: skip
     cfg = NodeConfig(scheme=scheme, slots=slots, job_slots=job_slots, values_per_packet=300,
                      ps_link_mbps=links)  # fmt: skip
     jobs = []
@@ -288,6 +290,32 @@ def test_the_native_straggler_monitor_equals_the_reference(
                 nat.receive_datagram(data, now)
                 _same_state(ref, nat, [job_id], now)
         _same_counters(ref, nat)
+    finally:
+        nat.close()
+
+
+def test_the_modelled_links_hold_a_bounded_flood_and_count_the_rest_in_both() -> None:
+    """A token holder's retransmissions, each of which ATP sends on to its PS
+    over a slow modelled link: the links hold ``LINK_HOLD`` packets, every
+    one after that is a counted drop (``drop_link_full``), the same in both
+    implementations; once the time comes, what they held arrives."""
+    cfg = NodeConfig(scheme="atp", slots=16, job_slots=4, values_per_packet=300,
+                     ps_link_mbps=1.0)  # fmt: skip
+    ref, nat = SwitchNode(cfg), NativeSwitchNode(cfg)
+    try:
+        for n in (ref, nat):
+            n.add_job(3, WTOKEN, 2, 0)
+        extra = 100
+        for seq in range(LINK_HOLD + extra):
+            pkt = Packet(3, 0, seq, atp_index(3, seq, cfg.slots), 1, 2, Flag.RESEND, 0, 0, 1,
+                         np.ones(1, np.int32))  # fmt: skip
+            ref.receive_datagram(WTOKEN + encode(pkt), 0)
+            nat.receive_datagram(WTOKEN + encode(pkt), 0)
+        _same_counters(ref, nat)
+        assert nat.counter_groups()["node"]["drop_link_full"] == extra  # type: ignore[index]
+        at = ref.get_timer()
+        assert at is not None and nat.get_timer() == at
+        _fire(ref, nat, [3], at)
     finally:
         nat.close()
 

@@ -158,6 +158,7 @@ def study(
                 "sim_p99_jct_s": statistics.fmean(r["sim"]["p99_jct_s"] for r in rs),
                 "sim_cal_mean_jct_s": statistics.fmean(r["sim_cal"]["mean_jct_s"] for r in rs),
                 "exact": all(j["exact"] for r in rs for j in r["jobs"]),
+                "start_late_ms": 1e3 * max(j["start_late_s"] for r in rs for j in r["jobs"]),
                 "preemptions": sum(r["counters"].get("preemptions", 0) for r in rs),
                 "ps_fallback": sum(r["counters"].get(k, 0) for r in rs for k in PS_BOUND),
                 "daemon_load": statistics.fmean(r["daemon_load"] for r in rs),
@@ -209,7 +210,9 @@ def claims(res: dict[str, Any]) -> list[Claim]:
             f"{atp['daemon_load']:.2f} and {esa['daemon_load']:.2f} cores, workers "
             f"{atp['workers_load']:.2f} and {esa['workers_load']:.2f} (ATP and ESA, of 2); "
             f"every job's loss curve equal to "
-            f"its solo replay: {atp['exact'] and esa['exact']}; preemptions "
+            f"its solo replay: {atp['exact'] and esa['exact']}; every job's first step within "
+            f"{max(atp.get('start_late_ms', 0), esa.get('start_late_ms', 0)):.0f} ms of its "
+            "arrival; preemptions "
             f"{esa['preemptions']}, PS fallbacks {atp['ps_fallback']} (ATP) and "
             f"{esa['ps_fallback']} (ESA)",
         ))  # fmt: skip

@@ -138,7 +138,8 @@ def _rank_main(spec_file: str) -> None:
         if time.monotonic() > deadline:
             raise PeerTimeoutError("the trace's start", READY_S)
         time.sleep(0.01)
-    time.sleep(max(0.0, float(go.read_text()) + job.arrival_s - time.monotonic()))
+    at = float(go.read_text()) + job.arrival_s  # the job's arrival on the trace's clock
+    time.sleep(max(0.0, at - time.monotonic()))
     t0, cpu0 = time.monotonic(), time.process_time()
     for step in range(job.steps):
         began = time.monotonic()
@@ -151,15 +152,17 @@ def _rank_main(spec_file: str) -> None:
     end = time.monotonic()
     client.close()
     rec = {"t0": t0, "end": end, "cpu_s": time.process_time() - cpu0, "losses": losses,
-           "weights": fingerprint(replica.net), "clipped": client.clipped}  # fmt: skip
+           "weights": fingerprint(replica.net), "clipped": client.clipped,
+           "late_s": t0 - at}  # fmt: skip
     (here / f"rank{rank}.json").write_text(json.dumps(rec))
 
 
-def _start(dirs: list[Path], threads: list[threading.Thread], go_file: Path) -> None:
+def _start(dirs: list[Path], threads: list[threading.Thread], go_file: Path) -> list[str]:
     """Wait until every job's every rank is ready (or a job's launch
-    failed), then write the trace's time zero."""
-    want = {(d, r) for d in dirs for r in range(json.loads((d / "spec.json").read_text())
-                                                 ["job"]["workers"])}  # fmt: skip
+    failed), then write the trace's time zero; returns the ranks that were
+    not ready by then (each job's directory and rank)."""
+    want = [(d, r) for d in dirs for r in range(json.loads((d / "spec.json").read_text())
+                                                 ["job"]["workers"])]  # fmt: skip
     deadline = time.monotonic() + READY_S
     while any(not (d / f"ready.{r}").exists() for d, r in want):
         if not all(t.is_alive() for t in threads) or time.monotonic() > deadline:
@@ -168,6 +171,7 @@ def _start(dirs: list[Path], threads: list[threading.Thread], go_file: Path) -> 
     tmp = go_file.with_suffix(".tmp")
     tmp.write_text(repr(time.monotonic() + GO_S))
     os.replace(tmp, go_file)
+    return [f"{d.name} rank {r}" for d, r in want if not (d / f"ready.{r}").exists()]
 
 
 def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
@@ -225,7 +229,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
         threads = [threading.Thread(target=one, args=(j, job)) for j, job in enumerate(jobs)]
         for t in threads:
             t.start()
-        _start(dirs, threads, tmp / "go")
+        unready = _start(dirs, threads, tmp / "go")
         for t in threads:
             t.join()
         daemon_cpu = cpu_s(sw.proc.pid) - daemon_cpu
@@ -233,6 +237,9 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
     for job, recs in zip(jobs, results, strict=True):
         if isinstance(recs, Exception):
             raise RuntimeError(f"job {job.seed}: {recs}") from recs
+    if unready:  # a job that starts late is not the trace's
+        raise PeerTimeoutError(f"{', '.join(unready)} (not ready for the trace's start)", READY_S)
+    for job, recs in zip(jobs, results, strict=True):
         ref = reference(job)
         loss = [sum(r["losses"][i] for r in recs) / job.workers for i in range(job.steps)]
         rows.append({
@@ -241,6 +248,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
             "jct_s": max(r["end"] for r in recs) - min(r["t0"] for r in recs),
             "exact": loss == ref["loss"] and all(r["weights"] == ref["weights"] for r in recs),
             "clipped": sum(r["clipped"] for r in recs),
+            "start_late_s": max(r["late_s"] for r in recs),  # its arrival to its first step
         })  # fmt: skip
     jct = [r["jct_s"] for r in rows]
     ranks = [r for recs in results for r in recs]

@@ -163,7 +163,7 @@ def run_ranks(
     if link_gbps is None:
         cmd = _torchrun(ranks, *STANDALONE, max_restarts=max_restarts)
         proc = subprocess.Popen([*cmd, "-m", module, *args], env=_env(ranks, extra_env))
-        _wait([proc], timeout_s)
+        _wait([proc], timeout_s, [f"torchrun of ranks 0..{ranks - 1}"])
         return
     from gradfabric.net.netns import MTU, shaped_star
 
@@ -198,7 +198,7 @@ def run_on_hosts(
         )
         for r, h in enumerate(hosts)
     ]
-    _wait(procs, timeout_s)
+    _wait(procs, timeout_s, [f"rank {r} (torchrun in {h.netns})" for r, h in enumerate(hosts)])
 
 
 def _env(ranks: int, extra: dict[str, str] | None) -> dict[str, str]:
@@ -206,16 +206,44 @@ def _env(ranks: int, extra: dict[str, str] | None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": threads, **(extra or {})}
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    try:
-        codes = [p.wait(timeout=timeout_s) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
+def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float, names: list[str]) -> None:
+    """Wait for every torchrun; the first to fail ends the others at once
+    (its peers would wait for it in their group's rendezvous until torch's
+    own timeout) and is named first, then whoever failed by then. A torchrun
+    is stopped with SIGTERM, which its agent passes on to the ranks it
+    started (in sessions of their own, which a SIGKILL of the agent would
+    leave running), then killed if it lingers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]  # (every one: a generator would stop at a live one)
+        first = next((i for i, c in enumerate(codes) if c), None)
+        if first is not None or all(c is not None for c in codes):
+            break
+        if time.monotonic() > deadline:
+            late = [n for n, c in zip(names, codes, strict=True) if c is None]
+            _stop(procs)
+            raise PeerTimeoutError(", ".join(late), timeout_s)
+        time.sleep(0.05)
+    if first is None:
+        return
+    _stop(procs)
+    failed = [names[first]] + [n for i, (n, p) in enumerate(zip(names, procs, strict=True))
+                               if i != first and p.returncode and p.returncode > 0]  # fmt: skip
+    raise RuntimeError(f"torchrun failed: {', '.join(failed)} (first: {names[first]}, exit code "
+                       f"{procs[first].returncode})")  # fmt: skip
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
             p.kill()
-        raise PeerTimeoutError("torchrun ranks", timeout_s) from None
-    failed = [f"rank {r} (exit code {c})" for r, c in enumerate(codes) if c]
-    if failed:
-        raise RuntimeError(f"torchrun ranks failed: {', '.join(failed)}")
+            p.wait()
 
 
 # --- spawn: a function on N ranks of a process group ---

@@ -57,7 +57,7 @@ ENGINE_COUNTERS: Final = (
     "ps_overflow", "ps_resend", "flush_partial", "ps_collision", "drop_late", "stale_reclaimed",
     "reclaimed_complete", "preemptions", "help_requests",
 )  # fmt: skip
-NODE_TAIL: Final = ("drop_outbox_full",)  # the node's again, after the engine's in C
+NODE_TAIL: Final = ("drop_outbox_full", "drop_link_full")  # the node's, after the engine's in C
 JOB_COUNTERS: Final = ("rx_datagrams", "drop_bad_token", "drop_malformed", "drop_resyncing")
 SERVER_COUNTERS: Final = (
     "merged", "resend_answered", "drop_bad_packet", "drop_stale", "drop_late_partial",
@@ -121,8 +121,10 @@ class NativeSwitchNode:
         self.s = self.lib.gf_s_new(cfg.slots, SCHEMES_NATIVE.index(cfg.scheme))
         if not self.s:
             raise MemoryError("the native switch's pool")
-        if cfg.ps_link_mbps and self.scheme.policy in ("atp", "esa"):  # as SwitchNode.add_job
-            self.lib.gf_s_links(self.s, cfg.ps_link_mbps)
+        links = cfg.ps_link_mbps and self.scheme.policy in ("atp", "esa")  # as SwitchNode's
+        if links and self.lib.gf_s_links(self.s, cfg.ps_link_mbps):
+            self.close()
+            raise ConfigError("ps_link_mbps", f"links of {cfg.ps_link_mbps} Mbit/s refused")
         self.ops = int(self.lib.gf_s_ops())
         self.counters = Counters()  # the node's, folded from C (``fold``)
         self.switch_counters = Counters()

@@ -80,6 +80,7 @@ BACKGROUND: Final = "background"  # a DLCP job kind: traffic that only loads the
 BURST_NS: Final = 1_000_000  # the DLCP port's credit after idling
 IP_UDP_BYTES: Final = 28  # what a modelled link carries besides the datagram
 UP, DOWN = 0, 1  # a modelled link's directions: out of its server, into it
+LINK_HOLD: Final = 16384  # packets the modelled links hold, all together (then counted drops)
 NODE_SCHEMES: Final = ("switchml", "atp", "esa", "dlcp", "ps", "omni")
 # Datagrams waiting for the driver at most: a driver takes them after each
 # batch it reads (a few hundred); one that does not has the rest refused,
@@ -123,8 +124,8 @@ class NodeConfig:
             raise ConfigError("values_per_packet", f"must be in 1..{MAX_WIRE_VALUES}")
         if self.rto_ns <= 0:
             raise ConfigError("rto_ns", "must be > 0")
-        if self.ps_link_mbps < 0:
-            raise ConfigError("ps_link_mbps", f"must be >= 0, got {self.ps_link_mbps}")
+        if not (self.ps_link_mbps == 0 or 1 <= self.ps_link_mbps < float("inf")):
+            raise ConfigError("ps_link_mbps", f"0 (none) or >= 1, got {self.ps_link_mbps}")
         if self.port_mbps < 0 or self.port_buffer_kb < 1:
             raise ConfigError("port_mbps", "must be >= 0, with a buffer of >= 1 KB")
         if not 0 <= self.push_bound < 1:
@@ -444,6 +445,9 @@ class SwitchNode:
         self._emit(hit[0], hit[1], pkt)
 
     def _after(self, at_ns: int, then: Then, dst: str, pkt: Packet) -> None:
+        if len(self._later) >= LINK_HOLD:  # a flood the links cannot carry: never grown
+            self.counters["drop_link_full"] += 1
+            return
         self._n += 1
         heapq.heappush(self._later, (at_ns, self._n, then, dst, pkt))
 

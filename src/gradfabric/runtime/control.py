@@ -165,6 +165,9 @@ class ControlPlane:
             helping = HelpConfig(**sa_atp)
             if helping.iteration_packets < 1:
                 raise ConfigError("iteration_packets", "SA-ATP needs packets per iteration")
+            if helping.replicas >= workers:
+                raise ConfigError("replicas", f"a shard's replicas live on the other workers "
+                                  f"(< {workers}), got {helping.replicas}")  # fmt: skip
         base = self._free_range() if self.cfg.scheme == "switchml" else 0
         job = self._install(self._new_id(), secrets.token_bytes(TOKEN_BYTES), workers, base,
                             kind, helping)  # fmt: skip

@@ -59,6 +59,7 @@ from gradfabric.runtime.control import server_name as server_name
 from gradfabric.runtime.control import worker_name as worker_name
 from gradfabric.runtime.impair import Impairer, Impairment
 from gradfabric.runtime.metrics import registry, serve_metrics
+from gradfabric.runtime.wakeup import WakeUp
 from gradfabric.wire.packet import MAX_WIRE_VALUES, VALUE_BYTES
 
 DRAIN_BATCH: Final = 256  # datagrams read per wake-up
@@ -166,8 +167,8 @@ class SwitchConfig:
             raise ConfigError("rto_ns", "must be > 0")
         if self.sndbuf_kb < 0:
             raise ConfigError("sndbuf_kb", f"must be >= 0, got {self.sndbuf_kb}")
-        if self.ps_link_mbps < 0:
-            raise ConfigError("ps_link_mbps", f"must be >= 0, got {self.ps_link_mbps}")
+        if not (self.ps_link_mbps == 0 or 1 <= self.ps_link_mbps < float("inf")):
+            raise ConfigError("ps_link_mbps", f"0 (none) or >= 1, got {self.ps_link_mbps}")
         if self.port_mbps < 0 or self.port_buffer_kb < 1:
             raise ConfigError("port_mbps", "must be >= 0, with a buffer of >= 1 KB")
         for name in ("push_bound", "pull_bound"):
@@ -232,6 +233,7 @@ class SwitchDaemon:
         self.started_ns = time.monotonic_ns()
         self.epoch = secrets.token_hex(8)  # this incarnation: workers notice a restart by it
         self.timer_at: int | None = None  # the node's pending wake-up
+        self.wakeup: WakeUp | None = None
         # the wildcard address names no interface to send the groups from
         self.multicast = cfg.multicast and cfg.host not in ("", "0.0.0.0")
         self.state_dir = cfg.state_dir
@@ -326,6 +328,9 @@ class SwitchDaemon:
             self.sock = None
         for s in self.servers:
             s.close()
+        if self.wakeup is not None:
+            self.wakeup.close()
+            self.wakeup = None
         self.stopped.set()
 
     async def serve(self, on_ready: Callable[[dict[str, Address]], None]) -> None:
@@ -384,15 +389,16 @@ class SwitchDaemon:
         self._arm()
 
     def _arm(self) -> None:
-        """A wake-up at the node's timer, unless an earlier one is set."""
+        """A wake-up at the node's timer, unless an earlier one is set (to
+        the microsecond: ``runtime.wakeup``)."""
         d = self.node.get_timer()
         if d is not None and (self.timer_at is None or d < self.timer_at):
             self.timer_at = d
-            asyncio.get_running_loop().call_at(d / 1e9, self._fire, d)
+            if self.wakeup is None:
+                self.wakeup = WakeUp(asyncio.get_running_loop(), self._fire)
+            self.wakeup.at(d)
 
-    def _fire(self, when: int) -> None:
-        if when != self.timer_at:
-            return  # an earlier wake-up took its place
+    def _fire(self) -> None:
         self.timer_at = None
         if self.udp is not None:
             self._drain()  # the native driver handles the timer and sends

@@ -11,6 +11,7 @@
 
 #define NACK_GAP 1  /* proto.switch.switchml.NACK_GAP */
 #define OUTBOX_CAP 4096 /* proto.node.OUTBOX_CAP: datagrams waiting for the driver */
+#define LINK_HOLD 16384 /* proto.node.LINK_HOLD: packets the modelled links hold */
 #define PENDING_WINDOWS 4 /* proto.ps.PENDING_WINDOWS: merges under way, in windows */
 #define MAX_JOBS 65536
 #define INT32_MAX_ 2147483647LL
@@ -27,7 +28,7 @@ enum {
     E_RX_GRADIENT, E_RX_HELP, E_BAD_WORKER, E_BAD_RESULT, E_BAD_SLOT, E_FLOAT, E_STALE,
     E_DUPLICATE, E_RETX_ANSWERED, E_COUNT_MISMATCH, E_STALE_RESULT, E_NACK_SENT,
     E_PS_OVERFLOW, E_PS_RESEND, E_FLUSH_PARTIAL, E_PS_COLLISION, E_LATE, E_STALE_RECLAIMED,
-    E_RECLAIMED_COMPLETE, E_PREEMPTIONS, E_HELP_REQUESTS, N_OUTBOX_FULL,
+    E_RECLAIMED_COMPLETE, E_PREEMPTIONS, E_HELP_REQUESTS, N_OUTBOX_FULL, N_LINK_FULL,
     NCOUNTERS
 };
 /* a job's own: the datagrams that named it, then its parameter server's */

@@ -75,7 +75,7 @@ static void forget_before(help_t *h, int64_t it) {
  * policies over ``cand`` (progress, -1 for a worker busy helping). */
 static int64_t choose(const help_t *h, int64_t s, const int64_t *cand, int64_t n) {
     int64_t best = -1;
-    for (int64_t k = 1; k <= h->replicas; k++) {
+    for (int64_t k = 1; k <= h->replicas && k <= n; k++) { /* (past n: the same holders again) */
         int64_t w = (s + k) % n;
         if (w == s) continue;
         if (h->policy == HELP_NEXT_HOLDER) {

@@ -1,7 +1,7 @@
 /* The native switch node: proto.node.SwitchNode in C, behind the same
  * datagram interface (receive a datagram and the time; datagrams to send as
- * (job, rank, bytes); no timers of its own), for the schemes SwitchML, ATP,
- * ESA and the PS baseline.
+ * (job, rank, bytes); a timer only for what modelled links hold), for the
+ * schemes SwitchML, ATP, ESA and the PS baseline.
  *
  * Theory of operation
  * -------------------
@@ -136,7 +136,7 @@ GF_API int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_
     if (slot_base < 0 || slot_count < 0 || slot_base + slot_count > s->slots || window < 0) return -1;
     if (!(scale > 0)) return -1;
     job_t *j = s->jobs[id];
-    if (j && s->link_ns_per_byte > 0 && j->fan_in != fan_in) return -1; /* its links: one a worker */
+    if (j && (j->link_free || j->help) && j->fan_in != fan_in) return -1; /* sized by worker */
     if (!j) {
         j = s->jobs[id] = calloc(1, sizeof *j);
         if (!j) return -1;
@@ -265,6 +265,10 @@ void sw_emit(gf_switch *s, const job_t *j, int64_t rank, const uint8_t *raw, int
 uint8_t *sw_enqueue(gf_switch *s, int64_t job, int to_ps, int64_t len, int64_t seq) {
     job_t *j = s->jobs[job];
     if (j && j->link_free) { /* onto the PS's link: into it (DOWN) or out of it (UP) */
+        if (s->nheld >= LINK_HOLD) { /* a flood the links cannot carry: never grown */
+            s->counters[N_LINK_FULL]++;
+            return NULL;
+        }
         uint8_t *raw = malloc((size_t)(len ? len : 1));
         msg_t *m = raw ? hold(s, cross(s, j, seq, to_ps ? DOWN : UP, len)) : NULL;
         if (!m) {
