@@ -157,12 +157,12 @@ def _rank_main(spec_file: str) -> None:
     (here / f"rank{rank}.json").write_text(json.dumps(rec))
 
 
-def _start(dirs: list[Path], threads: list[threading.Thread], go_file: Path) -> list[str]:
-    """Wait until every job's every rank is ready (or a job's launch
-    failed), then write the trace's time zero; returns the ranks that were
-    not ready by then (each job's directory and rank)."""
-    want = [(d, r) for d in dirs for r in range(json.loads((d / "spec.json").read_text())
-                                                 ["job"]["workers"])]  # fmt: skip
+def _start(
+    want: list[tuple[Path, int]], threads: list[threading.Thread], go_file: Path
+) -> list[str]:
+    """Wait until every rank of ``want`` (its job's directory, its rank) is
+    ready (or a job's launch failed), then write the trace's time zero;
+    returns the ranks that were not ready by then."""
     deadline = time.monotonic() + READY_S
     while any(not (d / f"ready.{r}").exists() for d, r in want):
         if not all(t.is_alive() for t in threads) or time.monotonic() > deadline:
@@ -229,7 +229,8 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
         threads = [threading.Thread(target=one, args=(j, job)) for j, job in enumerate(jobs)]
         for t in threads:
             t.start()
-        unready = _start(dirs, threads, tmp / "go")
+        want = [(d, r) for d, job in zip(dirs, jobs, strict=True) for r in range(job.workers)]
+        unready = _start(want, threads, tmp / "go")
         for t in threads:
             t.join()
         daemon_cpu = cpu_s(sw.proc.pid) - daemon_cpu
