@@ -79,7 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:  # read by the ranks' libtorch and torchrun at their start
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        os.environ.setdefault("LOGLEVEL", "ERROR")
+        # CRITICAL, not ERROR, for torchrun's agents: with one agent a node,
+        # the agent hosting the rendezvous store may leave its exit barrier
+        # (every rank done, exit code 0) before the store has told another
+        # agent, which then logs "Error waiting on exit barrier ... Connection
+        # reset by peer" at ERROR: torch's race, no user's to act on. A rank
+        # that fails still shows its traceback and torchrun's failure table
+        # (printed, not logged), and the launcher names it.
+        os.environ.setdefault("LOGLEVEL", "CRITICAL")
     try:
         return int(args.fn(args))
     except ConfigError as e:
