@@ -1171,6 +1171,7 @@ def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> N
     ref = reference(SAATP_TRAIN)
     sa = run_mode(SAATP_TRAIN, "saatp")
     assert sa["loss"] == ref["loss"] and sa["weights"] == ref["weights"]
+    assert sa["accs"] == ref["accs"]  # the test accuracy after each step, as time to it reads
     assert sa["replicas_agree"] and sa["clipped"] == 0
     assert sa["helps"] > 0 and sa["abandoned"] > 0 and sa["switch"]["rx_help"] > 0
 
@@ -1199,3 +1200,6 @@ def test_saatp_trainings_baselines_train_the_same_batch() -> None:
     assert [len(u) for u in used] == [cfg.workers - 1] * cfg.steps
     # the slow rank is the one left out (a step on a loaded host may lose another)
     assert sum(cfg.straggler_at(t) not in u for t, u in enumerate(used)) >= cfg.steps - 1, used
+    two = run_mode(replace(cfg, backups=2), "backup")  # the first n - 2
+    assert two["replicas_agree"] and two["dropped"] == 2 * cfg.steps
+    assert [len(u) for u in two["used"]] == [cfg.workers - 2] * cfg.steps

@@ -35,6 +35,8 @@ MODEL = "mlp"  # the catalog's digits MLP (64-256-128-10): the simulator models 
 # jobs' windows), so those are fixed here rather than the daemon's defaults
 # chosen from the MTU; results unicast, as the SA-ATP helpers take them.
 DAEMON = SwitchConfig(values_per_packet=1024, job_slots=32, multicast=False)
+
+
 def daemon_flags(window: int = DAEMON.job_slots) -> tuple[str, ...]:
     """``DAEMON``'s settings as a daemon's flags, with a job's ``window``."""
     return ("--values-per-packet", str(DAEMON.values_per_packet), "--no-multicast",
@@ -173,7 +175,7 @@ class Replica:
 
 
 def _replay(cfg: Job) -> dict[str, Any]:
-    one, losses = Replica(cfg), []
+    one, losses, accs = Replica(cfg), [], []
     for step in range(cfg.steps):
         total = np.zeros(one.params, dtype=np.int64)
         step_losses = []
@@ -183,4 +185,10 @@ def _replay(cfg: Job) -> dict[str, Any]:
             step_losses.append(loss)
         losses.append(sum(step_losses) / cfg.workers)
         one.step(total)
-    return {"loss": losses, "weights": fingerprint(one.net), "accuracy": accuracy(one.net)}
+        accs.append(accuracy(one.net))
+    return {
+        "loss": losses,
+        "accs": accs,
+        "weights": fingerprint(one.net),
+        "accuracy": accuracy(one.net),
+    }

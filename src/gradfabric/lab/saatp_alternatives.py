@@ -74,7 +74,7 @@ class _GlooRank:
 
     def run(self) -> dict[str, Any]:
         t0 = time.monotonic()
-        losses, ends = [], []
+        losses, accs, ends = [], [], []
         for step in range(self.cfg.steps):
             rows, weight = self.rows(step)
             began = time.monotonic()
@@ -89,9 +89,10 @@ class _GlooRank:
                 mean, mean_loss = self.all_reduce(g, loss, len(rows), deadline, began)
             apply(self.net, self.opt, mean)
             losses.append(mean_loss)
+            accs.append(accuracy(self.net))  # (every mode evaluates after each step)
             ends.append(time.monotonic())
         net = self.net
-        return {"t0": t0, "ends": ends, "loss": losses, "weights": fingerprint(net),
+        return {"t0": t0, "ends": ends, "loss": losses, "accs": accs, "weights": fingerprint(net),
                 "accuracy": accuracy(net), "shares": self.shares, "stale": self.stale}  # fmt: skip
 
     def rows(self, step: int) -> tuple[np.ndarray, float]:
@@ -128,7 +129,7 @@ class _GlooRank:
     def through_server(
         self, step: int, g: torch.Tensor, loss: float, deadline: float
     ) -> tuple[torch.Tensor, float]:
-        """Send the gradient to the server, which steps on the first n - 1; a
+        """Send the gradient to the server, which steps on the first n - b; a
         rank whose step came back before its compute ended drops that compute
         (its late gradient, sent anyway, is counted stale there)."""
         import torch.distributed as dist
@@ -154,9 +155,10 @@ _RESULT = 1 << 20  # tags of the server's replies (a step's gradients carry the 
 
 
 def _backup_server(cfg: SaatpTrainConfig) -> dict[str, Any]:
-    """Backup workers' parameter server: each step averages the first
-    ``workers - 1`` gradients to arrive and sends the mean (and the mean loss
-    of those micro-batches) to every rank; later ones are dropped, counted."""
+    """Backup workers' parameter server (Chen et al. 2016): each step averages
+    the first ``workers - backups`` gradients to arrive and sends the mean (and
+    the mean loss of those micro-batches) to every rank; later ones are
+    dropped, counted."""
     import torch.distributed as dist
 
     n = cfg.workers
@@ -175,7 +177,7 @@ def _backup_server(cfg: SaatpTrainConfig) -> dict[str, Any]:
     dropped, used = 0, []
     for step in range(cfg.steps):
         got: dict[int, torch.Tensor] = {}
-        while len(got) < n - 1:
+        while len(got) < n - cfg.backups:
             s, w, buf = arrivals.get(timeout=cfg.timeout_s)
             if s == step:
                 got[w] = buf
@@ -228,4 +230,5 @@ def run_mode(cfg: SaatpTrainConfig, mode: str) -> dict[str, Any]:
         "weights": recs[0]["weights"],
         "replicas_agree": len({r["weights"] for r in recs}) == 1,
         "accuracy": recs[0]["accuracy"],
+        "accs": recs[0]["accs"],  # test accuracy after each step
     } | extra

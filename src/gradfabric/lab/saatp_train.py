@@ -55,6 +55,7 @@ class SaatpTrainConfig:
     straggler: int = 1
     move_every: int = 0  # 0: the straggler stays; k: it moves to the next rank every k steps
     replicas: int = 2
+    backups: int = 1  # backup workers: the server steps on the first workers - backups
     lag_packets: int = 16  # below a step's packets (50 at 1,024 values each)
     lr: float = 0.3
     seed: int = 0
@@ -69,6 +70,8 @@ class SaatpTrainConfig:
             raise ConfigError("slowdown", "slowdown >= 1, >= 2 steps, micro_batch >= 1")
         if self.move_every < 0 or not 1 <= self.replicas < self.workers:
             raise ConfigError("replicas", "replicas in 1..workers-1, move_every >= 0")
+        if not 1 <= self.backups < self.workers:
+            raise ConfigError("backups", "backups in 1..workers-1")
 
     def straggler_at(self, step: int) -> int:
         if self.move_every == 0:
@@ -100,6 +103,7 @@ class _Trainer(HelpedWorker):
         }
         self.pool = ThreadPoolExecutor(1)  # compute in order, off the event loop
         self.losses: list[float] = []
+        self.accs: list[float] = []  # test accuracy after each step
 
     def _share(self, step: int, shard: int) -> tuple[np.ndarray, float]:
         if shard not in self.shards:
@@ -125,13 +129,17 @@ class _Trainer(HelpedWorker):
         return None if await self.until_done(it, deadline - time.monotonic()) else q
 
     async def finish(self, it: int) -> None:
-        step = self.replica.step
-        await asyncio.get_running_loop().run_in_executor(self.pool, step, self.sums[it])
+        await asyncio.get_running_loop().run_in_executor(self.pool, self._step, it)
+
+    def _step(self, it: int) -> None:
+        self.replica.step(self.sums[it])
+        self.accs.append(accuracy(self.replica.net))
 
     def report(self) -> dict[str, Any]:
         self.pool.shutdown()
         net, held = self.replica.net, len(self.shards) - 1
-        return {"losses": self.losses, "weights": fingerprint(net), "accuracy": accuracy(net),
+        return {"losses": self.losses, "accs": self.accs, "weights": fingerprint(net),
+                "accuracy": accuracy(net),
                 "clipped": self.replica.clipped, "replica_shards": held}  # fmt: skip
 
 
