@@ -235,16 +235,20 @@ def _x(r: dict[str, Any], key: str) -> str:
 
 def claims(res: dict[str, Any]) -> list[Claim]:
     """Per setting, time to the target accuracy against ATP (the paper's
-    baseline) and against the best thing a user could run instead (the
-    fewest mean time to it); step time beside, not the headline."""
+    baseline) and against the best thing a user could run instead; step
+    time beside, not the headline."""
     rows, cfg, target = res["rows"], res["config"], res["target"]
     out = []
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     for setting in settings:
         head = setting == settings[-1]  # the slow rank moving, what SA-ATP is for
         sa, atp = _row(rows, setting, "saatp"), _row(rows, setting, "atp")
+        # the best: the fewest mean time to the target of those that reached
+        # it on every seed (a mean over the seeds that did flatters one that
+        # sometimes does not)
         alts = alternatives(rows, setting)
-        best = min(alts, key=lambda r: r["tta_s"] if r["tta_s"] is not None else math.inf)
+        always = [r for r in alts if r["reached"] == r["runs"]] or alts
+        best = min(always, key=lambda r: r["tta_s"] if r["tta_s"] is not None else math.inf)
         where = (f"4 ranks, digits MLP, one rank {cfg['slowdown']:g}x slower, {setting}"
                  + (f" (moves every {sa['move_every']} steps)" if sa["move_every"] else "")
                  + f", {cfg['seeds']} seeds")  # fmt: skip
