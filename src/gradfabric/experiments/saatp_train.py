@@ -306,30 +306,35 @@ class SaatpTrain:
         return result
 
 
-def _bars(res: dict[str, Any], value: str, mark: str, ylabel: str, title: str, path: Path) -> str:
+def _bars(
+    res: dict[str, Any], value: str, mark: tuple[str, str], ylabel: str, title: str, path: Path
+) -> str:
+    """Bars of ``value`` per setting and mode, ``mark`` (key, legend) as ticks."""
+    key, legend = mark
     rows = [
         {k: math.nan if v is None else v for k, v in r.items()}
-        | {"label": LABELS[r["mode"]], mark: math.nan if r[mark] is None else r[mark]}
+        | {"label": LABELS[r["mode"]], legend: math.nan if r[key] is None else r[key]}
         for r in res["rows"]
     ]
     return plots.grouped_bars(
-        rows, "setting", "label", value, ylabel, title, path, err=value + "_half", mark=mark
+        rows, "setting", "label", value, ylabel, title, path, err=value + "_half", mark=legend
     ).name
 
 
 def draw_tta(res: dict[str, Any], out: Path) -> str:
+    target, k = f"{res['target']:.0%}", res["config"]["slowdown"]
     return _bars(
-        res, "tta_s", "simulated_tta_s", f"time to {res['target']:.0%} accuracy (s, 95% interval)",
-        f"one rank {res['config']['slowdown']:g}x slower: time to {res['target']:.0%} test "
-        "accuracy; tick: the simulator", out / "saatp_train_tta.png",
+        res, "tta_s", ("simulated_tta_s", "simulator (its step x the steps)"),
+        f"time to {target} accuracy (s, 95% interval)",
+        f"one rank {k:g}x slower: time to {target} test accuracy", out / "saatp_train_tta.png",
     )  # fmt: skip
 
 
 def draw_steps(res: dict[str, Any], out: Path) -> str:
     return _bars(
-        res, "step_ms", "predicted_ms", "step time (ms, mean, 95% interval)",
-        f"one rank {res['config']['slowdown']:g}x slower: step time; tick: compute-only model",
-        out / "saatp_train_steps.png",
+        res, "step_ms", ("predicted_ms", "compute-only model"),
+        "step time (ms, mean, 95% interval)",
+        f"one rank {res['config']['slowdown']:g}x slower: step time", out / "saatp_train_steps.png",
     )  # fmt: skip
 
 
