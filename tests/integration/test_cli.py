@@ -321,7 +321,8 @@ def test_library_warnings_are_quiet_unless_verbose(tmp_path: Path) -> None:
             "--hooks", "default", "--link-gbps", "1", "--json", "--out", str(tmp_path)]  # fmt: skip
     cli = [sys.executable, "-m", "gradfabric.cli"]
     # as from a shell: not what an in-process main() of another test set here
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CPP_LOG_LEVEL", "LOGLEVEL")}
+    quieting = ("TORCH_CPP_LOG_LEVEL", "LOGLEVEL", "GRADFABRIC_QUIET")
+    env = {k: v for k, v in os.environ.items() if k not in quieting}
     quiet = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=300, env=env)
     loud = subprocess.run([*cli, "--verbose", *args], capture_output=True, text=True, timeout=300,
                           env=env)  # fmt: skip

@@ -22,6 +22,7 @@ from gradfabric._build import compiled_path
 from gradfabric.cli import bench, daemon, experiment, models, plan, reproduce, simulate
 from gradfabric.cli.common import err
 from gradfabric.core.errors import ConfigError
+from gradfabric.net.launch import QUIET
 
 # In help order: the main job first, then studies, tools, daemons, reference.
 COMMANDS = (reproduce, simulate, experiment, plan, bench, daemon, models)
@@ -79,14 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.verbose:  # read by the ranks' libtorch and torchrun at their start
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        # CRITICAL, not ERROR, for torchrun's agents: with one agent a node,
-        # the agent hosting the rendezvous store may leave its exit barrier
-        # (every rank done, exit code 0) before the store has told another
-        # agent, which then logs "Error waiting on exit barrier ... Connection
-        # reset by peer" at ERROR: torch's race, no user's to act on. A rank
-        # that fails still shows its traceback and torchrun's failure table
-        # (printed, not logged), and the launcher names it.
-        os.environ.setdefault("LOGLEVEL", "CRITICAL")
+        os.environ.setdefault("LOGLEVEL", "ERROR")
+        os.environ.setdefault(QUIET, "1")  # (net.launch: one torchrun agent a node)
     try:
         return int(args.fn(args))
     except ConfigError as e:

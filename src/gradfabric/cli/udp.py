@@ -38,8 +38,9 @@ def add(esub: Sub) -> None:
         "(DDP's default hook), speed-proportional batch shares re-balanced from measured "
         "speeds, and backup workers (a parameter server stepping on the first n-b "
         "gradients, b = 1 and 2, the best marked tuned). Rows: time to --target test "
-        "accuracy (95% interval over seeds) and SA-ATP's paired speed-up in it, steps to "
-        "the target, mean step time, the simulator's step time times the steps. Exit 1 if "
+        "accuracy (mean and 95% interval over the seeds that reached it, how many did) and "
+        "SA-ATP's paired speed-up in it (over the seeds where both did), steps to the "
+        "target, mean step time, the simulator's step time times the steps. Exit 1 if "
         "ATP or SA-ATP differ from the in-process replay of the same quantised steps in "
         "one bit.",
     )

@@ -47,6 +47,9 @@ def _torchrun(nproc: int, *where: str, max_restarts: int = 0) -> list[str]:
             f"--max-restarts={max_restarts}", *where]  # fmt: skip
 
 
+# Set (to "1") by a CLI that keeps the libraries quiet (no ``--verbose``).
+QUIET = "GRADFABRIC_QUIET"
+
 # One host: torchrun's standalone rendezvous binds port 0 itself and hands the
 # same store to the ranks, so no port is chosen here and released (a race with
 # any other process on the host).
@@ -182,6 +185,15 @@ def run_on_hosts(
     at the first host's address; raise if any rank fails."""
     ranks = len(hosts)
     env = _env(ranks, extra_env)
+    if env.get(QUIET) == "1":
+        # With one agent a node, the agent hosting the rendezvous store may
+        # leave its exit barrier (every rank done, exit code 0) before the
+        # store has told another agent, which then logs "Error waiting on
+        # exit barrier ... Connection reset by peer" at ERROR: torch's race,
+        # nothing for a user to act on. A rank that fails still prints its
+        # traceback and torchrun its failure table (printed, not logged), and
+        # ``_wait`` names it.
+        env["LOGLEVEL"] = "CRITICAL"
     prog = ["-m", module, *args]
     port = 29400 + os.getpid() % 500
     procs = [
