@@ -239,9 +239,12 @@ LABELS = {
 
 def alternatives(rows: list[dict[str, Any]], setting: str) -> list[dict[str, Any]]:
     """What a user would run instead, each at its best: gloo's all-reduce,
-    proportional shares, backup workers with their tuned ``b``."""
-    return [r for r in rows if r["setting"] == setting
-            and (r["mode"] in ("default", "proportional") or r["tuned"])]  # fmt: skip
+    proportional shares, backup workers with the ``best`` ``b``."""
+    here = [r for r in rows if r["setting"] == setting]
+    backups = [r for r in here if NAMED[r["mode"]][0] == "backup"]
+    return [r for r in here if r["mode"] in ("default", "proportional")] + (
+        [best(backups)] if backups else []
+    )
 
 
 def _row(rows: list[dict[str, Any]], setting: str, mode: str) -> dict[str, Any]:
