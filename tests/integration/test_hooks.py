@@ -47,10 +47,9 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.collectives import AutoState, OmniState, auto_hook, omnireduce_hook
+from gradfabric.collectives.auto import by_bytes
 from gradfabric.collectives.fast import register_hook, why_not
-from gradfabric.collectives.paths import DENSE, SPARSE
 from gradfabric.collectives.rows import RowState, rows_hook
-from gradfabric.collectives.sparse import DENSE_MARGIN
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.net.launch import spawn
 from gradfabric.net.overlap import Overlapped
@@ -89,18 +88,18 @@ class Net(nn.Module):
 
 
 class _ByBytes(AutoState):
-    """``auto_hook`` choosing each scan's path by its bytes alone, as its first
-    scan does. Its own choices follow the costs it fitted to this host's
-    timings once two paths have been measured, so two runs of one job can
-    take different paths (not only when exploring: the compiled and the
-    Python run once took sparse, dense at different calls of one bucket). On
-    the wide model the dense and the sparse path's sums of the 1024-wide
-    table then differed in a few ulps (some 5,000 values, 3.6e-6 at most of
-    4.6) in about one run in ten, so the runs that compare the compiled hook
-    with the Python one, bit for bit, take the same paths."""
+    """``auto_hook`` choosing each scan's path by its bytes alone
+    (``by_bytes``, its first scan's rule). Its own choices follow the costs it
+    fitted to this host's timings once two paths have been measured, so two
+    runs of one job can take different paths (the compiled and the Python run
+    took sparse and dense at different calls of one bucket); the runs that
+    compare the compiled hook with the Python one, bit for bit, take the same
+    paths. Known open: the comparison still fails in about one run in
+    fifteen (the 1024-wide table's weights a few ulps apart), so the paths
+    were not the whole cause."""
 
     def _choose(self, key: int, link: dict[str, int]) -> str:
-        return SPARSE if link[SPARSE] <= DENSE_MARGIN * link[DENSE] else DENSE
+        return by_bytes(link)
 
 
 def _state(

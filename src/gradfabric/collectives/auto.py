@@ -128,6 +128,15 @@ class BucketLog:
     seconds_dense: float = 0.0  # the dense model's prediction for the same calls
 
 
+def by_bytes(link: dict[str, int]) -> str:
+    """A scan's path by the bytes on the busiest link alone (what ``auto_hook``
+    takes before anything is measured): sparse within its usual margin of
+    dense, else in-network where offered, else dense."""
+    if link[SPARSE] <= DENSE_MARGIN * link[DENSE]:
+        return SPARSE
+    return INA if INA in link else DENSE
+
+
 @dataclass
 class AutoState(DenseSkip):
     """Picklable state of ``auto_hook`` (without its thread and switch client).
@@ -218,9 +227,8 @@ class AutoState(DenseSkip):
         scan = self.scans[key] = self.scans.get(key, 0) + 1
         guesses = {p: self._cost(p).predict(b) for p, b in link.items()}
         known = [(link[p], t) for p, t in guesses.items() if t is not None]
-        if not known:  # nothing measured yet: bytes, with the sparse paths' usual margin
-            sparse_ok = link[SPARSE] <= DENSE_MARGIN * link[DENSE]
-            return SPARSE if sparse_ok else (INA if INA in link else DENSE)
+        if not known:
+            return by_bytes(link)
         # unmeasured paths: the measured ones' seconds per byte (bytes alone)
         rate = min(t / max(b, 1) for b, t in known)
         pred = {p: t if t is not None else link[p] * rate for p, t in guesses.items()}
