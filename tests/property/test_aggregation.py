@@ -165,6 +165,24 @@ def test_ring_exact_with_reordering() -> None:
     assert all(np.array_equal(res, ref) for res in r.results)
 
 
+@given(racks=st.integers(1, 4), per=st.integers(1, 4), seed=st.integers(0, 2**16),
+       sizes=st.lists(st.integers(1, 3_000), min_size=1, max_size=3))
+@settings(max_examples=25, deadline=None)
+def test_hierarchical_ring_exact_over_any_racks(
+    racks: int, per: int, seed: int, sizes: list[int]
+) -> None:
+    """The 2D ring (reduce-scatter in the rack, all-reduce of the shard across
+    racks, all-gather) on racks of 1-4 ranks, packets reordered by jitter, its
+    buckets pipelined through the phases: every rank ends with the int64 sum."""
+    fabric = FabricConfig(topology="leaf_spine", hosts_per_rack=per, spines=2,
+                          link=LinkSpec(jitter_ns=5_000))  # fmt: skip
+    buckets = [Bucket(100 * i, c) for i, c in enumerate(sizes)]
+    r = run_collective("hring", racks * per, buckets, fabric, seed=seed, values=True)
+    assert r.inputs is not None and r.results is not None
+    ref = np.sum([x.astype(np.int64) for x in r.inputs], axis=0)
+    assert all(np.array_equal(res, ref) for res in r.results)
+
+
 def test_same_seed_is_byte_identical_and_other_seed_differs() -> None:
     link = LinkSpec(loss=0.1, dup=0.05, jitter_ns=5_000)
     args = (

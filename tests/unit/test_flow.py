@@ -149,6 +149,24 @@ def test_a_hierarchical_ring_moves_what_its_three_phases_move(uplinks: int) -> N
     assert flat == pytest.approx(2 * (h * racks - 1) / (h * racks) * s_over_b, rel=0.01)
 
 
+def test_a_hierarchical_ring_at_packet_level_is_its_flow_level_where_uplinks_have_room() -> None:
+    """4 racks of 8 under 2 spines of 800 Gbit/s (twice the rack's hosts'
+    rate: per-flow ECMP never fills an uplink): packet level's three phases
+    of rings within 5% of the flow level's. With 100 Gbit/s uplinks (4:1) the
+    8 rings leaving a rack at once overflow them, and a packet-level ring,
+    which assumes a lossless fabric, says so rather than hang."""
+    roomy = FabricConfig(topology="leaf_spine", hosts_per_rack=8, spines=2, link=LINK,
+                         fabric_link=LinkSpec(link_gbps=800.0, prop_delay_ns=500))  # fmt: skip
+    ina = InaConfig(train_packets=8)
+    buckets = [Bucket(0, 1_500_000), Bucket(20_000, 500_000)]
+    packet = run_collective("hring", 32, buckets, roomy, ina).end_ns
+    flow = schedule(plan("hring", Clos.of(roomy, 32), 32, ina), buckets)
+    assert flow == pytest.approx(packet, rel=0.05)
+    tight = FabricConfig(topology="leaf_spine", hosts_per_rack=8, spines=2, link=LINK)
+    with pytest.raises(RuntimeError, match="assumes a lossless fabric"):
+        run_collective("hring", 32, [Bucket(0, 3_000_000)], tight, ina)
+
+
 def test_a_helper_bounds_a_straggler_s_step_at_its_own_compute_plus_the_straggler_s() -> None:
     p = plan("saatp", Clos.fat_tree(6, LINK), 16, InaConfig())
     buckets = [Bucket(1_000_000, 10_000), Bucket(2_000_000, 10_000)]

@@ -7,7 +7,8 @@ error is its relative difference from packet level, which is the reference:
 * one 25 MB all-reduce for every scheme on a star of 64 (ATP, ESA and SA-ATP
   aggregate at one switch at packet level), and for the schemes packet level
   runs over several racks (ring; SwitchML's two levels) on leaf-spines of 64
-  to 1,024 workers (4,096 in full);
+  to 1,024 workers (4,096 in full); the hierarchical ring on leaf-spines
+  whose uplinks have room (``ROOMY``) of 64 to 256 (1,024 in full);
 * a ResNet-50 training iteration (buckets released through backward) at 64;
 * SA-ATP against ATP with one straggler (``sim.training``: real help
   requests and shadow streams) against the flow level's help model.
@@ -45,6 +46,11 @@ from gradfabric.workloads.compute import device, timeline
 LINK = LinkSpec(link_gbps=100.0, prop_delay_ns=500, queue_bytes=2_000_000)
 STAR = FabricConfig(link=LINK)
 LEAF_SPINE = FabricConfig(topology="leaf_spine", hosts_per_rack=32, spines=4, link=LINK)
+# uplinks with room: 4 x 1.6 Tbit/s over 32 hosts' 3.2 Tbit/s, so per-flow
+# ECMP's uneven split never fills one; the hierarchical ring's 32 flows out of
+# a rack at once would overflow LEAF_SPINE's 8:1 uplinks, and packet level's
+# rings have no congestion control (they assume a lossless fabric)
+ROOMY = replace(LEAF_SPINE, fabric_link=replace(LINK, link_gbps=1600.0))
 INA = InaConfig(train_packets=8)
 VALUES = 25 * 2**20 // 4  # one DDP bucket of 25 MB
 BOTH = ("ring", "ps", "switchml", "atp", "esa", "saatp")  # at packet level too
@@ -75,9 +81,11 @@ def train(workers: int) -> int:
     return max(8, workers // 16)
 
 
-def _isolated(scheme: str, workers: int, per_rack: int) -> dict[str, Any]:
+def _isolated(
+    scheme: str, workers: int, per_rack: int, on: FabricConfig = LEAF_SPINE
+) -> dict[str, Any]:
     """``lab.levels.alone`` at both levels, each in a process of its own."""
-    fabric = dump(replace(LEAF_SPINE, hosts_per_rack=per_rack))
+    fabric = dump(replace(on, hosts_per_rack=per_rack))
     ina = dump(replace(INA, train_packets=train(workers)))
     got = {
         level: _child("from gradfabric.lab.levels import alone; alone("
@@ -87,7 +95,8 @@ def _isolated(scheme: str, workers: int, per_rack: int) -> dict[str, Any]:
     packet, flow = got["packet"]["ns"], got["flow"]["ns"]
     return {
         "case": "25 MB all-reduce", "scheme": scheme, "workers": workers,
-        "topology": "leaf_spine", "packet_ms": packet / 1e6, "flow_ms": flow / 1e6,
+        "topology": "leaf_spine" if on == LEAF_SPINE else "leaf_spine, uplinks with room",
+        "packet_ms": packet / 1e6, "flow_ms": flow / 1e6,
         "error": flow / packet - 1, "train_packets": train(workers),
         "packet_wall_s": got["packet"]["wall_s"],
         "flow_wall_s": got["flow"]["wall_s"], "packet_rss_mb": got["packet"]["rss_mb"],
@@ -206,6 +215,9 @@ class FlowLevel:
                     continue  # a ring of 4,096 at packet level: minutes per bucket
                 tick(f"{scheme}, {n} on a leaf-spine")
                 rows.append(_isolated(scheme, n, 32 if n <= 2048 else 64))
+        for n in (64, 256) if quick else (64, 256, 1024):
+            tick(f"hring, {n} on a leaf-spine with room")
+            rows.append(_isolated("hring", n, 32, ROOMY))
         tl = timeline(model_spec("resnet50"), 32, device("v100"))
         buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
         for scheme in ("ring", "switchml", "atp"):

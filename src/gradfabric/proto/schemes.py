@@ -37,7 +37,7 @@ from gradfabric.proto.host import HostEngine
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
 from gradfabric.proto.ps import ParameterServer, PsJob
-from gradfabric.proto.ring import RingEngine
+from gradfabric.proto.ring import HierarchicalRingEngine, RingEngine
 from gradfabric.proto.routes import HashedPool, Route, Sharded, StaticSlots
 from gradfabric.proto.switch import ALLOCATORS, SwitchEngine, SwitchJob
 from gradfabric.proto.switch.straggler import HelpConfig
@@ -430,6 +430,32 @@ class Ring(Scheme):
         return engine.start(bucket, count, now_ns, payload)
 
 
+class HierarchicalRing(Ring):
+    name = "hring"
+    summary = "Hierarchical (2D) ring: reduce-scatter in the rack, all-reduce across, all-gather"
+
+    def _rings(self, p: Placement, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``name``'s rack ring and its local index's ring across the racks."""
+        racks = [tuple(w for w in p.workers if w in set(r)) for r in p.racks.values()]
+        if len({len(r) for r in racks}) != 1:
+            raise ConfigError("workers", "a hierarchical ring wants every rack's workers "
+                              f"alike (racks of {sorted({len(r) for r in racks})})")  # fmt: skip
+        rack = next(r for r in racks if name in r)
+        return rack, tuple(r[rack.index(name)] for r in racks)
+
+    def worker(self, p: Placement, rank: int) -> Engine:
+        name = p.workers[rank]
+        rack, across = self._rings(p, name)
+        return HierarchicalRingEngine(name, p.job_id, rack, across, p.values_per_packet)
+
+    def start(
+        self, engine: Engine, bucket: int, count: int, now_ns: int,
+        payload: np.ndarray | None, first_seq: int, mask: np.ndarray | None = None,
+    ) -> list[Action]:  # fmt: skip
+        assert isinstance(engine, HierarchicalRingEngine)
+        return engine.start(bucket, count, now_ns, payload)
+
+
 class OmniReduce(Scheme):
     name = "omnireduce"
     summary = "OmniReduce: only non-zero blocks stream to aggregators"
@@ -489,13 +515,14 @@ class DLCP(Scheme):
 
 
 SCHEMES: Registry[Scheme] = Registry("scheme")
-for _scheme in (SwitchML(), ATP(), ESA(), SAATP(), PS(), Ring(), OmniReduce(), DLCP()):
+for _scheme in (SwitchML(), ATP(), ESA(), SAATP(), PS(), Ring(), HierarchicalRing(),
+                OmniReduce(), DLCP()):
     SCHEMES.add(_scheme.name, _scheme)
 SCHEMES.alias("omni", "omnireduce")
 
 # The schemes that all-reduce a job's buckets (``DLCP`` is a transport: its
 # study has its own simulator and client).
-COLLECTIVES: Final = ("switchml", "atp", "esa", "saatp", "ps", "ring", "omnireduce")
+COLLECTIVES: Final = ("switchml", "atp", "esa", "saatp", "ps", "ring", "hring", "omnireduce")
 
 
 def collective(name: str, field: str = "scheme") -> Scheme:

@@ -354,9 +354,14 @@ def run_collective(
         raise _blame(run, e) from None
     wall = time.perf_counter() - t0
     if run.finished != goal:
+        lost = run.net.counters.get("queue_drop", 0)
+        why = ""
+        if lost and SCHEMES.get(scheme).lossless:  # a ring has no retransmission
+            why = (f"; {lost} packets dropped at full queues, and {scheme} assumes a "
+                   "lossless fabric (give its oversubscribed ports room)")  # fmt: skip
         raise RuntimeError(
             f"{scheme}: {goal - run.finished} bucket deliveries missing at "
-            f"t={run.loop.now} ns (events left: {run.loop.pending})"
+            f"t={run.loop.now} ns (events left: {run.loop.pending}){why}"
         )
     counters = Counters(run.net.counters)
     for sw in run.switches:

@@ -35,7 +35,7 @@ workers):
   NCCL orders a ring), ``2(n-1)/n S`` each, one bucket at a time; packets
   forwarded as they arrive, so the ``2(n-1)`` steps' latency (their
   edges' mean) counts only where a chunk is short (``Phase``);
-* ``hring``: the hierarchical ring (flow level only): reduce-scatter in the
+* ``hring``: the hierarchical ring (``proto.ring``): reduce-scatter in the
   rack, all-reduce of a ``1/h`` shard across racks, all-gather in the rack.
 * ``ps``: every worker to every server ``S/P`` and back, servers placed as
   packet level places them (on free hosts, round-robin over the racks); the
@@ -72,7 +72,6 @@ from gradfabric.sim.network import LinkSpec
 from gradfabric.wire.packet import wire_bytes
 
 INA = ("switchml", "atp", "esa", "saatp")
-# ``hring``, the hierarchical ring, runs at flow level only
 FLOW_SCHEMES = ("ring", "hring", "ps", "omnireduce", *INA)
 
 
@@ -436,7 +435,7 @@ def _ina_tree(fab: Fabric, g: Groups, window: Callable[[int], float]) -> int:
 
 def servers_of(scheme: str, workers: int, ina: InaConfig) -> int:
     """The hosts ``scheme``'s job needs besides its workers."""
-    return len(SCHEMES.get("ring" if scheme == "hring" else scheme).servers(workers, ina))
+    return len(SCHEMES.get(scheme).servers(workers, ina))
 
 
 def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float = 1.0) -> Plan:
@@ -444,7 +443,7 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
     if scheme not in FLOW_SCHEMES:
         valid = ", ".join(FLOW_SCHEMES)
         raise ConfigError("scheme", f"{scheme!r} has no flow model; valid: {valid}")
-    sch = SCHEMES.get("ring" if scheme == "hring" else scheme)
+    sch = SCHEMES.get(scheme)
     servers = servers_of(scheme, workers, ina)
     fab = Fabric(clos, workers, servers)
     vpp = ina.values_per_packet
