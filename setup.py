@@ -117,6 +117,7 @@ class BuildNative(build_ext):
                 # environment may lack torch and numpy, whose types then read
                 # as Any (the type check is CI's, not the build's)
                 options = ["--config-file", os.devnull, "--ignore-missing-imports"]
+                self.digests = BUILD.digests(PKG)  # as mypyc reads them, just below
                 exts += mypycify([*options, *hot], opt_level="3", group_name=HOT_GROUP,
                                  target_dir="build/mypyc")  # fmt: skip
         super().finalize_options()
@@ -124,7 +125,8 @@ class BuildNative(build_ext):
     def run(self) -> None:
         super().run()
         if any(e.name.startswith(HOT_GROUP) for e in self.extensions):
-            BUILD.write_manifest(PKG if self.inplace else Path(self.build_lib) / "gradfabric")
+            pkg = PKG if self.inplace else Path(self.build_lib) / "gradfabric"
+            BUILD.write_manifest(pkg, getattr(self, "digests", None) or BUILD.digests(pkg))
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
         # the C libraries are loaded with ctypes and define no PyInit_*

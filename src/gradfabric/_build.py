@@ -79,8 +79,13 @@ def clean(pkg: Path) -> None:
     (pkg / MANIFEST).unlink(missing_ok=True)
 
 
-def write_manifest(pkg: Path) -> None:
-    manifest = {m: _digest(_source(pkg, m)) for m in HOT}
+def digests(pkg: Path) -> dict[str, str]:
+    """Each compiled module's source hash, taken when the compiler reads the
+    sources: a source edited during the build then reads as stale after it."""
+    return {m: _digest(_source(pkg, m)) for m in HOT}
+
+
+def write_manifest(pkg: Path, manifest: dict[str, str]) -> None:
     (pkg / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 

@@ -16,7 +16,7 @@ from gradfabric.proto.dctcp import DctcpReceiver, DctcpSender
 from gradfabric.proto.dlcp import DlcpEndpoint, DlcpReceiver, DlcpSender, DlcpServer
 from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
 from gradfabric.proto.ps import ParameterServer, PsJob
-from gradfabric.proto.ring import RingEngine
+from gradfabric.proto.ring import REDUCE_SCATTER, HierarchicalRingEngine, RingEngine
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
 from gradfabric.proto.switch.atp import atp_index
 from gradfabric.wire.packet import HEADER, MAGIC, VERSION, Flag, Packet, decode, encode
@@ -95,13 +95,19 @@ def _transport_engines() -> list[Any]:
     """The ring and the DLCP/DCTCP hosts, each with transfers in progress."""
     ring = RingEngine("r1", 1, 1, 3, "r2", 4)
     ring.start(0, 40, 0, np.arange(40, dtype=np.int32))
+    half = RingEngine("r1", 1, 1, 3, "r2", 4, REDUCE_SCATTER)  # one half of it alone
+    half.start(0, 40, 0, np.arange(40, dtype=np.int32))
+    # job 0's three rings carry job ids 0-2: fuzzed packets of job 1 and 2 reach
+    # the cross-rack ring and the all-gather
+    hring = HierarchicalRingEngine("r1", 0, ("r0", "r1", "r2"), ("r1", "x1"), 4)
+    hring.start(0, 40, 0, np.arange(40, dtype=np.int32))
     server = DlcpServer("ps", 1, ["a", "b", "c"], push_bound=0.1, per_packet=8)
     host = DlcpEndpoint("a", DlcpReceiver("a", 1, 0, ["ps"]), [DlcpSender("a", 1, 0, "ps", 8)])
     tcp = DlcpEndpoint("b", DctcpReceiver("b", 1, 1, ["ps"]), [DctcpSender("b", 1, 1, "ps", 8)])
     for eng in (host, tcp):
         eng.rx.expect(0, 5, 64, 0.0, 0)
         eng.tx[0].send(5, 64, 0, 1, np.ones(64, dtype=np.float32))
-    return [ring, server, host, tcp]
+    return [ring, half, hring, server, host, tcp]
 
 
 def test_fuzzed_bytes_raise_only_protocol_error_and_engines_only_count() -> None:

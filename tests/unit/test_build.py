@@ -69,12 +69,19 @@ def test_a_changed_source_makes_the_build_stale(tmp_path: Path) -> None:
         src.parent.mkdir(parents=True, exist_ok=True)
         src.write_text(f"# {m}\n")
     assert _build.stale_modules(tmp_path) == []  # no build, nothing stale
-    _build.write_manifest(tmp_path)
+    _build.write_manifest(tmp_path, _build.digests(tmp_path))
     assert _build.fresh(tmp_path)
     tmp_path.joinpath("sim", "loop.py").write_text("# sim.loop, edited\n")
     tmp_path.joinpath("wire", "packet.py").unlink()
     assert _build.stale_modules(tmp_path) == ["wire.packet", "sim.loop"]
     assert not _build.fresh(tmp_path)
+    # a source edited while a build runs: the manifest holds the hashes taken
+    # when the compiler read the sources, so the edit is stale once it is done
+    tmp_path.joinpath("wire", "packet.py").write_text("# wire.packet\n")
+    read = _build.digests(tmp_path)
+    tmp_path.joinpath("proto", "ring.py").write_text("# proto.ring, edited mid-build\n")
+    _build.write_manifest(tmp_path, read)
+    assert _build.stale_modules(tmp_path) == ["proto.ring"]
 
 
 def test_a_stale_build_warns_and_runs_the_sources(tmp_path: Path) -> None:

@@ -36,12 +36,18 @@ UDP_DEFAULTS = InaConfig(switchml_slots=8, atp_window=8, ps_window=8, rto_ns=100
 
 def placement(scheme: str, workers: int, values: int, ina: InaConfig) -> Placement:
     """The job's layout: workers ``w0..`` under one switch ``sw0``, the
-    scheme's servers beside them; SA-ATP counts the one bucket as its iteration."""
+    scheme's servers beside them; SA-ATP counts the one bucket as its
+    iteration. The hierarchical ring (no switch: racks only group its rings)
+    sees two racks where the workers split evenly, so its ring across the
+    racks runs too."""
     s = collective(scheme)
     names = tuple(f"w{i}" for i in range(workers))
+    racks = {"sw0": names}
+    if scheme == "hring" and workers >= 4 and workers % 2 == 0:
+        racks = {"sw0": names[: workers // 2], "sw1": names[workers // 2 :]}
     per_iteration = max(1, -(-values // ina.values_per_sim_packet))
     return s.place(
-        names, {"sw0": names}, ina, servers=s.servers(workers, ina),
+        names, racks, ina, servers=s.servers(workers, ina),
         help=HelpConfig(iteration_packets=per_iteration),
     )  # fmt: skip
 

@@ -25,9 +25,10 @@ waits, and begins the moment that one is delivered.
 
 A ring can run one half of the all-reduce (``phase``): the reduce-scatter
 alone (delivered once chunk ``(r + 1) mod n`` is reduced here and every
-other chunk has passed through; the rest of the result is zeros) or the all-gather alone (rank ``r`` starts holding chunk
-``(r + 1) mod n`` of its input, reduced: what a reduce-scatter leaves). The
-hierarchical ring (``HierarchicalRingEngine``) is built of these.
+other chunk has passed through; the rest of the result is zeros) or the
+all-gather alone (rank ``r`` starts holding chunk ``(r + 1) mod n`` of its
+input, reduced: what a reduce-scatter leaves). The hierarchical ring
+(``HierarchicalRingEngine``) is built of these.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class RingEngine(NoTimers):
         if pkt.job_id != self.job_id or pkt.worker_id != pred or n == 1:
             return self._drop("foreign")
         b, s, j, c = pkt.layer, pkt.seq, pkt.agg_index, pkt.bitmap
-        # the predecessor forwards chunk (pred - s) mod n at step s, in both phases
+        # the predecessor forwards chunk (pred - s) mod n at step s, in either half
         if not self.first_step <= s <= self.last_step or c != (pred - s) % n:
             return self._drop("malformed")
         bk = self.buckets.get(b)
@@ -226,8 +227,13 @@ class RingEngine(NoTimers):
         return Deliver(b, res)
 
 
+MAX_HRING_JOB: Final = (1 << 14) - 1  # its phases' ids fit the header's 16 bits
+
+
 def sub_ring(job_id: int, phase: int) -> int:
-    """The job id a hierarchical ring's ``phase`` (0-2) puts on its packets."""
+    """The job id a hierarchical ring's ``phase`` (0-2) puts on its packets:
+    a hierarchical ring takes ids ``4 job_id`` to ``4 job_id + 2``, so jobs
+    sharing a fabric with one must not use those."""
     return job_id << 2 | phase
 
 
@@ -240,7 +246,9 @@ class HierarchicalRingEngine(NoTimers):
     (``sub_ring``); a bucket enters the next phase when this rank's ring
     delivers it, so a rank's buckets pipeline across the phases. ``rack``:
     this rank's rack's ranks in ring order; ``across``: the ranks of its
-    local index, one per rack, in ring order (both include this rank)."""
+    local index, one per rack, in ring order (both include this rank). Its
+    rank (the result's sender) is ``rack index * h + local index``: the
+    placement's where workers are listed rack by rack."""
 
     def __init__(
         self, name: str, job_id: int, rack: tuple[str, ...], across: tuple[str, ...],
@@ -248,6 +256,8 @@ class HierarchicalRingEngine(NoTimers):
     ) -> None:  # fmt: skip
         if name not in rack or name not in across:
             raise ValueError(f"{name} is not in its rack's or its local index's ring")
+        if not 0 <= job_id <= MAX_HRING_JOB:
+            raise ValueError(f"a hierarchical ring's job id is 0..{MAX_HRING_JOB}, got {job_id}")
         self.name = name
         self.job_id = job_id
         local, k = rack.index(name), across.index(name)
@@ -256,13 +266,13 @@ class HierarchicalRingEngine(NoTimers):
         self.shard = (local + 1) % h  # the chunk the rack's reduce-scatter leaves here
         self.rank = k * h + local
         self.counters = Counters()
+        nxt = rack[(local + 1) % h]
         self.rings = (
-            RingEngine(name, sub_ring(job_id, 0), local, h, rack[(local + 1) % h],
-                       values_per_packet, REDUCE_SCATTER),
+            RingEngine(name, sub_ring(job_id, 0), local, h, nxt, values_per_packet,
+                       REDUCE_SCATTER),
             RingEngine(name, sub_ring(job_id, 1), k, racks, across[(k + 1) % racks],
                        values_per_packet),
-            RingEngine(name, sub_ring(job_id, 2), local, h, rack[(local + 1) % h],
-                       values_per_packet, ALL_GATHER),
+            RingEngine(name, sub_ring(job_id, 2), local, h, nxt, values_per_packet, ALL_GATHER),
         )  # fmt: skip
         for ring in self.rings:
             ring.counters = self.counters

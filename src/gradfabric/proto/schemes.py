@@ -37,7 +37,7 @@ from gradfabric.proto.host import HostEngine
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniAggregator, OmniLayout, OmniWorker
 from gradfabric.proto.ps import ParameterServer, PsJob
-from gradfabric.proto.ring import HierarchicalRingEngine, RingEngine
+from gradfabric.proto.ring import MAX_HRING_JOB, HierarchicalRingEngine, RingEngine
 from gradfabric.proto.routes import HashedPool, Route, Sharded, StaticSlots
 from gradfabric.proto.switch import ALLOCATORS, SwitchEngine, SwitchJob
 from gradfabric.proto.switch.straggler import HelpConfig
@@ -426,7 +426,7 @@ class Ring(Scheme):
         self, engine: Engine, bucket: int, count: int, now_ns: int,
         payload: np.ndarray | None, first_seq: int, mask: np.ndarray | None = None,
     ) -> list[Action]:  # fmt: skip
-        assert isinstance(engine, RingEngine)
+        assert isinstance(engine, RingEngine | HierarchicalRingEngine)
         return engine.start(bucket, count, now_ns, payload)
 
 
@@ -434,26 +434,21 @@ class HierarchicalRing(Ring):
     name = "hring"
     summary = "Hierarchical (2D) ring: reduce-scatter in the rack, all-reduce across, all-gather"
 
-    def _rings(self, p: Placement, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """``name``'s rack ring and its local index's ring across the racks."""
-        racks = [tuple(w for w in p.workers if w in set(r)) for r in p.racks.values()]
-        if len({len(r) for r in racks}) != 1:
+    def check(self, p: Placement, ina: InaConfig) -> None:
+        sizes = {len(r) for r in p.racks.values()}
+        if len(sizes) != 1:
             raise ConfigError("workers", "a hierarchical ring wants every rack's workers "
-                              f"alike (racks of {sorted({len(r) for r in racks})})")  # fmt: skip
-        rack = next(r for r in racks if name in r)
-        return rack, tuple(r[rack.index(name)] for r in racks)
+                              f"alike (racks of {sorted(sizes)})")  # fmt: skip
+        if not 0 <= p.job_id <= MAX_HRING_JOB:
+            raise ConfigError("job_id", f"a hierarchical ring's is 0..{MAX_HRING_JOB}")
 
     def worker(self, p: Placement, rank: int) -> Engine:
         name = p.workers[rank]
-        rack, across = self._rings(p, name)
-        return HierarchicalRingEngine(name, p.job_id, rack, across, p.values_per_packet)
-
-    def start(
-        self, engine: Engine, bucket: int, count: int, now_ns: int,
-        payload: np.ndarray | None, first_seq: int, mask: np.ndarray | None = None,
-    ) -> list[Action]:  # fmt: skip
-        assert isinstance(engine, HierarchicalRingEngine)
-        return engine.start(bucket, count, now_ns, payload)
+        rank_of = {w: i for i, w in enumerate(p.workers)}
+        racks = [sorted(r, key=rank_of.__getitem__) for r in p.racks.values()]
+        rack = next(r for r in racks if name in r)
+        across = tuple(r[rack.index(name)] for r in racks)
+        return HierarchicalRingEngine(name, p.job_id, tuple(rack), across, p.values_per_packet)
 
 
 class OmniReduce(Scheme):

@@ -242,7 +242,8 @@ class CollectiveRun:
         """Lay the job out on the fabric, build its engines through the scheme
         registry and bind them; returns the bucket starter ``start(w, b)``."""
         scheme = SCHEMES.get(self.scheme)
-        links = [self.fabric.link, *([self.fabric.uplink] if self.fabric.uplink else [])]
+        f = self.fabric
+        links = [f.link, *(x for x in (f.uplink, f.fabric_link) if x is not None)]
         if scheme.lossless and any(link.loss or link.dup for link in links):
             raise ConfigError(
                 "link.loss",
@@ -288,6 +289,20 @@ class CollectiveRun:
             self.net.kick(self.workers[w], acts)
 
         return start
+
+
+def missing(run: CollectiveRun, goal: int) -> RuntimeError:
+    """Why a run ended with ``goal - run.finished`` deliveries missing: for a
+    lossless scheme, the packets its queues dropped, if any."""
+    lost = run.net.counters.get("queue_drop", 0)
+    why = ""
+    if lost and SCHEMES.get(run.scheme).lossless:  # a ring has no retransmission
+        why = (f"; {lost} packets dropped at full queues, and {run.scheme} assumes a "
+               "lossless fabric (give its oversubscribed ports room)")  # fmt: skip
+    return RuntimeError(
+        f"{run.scheme}: {goal - run.finished} bucket deliveries missing at "
+        f"t={run.loop.now} ns (events left: {run.loop.pending}){why}"
+    )
 
 
 def _blame(run: CollectiveRun, e: PeerTimeoutError) -> PeerTimeoutError:
@@ -354,15 +369,7 @@ def run_collective(
         raise _blame(run, e) from None
     wall = time.perf_counter() - t0
     if run.finished != goal:
-        lost = run.net.counters.get("queue_drop", 0)
-        why = ""
-        if lost and SCHEMES.get(scheme).lossless:  # a ring has no retransmission
-            why = (f"; {lost} packets dropped at full queues, and {scheme} assumes a "
-                   "lossless fabric (give its oversubscribed ports room)")  # fmt: skip
-        raise RuntimeError(
-            f"{scheme}: {goal - run.finished} bucket deliveries missing at "
-            f"t={run.loop.now} ns (events left: {run.loop.pending}){why}"
-        )
+        raise missing(run, goal)
     counters = Counters(run.net.counters)
     for sw in run.switches:
         counters.update(sw.counters)

@@ -36,7 +36,7 @@ from gradfabric.proto.host import HostEngine
 from gradfabric.proto.schemes import SCHEMES, InaConfig, collective
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import WorkerEngine
-from gradfabric.sim.collective import Bucket, CollectiveRun, FabricConfig
+from gradfabric.sim.collective import Bucket, CollectiveRun, FabricConfig, missing
 from gradfabric.sim.stragglers import StragglerConfig, factors
 from gradfabric.workloads.catalog import STORED_SAMPLE_BYTES, check_model, model_spec
 from gradfabric.workloads.compute import device, timeline
@@ -317,7 +317,7 @@ def run_training(
     wall = time.perf_counter() - t0
     goal = cfg.workers * len(run.buckets)
     if run.finished != goal:
-        raise RuntimeError(f"{cfg.scheme}: {goal - run.finished} bucket deliveries missing")
+        raise missing(run, goal)
     ends = tr.iter_end
     counters = Counters()
     for sw in run.switches:
