@@ -27,6 +27,7 @@ from rich.progress import (
 from rich.table import Table
 
 from gradfabric.core.cells import EXECUTORS, Executor, default_processes
+from gradfabric.core.config import type_hints
 
 T = TypeVar("T")
 err = Console(stderr=True)
@@ -127,7 +128,7 @@ UNITS: dict[str, tuple[str, float]] = {
 def dataclass_options(p: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
     """One ``--flag`` per field of the config dataclass ``cls`` (nested
     dataclasses flattened), with the field's default and ``help`` metadata."""
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -153,7 +154,7 @@ def dataclass_options(p: argparse.ArgumentParser, cls: type, skip: Sequence[str]
 
 def dataclass_from(cls: type[T], args: argparse.Namespace, **fixed: Any) -> T:
     """The config ``dataclass_options`` describes, from parsed ``args``."""
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if f.name in fixed:

@@ -7,7 +7,9 @@ dotted path (``fabric.link.loss: must be in [0, 1)``).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import sys
 import types
 import typing
 from pathlib import Path
@@ -23,7 +25,7 @@ T = TypeVar("T")
 def load(cls: type[T], data: Any, path: str = "") -> T:
     if not isinstance(data, dict):
         raise ConfigError(path or cls.__name__, f"expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -37,6 +39,37 @@ def load(cls: type[T], data: Any, path: str = "") -> T:
         raise ConfigError(_join(path, e.field), str(e).split(": ", 1)[-1]) from None
     except TypeError as e:
         raise ConfigError(path or cls.__name__, str(e)) from None
+
+
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``; for a class compiled with mypyc, whose
+    annotations keep only a union's erasure (``LinkSpec | None`` reads as
+    ``type``), those fields' annotations as its source declares them."""
+    hints = typing.get_type_hints(cls)
+    if any(h is type for h in hints.values()):
+        hints |= {k: v for k, v in _declared(cls).items() if hints.get(k) is type}
+    return hints
+
+
+def _declared(cls: type) -> dict[str, Any]:
+    """The annotations of ``cls``'s body in its module's ``.py`` file,
+    evaluated in the module (names it imports for type checking only are
+    left out)."""
+    module = sys.modules[cls.__module__]
+    source = Path(module.__file__ or "").with_name(cls.__module__.rsplit(".", 1)[-1] + ".py")
+    if not source.exists():
+        return {}
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+            out = {}
+            for stmt in node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    try:
+                        out[stmt.target.id] = eval(ast.unparse(stmt.annotation), vars(module))
+                    except NameError:
+                        continue
+            return out
+    return {}
 
 
 def _join(path: str, name: str) -> str:
