@@ -461,6 +461,8 @@ class Hosts:
                         got[i] = msg
                         continue
                 if self._procs[i].sentinel in ready or not self._procs[i].is_alive():
+                    if self._conns[i].poll():  # it sent, then exited, since the poll above
+                        continue  # (read on the next pass)
                     self._procs[i].join(1)
                     code = self._procs[i].exitcode
                     raise RuntimeError(f"{self.names[i]} died (exit code {code}) before {what}")
