@@ -450,6 +450,10 @@ class Hosts:
             conns = [self._conns[i] for i in waiting]
             ready = set(wait(conns + [self._procs[i].sentinel for i in waiting], left))
             for i in waiting:
+                # gone before the pipe is read: whatever it sent is there by then
+                # (read the other way round, a host that sends and exits between
+                # the two looks would be named dead with its record on its pipe)
+                gone = self._procs[i].sentinel in ready or not self._procs[i].is_alive()
                 if self._conns[i] in ready or self._conns[i].poll():
                     try:
                         msg = self._conns[i].recv()
@@ -460,9 +464,7 @@ class Hosts:
                     if msg is not None:
                         got[i] = msg
                         continue
-                if self._procs[i].sentinel in ready or not self._procs[i].is_alive():
-                    if self._conns[i].poll():  # it sent, then exited, since the poll above
-                        continue  # (read on the next pass)
+                if gone:
                     self._procs[i].join(1)
                     code = self._procs[i].exitcode
                     raise RuntimeError(f"{self.names[i]} died (exit code {code}) before {what}")
