@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import sys
 import types
 import typing
@@ -51,6 +52,7 @@ def type_hints(cls: type) -> dict[str, Any]:
     return hints
 
 
+@functools.cache  # (a module's source read once, not at every load)
 def _declared(cls: type) -> dict[str, Any]:
     """The annotations of ``cls``'s body in its module's ``.py`` file,
     evaluated in the module (names it imports for type checking only are
