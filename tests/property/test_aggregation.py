@@ -34,7 +34,8 @@ def _check_exact(r: CollectiveResult) -> None:
     ref = np.sum([x.astype(np.int64) for x in r.inputs], axis=0)
     for w, res in enumerate(r.results):
         assert np.array_equal(res, ref), f"worker {w} result differs from the reference sum"
-    assert r.counters.get("WorkerEngine.results", 0) == r.worker_packets
+    results = sum(r.counters.get(f"{kind}.results", 0) for kind in ("WorkerEngine", "HostEngine"))
+    assert results == r.worker_packets
 
 
 def _digest(r: CollectiveResult) -> str:
@@ -138,6 +139,52 @@ def test_hierarchical_switchml_exact_on_leaf_spine(loss: float, dup: float, seed
         values=True,
     )
     _check_exact(r)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scheme=st.sampled_from(["atp", "esa", "saatp", "ps"]),
+    workers=st.integers(2, 11),
+    per_rack=st.integers(1, 4),
+    link=lossy,
+    pool=st.sampled_from([4, 64]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_atp_two_levels_exact_on_leaf_spine(
+    scheme: str, workers: int, per_rack: int, link: LinkSpec, pool: int, seed: int
+) -> None:
+    """ATP's two levels (racks, then a spine, then the PS merging by rack and
+    worker bits): exact under loss, duplication and reordering, with a pool
+    small enough that both levels collide and fall back."""
+    fabric = FabricConfig(topology="leaf_spine", hosts_per_rack=per_rack, spines=2, link=link)
+    ina = InaConfig(atp_window=8, atp_pool_slots=pool, ps_window=8, ps_servers=2, rto_ns=200_000)
+    buckets = [Bucket(0, 4000), Bucket(3000, 900)]
+    _check_exact(run_collective(scheme, workers, buckets, fabric, ina, seed, values=True))
+
+
+def test_atp_two_levels_aggregate_in_the_network() -> None:
+    """On a clean fabric with room in the pools, each sequence reaches the PS
+    once, as the spine's sum of every rack's sum: nothing falls back."""
+    fabric = FabricConfig(topology="leaf_spine", hosts_per_rack=3, spines=2)
+    r = run_collective("atp", 8, [Bucket(0, 5000)], fabric, InaConfig(atp_window=16),
+                       values=True)  # fmt: skip
+    _check_exact(r)
+    sequences = -(-5000 // 256)
+    assert r.counters["ParameterServer.merged"] == sequences
+    assert r.counters["rx_gradient"] == 8 * sequences + 3 * sequences  # workers, then racks
+    assert r.fallback_packets == 0 and "lower_passed" not in r.counters
+
+
+@pytest.mark.parametrize("scheme", ["atp", "ps"])
+def test_jobs_past_one_bitmap_exact(scheme: str) -> None:
+    """Past 64 workers: ATP in racks of 40 under a spine, the PS in groups
+    of 64 (``PsJob.groups``), each under loss and duplication."""
+    link = LinkSpec(loss=0.03, dup=0.02, jitter_ns=3_000)
+    fabric = FabricConfig(topology="leaf_spine", hosts_per_rack=40, spines=2, link=link)
+    ina = InaConfig(atp_window=16, ps_window=16, ps_servers=3, rto_ns=300_000)
+    _check_exact(run_collective(scheme, 130, [Bucket(0, 6000)], fabric, ina, 11, values=True))
+    with pytest.raises(ConfigError, match="racks of at most 64"):
+        run_collective("atp", 65, [Bucket(0, 256)], FabricConfig(), ina)
 
 
 def test_atp_shared_small_pool_forces_fallback_and_stays_exact() -> None:

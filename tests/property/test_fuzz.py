@@ -44,7 +44,7 @@ def _valid(rng: random.Random) -> bytes:
             n,
             flags,
             rng.randrange(256),
-            rng.randrange(2**16),
+            rng.choice([0, 1, 2, rng.randrange(2**16)]),  # layer: ATP's levels, or noise
             count,
             payload,
         )
@@ -85,10 +85,26 @@ def _engines() -> list[Any]:
         ParameterServer(
             "ps", (PsJob(1, ("a", "b", "c"), via="sml"), PsJob(2, ("d", "e"), via="sml"))
         ),
+        *_two_levels(),
         OmniAggregator("agg0", 1, 0, ["a", "b", "c"], streams=4),
         omni,
         *_transport_engines(),
     ]
+
+
+def _two_levels() -> list[Any]:
+    """ATP's two levels: a rack's switch, the spine above two racks, the PS
+    merging by (rack, worker) bits; job 2 is a PS job of 70 in two groups."""
+    rack = SwitchJob(1, ("a", "b", "c"), parent="spine", index_at_parent=0, parent_fan_in=2,
+                     window=8, group=1)  # fmt: skip
+    top = SwitchJob(1, ("l0", "l1"), window=8, ps_shards=("ps",), below=(3, 2))
+    big = tuple(f"w{i}" for i in range(70))
+    return [
+        SwitchEngine.build("l0", "atp", 16, (rack,)),
+        SwitchEngine.build("spine", "esa", 16, (top,)),
+        ParameterServer("ps", (PsJob(1, ("a", "b", "c", "d", "e"), via="spine", groups=(3, 2)),
+                               PsJob(2, big, groups=(64, 6)))),
+    ]  # fmt: skip
 
 
 def _transport_engines() -> list[Any]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
+from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import ListSink
 from gradfabric.proto.actions import Deliver, Fail, Multicast, Send
 from gradfabric.proto.ps import ParameterServer, PsJob
@@ -371,3 +373,95 @@ def test_a_worker_takes_only_notices_meant_for_it() -> None:
     deaf = WorkerEngine("w0", replace(cfg, nack=False), StaticSlots("sw", 0, 2))
     deaf.push(8, 0, np.zeros(8, np.int32))
     assert deaf.on_packet(notice(1), 5) == [] and deaf.counters["drop_foreign"] == 1
+
+
+def _two_levels() -> tuple[SwitchEngine, SwitchEngine, SwitchEngine, ParameterServer]:
+    """ATP's two levels by hand: racks l0 (w0, w1) and l1 (w2) under spine sp."""
+    l0 = SwitchEngine.build("l0", "atp", 8, (SwitchJob(
+        1, ("w0", "w1"), parent="sp", index_at_parent=0, parent_fan_in=2, group=1),))
+    l1 = SwitchEngine.build("l1", "atp", 8, (SwitchJob(
+        1, ("w2",), parent="sp", index_at_parent=1, parent_fan_in=2, group=2),))
+    sp = SwitchEngine.build("sp", "atp", 8, (SwitchJob(
+        1, ("l0", "l1"), ps_shards=("ps",), below=(2, 1)),))
+    ps = ParameterServer("ps", (PsJob(1, ("w0", "w1", "w2"), via="sp", groups=(2, 1)),))
+    return l0, l1, sp, ps  # fmt: skip
+
+
+def _rack_grad(w: int, n: int, group: int, vals: list[int], seq: int = 0, flags: int = 0) -> Packet:
+    pkt = _grad(1, w, seq, atp_index(1, seq, 8), vals, n=n, flags=flags)
+    pkt.layer = group
+    return pkt
+
+
+def test_atp_two_levels_sum_racks_at_the_spine_and_readdress_results() -> None:
+    l0, l1, sp, ps = _two_levels()
+    assert l0.on_packet(_rack_grad(0, 2, 1, [1]), 0) == []
+    (up0,) = l0.on_packet(_rack_grad(1, 2, 1, [2]), 1)  # rack 0's sum: child 0 of the spine
+    assert isinstance(up0, Send) and up0.dst == "sp"
+    assert (up0.pkt.worker_id, up0.pkt.bitmap, up0.pkt.fan_in, up0.pkt.layer) == (0, 1, 2, 0)
+    (up1,) = l1.on_packet(_rack_grad(0, 1, 2, [4]), 2)
+    assert sp.on_packet(up0.pkt, 3) == []  # type: ignore[union-attr]
+    (agg,) = sp.on_packet(up1.pkt, 4)  # type: ignore[union-attr]
+    assert isinstance(agg, Send) and agg.dst == "ps" and list(agg.pkt.payload) == [7]  # type: ignore[arg-type]
+    (res,) = ps.on_packet(agg.pkt, 5)
+    assert isinstance(res, Send) and (res.pkt.fan_in, res.pkt.bitmap) == (2, 0b11)
+    (down,) = sp.on_packet(res.pkt, 6)
+    assert isinstance(down, Multicast) and down.dsts == ("l0", "l1")
+    (to0,) = l0.on_packet(down.pkt, 7)
+    (to1,) = l1.on_packet(down.pkt, 8)
+    assert isinstance(to0, Multicast) and to0.dsts == ("w0", "w1")
+    assert (to0.pkt.fan_in, to0.pkt.bitmap, to0.pkt.layer) == (2, 0b11, 1)
+    assert isinstance(to1, Multicast) and (to1.pkt.fan_in, to1.pkt.bitmap) == (1, 1)
+    # a worker asking again after the PS completed: answered through both levels
+    (ans,) = ps.on_packet(_rack_grad(0, 1, 2, [4], flags=Flag.RESEND), 9)
+    assert isinstance(ans, Send) and ans.pkt.flags & Flag.RESEND and ans.pkt.layer == 2
+    (hop,) = sp.on_packet(ans.pkt, 10)
+    assert isinstance(hop, Send) and hop.dst == "l1"
+    (last,) = l1.on_packet(hop.pkt, 11)
+    assert isinstance(last, Send) and last.dst == "w2" and list(last.pkt.payload) == [7]  # type: ignore[arg-type]
+
+
+def test_atp_two_levels_drop_packets_of_the_wrong_level() -> None:
+    l0, _, sp, ps = _two_levels()
+    assert l0.on_packet(_rack_grad(0, 2, 2, [1]), 0) == []  # another rack's group
+    assert l0.on_packet(_rack_grad(0, 2, 0, [1]), 0) == []  # no group at all
+    assert sp.on_packet(_rack_grad(0, 2, 3, [1]), 0) == []  # no rack 2 below
+    assert sp.on_packet(_rack_grad(0, 3, 1, [1]), 0) == []  # rack 0 has 2 workers, not 3
+    assert l0.counters["drop_bad_level"] == 2 and sp.counters["drop_bad_level"] == 2
+    # the PS: a packet whose bits do not fit its group, or a group it lacks
+    assert ps.on_packet(_rack_grad(0, 2, 3, [1]), 0) == []
+    assert ps.on_packet(_rack_grad(1, 1, 2, [1]), 0) == []
+    assert ps.counters["drop_bad_packet"] == 2
+    # a rack's fallback passes the spine to the PS untouched
+    (fwd,) = sp.on_packet(_rack_grad(1, 2, 1, [5], flags=Flag.COLLISION), 1)
+    assert isinstance(fwd, Send) and fwd.dst == "ps" and fwd.pkt.layer == 1
+
+
+def test_ps_merges_across_levels_by_worker_never_twice() -> None:
+    """A rack's whole sum and one of its workers' shares hold that worker
+    both: whichever comes second is refused (overlap or duplicate) and the
+    result counts each worker once."""
+    *_, ps = _two_levels()
+    assert ps.on_packet(_rack_grad(0, 2, 1, [1]), 0) == []  # w0 alone (a fallback)
+    rack0 = Packet(1, 0, 0, 0, 0b01, 2, Flag.PARTIAL, count=1, payload=np.array([3], np.int32))
+    assert ps.on_packet(rack0, 1) == [] and ps.counters["drop_overlap"] == 1
+    assert ps.missing_workers(1) == ["w1", "w2"]
+    rack1 = Packet(1, 1, 0, 0, 0b10, 2, Flag.PARTIAL, count=1, payload=np.array([4], np.int32))
+    assert ps.on_packet(rack1, 2) == []
+    assert ps.on_packet(_rack_grad(0, 1, 2, [4]), 3) == []  # w2 again: in rack 1's sum
+    assert ps.counters["drop_duplicate"] == 1
+    (res,) = ps.on_packet(_rack_grad(1, 2, 1, [2]), 4)
+    assert list(res.pkt.payload) == [7]  # type: ignore[union-attr,arg-type]
+
+
+def test_levels_that_do_not_fit_are_refused() -> None:
+    with pytest.raises(ConfigError, match="summing"):
+        PsJob(1, ("a", "b", "c"), groups=(1, 1))
+    with pytest.raises(ConfigError, match=r"1\.\.64 workers"):
+        PsJob(1, tuple(f"w{i}" for i in range(65)))
+    with pytest.raises(ConfigError, match="parent"):
+        SwitchJob(1, ("a",), group=1)  # a rack's switch with nowhere to send its sum
+    with pytest.raises(ConfigError, match="one fan-in"):
+        SwitchJob(1, ("l0", "l1"), below=(2,))
+    with pytest.raises(ConfigError, match="every level"):
+        SwitchEngine.build("s", "switchml", 8, (SwitchJob(1, ("a",), parent="p", group=1),))

@@ -4,11 +4,13 @@ Every case runs at both levels on the same fabric and config (``sim.flow``
 takes the packet level's ``FabricConfig`` as a Clos) and the flow level's
 error is its relative difference from packet level, which is the reference:
 
-* one 25 MB all-reduce for every scheme on a star of 64 (ATP, ESA and SA-ATP
-  aggregate at one switch at packet level), and for the schemes packet level
-  runs over several racks (ring; SwitchML's two levels) on leaf-spines of 64
-  to 1,024 workers (4,096 in full); the hierarchical ring on leaf-spines
-  whose uplinks have room (``ROOMY``) of 64 to 256 (1,024 in full);
+* one 25 MB all-reduce for every scheme on a star of 64, and on leaf-spines
+  of 64 to 256 workers (1,024 and 4,096 in full): the ring (to 1,024),
+  SwitchML's levels and ATP's two (ATP, ESA, SA-ATP: racks, then a spine,
+  the PS off it); the hierarchical ring on leaf-spines whose uplinks have
+  room (``ROOMY``) of 64 to 256 (1,024 in full); the PS there too at 64 and
+  256, with trains small enough that a server's port takes every worker's
+  train at once without loss (``_ps``);
 * a ResNet-50 training iteration (buckets released through backward) at 64;
 * SA-ATP against ATP with one straggler (``sim.training``: real help
   requests and shadow streams) against the flow level's help model.
@@ -82,11 +84,13 @@ def train(workers: int) -> int:
 
 
 def _isolated(
-    scheme: str, workers: int, per_rack: int, on: FabricConfig = LEAF_SPINE
-) -> dict[str, Any]:
+    scheme: str, workers: int, per_rack: int, on: FabricConfig = LEAF_SPINE,
+    ina_cfg: InaConfig | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """``lab.levels.alone`` at both levels, each in a process of its own."""
     fabric = dump(replace(on, hosts_per_rack=per_rack))
-    ina = dump(replace(INA, train_packets=train(workers)))
+    cfg = ina_cfg or replace(INA, train_packets=train(workers))
+    ina = dump(cfg)
     got = {
         level: _child("from gradfabric.lab.levels import alone; alone("
                       + repr(json.dumps([level, scheme, workers, VALUES, fabric, ina])) + ")")
@@ -97,11 +101,25 @@ def _isolated(
         "case": "25 MB all-reduce", "scheme": scheme, "workers": workers,
         "topology": "leaf_spine" if on == LEAF_SPINE else "leaf_spine, uplinks with room",
         "packet_ms": packet / 1e6, "flow_ms": flow / 1e6,
-        "error": flow / packet - 1, "train_packets": train(workers),
+        "error": flow / packet - 1, "train_packets": cfg.train_packets,
         "packet_wall_s": got["packet"]["wall_s"],
         "flow_wall_s": got["flow"]["wall_s"], "packet_rss_mb": got["packet"]["rss_mb"],
         "flow_rss_mb": got["flow"]["rss_mb"],
     }  # fmt: skip
+
+
+def _ps(workers: int) -> dict[str, Any]:
+    """The PS (one server a worker) on uplinks with room. Its workers deal
+    sequences round-robin over the servers, all from the same sequence, so
+    a server's port takes every worker's train at once: a burst of ``n``
+    trains, which a 2 MB queue must hold (no loss, as the flow level
+    assumes) and which the flow level's fluid rates do not see. Trains of 8
+    packets at 64 and 2 at 256 keep it small (at 256, trains of 4 lose
+    nothing and still come out 12% slower than the flow level: measured);
+    a 1,024-packet window keeps a worker's first burst within the queue.
+    Past 256 this needs single packets: hours here."""
+    ina = replace(INA, train_packets=8 if workers <= 64 else 2, ps_window=1024)
+    return _isolated("ps", workers, 32, ROOMY, ina)
 
 
 def _stragglers(scheme: str, slowdown: float) -> dict[str, Any]:
@@ -210,11 +228,14 @@ class FlowLevel:
             tick(f"{scheme}, 64 on a star")
             rows.append(_case("25 MB all-reduce", scheme, 64, STAR, whole))
         for n in (64, 256) if quick else (64, 256, 1024, 4096):
-            for scheme in ("ring", "switchml"):
+            for scheme in ("ring", "switchml", "atp", "esa", "saatp"):
                 if scheme == "ring" and n > 1024:
                     continue  # a ring of 4,096 at packet level: minutes per bucket
                 tick(f"{scheme}, {n} on a leaf-spine")
                 rows.append(_isolated(scheme, n, 32 if n <= 2048 else 64))
+        for n in (64, 256):
+            tick(f"ps, {n} on a leaf-spine with room")
+            rows.append(_ps(n))
         for n in (64, 256) if quick else (64, 256, 1024):
             tick(f"hring, {n} on a leaf-spine with room")
             rows.append(_isolated("hring", n, 32, ROOMY))

@@ -10,8 +10,9 @@ and the two paths alternate, repeat after repeat, in one run.
 The scaling table holds the simulated work per run roughly constant: at ``w``
 workers packet trains of ``max(1, w // 8)`` packets (8 workers: packet
 level). SwitchML runs on a star up to 32 workers and on a leaf-spine (racks
-of 32, 4 spines, hierarchical aggregation) above; ATP aggregates at one
-switch here (its fan-in is one bitmap word), so its rows stop at 64.
+of 32, 4 spines, hierarchical aggregation) above; ATP's rows are on one
+switch (a star of up to 64 workers, one bitmap word); its two levels past
+that are timed in the flow-level study (``experiments.flowlevel``).
 """
 
 from __future__ import annotations

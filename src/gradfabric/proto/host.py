@@ -43,11 +43,11 @@ class HostEngine:
         return self.own.next_seq
 
     def push(
-        self, count: int, now_ns: int, payload: np.ndarray | None = None, layer: int = 0,
-        priority: int = 0, at_seq: int | None = None,
+        self, count: int, now_ns: int, payload: np.ndarray | None = None, priority: int = 0,
+        at_seq: int | None = None,
     ) -> list[Action]:  # fmt: skip
         """The host's own share (``WorkerEngine.push``)."""
-        return self.own.push(count, now_ns, payload, layer, priority, at_seq)
+        return self.own.push(count, now_ns, payload, priority, at_seq)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         if pkt.flags & Flag.NOTIFY:

@@ -39,17 +39,43 @@ from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, ina_packet
 @mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
 @dataclass(frozen=True)
 class PsJob:
+    """One job at a server. ``groups``: a job of more workers than one bitmap
+    holds, in groups of at most 64 (``workers`` in group order): a packet of
+    group ``g`` carries ``layer = g + 1`` and bits over that group's workers,
+    one of ``layer = 0`` bits over whole groups (ATP's second level, whose
+    aggregators count racks). Without groups, every packet's bits are over
+    ``workers`` (at most 64) and ``layer`` is not read."""
+
     job_id: int
     workers: tuple[str, ...]
     via: str | None = None
     window: int = 256
     scale: float = 1e6
+    groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not 1 <= len(self.workers) <= MAX_FAN_IN:
-            raise ConfigError("workers", f"need 1..{MAX_FAN_IN} workers, got {len(self.workers)}")
+        n = len(self.workers)
+        if self.groups:
+            if not (
+                1 <= len(self.groups) <= MAX_FAN_IN
+                and all(1 <= g <= MAX_FAN_IN for g in self.groups)
+                and sum(self.groups) == n
+            ):
+                raise ConfigError("groups", f"1..{MAX_FAN_IN} groups of 1..{MAX_FAN_IN} "
+                                  "workers, summing to the job's")  # fmt: skip
+        elif not 1 <= n <= MAX_FAN_IN:
+            raise ConfigError("workers", f"need 1..{MAX_FAN_IN} workers (more: in groups), got {n}")
         if self.window < 1:
             raise ConfigError("window", f"must be >= 1, got {self.window}")
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Each group's first worker."""
+        out, at = [], 0
+        for size in self.groups:
+            out.append(at)
+            at += size
+        return tuple(out)
 
 
 PENDING_WINDOWS = 4  # merges under way a job may hold, in windows (``PsJob.window``)
@@ -69,6 +95,9 @@ class _Acc:
 
 @dataclass
 class _JobState:
+    # a grouped job's masks: group g's workers among all, and its offset
+    group_masks: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
     accs: dict[int, _Acc] = field(default_factory=dict)
     results: dict[int, Packet] = field(default_factory=dict)
     done_heap: list[int] = field(default_factory=list)
@@ -88,7 +117,9 @@ class ParameterServer(NoTimers):
         if job.job_id in self.jobs:
             raise ConfigError("job_id", f"job {job.job_id} already registered at {self.name}")
         self.jobs[job.job_id] = job
-        self.state[job.job_id] = _JobState()
+        offs = job.offsets
+        masks = tuple(((1 << g) - 1) << o for g, o in zip(job.groups, offs, strict=True))
+        self.state[job.job_id] = _JobState(masks, offs)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         job = self.jobs.get(pkt.job_id)
@@ -96,37 +127,34 @@ class ParameterServer(NoTimers):
             return self._drop("unknown_job")
         n = len(job.workers)
         full = (1 << n) - 1
-        if (
-            pkt.flags & Flag.ACK
-            or pkt.fan_in != n
-            or pkt.bitmap == 0
-            or pkt.bitmap & ~full
-            or pkt.worker_id >= n
-        ):
+        st = self.state[pkt.job_id]
+        bits = self._bits(job, st, pkt)
+        if pkt.flags & Flag.ACK or bits == 0:
             return self._drop("bad_packet")
         if pkt.payload is not None and len(pkt.payload) != pkt.count:
             return self._drop("bad_payload")
-        st = self.state[pkt.job_id]
         if pkt.seq <= st.floor:
             return self._drop("stale")
         done = st.results.get(pkt.seq)
         if done is not None:
-            if pkt.bitmap & (pkt.bitmap - 1) == 0:  # one worker (or its helper) asking again
+            # one worker (or its helper) asking again; a grouped job's layer 0
+            # carries whole racks, never one worker
+            if pkt.bitmap & (pkt.bitmap - 1) == 0 and (pkt.layer or not job.groups):
                 self.counters["resend_answered"] += 1
-                return [self._unicast(job, done, pkt.worker_id)]
+                return [self._unicast(job, st, done, pkt)]
             return self._drop("late_partial")
         acc = st.accs.get(pkt.seq)
         if acc is None:
             # (a packet of every contribution opens nothing that stays)
-            if len(st.accs) >= PENDING_WINDOWS * job.window and pkt.bitmap != full:
+            if len(st.accs) >= PENDING_WINDOWS * job.window and bits != full:
                 return self._drop("pending_full")
             acc = st.accs[pkt.seq] = _Acc(pkt)
-        if acc.bitmap & pkt.bitmap:
-            return self._drop("duplicate" if acc.bitmap & pkt.bitmap == pkt.bitmap else "overlap")
+        if acc.bitmap & bits:
+            return self._drop("duplicate" if acc.bitmap & bits == bits else "overlap")
         if pkt.count != acc.nvalues:
             return self._drop("count_mismatch")
         self.counters["merged"] += 1
-        acc.bitmap |= pkt.bitmap
+        acc.bitmap |= bits
         acc.flags |= pkt.flags & Flag.ECN
         if not pkt.flags & (Flag.COLLISION | Flag.RESEND | Flag.OVERFLOW):
             acc.agg_index = pkt.agg_index
@@ -165,8 +193,26 @@ class ParameterServer(NoTimers):
             bits |= full & ~acc.bitmap
         return [w for i, w in enumerate(job.workers) if bits >> i & 1]
 
+    @staticmethod
+    def _bits(job: PsJob, st: _JobState, pkt: Packet) -> int:
+        """The workers ``pkt`` holds, as bits over all of the job's (0: a
+        header that does not fit the job)."""
+        b, f = pkt.bitmap, pkt.fan_in
+        if not job.groups:
+            n = len(job.workers)
+            return b if f == n and pkt.worker_id < n and not b >> n else 0
+        if not pkt.layer:  # whole groups
+            if f != len(job.groups) or pkt.worker_id >= f or b >> f:
+                return 0
+            masks = st.group_masks
+            return sum(masks[g] for g in range(f) if b >> g & 1)
+        g = pkt.layer - 1
+        if g >= len(job.groups) or f != job.groups[g] or pkt.worker_id >= f or b >> f:
+            return 0
+        return b << st.offsets[g]
+
     def _result(self, job: PsJob, seq: int, acc: _Acc) -> Packet:
-        n = len(job.workers)
+        n = len(job.groups) or len(job.workers)
         flags = Flag.ACK | acc.flags
         payload: np.ndarray | None = None
         if acc.fvals is not None:
@@ -184,13 +230,17 @@ class ParameterServer(NoTimers):
             bitmap=(1 << n) - 1, fan_in=n, flags=flags, count=acc.nvalues, values=payload,
         )  # fmt: skip
 
-    def _unicast(self, job: PsJob, result: Packet, worker: int) -> Action:
+    def _unicast(self, job: PsJob, st: _JobState, result: Packet, asked: Packet) -> Action:
+        """``result`` for the one worker that ``asked`` again (of its group,
+        in ``layer``, where the job has groups)."""
         pkt = result.clone()
-        pkt.worker_id = worker
+        pkt.worker_id = asked.worker_id
+        pkt.layer = asked.layer if job.groups else 0
         if job.via is not None:
             pkt.flags |= Flag.RESEND
             return Send(job.via, pkt)
-        return Send(job.workers[worker], pkt)
+        first = st.offsets[asked.layer - 1] if job.groups else 0
+        return Send(job.workers[first + asked.worker_id], pkt)
 
     def _drop(self, reason: str) -> list[Action]:
         self.counters["drop_" + reason] += 1

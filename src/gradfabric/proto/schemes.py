@@ -42,6 +42,7 @@ from gradfabric.proto.routes import HashedPool, Route, Sharded, StaticSlots
 from gradfabric.proto.switch import ALLOCATORS, SwitchEngine, SwitchJob
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import ResumableWorker, WorkerConfig, WorkerEngine
+from gradfabric.wire.packet import MAX_FAN_IN
 from gradfabric.wire.quant import INT32_MAX
 
 JOB_ID: Final = 1
@@ -123,6 +124,7 @@ class Placement:
     nack: bool = False  # workers take the switch's loss notices, where it sends them (SwitchML)
     takes_help: bool = True  # workers take results for sequences others sent for them (SA-ATP)
     first_seq: int = 0  # where the job's sequences start (tests cross the wire's limit with it)
+    group: int = 0  # the workers' group (``layer``): ATP's racks, a large PS job's 64s
 
     @property
     def switch(self) -> str:
@@ -157,6 +159,7 @@ class Scheme:
     helps: bool = False  # it does run it (hosts keep replicas of others' data)
     server_only: bool = False  # every packet is aggregated at a server (no switch state)
     shaped_port: bool = False  # a daemon's shaped, prioritised port leads to its server
+    servers_at_root: bool = False  # over several racks its servers hang off the top switch
     job_kinds: tuple[str, ...] = ("ina",)  # what a daemon running it registers
 
     def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
@@ -224,6 +227,7 @@ class Scheme:
             # a worker that takes no help has no reason to take a result for a
             # sequence it has not sent: a forged or confused one is a drop
             max_ahead=WorkerConfig.max_ahead if p.takes_help else 0, first_seq=p.first_seq,
+            group=p.group,
         )  # fmt: skip
         kind = ResumableWorker if p.resumable else WorkerEngine
         return kind(name, cfg, self.route(p, name))
@@ -333,20 +337,60 @@ class ATP(Scheme):
     policy = "atp"
     ecn_window = True
     can_help = True
+    servers_at_root = True  # the PS beside the second level (``engines``)
 
     def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
         return ("ps0",)
 
     def check(self, p: Placement, ina: InaConfig) -> None:
-        if len(p.racks) != 1 or len(p.workers) > 64:
+        big = max(len(kids) for kids in p.racks.values())
+        if big > MAX_FAN_IN or len(p.racks) > MAX_FAN_IN:
             raise ConfigError(
                 "topology",
-                "ATP here aggregates at one switch (<= 64 workers in one "
-                "rack); use a star or a smaller job",
-            )
+                f"ATP aggregates in two levels of at most {MAX_FAN_IN}: racks of at most "
+                f"{MAX_FAN_IN} workers (here {big}), at most {MAX_FAN_IN} racks "
+                f"(here {len(p.racks)})",
+            )  # fmt: skip
+        if len(p.racks) > 1 and p.root is None:
+            raise ConfigError("root", "several racks need a second-level switch")
 
     def switch_job(self, p: Placement) -> SwitchJob:
         return SwitchJob(p.job_id, p.workers, window=p.window, ps_shards=p.servers)
+
+    def engines(self, p: Placement, ina: InaConfig) -> dict[str, Engine]:
+        """With several racks, ATP's two levels: each rack's switch aggregates
+        its workers and sends the sum up to ``root``, which aggregates the
+        racks for the PS; whatever a level cannot aggregate goes on to the PS,
+        which merges by (rack, worker) bits (``PsJob.groups``). The paper puts
+        the second level at the PS's rack switch, the PS one hop below it;
+        here it is the spine ``root`` (as SwitchML's), the PS one hop below
+        it (``servers_at_root``): the racks' sums arrive on links of their
+        own rather than converging on one rack switch's downlinks, and no
+        switch holds two levels of one job. SA-ATP's help runs at the racks'
+        switches, among a rack's workers (the paper's one switch)."""
+        if len(p.racks) == 1:
+            return super().engines(p, ina)
+        self.check(p, ina)
+        assert p.root is not None
+        leaves = list(p.racks)
+        sizes = tuple(len(p.racks[leaf]) for leaf in leaves)
+        top = SwitchJob(p.job_id, tuple(leaves), window=p.window, ps_shards=p.servers,
+                        below=sizes)  # fmt: skip
+        out: dict[str, Engine] = {p.root: SwitchEngine.build(p.root, self.policy or "atp",
+                                                             p.pool_slots, (top,))}  # fmt: skip
+        ps = PsJob(p.job_id, tuple(w for leaf in leaves for w in p.racks[leaf]), via=p.root,
+                   window=max(p.window, p.keep_results), groups=sizes)  # fmt: skip
+        out |= {s: ParameterServer(s, (ps,)) for s in p.servers}
+        for g, leaf in enumerate(leaves):
+            kids = p.racks[leaf]
+            job = SwitchJob(p.job_id, kids, parent=p.root, index_at_parent=g,
+                            parent_fan_in=len(leaves), window=p.window, group=g + 1)  # fmt: skip
+            sw = out[leaf] = SwitchEngine.build(leaf, self.policy or "atp", p.pool_slots, (job,))
+            if p.help is not None:
+                sw.watch(p.job_id, p.help)
+            rack = replace(p, workers=kids, racks={leaf: kids}, group=g + 1)
+            out |= {w: self.worker(rack, i) for i, w in enumerate(kids)}
+        return out
 
     def server_job(self, p: Placement) -> PsJob:
         # The PS answers retransmissions for a window of sequences, or longer
@@ -401,7 +445,19 @@ class PS(Scheme):
         return p.servers[0]
 
     def server_job(self, p: Placement) -> PsJob:
-        return PsJob(p.job_id, p.workers, window=max(p.window, p.keep_results))
+        """Past 64 workers, in groups of 64 in rank order (``PsJob.groups``)."""
+        n = len(p.workers)
+        groups = () if n <= MAX_FAN_IN else tuple(
+            min(MAX_FAN_IN, n - at) for at in range(0, n, MAX_FAN_IN)
+        )  # fmt: skip
+        return PsJob(p.job_id, p.workers, window=max(p.window, p.keep_results), groups=groups)
+
+    def worker(self, p: Placement, rank: int) -> Engine:
+        if len(p.workers) <= MAX_FAN_IN:
+            return super().worker(p, rank)
+        g, i = divmod(rank, MAX_FAN_IN)
+        group = replace(p, workers=p.workers[g * MAX_FAN_IN : (g + 1) * MAX_FAN_IN], group=g + 1)
+        return super().worker(group, i)
 
     def route(self, p: Placement, worker: str) -> Route:
         return Sharded(p.servers)

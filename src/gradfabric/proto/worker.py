@@ -106,6 +106,7 @@ class WorkerConfig:
     fast_retransmit: int = 0  # resend base once a result this far past it came (0: off)
     nack: bool = False  # ask the switch for loss notices (flag shares NACK) and act on them
     first_seq: int = 0  # where the job's sequences start (every worker of a job alike)
+    group: int = 0  # ATP's two levels: rack ``g``'s workers send ``layer = g + 1`` (``SwitchJob``)
 
     def __post_init__(self) -> None:
         if not 1 <= self.fan_in <= MAX_FAN_IN:
@@ -124,6 +125,8 @@ class WorkerConfig:
             raise ConfigError("first_seq", f"must be in 0..2**32-1, got {self.first_seq}")
         if self.helping >= self.fan_in or self.helping == self.worker_id:
             raise ConfigError("helping", "must name another worker of the job (or -1)")
+        if not 0 <= self.group <= MAX_FAN_IN:
+            raise ConfigError("group", f"must be in 0..{MAX_FAN_IN}, got {self.group}")
 
 
 # An outstanding packet: [packet, deadline_ns, retransmissions] (a list: cheaper
@@ -154,7 +157,7 @@ class WorkerEngine:
         self._header = (
             cfg.job_id, cfg.worker_id, cfg.fan_in,
             1 << (cfg.helping if helping else cfg.worker_id),
-            Flag.HELP if helping else Flag.NACK if cfg.nack else 0, cfg.rto_ns,
+            Flag.HELP if helping else Flag.NACK if cfg.nack else 0, cfg.rto_ns, cfg.group,
         )  # fmt: skip
         self._agg_index, self._dst = route.agg_index, route.dst
         self.counters = Counters()
@@ -162,7 +165,7 @@ class WorkerEngine:
         self.max_cwnd = float(cfg.max_window or cfg.window)
         self.base = cfg.first_seq
         self.next_seq = cfg.first_seq
-        self.queue: deque[tuple[int, int, np.ndarray | None, int, int]] = deque()
+        self.queue: deque[tuple[int, int, np.ndarray | None, int]] = deque()
         self.out: dict[int, list[Any]] = {}
         self.done_above: set[int] = set()
         self.timers: deque[tuple[int, int]] = deque()
@@ -180,7 +183,6 @@ class WorkerEngine:
         count: int,
         now_ns: int,
         payload: np.ndarray | None = None,
-        layer: int = 0,
         priority: int = 0,
         at_seq: int | None = None,
     ) -> list[Action]:
@@ -201,7 +203,7 @@ class WorkerEngine:
         for off in range(0, count, vpp):
             n = min(vpp, count - off)
             part = None if payload is None else payload[off : off + n]
-            self.queue.append((self.next_seq, n, part, layer, priority))
+            self.queue.append((self.next_seq, n, part, priority))
             self.next_seq += 1
         return self._pump(now_ns)
 
@@ -360,11 +362,11 @@ class WorkerEngine:
         if not queue or queue[0][0] >= limit:
             return actions
         out, timers, done = self.out, self.timers, self.done_above
-        job, wid, fan_in, bit, flags, rto_ns = self._header
+        job, wid, fan_in, bit, flags, rto_ns, layer = self._header
         deadline = now_ns + rto_ns
         agg_index, dst = self._agg_index, self._dst
         while queue and queue[0][0] < limit:
-            seq, n, part, layer, prio = queue.popleft()
+            seq, n, part, prio = queue.popleft()
             if seq < self.base or seq in done:  # already answered (helped ahead)
                 continue
             pkt = ina_packet(

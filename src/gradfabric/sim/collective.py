@@ -191,6 +191,9 @@ class CollectiveRun:
         self.iteration_buckets = len(buckets)
         self.bucket_hook: Callable[[int, int], None] | None = None
         self.help = HelpConfig()
+        # each worker's rack, in ranks: a switch names a worker by its place
+        # in its rack (ATP's two levels: SA-ATP's help requests)
+        self.rack_peers: list[list[int]] = []
 
     def payload(self, w: int, b: int) -> np.ndarray | None:
         if self.inputs is None:
@@ -198,11 +201,17 @@ class CollectiveRun:
         return self.inputs[w][self.offsets[b] : self.offsets[b + 1]]
 
     def topology(self, extra: list[str]) -> Topology:
+        """The fabric with the workers in rank order and the job's servers
+        ``extra``: round-robin over the workers' racks, or, where the scheme
+        keeps its servers at its top switch and there are racks, off spine0."""
         f = self.fabric
         hosts = self.workers + extra
         if f.topology == "star":
             return star(self.net, hosts, f.link, f.uplink)
         racks = [self.workers[i : i + f.hosts_per_rack] for i in range(0, self.n, f.hosts_per_rack)]
+        if SCHEMES.get(self.scheme).servers_at_root and len(racks) > 1:
+            return leaf_spine(self.net, racks, f.spines, f.link, f.fabric_link, f.uplink,
+                              tuple(extra))  # fmt: skip
         for i, h in enumerate(extra):
             racks[i % len(racks)].append(h)
         return leaf_spine(self.net, racks, f.spines, f.link, f.fabric_link, f.uplink)
@@ -255,6 +264,8 @@ class CollectiveRun:
         racks: dict[str, list[str]] = {}
         for name in self.workers:
             racks.setdefault(topo.first_hop[name], []).append(name)
+        rank = {name: w for w, name in enumerate(self.workers)}
+        self.rack_peers = [[rank[k] for k in racks[topo.first_hop[name]]] for name in self.workers]
         per_iteration = sum(self.npk[: self.iteration_buckets])
         p = scheme.place(
             tuple(self.workers), {k: tuple(v) for k, v in racks.items()}, self.ina,

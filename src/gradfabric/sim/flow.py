@@ -41,7 +41,9 @@ workers):
   packet level places them (on free hosts, round-robin over the racks); the
   pattern is the same for every worker of a rack and every server, so a
   rack's workers' NICs are one bundle, its servers' another, and groups are
-  (rack, rack) pairs.
+  (rack, rack) pairs. The servers' shares are dealt by sequence (a
+  simulated packet), so a bucket of ``k`` sequences loads the busiest
+  server with ``ceil(k / P)`` of them: at least that server's NIC time.
 * ``omnireduce``: as ``ps`` with pushes of the non-zero share ``density``
   and results of the share non-zero at any worker, ``1 - (1-density)^n``.
 * in-network (``switchml``, ``atp``, ``esa``, ``saatp``): each worker's
@@ -49,7 +51,9 @@ workers):
   rack's partial sum up one link to the job's pod aggregation switch, with
   several pods each pod's up one link to a core: aggregation at every level
   (SwitchML's hierarchy, ATP's two levels made three where a fat-tree has
-  them).
+  them). ATP's sum goes on to its PS, one hop off the top switch (packet
+  level lays it so), and the result comes back from there: two more hops
+  of latency and the PS's link, one flow each way.
 * SA-ATP with stragglers: a straggler's bucket is ready at ``f t_b`` (its
   slowdown ``f``); ATP waits for it; under SA-ATP a replica holder that
   finished its own backward at ``C`` computes it from the replica and sends
@@ -87,6 +91,9 @@ class Clos:
     pod_uplinks: int = 0
     link: LinkSpec = field(default_factory=LinkSpec)
     fabric: LinkSpec | None = None  # switch-to-switch links (None: ``link``)
+    # the job's servers round-robin over the workers' racks, past
+    # ``hosts_per_rack`` (packet level's leaf-spine lays them so: ``sim.topology``)
+    servers_join_racks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hosts_per_rack", "racks_per_pod", "pods"):
@@ -123,8 +130,9 @@ class Clos:
             return Clos(hosts_per_rack=max(1, hosts), link=fabric.link)
         racks = -(-hosts // fabric.hosts_per_rack)
         return Clos(
-            fabric.hosts_per_rack, racks, 1, fabric.spines, 0, fabric.link, fabric.fabric_link
-        )
+            fabric.hosts_per_rack, racks, 1, fabric.spines, 0, fabric.link, fabric.fabric_link,
+            servers_join_racks=True,
+        )  # fmt: skip
 
     @property
     def racks(self) -> int:
@@ -158,7 +166,8 @@ class Fabric:
     def __init__(self, clos: Clos, workers: int, servers: int = 0) -> None:
         per = clos.hosts_per_rack
         star = clos.rack_uplinks == 0
-        if not star and workers + servers > clos.hosts:
+        join = clos.servers_join_racks
+        if not star and workers + (0 if join else servers) > clos.hosts:
             raise ConfigError(
                 "workers", f"{workers} workers and {servers} servers exceed the fabric's "
                 f"{clos.hosts} hosts",
@@ -168,8 +177,8 @@ class Fabric:
         rack = [0 if star else w // per for w in range(workers)]
         free = [0] * clos.racks if star else [per - rack.count(r) for r in range(clos.racks)]
         for i in range(servers):
-            if star:
-                rack.append(0)
+            if star or join:
+                rack.append(0 if star else i % -(-workers // per))
                 continue
             r = next(r for k in range(clos.racks) if free[r := (i + k) % clos.racks] > 0)
             free[r] -= 1
@@ -331,10 +340,21 @@ class Plan:
     serial: bool  # buckets one at a time (a ring) or streamed back to back
     vpp: int
     groups: int = 0
+    # a PS deals a bucket's sequences round-robin over ``servers``
+    # (``proto.routes.Sharded``): the busiest holds ``ceil(k / servers)`` of
+    # ``k``, and its NIC moves each to or from every worker (``seq_ns``)
+    servers: int = 0
+    seq_values: int = 1
+    seq_ns: float = 0.0
 
     def bandwidth_ns(self, values: int) -> float:
         wire = wire_bytes(values, self.vpp)
-        return sum(p.time_ns(wire) for p in self.phases)
+        even = sum(p.time_ns(wire) for p in self.phases)
+        if not self.servers:
+            return even
+        sequences = -(-values // self.seq_values)
+        busiest = -(-sequences // self.servers)
+        return max(even, busiest * self.seq_ns)
 
 
 def _rings(
@@ -423,7 +443,8 @@ def _ina_tree(fab: Fabric, g: Groups, window: Callable[[int], float]) -> int:
     pods = sorted({r // fab.clos.racks_per_pod for r in racks})
     up = 1 + (len(racks) > 1) + (len(pods) > 1)
     cap = min(fab.rate(up > 1), window(up))  # the job's pipeline runs at its slowest
-    links = [fab.host_up(w) for w in range(n)] + [fab.host_down(w) for w in range(n)]
+    hosts = range(len(fab.rack))  # the workers, and ATP's PS: the sum in, the result out
+    links = [fab.host_up(h) for h in hosts] + [fab.host_down(h) for h in hosts]
     if len(racks) > 1:  # each rack's partial sum up one link, the result back down
         links += [fab.rack_up(r) for r in racks] + [fab.rack_down(r) for r in racks]
     if len(pods) > 1:
@@ -460,7 +481,11 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
         pull = 1 - (1 - density) ** workers if scheme == "omnireduce" else 1.0
         g, hops = _sharded(fab, servers, push, pull)
         latency = 2 * fab.path_ns(hops, ina) + train
-        return Plan((_solved(fab, g, Phase(0.0)),), latency, False, vpp, len(g.share))
+        solved = _solved(fab, g, Phase(0.0))
+        if scheme == "omnireduce":  # (its blocks go to aggregators by block, not so dealt)
+            return Plan((solved,), latency, False, vpp, len(g.share))
+        return Plan((solved,), latency, False, vpp, len(g.share), servers,
+                    ina.values_per_sim_packet, workers * train)  # fmt: skip
     window = sch.window(ina) * ina.train_packets  # in real packets
     if scheme != "switchml" and window > ina.atp_pool_slots:
         raise ConfigError(
@@ -471,8 +496,13 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
     g = Groups()
     pkt = packet_bytes(ina)
 
-    def rtt(up: int) -> float:  # up to the root and back, the result taken whole
-        return fab.path_ns(2 * up, ina) + pkt / fab.host_rate + train
+    # ATP's results come from its PS, one hop off the top switch and back;
+    # the PS, a host, takes the sum whole before it answers
+    ps_leg = 2 if servers else 0
+    ps_hold = train if servers else 0.0
+
+    def rtt(up: int) -> float:  # up to the root (and the PS) and back, the result taken whole
+        return fab.path_ns(2 * up + ps_leg, ina) + pkt / fab.host_rate + train + ps_hold
 
     levels = _ina_tree(fab, g, lambda up: window * pkt / rtt(up))
     latency = rtt(levels)

@@ -46,8 +46,12 @@ def leaf_spine(
     link: LinkSpec,
     fabric: LinkSpec | None = None,
     uplink: LinkSpec | None = None,
+    at_root: tuple[str, ...] = (),
 ) -> Topology:
-    """``racks[r]`` are the hosts under ``leaf{r}``; every leaf links to every spine."""
+    """``racks[r]`` are the hosts under ``leaf{r}``; every leaf links to every
+    spine; ``at_root`` hosts hang off ``spine0`` (ATP's PS beside its second
+    level, as the paper's PS beside its rack switch), every leaf reaching them
+    through it."""
     if spines < 1 or not racks:
         raise ConfigError("spines", "leaf-spine needs >= 1 spine and >= 1 rack")
     fabric = fabric or link
@@ -73,6 +77,14 @@ def leaf_spine(
             spn.routes[leaves[r]] = [ld]
             for h in hosts:
                 spn.routes[h] = [ld]
+    for h in at_root:
+        up, down = net.connect(h, spine_names[0], nic, link)
+        net.node(h).routes["*"] = [up]
+        net.node(spine_names[0]).routes[h] = [down]
+        topo.hosts.append(h)
+        topo.first_hop[h] = spine_names[0]
+        for name in leaves:
+            net.node(name).routes[h] = [uplinks[name][0]]
     for name in leaves:
         net.node(name).routes["*"] = uplinks[name]  # ECMP over spines
     for sp in spine_names:  # spine-to-spine traffic goes through a leaf

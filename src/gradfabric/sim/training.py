@@ -242,7 +242,8 @@ class _Trainer:
 
     def help(self, h: int, req: HelpRequest) -> None:
         """A help request: the helper decides once its device is free."""
-        run, s = self.run, req.straggler
+        run = self.run
+        s = run.rack_peers[h][req.straggler]  # the switch names it by its place in the rack
         it = (bisect.bisect_right(run.first_seq, req.from_seq) - 1) // self.J
         if it != self.current[h] or h in self.helping or s == h:
             return
@@ -264,7 +265,7 @@ class _Trainer:
                 self.offsets, run.loop.now - self.iter_start[h], min(at, self.J - 1)
             )
         )
-        shadow = run.hosts[h].shadow(s)
+        shadow = run.hosts[h].shadow(run.rack_peers[s].index(s))
         start_seq = (
             -1 if first is None else max(from_seq, own.base, run.first_seq[it * self.J + first])
         )
@@ -298,7 +299,7 @@ class _Trainer:
         payload = run.payload(s, g)  # the replica: the straggler's own data
         if payload is not None:
             payload = payload[skip:]
-        shadow = run.hosts[h].shadow(s)
+        shadow = run.hosts[h].shadow(run.rack_peers[s].index(s))
         at = max(start_seq, run.first_seq[g])
         run.net.kick(run.workers[h], shadow.push(count, run.loop.now, payload, at_seq=at))
         if g == (it + 1) * self.J - 1:  # the straggler's whole iteration is computed

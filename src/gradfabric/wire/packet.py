@@ -13,7 +13,12 @@ parameter server carries every contributor's bit. ``worker_id`` is the
 ``HELP`` packet, where a helper sends a straggler's share under the
 straggler's bit. This makes "merge by bitmap"
 one rule for every hop. One bitmap word bounds the fan-in of one aggregation
-point to 64; larger jobs aggregate hierarchically (leaf, then spine).
+point to 64; larger jobs aggregate hierarchically (leaf, then spine). Where
+a job's levels meet at one receiver (ATP's PS behind two levels, a PS job
+of more than 64 workers), ``layer`` says whose bits these are: 0 the top
+level's children (racks, or the workers of a one-level job), ``g + 1`` the
+workers of group ``g`` (``proto.ps.PsJob.groups``). The other protocols
+give ``layer`` their own meaning (a tensor, a bucket).
 
 ``decode`` raises only ``ProtocolError``: it is fed untrusted bytes.
 

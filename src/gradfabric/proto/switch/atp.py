@@ -22,6 +22,21 @@ least ``window`` sequences behind that job's newest result is stale (that
 sequence completed; a late duplicate re-claimed it) and is reclaimed.
 
 ECN marks are OR-ed into the aggregate; the PS echoes them in the result.
+
+Two levels (ATP's design for jobs past one rack)
+------------------------------------------------
+Each rack's switch runs the rules above over its workers (``SwitchJob.group``:
+their packets carry ``layer = rack + 1``) with the second-level switch as its
+``parent``: a complete rack aggregate goes up as one child's share of the
+level above (``_aggregate``), where the same rules aggregate racks and send
+the sum to the PS. Whatever a rack's switch cannot aggregate (collisions,
+overflow, retransmissions, flushed or preempted partials) keeps the rack's
+terms and passes the second level untouched (``on_lower``; a retransmission
+first flushes what that level holds of its key, as at the rack); the PS
+merges every kind by worker (``PsJob.groups``). Results come down through
+both levels, each freeing its aggregator and re-addressing the result to its
+own children (``_down``); a PS answer to one worker's retransmission finds
+its rack by ``layer`` and its worker by ``worker_id``.
 """
 
 from __future__ import annotations
@@ -79,7 +94,7 @@ class ATPPolicy:
         self.newest_result: dict[int, int] = {}
 
     def result_fan_in(self, job: SwitchJob) -> int:
-        return job.fan_in
+        return job.parent_fan_in if job.group else job.fan_in
 
     def admit(self, job: SwitchJob) -> None:
         return None  # the pool is shared: nothing is reserved
@@ -111,14 +126,7 @@ class ATPPolicy:
         out: list[Action] = []
         if pkt.flags & Flag.RESEND:
             self.counters["ps_resend"] += 1
-            if mine and a.state == AGGREGATING:
-                self.counters["flush_partial"] += 1
-                out.append(Send(ps, self._aggregate(job, a, Flag.PARTIAL)))
-                self._free(a, now_ns)
-            elif mine:  # COMPLETE: the aggregate may have been lost on its way
-                out.append(Send(ps, self._aggregate(job, a, Flag.NONE)))
-            out.append(Send(ps, pkt))
-            return out
+            return self._resend(job, a, mine, pkt, ps, now_ns)
         if not mine:
             if a.state != FREE:
                 evicted = self._make_room(a, job, pkt, now_ns)
@@ -150,6 +158,38 @@ class ATPPolicy:
         out.append(Send(ps, self._aggregate(job, a, Flag.NONE)))
         return out
 
+    def _resend(
+        self, job: SwitchJob, a: _Agg, mine: bool, pkt: Packet, ps: str, now_ns: int
+    ) -> list[Action]:
+        """A retransmission on its way to ``ps``: what this switch holds of its
+        key goes first (a partial, flushed and freed; a complete aggregate, sent
+        again: it may have been lost)."""
+        out: list[Action] = []
+        if mine and a.state == AGGREGATING:
+            self.counters["flush_partial"] += 1
+            out.append(Send(ps, self._aggregate(job, a, Flag.PARTIAL)))
+            self._free(a, now_ns)
+        elif mine:  # COMPLETE: the aggregate may have been lost on its way
+            out.append(Send(ps, self._aggregate(job, a, Flag.NONE)))
+        out.append(Send(ps, pkt))
+        return out
+
+    def on_lower(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
+        """ATP's second level passes a rack's fallbacks on to the PS untouched
+        (its aggregators count whole racks); a retransmission first flushes
+        what this level holds of its key, as the rack's switch did."""
+        shards = job.ps_shards
+        ps = shards[pkt.seq % len(shards)] if shards else job.parent
+        if ps is None:
+            self.counters["drop_bad_slot"] += 1
+            return []
+        self.counters["lower_passed"] += 1
+        if pkt.flags & Flag.RESEND and pkt.agg_index < len(self.pool):
+            a = self.pool[pkt.agg_index]
+            mine = a.state != FREE and a.job == job.job_id and a.seq == pkt.seq
+            return self._resend(job, a, mine, pkt, ps, now_ns)
+        return [Send(ps, pkt)]
+
     def _make_room(self, a: _Agg, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action] | None:
         """May ``pkt`` take occupied aggregator ``a``? None: no (a collision);
         else the actions that evict the occupant (none for ATP: only a stale
@@ -172,11 +212,28 @@ class ATPPolicy:
         if pkt.seq > self.newest_result.get(job.job_id, -1):
             self.newest_result[job.job_id] = pkt.seq
         if pkt.flags & Flag.RESEND:  # the PS answering one worker's retransmission
-            if pkt.worker_id >= job.fan_in:
+            # (ATP's second level: to the rack ``layer`` names; a rack's
+            # switch: to its worker, in the rack's terms)
+            if job.below:
+                if not 1 <= pkt.layer <= job.fan_in:
+                    self.counters["drop_bad_result"] += 1
+                    return []
+                return [Send(job.children[pkt.layer - 1], pkt)]
+            if pkt.worker_id >= job.fan_in or (job.group and pkt.layer != job.group):
                 self.counters["drop_bad_result"] += 1
                 return []
-            return [Send(job.children[pkt.worker_id], pkt)]
-        return [Multicast(job.children, pkt)]
+            return [Send(job.children[pkt.worker_id], self._down(job, pkt))]
+        return [Multicast(job.children, self._down(job, pkt))]
+
+    @staticmethod
+    def _down(job: SwitchJob, pkt: Packet) -> Packet:
+        """A result in the terms of this switch's children: a rack's switch
+        re-addresses its parent's result to its own workers."""
+        if not job.group:
+            return pkt
+        out = pkt.clone()
+        out.fan_in, out.bitmap, out.layer = job.fan_in, job.full, job.group
+        return out
 
     def _stale(self, a: _Agg, job: SwitchJob) -> bool:
         newest = self.newest_result.get(a.job, -1)
@@ -202,9 +259,19 @@ class ATPPolicy:
         a.values = None
 
     def _aggregate(self, job: SwitchJob, a: _Agg, flag: int) -> Packet:
+        """What ``a`` holds, on its way up: a rack's whole sum is one child's
+        share at the level above (ATP's second); anything else keeps this
+        switch's terms (its group in ``layer``), for the PS to merge."""
+        if job.group and a.bitmap == job.full:
+            i = job.index_at_parent
+            return ina_packet(
+                job_id=job.job_id, worker_id=i, seq=a.seq, agg_index=a.index, bitmap=1 << i,
+                fan_in=job.parent_fan_in, flags=a.flags | flag, count=a.nvalues, values=a.values,
+            )  # fmt: skip
         return ina_packet(
             job_id=job.job_id, worker_id=0, seq=a.seq, agg_index=a.index, bitmap=a.bitmap,
-            fan_in=job.fan_in, flags=a.flags | flag, count=a.nvalues, values=a.values,
+            fan_in=job.fan_in, flags=a.flags | flag, layer=job.group, count=a.nvalues,
+            values=a.values,
         )  # fmt: skip
 
 

@@ -59,6 +59,11 @@ class Policy(Protocol):
 
     def on_result(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]: ...
 
+    def on_lower(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
+        """A packet of a lower level (a rack's fallback, ATP's second level)
+        passing through on its way to the PS."""
+        ...
+
     def result_fan_in(self, job: SwitchJob) -> int:
         """The fan-in a legitimate result for ``job`` carries at this switch."""
         ...
@@ -135,6 +140,11 @@ class SwitchEngine(NoTimers):
             if pkt.fan_in != self.policy.result_fan_in(job) or pkt.bitmap != (1 << pkt.fan_in) - 1:
                 return self._drop("bad_result", pkt, now_ns)
             return self.policy.on_result(job, pkt, now_ns)
+        if (job.below or job.group) and pkt.layer != job.group:  # ATP's levels (``SwitchJob``)
+            if not job.below or not self._lower_ok(job, pkt):
+                return self._drop("bad_level", pkt, now_ns)
+            self.counters["rx_lower"] += 1
+            return self.policy.on_lower(job, pkt, now_ns)
         fan_in = job.fan_in
         if pkt.fan_in != fan_in or pkt.worker_id >= fan_in or pkt.bitmap != 1 << pkt.worker_id:
             # A helper may send one other worker's share, flagged HELP (SA-ATP).
@@ -156,6 +166,15 @@ class SwitchEngine(NoTimers):
             if mon is not None:
                 actions += mon.observe(pkt)
         return actions
+
+    @staticmethod
+    def _lower_ok(job: SwitchJob, pkt: Packet) -> bool:
+        """A packet of group ``layer - 1`` below: contributions of that group's
+        workers, sent by one of them (or by its rack switch)."""
+        g = pkt.layer - 1
+        if g >= len(job.below) or pkt.fan_in != job.below[g]:
+            return False
+        return 0 < pkt.bitmap < 1 << pkt.fan_in and pkt.worker_id < pkt.fan_in
 
     def missing_peers(self, job_id: int | None = None) -> list[str]:
         """Children some partly filled aggregator waits on, of ``job_id`` or

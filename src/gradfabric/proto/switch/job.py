@@ -21,6 +21,13 @@ class SwitchJob:
     parameter server (ATP); None makes this switch the root. ``ps_shards``:
     the PS sharded by sequence (BytePS style, ATP's deployment): sequence
     ``s`` goes to ``ps_shards[s % len(ps_shards)]`` instead of ``parent``.
+
+    ATP's two levels (``proto.switch.atp``) use two more fields. ``group``
+    (``g + 1`` at the switch of rack ``g``; 0 elsewhere): the ``layer`` its
+    workers' packets carry; its complete aggregates go up to ``parent`` as
+    child ``index_at_parent`` of ``parent_fan_in``, all else it forwards in
+    the rack's own terms. ``below`` (at the second level): the fan-in of each
+    child's group, so it can check the racks' fallback packets it passes on.
     """
 
     job_id: int
@@ -32,6 +39,8 @@ class SwitchJob:
     slot_count: int = 0
     window: int = 0
     ps_shards: tuple[str, ...] = ()
+    group: int = 0
+    below: tuple[int, ...] = ()
     fan_in: int = field(init=False)
     full: int = field(init=False)
 
@@ -44,6 +53,11 @@ class SwitchJob:
             )
         if not 0 <= self.index_at_parent < self.parent_fan_in <= MAX_FAN_IN:
             raise ConfigError("index_at_parent", "must satisfy 0 <= index < parent_fan_in <= 64")
+        if self.group < 0 or (self.group and (self.parent is None or self.ps_shards or self.below)):
+            raise ConfigError("group", "a rack's group is >= 1 and sends all to its parent")
+        fits = all(1 <= b <= MAX_FAN_IN for b in self.below)
+        if self.below and (len(self.below) != len(self.children) or not fits):
+            raise ConfigError("below", f"one fan-in of 1..{MAX_FAN_IN} per child")
 
     def ps_for(self, seq: int) -> str | None:
         """Where sequence ``seq``'s fallback traffic goes (see the class doc)."""

@@ -94,6 +94,8 @@ class SwitchMLPolicy:
         return job.parent_fan_in
 
     def admit(self, job: SwitchJob) -> None:
+        if job.group or job.below:
+            raise ConfigError("group", "SwitchML's hierarchy aggregates at every level")
         if job.slot_base + job.slot_count > len(self.copies):
             raise ConfigError(
                 "slot_count",
@@ -102,6 +104,10 @@ class SwitchMLPolicy:
             )
         for i in range(job.slot_base, job.slot_base + job.slot_count):
             self.copies[i] = (_Copy(), _Copy())
+
+    def on_lower(self, job: SwitchJob, pkt: Packet, now_ns: int) -> list[Action]:
+        self.counters["drop_bad_level"] += 1  # (``admit`` takes no job with levels)
+        return []
 
     def retire(self, job: SwitchJob) -> None:
         self.admit(job)  # a static range is simply cleared for its next owner
