@@ -114,3 +114,29 @@ def test_leaf_spine_racks_each_with_a_pool_stay_exact_under_loss() -> None:
         )  # type: ignore[arg-type]
         r = run_tenancy(cfg, jobs, values=True)
         assert r.exact is True, scheme
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scheme=st.sampled_from(["esa", "atp"]),
+    sizes=st.lists(st.integers(2, 14), min_size=2, max_size=5),
+    pool=st.integers(2, 24),
+    loss=st.floats(0.0, 0.08),
+    seed=st.integers(0, 2**31),
+)
+def test_jobs_spanning_racks_share_both_levels_exactly(
+    scheme: str, sizes: list[int], pool: int, loss: float, seed: int
+) -> None:
+    """Jobs larger than a rack (of 5) span racks: their racks' switches and
+    the spine's pool, shared with every other spanning job (ESA preempting
+    at both levels), stay exact under loss and reordering."""
+    jobs = [JobSpec(i + 1, i * 20_000, "mlp", n, 2) for i, n in enumerate([11, *sizes])]
+    link = LinkSpec(loss=loss, jitter_ns=2_000)
+    cfg = TenancyConfig(
+        scheme=scheme, racks=3, pool_slots=pool, seed=seed,
+        fabric=FabricConfig(topology="leaf_spine", spines=2, link=link),
+        ina=InaConfig(train_packets=1, atp_window=8, rto_ns=200_000), **{**SMALL, "hosts": 5},
+    )  # type: ignore[arg-type]  # fmt: skip
+    r = run_tenancy(cfg, jobs, values=True)
+    assert r.exact is True
+    assert len(r.jobs) == len(jobs)

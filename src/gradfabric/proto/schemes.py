@@ -236,22 +236,34 @@ class Scheme:
         """Engines that serve only this job (OmniReduce's aggregators, DLCP's server)."""
         return {}
 
-    def attach(
-        self, p: Placement, switch: SwitchEngine | None = None, ps: ParameterServer | None = None
-    ) -> dict[str, Engine]:
-        """Install the job on a running ``switch`` (and, if given, one shared
-        ``ps`` hosting every job's PS role); returns the engines it adds:
-        its servers (unless ``ps``) and those ``job_servers`` builds."""
-        out: dict[str, Engine] = {}
+    def levels(self, p: Placement) -> dict[str, SwitchJob]:
+        """The job at each switch it uses: the one it sits under (none where
+        the switch only forwards); ATP's two levels over several racks."""
         sj = self.switch_job(p)
-        if sj is not None:
-            if switch is None:
-                raise ConfigError("switch", f"{self.name} needs a switch")
-            switch.add_job(sj)
-            if p.help is not None:
+        return {} if sj is None else {p.switch: sj}
+
+    def attach(
+        self, p: Placement, switch: SwitchEngine | None = None, ps: ParameterServer | None = None,
+        switches: Mapping[str, SwitchEngine] | None = None,
+    ) -> dict[str, Engine]:  # fmt: skip
+        """Install the job on a running ``switch`` (or, over several racks, on
+        ``switches`` by name) and, if given, one shared ``ps`` hosting every
+        job's PS role; returns the engines it adds: its servers (unless
+        ``ps``) and those ``job_servers`` builds. SA-ATP's help runs at the
+        switches its workers sit under (the paper's one switch)."""
+        out: dict[str, Engine] = {}
+        levels = self.levels(p)
+        if switches is None and len(levels) > 1:
+            raise ConfigError("racks", "a job over several racks attaches to each rack's switch")
+        for name, sj in levels.items():
+            sw = switch if switches is None else switches.get(name)
+            if sw is None:
+                raise ConfigError("switch", f"{self.name} needs a switch ({name})")
+            sw.add_job(sj)
+            if p.help is not None and not sj.below:
                 if not self.can_help:
                     raise ConfigError("help", f"SA-ATP help does not run on {self.name}")
-                switch.watch(p.job_id, p.help)
+                sw.watch(p.job_id, p.help)
         pj = self.server_job(p)
         if pj is not None:
             if ps is not None:
@@ -260,19 +272,26 @@ class Scheme:
                 out |= {s: ParameterServer(s, (pj,)) for s in p.servers}
         return out | self.job_servers(p)
 
-    def detach(self, p: Placement, switch: SwitchEngine | None) -> None:
-        """The job left: release what it held at ``switch``."""
-        if switch is not None and p.job_id in switch.jobs:
-            switch.remove_job(p.job_id)
+    def detach(
+        self, p: Placement, switch: SwitchEngine | None,
+        switches: Mapping[str, SwitchEngine] | None = None,
+    ) -> None:  # fmt: skip
+        """The job left: release what it held at ``switch`` (or ``switches``)."""
+        for name in self.levels(p):
+            sw = switch if switches is None else switches.get(name)
+            if sw is not None and p.job_id in sw.jobs:
+                sw.remove_job(p.job_id)
 
     def engines(self, p: Placement, ina: InaConfig) -> dict[str, Engine]:
         """Every engine of a single job (its own switches included)."""
         self.check(p, ina)
         out: dict[str, Engine] = {}
         if self.policy is not None:
-            sw = SwitchEngine.build(p.switch, self.policy, p.pool_slots)
-            out[sw.name] = sw
-            out |= self.attach(p, sw)
+            switches = {
+                name: SwitchEngine.build(name, self.policy, p.pool_slots) for name in self.levels(p)
+            }
+            out |= switches
+            out |= self.attach(p, switches=switches)
         else:
             out |= self.attach(p)
         for rank, w in enumerate(p.workers):
@@ -337,7 +356,7 @@ class ATP(Scheme):
     policy = "atp"
     ecn_window = True
     can_help = True
-    servers_at_root = True  # the PS beside the second level (``engines``)
+    servers_at_root = True  # the PS beside the second level (``levels``)
 
     def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
         return ("ps0",)
@@ -357,45 +376,50 @@ class ATP(Scheme):
     def switch_job(self, p: Placement) -> SwitchJob:
         return SwitchJob(p.job_id, p.workers, window=p.window, ps_shards=p.servers)
 
-    def engines(self, p: Placement, ina: InaConfig) -> dict[str, Engine]:
-        """With several racks, ATP's two levels: each rack's switch aggregates
+    def levels(self, p: Placement) -> dict[str, SwitchJob]:
+        """Over several racks, ATP's two levels: each rack's switch aggregates
         its workers and sends the sum up to ``root``, which aggregates the
         racks for the PS; whatever a level cannot aggregate goes on to the PS,
         which merges by (rack, worker) bits (``PsJob.groups``). The paper puts
         the second level at the PS's rack switch, the PS one hop below it;
         here it is the spine ``root`` (as SwitchML's), the PS one hop below
-        it (``servers_at_root``): the racks' sums arrive on links of their
-        own rather than converging on one rack switch's downlinks, and no
-        switch holds two levels of one job. SA-ATP's help runs at the racks'
-        switches, among a rack's workers (the paper's one switch)."""
+        it where the driver can lay it so (``servers_at_root``): the racks'
+        sums arrive on links of their own rather than converging on one rack
+        switch's downlinks, and no switch holds two levels of one job."""
         if len(p.racks) == 1:
-            return super().engines(p, ina)
-        self.check(p, ina)
-        assert p.root is not None
+            return super().levels(p)
+        if p.root is None:
+            raise ConfigError("root", "several racks need a second-level switch")
         leaves = list(p.racks)
-        sizes = tuple(len(p.racks[leaf]) for leaf in leaves)
+        out = {
+            leaf: SwitchJob(p.job_id, p.racks[leaf], parent=p.root, index_at_parent=g,
+                            parent_fan_in=len(leaves), window=p.window, group=g + 1)
+            for g, leaf in enumerate(leaves)
+        }  # fmt: skip
         top = SwitchJob(p.job_id, tuple(leaves), window=p.window, ps_shards=p.servers,
-                        below=sizes)  # fmt: skip
-        out: dict[str, Engine] = {p.root: SwitchEngine.build(p.root, self.policy or "atp",
-                                                             p.pool_slots, (top,))}  # fmt: skip
-        ps = PsJob(p.job_id, tuple(w for leaf in leaves for w in p.racks[leaf]), via=p.root,
-                   window=max(p.window, p.keep_results), groups=sizes)  # fmt: skip
-        out |= {s: ParameterServer(s, (ps,)) for s in p.servers}
-        for g, leaf in enumerate(leaves):
-            kids = p.racks[leaf]
-            job = SwitchJob(p.job_id, kids, parent=p.root, index_at_parent=g,
-                            parent_fan_in=len(leaves), window=p.window, group=g + 1)  # fmt: skip
-            sw = out[leaf] = SwitchEngine.build(leaf, self.policy or "atp", p.pool_slots, (job,))
-            if p.help is not None:
-                sw.watch(p.job_id, p.help)
-            rack = replace(p, workers=kids, racks={leaf: kids}, group=g + 1)
-            out |= {w: self.worker(rack, i) for i, w in enumerate(kids)}
-        return out
+                        below=tuple(len(p.racks[leaf]) for leaf in leaves))  # fmt: skip
+        return out | {p.root: top}
 
     def server_job(self, p: Placement) -> PsJob:
         # The PS answers retransmissions for a window of sequences, or longer
         # where the job may run ahead of its slowest worker (``keep_results``).
-        return PsJob(p.job_id, p.workers, via=p.switch, window=max(p.window, p.keep_results))
+        window = max(p.window, p.keep_results)
+        if len(p.racks) == 1:
+            return PsJob(p.job_id, p.workers, via=p.switch, window=window)
+        racks = list(p.racks.values())
+        return PsJob(p.job_id, tuple(w for r in racks for w in r), via=p.root, window=window,
+                     groups=tuple(len(r) for r in racks))  # fmt: skip
+
+    def worker(self, p: Placement, rank: int) -> Engine:
+        """Over several racks a worker is its rack's: its place there, its
+        rack's group (``layer``), its rack's switch."""
+        if len(p.racks) == 1:
+            return super().worker(p, rank)
+        name = p.workers[rank]
+        g, leaf = next((g, leaf) for g, (leaf, kids) in enumerate(p.racks.items()) if name in kids)
+        kids = p.racks[leaf]
+        rack = replace(p, workers=kids, racks={leaf: kids}, group=g + 1)
+        return super().worker(rack, kids.index(name))
 
     def route(self, p: Placement, worker: str) -> Route:
         return HashedPool(p.switch, p.job_id, p.pool_slots)

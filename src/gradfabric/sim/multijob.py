@@ -1,11 +1,14 @@
 """Many training jobs sharing one switch's aggregator pool; job completion times.
 
 Jobs arrive (Poisson, or a trace file of ``arrival_s,model,workers,iterations``
-rows), wait for free hosts in one rack (and, under SwitchML, for a free static
-slot partition there), then train for their iterations on those hosts. Every
+rows), wait for free hosts (and, under SwitchML, for a free static slot
+partition in one rack), then train for their iterations on those hosts. Every
 rack's ToR (the one switch of a star, or a leaf of a leaf-spine) has its own
 aggregator pool, shared by the jobs placed in that rack; each job has its own
-PS host, which may sit in another rack. A job's completion time (JCT) runs
+PS hosts, which may sit in another rack. Under ATP and ESA a job that fits no
+rack spans several (the fewest that hold it): ATP's two levels, its racks'
+switches then ``spine0``, whose pool every spanning job shares (and ESA
+preempts in, as at the racks: the paper's rule at both levels). A job's completion time (JCT) runs
 from its arrival to its last result, queueing included. Under ESA, workers
 stamp every packet with their job's priority (``proto/priority.py``), recomputed at each iteration.
 """
@@ -56,7 +59,7 @@ class TenancyConfig:
     aging_s: float = 0.05
     pool_slots: int = 4096  # real aggregators (one per 256-value packet) in the shared pool
     hosts: int = 48  # per rack
-    racks: int = 1  # 1: a star (one ToR); more: a leaf-spine, jobs placed within a rack
+    racks: int = 1  # 1: a star (one ToR); more: a leaf-spine (a job in one rack if it fits)
     jobs: int = 12
     load: float = 0.7  # offered load: arrival rate x mean isolated work / host capacity
     models: tuple[str, ...] = ("resnet50", "bert-base")
@@ -96,10 +99,12 @@ class TenancyConfig:
         for m in self.models:
             check_model(m, "models")
         device(self.device)
-        if not 1 <= self.hosts <= 64 or max(self.workers_choices) > self.hosts:
-            raise ConfigError("hosts", "need 1..64 hosts per rack and every job to fit in one")
         if self.racks < 1:
             raise ConfigError("racks", f"must be >= 1, got {self.racks}")
+        room = self.hosts if self.scheme == "switchml" else self.hosts * self.racks
+        if not 1 <= self.hosts <= 64 or max(self.workers_choices) > room:
+            raise ConfigError("hosts", "need 1..64 hosts per rack and room for every job "
+                              "(in one rack under SwitchML)")  # fmt: skip
         if self.load <= 0 or self.jobs < 1 or self.pool_slots < 1:
             raise ConfigError("load", "load, jobs and pool_slots must be > 0")
 
@@ -128,7 +133,7 @@ def job_trace(cfg: TenancyConfig) -> list[JobSpec]:
         )
         for m, n, it in draws
     ]
-    rate = cfg.load * cfg.hosts / float(np.mean(work))  # jobs per ns
+    rate = cfg.load * cfg.hosts * cfg.racks / float(np.mean(work))  # jobs per ns
     t, jobs = 0.0, []
     for i, (m, n, it) in enumerate(draws):
         jobs.append(JobSpec(i + 1, int(t), m, n, it))
@@ -187,7 +192,7 @@ class _Job:
         self.start_ns = -1
         self.end_ns = -1
         self.partition = -1
-        self.rack: _Rack | None = None
+        self.racks: list[_Rack] = []
         self.placement: Placement | None = None
         self.inputs: list[np.ndarray] | None = None
         self.results: list[np.ndarray] | None = None
@@ -268,6 +273,14 @@ class _Tenancy:
             )
         if scheme.static_slots and not self.racks[0].partitions:
             raise ConfigError("pool_slots", "too small for one SwitchML partition")
+        self.rack_of = {h: r for r in self.racks for h in r.free}
+        self.switches = {r.switch.name: r.switch for r in self.racks}
+        # ATP's second level for jobs that span racks: a pool at spine0
+        self.root: SwitchEngine | None = None
+        if cfg.racks > 1 and not scheme.static_slots:
+            self.root = SwitchEngine.build(topo.spines[0], policy, self.pool)
+            self.net.bind(self.root.name, self.root)
+            self.switches[self.root.name] = self.root
         self.waiting: list[_Job] = []
         self.jobs = {j.job_id: _Job(j, cfg, values) for j in jobs}
         self.finished = 0
@@ -290,28 +303,50 @@ class _Tenancy:
                 ),
                 None,
             )
-            if rack is None:
+            racks = [rack] if rack is not None else self._spanning(job.spec.workers)
+            if not racks:
                 return
             if sml:
-                job.partition = rack.partitions.index(True)
-                rack.partitions[job.partition] = False
+                job.partition = racks[0].partitions.index(True)
+                racks[0].partitions[job.partition] = False
             self.waiting.pop(0)
-            self.start(job, rack)
+            self.start(job, racks)
 
-    def start(self, job: _Job, rack: _Rack) -> None:
+    def _spanning(self, workers: int) -> list[_Rack]:
+        """The fewest racks that hold ``workers`` together, fullest first
+        (none: not enough free hosts, or no second level to span with)."""
+        if self.root is None:
+            return []
+        out, room = [], 0
+        for r in sorted(self.racks, key=lambda r: -len(r.free)):
+            if room >= workers or not r.free:
+                break
+            out.append(r)
+            room += len(r.free)
+        return out if room >= workers else []
+
+    def start(self, job: _Job, racks: list[_Rack]) -> None:
         spec, ina = job.spec, self.cfg.ina
-        job.rack = rack
-        job.hosts = [rack.free.pop(0) for _ in range(spec.workers)]
+        job.racks = racks
+        left = spec.workers
+        layout: dict[str, tuple[str, ...]] = {}
+        for r in racks:
+            take = min(left, len(r.free))
+            layout[r.switch.name] = tuple(r.free[:take])
+            del r.free[:take]
+            left -= take
+        job.hosts = [h for hosts in layout.values() for h in hosts]
         job.start_ns = self.loop.now
         scheme = self.scheme
         p = job.placement = Placement(
-            spec.job_id, tuple(job.hosts), {rack.switch.name: tuple(job.hosts)},
+            spec.job_id, tuple(job.hosts), layout,
+            root=None if self.root is None else self.root.name,
             servers=tuple(self.shards[spec.job_id]),
             window=self.window, pool_slots=self.pool,
             slot_base=max(0, job.partition) * 2 * self.window,
             keep_results=2 * sum(job.npk[: job.J]), rto_ns=ina.rto_ns, values_per_packet=job.vpp,
         )  # fmt: skip
-        for ps, engine in scheme.attach(p, rack.switch).items():
+        for ps, engine in scheme.attach(p, switches=self.switches).items():
             self.net.bind(ps, engine)
         for i, h in enumerate(job.hosts):
             eng = scheme.worker(p, i)
@@ -372,13 +407,12 @@ class _Tenancy:
     def finish(self, job: _Job) -> None:
         job.end_ns = self.loop.now
         self.finished += 1
-        rack = job.rack
-        assert rack is not None
         assert job.placement is not None
-        self.scheme.detach(job.placement, rack.switch)
-        rack.free += job.hosts
+        self.scheme.detach(job.placement, None, self.switches)
+        for h in job.hosts:
+            self.rack_of[h].free.append(h)
         if job.partition >= 0:
-            rack.partitions[job.partition] = True
+            job.racks[0].partitions[job.partition] = True
         if self.finished == len(self.jobs):
             self.loop.stop()
         self.admit()
@@ -398,13 +432,13 @@ def run_tenancy(
     if ten.finished != len(jobs):
         raise RuntimeError(f"{len(jobs) - ten.finished} jobs did not finish")
     makespan = max(j.end_ns for j in ten.jobs.values()) - min(j.arrival_ns for j in jobs)
-    pool = PoolStats.total(r.switch.policy.stats for r in ten.racks)
+    pool = PoolStats.total(sw.policy.stats for sw in ten.switches.values())
     held = pool.held_ns
     if ten.scheme.static_slots:  # a static partition is held for the job's whole life
         held = sum((j.end_ns - j.start_ns) * 2 * ten.window for j in ten.jobs.values())
     counters = Counters()
-    for r in ten.racks:
-        counters.update(r.switch.counters)
+    for sw in ten.switches.values():
+        counters.update(sw.counters)
     exact = None
     if values:
         exact = all(

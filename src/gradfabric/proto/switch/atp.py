@@ -262,11 +262,12 @@ class ATPPolicy:
         """What ``a`` holds, on its way up: a rack's whole sum is one child's
         share at the level above (ATP's second); anything else keeps this
         switch's terms (its group in ``layer``), for the PS to merge."""
-        if job.group and a.bitmap == job.full:
+        if job.group and a.bitmap == job.full:  # (with its priority: ESA's, a level up)
             i = job.index_at_parent
             return ina_packet(
                 job_id=job.job_id, worker_id=i, seq=a.seq, agg_index=a.index, bitmap=1 << i,
-                fan_in=job.parent_fan_in, flags=a.flags | flag, count=a.nvalues, values=a.values,
+                fan_in=job.parent_fan_in, flags=a.flags | flag, priority=a.priority,
+                count=a.nvalues, values=a.values,
             )  # fmt: skip
         return ina_packet(
             job_id=job.job_id, worker_id=0, seq=a.seq, agg_index=a.index, bitmap=a.bitmap,
