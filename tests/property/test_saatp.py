@@ -52,17 +52,22 @@ schedules = st.one_of(
     jitter=st.integers(0, 5_000),
     seed=st.integers(0, 2**31),
     takeover=st.sampled_from(["all", "tail", "beatable"]),
+    racks=st.booleans(),
 )
 def test_saatp_exact_under_random_stragglers_loss_and_duplication(
-    stragglers: StragglerConfig, loss: float, dup: float, jitter: int, seed: int, takeover: str
-) -> None:
+    stragglers: StragglerConfig, loss: float, dup: float, jitter: int, seed: int, takeover: str,
+    racks: bool,
+) -> None:  # fmt: skip
+    """On one switch, or on two racks of 3 (ATP's two levels: help within a rack)."""
+    link = LinkSpec(loss=loss, dup=dup, jitter_ns=jitter)
+    two = FabricConfig(topology="leaf_spine", hosts_per_rack=3, spines=2, link=link)
     cfg = TrainingConfig(
         scheme="saatp",
         workers=6,
         seed=seed,
         stragglers=stragglers,
         takeover=takeover,
-        fabric=FabricConfig(link=LinkSpec(loss=loss, dup=dup, jitter_ns=jitter)),
+        fabric=two if racks else FabricConfig(link=link),
         ina=InaConfig(rto_ns=200_000),
         **BASE,
     )  # type: ignore[arg-type]
@@ -86,6 +91,20 @@ def test_help_happens_and_the_straggler_catches_up() -> None:
     assert sa.mean_iteration_ms < 0.8 * atp.mean_iteration_ms
     # the load was paid: 16384 samples of 3136 bytes at 10 Tbit/s per help
     assert sa.help_load_ns == sa.helps_started * int(16384 * 3136 * 8 / 10_000.0)
+
+
+def test_help_within_a_rack_of_two_levels() -> None:
+    """Two racks of 3 under a spine: the straggler's rack switch asks a peer
+    of its rack (switches name workers by their place in the rack), whose
+    help reaches the sum exactly and sooner than ATP's."""
+    slow = StragglerConfig(model="fixed", workers=(4,), slowdown=4.0)
+    fabric = FabricConfig(topology="leaf_spine", hosts_per_rack=3, spines=2)
+    kw = dict(workers=6, stragglers=slow, load_gbps=10_000.0, fabric=fabric, **BASE)
+    atp = run_training(TrainingConfig(scheme="atp", **kw), values=True)  # type: ignore[arg-type]
+    sa = run_training(TrainingConfig(scheme="saatp", **kw), values=True)  # type: ignore[arg-type]
+    _exact(sa)
+    assert sa.helps_started >= 1 and sa.counters["rx_help"] > 0
+    assert sa.mean_iteration_ms < 0.8 * atp.mean_iteration_ms
 
 
 def test_a_slow_replica_load_makes_help_too_late_to_pay() -> None:

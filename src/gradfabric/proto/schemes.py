@@ -160,6 +160,7 @@ class Scheme:
     server_only: bool = False  # every packet is aggregated at a server (no switch state)
     shaped_port: bool = False  # a daemon's shaped, prioritised port leads to its server
     servers_at_root: bool = False  # over several racks its servers hang off the top switch
+    rack_groups: bool = False  # over several racks its workers name their rack (``layer``)
     job_kinds: tuple[str, ...] = ("ina",)  # what a daemon running it registers
 
     def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
@@ -219,6 +220,11 @@ class Scheme:
 
     def worker(self, p: Placement, rank: int) -> Engine:
         name = p.workers[rank]
+        if len(p.racks) > 1 and self.policy is not None:  # its rack's, under its switch
+            g, leaf = next((g, sw) for g, (sw, kids) in enumerate(p.racks.items()) if name in kids)
+            kids = p.racks[leaf]
+            rack = replace(p, workers=kids, racks={leaf: kids}, group=(g + 1) * self.rack_groups)
+            return Scheme.worker(self, rack, kids.index(name))  # (a subclass wraps it once)
         cfg = WorkerConfig(
             job_id=p.job_id, worker_id=rank, fan_in=len(p.workers), window=p.window,
             rto_ns=p.rto_ns, max_retries=p.max_retries,
@@ -326,28 +332,20 @@ class SwitchML(Scheme):
     def route(self, p: Placement, worker: str) -> Route:
         return StaticSlots(p.rack_of(worker), p.slot_base, p.window)
 
-    def engines(self, p: Placement, ina: InaConfig) -> dict[str, Engine]:
+    def levels(self, p: Placement) -> dict[str, SwitchJob]:
         """With several racks, ``root`` aggregates the racks' aggregates (a
-        two-level tree); each leaf is a switch of its own."""
+        two-level tree, every level holding the job's slots)."""
         if len(p.racks) == 1:
-            return super().engines(p, ina)
+            return super().levels(p)
         if p.root is None:
             raise ConfigError("root", "several racks need a root switch")
-        slots, leaves = p.window, list(p.racks)
-        out: dict[str, Engine] = {}
-        for li, leaf in enumerate(leaves):
-            kids = p.racks[leaf]
-            job = SwitchJob(
-                p.job_id, kids, parent=p.root, index_at_parent=li,
-                parent_fan_in=len(leaves), slot_count=slots,
-            )  # fmt: skip
-            out[leaf] = SwitchEngine.build(leaf, "switchml", slots, (job,))
-            rack = replace(p, workers=kids, racks={leaf: kids})
-            for i in range(len(kids)):
-                out[kids[i]] = self.worker(rack, i)
-        top = SwitchJob(p.job_id, tuple(leaves), slot_count=slots)
-        out[p.root] = SwitchEngine.build(p.root, "switchml", slots, (top,))
-        return out
+        leaves = list(p.racks)
+        out = {
+            leaf: SwitchJob(p.job_id, p.racks[leaf], parent=p.root, index_at_parent=li,
+                            parent_fan_in=len(leaves), slot_count=p.window)
+            for li, leaf in enumerate(leaves)
+        }  # fmt: skip
+        return out | {p.root: SwitchJob(p.job_id, tuple(leaves), slot_count=p.window)}
 
 
 class ATP(Scheme):
@@ -357,6 +355,7 @@ class ATP(Scheme):
     ecn_window = True
     can_help = True
     servers_at_root = True  # the PS beside the second level (``levels``)
+    rack_groups = True
 
     def servers(self, workers: int, ina: InaConfig) -> tuple[str, ...]:
         return ("ps0",)
@@ -409,17 +408,6 @@ class ATP(Scheme):
         racks = list(p.racks.values())
         return PsJob(p.job_id, tuple(w for r in racks for w in r), via=p.root, window=window,
                      groups=tuple(len(r) for r in racks))  # fmt: skip
-
-    def worker(self, p: Placement, rank: int) -> Engine:
-        """Over several racks a worker is its rack's: its place there, its
-        rack's group (``layer``), its rack's switch."""
-        if len(p.racks) == 1:
-            return super().worker(p, rank)
-        name = p.workers[rank]
-        g, leaf = next((g, leaf) for g, (leaf, kids) in enumerate(p.racks.items()) if name in kids)
-        kids = p.racks[leaf]
-        rack = replace(p, workers=kids, racks={leaf: kids}, group=g + 1)
-        return super().worker(rack, kids.index(name))
 
     def route(self, p: Placement, worker: str) -> Route:
         return HashedPool(p.switch, p.job_id, p.pool_slots)
