@@ -386,9 +386,11 @@ class Emulator:
                 kind="goal", speedup=ratio, headline=True,
                 note=f"ina_hook, 16 MB buckets, {mlp['iter_ms']:.0f} ms per step against the "
                 f"default hook's {default['iter_ms']:.0f} ms (4 MB buckets, its best); bytes "
-                f"floors {floors['mlp']['ina']:.0f} and {floors['mlp']['default']:.0f} ms; ratio "
-                f"of mean step times, paired 95% interval, {cfg.steps - cfg.warmup} steps"
-                + _busy(mlp, default),
+                f"floors {floors['mlp']['ina']:.0f} and {floors['mlp']['default']:.0f} ms; the "
+                f"simulator's sum of the step's gradients {sims['mlp']['ina']:.0f} and "
+                f"{sims['mlp']['default']:.0f} ms (flow level {sims['mlp']['ina@flow']:.0f} and "
+                f"{sims['mlp']['default@flow']:.0f}); ratio of mean step times, paired 95% "
+                f"interval, {cfg.steps - cfg.warmup} steps" + _busy(mlp, default),
             )
         )
         lm, default = row("transformer", "ina"), row("transformer", "default")
