@@ -11,10 +11,11 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import ListSink
 from gradfabric.proto.actions import Deliver, Fail, Multicast, Send
 from gradfabric.proto.ps import ParameterServer, PsJob
+from gradfabric.proto.schemes import SCHEMES, InaConfig
 from gradfabric.proto.switch import SwitchEngine, SwitchJob
 from gradfabric.proto.switch.atp import atp_index
 from gradfabric.proto.worker import HashedPool, StaticSlots, WorkerConfig, WorkerEngine
-from gradfabric.wire.packet import Flag, Packet
+from gradfabric.wire.packet import Flag, Packet, ina_packet
 
 RTO = 1_000
 
@@ -437,16 +438,38 @@ def test_atp_two_levels_drop_packets_of_the_wrong_level() -> None:
     assert isinstance(fwd, Send) and fwd.dst == "ps" and fwd.pkt.layer == 1
 
 
+def _rack_sum(rack: int, vals: list[int], job: int = 1, priority: int = 0) -> Packet:
+    """Rack ``rack``'s whole sum as its switch sends it up (one child of 2)."""
+    return ina_packet(job_id=job, worker_id=rack, seq=0, agg_index=atp_index(job, 0, 8),
+                      bitmap=1 << rack, fan_in=2, priority=priority, count=len(vals),
+                      values=np.array(vals, np.int32))  # fmt: skip
+
+
+def test_esa_preempts_at_the_second_level_too() -> None:
+    """Two jobs' rack sums on one aggregator of the spine: the higher
+    priority takes it, the lower's partial goes to its own PS."""
+    jobs = tuple(SwitchJob(j, ("l0", "l1"), ps_shards=(f"ps{j}",), below=(2, 2)) for j in (1, 2))
+    sp = SwitchEngine.build("sp", "esa", 8, jobs)
+    low = _rack_sum(0, [3], job=1, priority=1)
+    high = _rack_sum(0, [5], job=2, priority=9)
+    high.agg_index = low.agg_index  # (the jobs' hashes collide here)
+    assert sp.on_packet(low, 0) == []
+    (evict,) = sp.on_packet(high, 1)
+    assert isinstance(evict, Send) and evict.dst == "ps1" and evict.pkt.flags & Flag.PARTIAL
+    assert (evict.pkt.bitmap, list(evict.pkt.payload)) == (0b01, [3])  # type: ignore[arg-type]
+    assert sp.counters["preemptions"] == 1
+
+
 def test_ps_merges_across_levels_by_worker_never_twice() -> None:
     """A rack's whole sum and one of its workers' shares hold that worker
     both: whichever comes second is refused (overlap or duplicate) and the
     result counts each worker once."""
     *_, ps = _two_levels()
     assert ps.on_packet(_rack_grad(0, 2, 1, [1]), 0) == []  # w0 alone (a fallback)
-    rack0 = Packet(1, 0, 0, 0, 0b01, 2, Flag.PARTIAL, count=1, payload=np.array([3], np.int32))
+    rack0 = _rack_sum(0, [3])
     assert ps.on_packet(rack0, 1) == [] and ps.counters["drop_overlap"] == 1
     assert ps.missing_workers(1) == ["w1", "w2"]
-    rack1 = Packet(1, 1, 0, 0, 0b10, 2, Flag.PARTIAL, count=1, payload=np.array([4], np.int32))
+    rack1 = _rack_sum(1, [4])
     assert ps.on_packet(rack1, 2) == []
     assert ps.on_packet(_rack_grad(0, 1, 2, [4]), 3) == []  # w2 again: in rack 1's sum
     assert ps.counters["drop_duplicate"] == 1
@@ -465,3 +488,11 @@ def test_levels_that_do_not_fit_are_refused() -> None:
         SwitchJob(1, ("l0", "l1"), below=(2,))
     with pytest.raises(ConfigError, match="every level"):
         SwitchEngine.build("s", "switchml", 8, (SwitchJob(1, ("a",), parent="p", group=1),))
+    with pytest.raises(ConfigError, match="place at the parent"):  # its sum and fallbacks differ
+        SwitchJob(1, ("a",), parent="p", index_at_parent=0, parent_fan_in=2, group=2)
+    with pytest.raises(ConfigError, match="own child"):
+        SwitchEngine.build("l0", "atp", 8, (SwitchJob(1, ("l0", "l1"), below=(2, 2)),))
+    p = SCHEMES.get("atp").place(("a", "b"), {"l0": ("a",), "l1": ("b",)}, InaConfig(),
+                                 root="l0", servers=("ps0",))  # fmt: skip
+    with pytest.raises(ConfigError, match="not one of theirs"):
+        SCHEMES.get("atp").levels(p)

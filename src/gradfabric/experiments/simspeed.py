@@ -50,8 +50,8 @@ class SpeedCase:
 
     @property
     def fabric(self) -> FabricConfig:
-        """A star up to 32 workers, a leaf-spine above; ATP always a star (it
-        aggregates at one switch here)."""
+        """A star up to 32 workers, a leaf-spine above; ATP's rows a star (its
+        rows stop at 64: one switch)."""
         star = self.scheme == "atp" or self.workers <= 32
         return FabricConfig(topology="star" if star else "leaf_spine")
 

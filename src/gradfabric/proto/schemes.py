@@ -137,6 +137,15 @@ class Placement:
         return next(sw for sw, kids in self.racks.items() if worker in kids)
 
 
+def _leaves(p: Placement) -> tuple[str, list[str]]:
+    """The root of a job over several racks and the racks' switches below it:
+    a switch of its own (a rack's switch as the root would be its own child)."""
+    if p.root is None or p.root in p.racks:
+        raise ConfigError("root", "a job over several racks needs a switch above them, "
+                          f"not one of theirs (root {p.root!r})")  # fmt: skip
+    return p.root, list(p.racks)
+
+
 def worker_input(seed: int, rank: int, workers: int, values: int) -> np.ndarray:
     """Worker ``rank``'s int32 data for a seeded run: uniform in the range that
     keeps the sum of ``workers`` contributions inside int32. Every driver draws
@@ -223,7 +232,8 @@ class Scheme:
         if len(p.racks) > 1 and self.policy is not None:  # its rack's, under its switch
             g, leaf = next((g, sw) for g, (sw, kids) in enumerate(p.racks.items()) if name in kids)
             kids = p.racks[leaf]
-            rack = replace(p, workers=kids, racks={leaf: kids}, group=(g + 1) * self.rack_groups)
+            group = g + 1 if self.rack_groups else 0
+            rack = replace(p, workers=kids, racks={leaf: kids}, group=group)
             return Scheme.worker(self, rack, kids.index(name))  # (a subclass wraps it once)
         cfg = WorkerConfig(
             job_id=p.job_id, worker_id=rank, fan_in=len(p.workers), window=p.window,
@@ -337,15 +347,13 @@ class SwitchML(Scheme):
         two-level tree, every level holding the job's slots)."""
         if len(p.racks) == 1:
             return super().levels(p)
-        if p.root is None:
-            raise ConfigError("root", "several racks need a root switch")
-        leaves = list(p.racks)
+        root, leaves = _leaves(p)
         out = {
-            leaf: SwitchJob(p.job_id, p.racks[leaf], parent=p.root, index_at_parent=li,
+            leaf: SwitchJob(p.job_id, p.racks[leaf], parent=root, index_at_parent=li,
                             parent_fan_in=len(leaves), slot_count=p.window)
             for li, leaf in enumerate(leaves)
         }  # fmt: skip
-        return out | {p.root: SwitchJob(p.job_id, tuple(leaves), slot_count=p.window)}
+        return out | {root: SwitchJob(p.job_id, tuple(leaves), slot_count=p.window)}
 
 
 class ATP(Scheme):
@@ -369,8 +377,6 @@ class ATP(Scheme):
                 f"{MAX_FAN_IN} workers (here {big}), at most {MAX_FAN_IN} racks "
                 f"(here {len(p.racks)})",
             )  # fmt: skip
-        if len(p.racks) > 1 and p.root is None:
-            raise ConfigError("root", "several racks need a second-level switch")
 
     def switch_job(self, p: Placement) -> SwitchJob:
         return SwitchJob(p.job_id, p.workers, window=p.window, ps_shards=p.servers)
@@ -387,17 +393,15 @@ class ATP(Scheme):
         switch's downlinks, and no switch holds two levels of one job."""
         if len(p.racks) == 1:
             return super().levels(p)
-        if p.root is None:
-            raise ConfigError("root", "several racks need a second-level switch")
-        leaves = list(p.racks)
+        root, leaves = _leaves(p)
         out = {
-            leaf: SwitchJob(p.job_id, p.racks[leaf], parent=p.root, index_at_parent=g,
+            leaf: SwitchJob(p.job_id, p.racks[leaf], parent=root, index_at_parent=g,
                             parent_fan_in=len(leaves), window=p.window, group=g + 1)
             for g, leaf in enumerate(leaves)
         }  # fmt: skip
         top = SwitchJob(p.job_id, tuple(leaves), window=p.window, ps_shards=p.servers,
                         below=tuple(len(p.racks[leaf]) for leaf in leaves))  # fmt: skip
-        return out | {p.root: top}
+        return out | {root: top}
 
     def server_job(self, p: Placement) -> PsJob:
         # The PS answers retransmissions for a window of sequences, or longer

@@ -38,7 +38,7 @@ workers):
 * ``hring``: the hierarchical ring (``proto.ring``): reduce-scatter in the
   rack, all-reduce of a ``1/h`` shard across racks, all-gather in the rack.
 * ``ps``: every worker to every server ``S/P`` and back, servers placed as
-  packet level places them (on free hosts, round-robin over the racks); the
+  packet level places them (``Fabric``: round-robin over the racks); the
   pattern is the same for every worker of a rack and every server, so a
   rack's workers' NICs are one bundle, its servers' another, and groups are
   (rack, rack) pairs. The servers' shares are dealt by sequence (a
@@ -92,7 +92,9 @@ class Clos:
     link: LinkSpec = field(default_factory=LinkSpec)
     fabric: LinkSpec | None = None  # switch-to-switch links (None: ``link``)
     # the job's servers round-robin over the workers' racks, past
-    # ``hosts_per_rack`` (packet level's leaf-spine lays them so: ``sim.topology``)
+    # ``hosts_per_rack`` (packet level's leaf-spine lays them so:
+    # ``sim.collective.CollectiveRun.topology``; ATP's PS, off spine0, is
+    # priced by its own links: ``plan``)
     servers_join_racks: bool = False
 
     def __post_init__(self) -> None:
@@ -159,9 +161,11 @@ def packet_bytes(ina: InaConfig) -> int:
 class Fabric:
     """Link capacities (bytes/ns) and paths of a Clos: workers in rank order
     (worker ``w`` in rack ``w // hosts_per_rack``), then the job's servers on
-    free hosts, round-robin over the racks that have one. A star's one
-    switch has a port for every host (packet level's star); a rack of a
-    leaf-spine or fat-tree has ``hosts_per_rack``."""
+    free hosts, round-robin over the racks that have one (or, with
+    ``servers_join_racks``, round-robin over the workers' racks whether or
+    not they have one). A star's one switch has a port for every host
+    (packet level's star); a rack of a leaf-spine or fat-tree has
+    ``hosts_per_rack``."""
 
     def __init__(self, clos: Clos, workers: int, servers: int = 0) -> None:
         per = clos.hosts_per_rack
@@ -496,13 +500,13 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
     g = Groups()
     pkt = packet_bytes(ina)
 
-    # ATP's results come from its PS, one hop off the top switch and back;
-    # the PS, a host, takes the sum whole before it answers
-    ps_leg = 2 if servers else 0
-    ps_hold = train if servers else 0.0
+    # ATP's results come from its PS, one host link off the top switch and
+    # back; the PS, a host, takes the sum whole before it answers
+    host = clos.link
+    ps_leg = 2 * (host.prop_delay_ns + pkt / fab.host_rate) + train if servers else 0.0
 
     def rtt(up: int) -> float:  # up to the root (and the PS) and back, the result taken whole
-        return fab.path_ns(2 * up + ps_leg, ina) + pkt / fab.host_rate + train + ps_hold
+        return fab.path_ns(2 * up, ina) + pkt / fab.host_rate + train + ps_leg
 
     levels = _ina_tree(fab, g, lambda up: window * pkt / rtt(up))
     latency = rtt(levels)

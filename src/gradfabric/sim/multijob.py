@@ -1,4 +1,4 @@
-"""Many training jobs sharing one switch's aggregator pool; job completion times.
+"""Many training jobs sharing switches' aggregator pools; job completion times.
 
 Jobs arrive (Poisson, or a trace file of ``arrival_s,model,workers,iterations``
 rows), wait for free hosts (and, under SwitchML, for a free static slot
@@ -35,6 +35,7 @@ from gradfabric.sim.collective import FabricConfig, deliver_into
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import Network
 from gradfabric.sim.topology import leaf_spine, star
+from gradfabric.wire.packet import MAX_FAN_IN
 from gradfabric.workloads.catalog import check_model, model_spec
 from gradfabric.workloads.compute import Timeline, device, timeline
 
@@ -101,7 +102,8 @@ class TenancyConfig:
         device(self.device)
         if self.racks < 1:
             raise ConfigError("racks", f"must be >= 1, got {self.racks}")
-        room = self.hosts if self.scheme == "switchml" else self.hosts * self.racks
+        # a job spans at most 64 racks (ATP's second level is one bitmap word)
+        room = self.hosts if self.scheme == "switchml" else self.hosts * min(self.racks, 64)
         if not 1 <= self.hosts <= 64 or max(self.workers_choices) > room:
             raise ConfigError("hosts", "need 1..64 hosts per rack and room for every job "
                               "(in one rack under SwitchML)")  # fmt: skip
@@ -277,6 +279,7 @@ class _Tenancy:
         self.switches = {r.switch.name: r.switch for r in self.racks}
         # ATP's second level for jobs that span racks: a pool at spine0
         self.root: SwitchEngine | None = None
+        self.spanned = False  # a job used it (its pool counts in memory use from then)
         if cfg.racks > 1 and not scheme.static_slots:
             self.root = SwitchEngine.build(topo.spines[0], policy, self.pool)
             self.net.bind(self.root.name, self.root)
@@ -317,9 +320,10 @@ class _Tenancy:
         (none: not enough free hosts, or no second level to span with)."""
         if self.root is None:
             return []
-        out, room = [], 0
+        out: list[_Rack] = []
+        room = 0
         for r in sorted(self.racks, key=lambda r: -len(r.free)):
-            if room >= workers or not r.free:
+            if room >= workers or not r.free or len(out) == MAX_FAN_IN:
                 break
             out.append(r)
             room += len(r.free)
@@ -336,6 +340,7 @@ class _Tenancy:
             del r.free[:take]
             left -= take
         job.hosts = [h for hosts in layout.values() for h in hosts]
+        self.spanned |= len(layout) > 1
         job.start_ns = self.loop.now
         scheme = self.scheme
         p = job.placement = Placement(
@@ -432,7 +437,10 @@ def run_tenancy(
     if ten.finished != len(jobs):
         raise RuntimeError(f"{len(jobs) - ten.finished} jobs did not finish")
     makespan = max(j.end_ns for j in ten.jobs.values()) - min(j.arrival_ns for j in jobs)
-    pool = PoolStats.total(sw.policy.stats for sw in ten.switches.values())
+    # the racks' pools, and spine0's where a job spanned racks (else memory use
+    # would count a pool no job could touch)
+    used = [r.switch for r in ten.racks] + ([ten.root] if ten.root and ten.spanned else [])
+    pool = PoolStats.total(sw.policy.stats for sw in used)
     held = pool.held_ns
     if ten.scheme.static_slots:  # a static partition is held for the job's whole life
         held = sum((j.end_ns - j.start_ns) * 2 * ten.window for j in ten.jobs.values())

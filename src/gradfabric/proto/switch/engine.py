@@ -121,6 +121,8 @@ class SwitchEngine(NoTimers):
     def add_job(self, job: SwitchJob) -> None:
         if job.job_id in self.jobs:
             raise ConfigError("job_id", f"job {job.job_id} already registered at {self.name}")
+        if self.name in job.children or self.name == job.parent:
+            raise ConfigError("children", f"{self.name} cannot be its own child or parent")
         self.policy.admit(job)
         self.jobs[job.job_id] = job
 

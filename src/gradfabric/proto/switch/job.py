@@ -25,9 +25,12 @@ class SwitchJob:
     ATP's two levels (``proto.switch.atp``) use two more fields. ``group``
     (``g + 1`` at the switch of rack ``g``; 0 elsewhere): the ``layer`` its
     workers' packets carry; its complete aggregates go up to ``parent`` as
-    child ``index_at_parent`` of ``parent_fan_in``, all else it forwards in
-    the rack's own terms. ``below`` (at the second level): the fan-in of each
-    child's group, so it can check the racks' fallback packets it passes on.
+    child ``index_at_parent`` of ``parent_fan_in`` (so ``group`` is
+    ``index_at_parent + 1``), all else it forwards in the rack's own terms.
+    ``below`` (at the second level): the fan-in of each child's group, so it
+    can check the racks' fallback packets it passes on. Both levels hold
+    pools of one size: a rack's sum names the aggregator the workers' hash
+    chose there.
     """
 
     job_id: int
@@ -55,6 +58,10 @@ class SwitchJob:
             raise ConfigError("index_at_parent", "must satisfy 0 <= index < parent_fan_in <= 64")
         if self.group < 0 or (self.group and (self.parent is None or self.ps_shards or self.below)):
             raise ConfigError("group", "a rack's group is >= 1 and sends all to its parent")
+        # a rack's sum reaches the PS as its bit at the parent, its fallbacks by
+        # group: the two must name the same rack
+        if self.group and self.group != self.index_at_parent + 1:
+            raise ConfigError("group", "a rack's group is its place at the parent, plus 1")
         fits = all(1 <= b <= MAX_FAN_IN for b in self.below)
         if self.below and (len(self.below) != len(self.children) or not fits):
             raise ConfigError("below", f"one fan-in of 1..{MAX_FAN_IN} per child")
