@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 from mypy_extensions import mypyc_attr
@@ -68,15 +69,6 @@ class PsJob:
         if self.window < 1:
             raise ConfigError("window", f"must be >= 1, got {self.window}")
 
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Each group's first worker."""
-        out, at = [], 0
-        for size in self.groups:
-            out.append(at)
-            at += size
-        return tuple(out)
-
 
 PENDING_WINDOWS = 4  # merges under way a job may hold, in windows (``PsJob.window``)
 
@@ -117,7 +109,7 @@ class ParameterServer(NoTimers):
         if job.job_id in self.jobs:
             raise ConfigError("job_id", f"job {job.job_id} already registered at {self.name}")
         self.jobs[job.job_id] = job
-        offs = job.offsets
+        offs = tuple(accumulate(job.groups[:-1], initial=0)) if job.groups else ()  # first workers
         masks = tuple(((1 << g) - 1) << o for g, o in zip(job.groups, offs, strict=True))
         self.state[job.job_id] = _JobState(masks, offs)
 

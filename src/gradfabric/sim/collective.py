@@ -195,6 +195,10 @@ class CollectiveRun:
         # in its rack (ATP's two levels: SA-ATP's help requests)
         self.rack_peers: list[list[int]] = []
 
+    def place_in_rack(self, w: int) -> int:
+        """Worker ``w``'s index among its rack's workers (how its switch names it)."""
+        return self.rack_peers[w].index(w)
+
     def payload(self, w: int, b: int) -> np.ndarray | None:
         if self.inputs is None:
             return None

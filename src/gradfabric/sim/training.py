@@ -265,7 +265,7 @@ class _Trainer:
                 self.offsets, run.loop.now - self.iter_start[h], min(at, self.J - 1)
             )
         )
-        shadow = run.hosts[h].shadow(run.rack_peers[s].index(s))
+        shadow = run.hosts[h].shadow(run.place_in_rack(s))
         start_seq = (
             -1 if first is None else max(from_seq, own.base, run.first_seq[it * self.J + first])
         )
@@ -299,7 +299,7 @@ class _Trainer:
         payload = run.payload(s, g)  # the replica: the straggler's own data
         if payload is not None:
             payload = payload[skip:]
-        shadow = run.hosts[h].shadow(run.rack_peers[s].index(s))
+        shadow = run.hosts[h].shadow(run.place_in_rack(s))
         at = max(start_seq, run.first_seq[g])
         run.net.kick(run.workers[h], shadow.push(count, run.loop.now, payload, at_seq=at))
         if g == (it + 1) * self.J - 1:  # the straggler's whole iteration is computed
