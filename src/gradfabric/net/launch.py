@@ -309,7 +309,11 @@ def _entry(
     threads: int | None,
     hosts: list[NsHost] | None,
 ) -> None:
-    faulthandler.enable()  # (a fatal signal prints every thread's Python stack)
+    # A fatal signal writes every thread's Python stack to the rank's crash
+    # file, which ``spawn`` puts into the error it raises (a rank's stderr
+    # is captured with its parent's; the error is what a report shows first).
+    crash = open(_crash_path(store_path, rank), "w")  # noqa: SIM115 (open to the end)
+    faulthandler.enable(crash)
     if hosts is not None:  # (first: gloo's sockets must be made in the namespace)
         enter(hosts[rank])
     import torch
@@ -348,7 +352,9 @@ def spawn(
     whole run: past it the ranks still running are killed and
     ``PeerTimeoutError`` names them. A rank's exception or fatal signal is
     raised here as ``torch.multiprocessing``'s ``ProcessRaisedException`` /
-    ``ProcessExitedException``. ``threads``: intra-op threads per rank (ranks
+    ``ProcessExitedException``; the latter's text ends with the dead rank's
+    Python stacks at the signal (``faulthandler``), the thread that took it
+    first. ``threads``: intra-op threads per rank (ranks
     that share a few cores spin against each other otherwise). ``hosts``:
     rank ``r`` runs in ``hosts[r]``'s network namespace and its gloo sockets
     on that host's link (``net.netns``; the rendezvous is a file, which every
@@ -361,6 +367,7 @@ def spawn(
         store = os.path.join(rdzv, "store")
         entry_args = (fn, world, store, args, timeout_s, barrier_at_exit, backend, threads, hosts)
         import torch.multiprocessing as tmp
+        from torch.multiprocessing.spawn import ProcessExitedException
 
         ctx = tmp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
             _entry, args=entry_args, nprocs=world, join=False, start_method="spawn"
@@ -371,11 +378,34 @@ def spawn(
                 if time.monotonic() >= end:
                     alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
                     raise PeerTimeoutError(", ".join(f"rank {r}" for r in alive), deadline_s)
+        except ProcessExitedException as e:
+            stacks = _crash_stacks(_crash_path(store, e.error_index))
+            if not stacks:
+                raise
+            raise type(e)(f"{e}\n{stacks}", e.error_index, e.error_pid, e.exit_code,
+                          e.signal_name) from e  # fmt: skip
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
                 p.join()
+
+
+def _crash_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.crash-{rank}"
+
+
+def _crash_stacks(path: str) -> str:
+    """A crashed rank's ``faulthandler`` report, the thread that took the
+    signal ("Current thread") first: its stack is the one that says where."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    blocks = text.split("\n\n")
+    current = [b for b in blocks if b.startswith("Current thread")]
+    return "\n\n".join(current + [b for b in blocks if b not in current])
 
 
 # --- Hosts: processes that meet only through the network ---
