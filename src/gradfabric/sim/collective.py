@@ -37,7 +37,7 @@ from gradfabric.proto.switch import PoolStats, SwitchEngine
 from gradfabric.proto.switch.straggler import HelpConfig
 from gradfabric.proto.worker import WorkerEngine
 from gradfabric.sim.loop import EventLoop
-from gradfabric.sim.network import LinkSpec, Network
+from gradfabric.sim.network import TIMER_SLACK_NS, LinkSpec, Network
 from gradfabric.sim.topology import Topology, leaf_spine, star
 
 TOPOLOGIES = ("star", "leaf_spine")
@@ -52,8 +52,11 @@ class FabricConfig:
     link: LinkSpec = field(default_factory=LinkSpec)
     fabric_link: LinkSpec | None = None
     uplink: LinkSpec | None = None  # hosts toward their first switch (None: ``link``)
+    timer_slack_ns: int = TIMER_SLACK_NS  # a host's timer fires up to this late (0: on time)
 
     def __post_init__(self) -> None:
+        if self.timer_slack_ns < 0:
+            raise ConfigError("timer_slack_ns", f"must be >= 0, got {self.timer_slack_ns}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(
                 "topology", f"unknown {self.topology!r}; valid: {', '.join(TOPOLOGIES)}"
@@ -154,7 +157,8 @@ class CollectiveRun:
             ina,
         )
         self.loop = EventLoop()
-        self.net = Network(self.loop, random.Random(seed), ina.values_per_packet)
+        self.net = Network(self.loop, random.Random(seed), ina.values_per_packet,
+                           timer_slack_ns=fabric.timer_slack_ns)  # fmt: skip
         self.vpp = ina.values_per_sim_packet
         self.workers = [f"w{i}" for i in range(workers)]
         self.offsets = np.concatenate([[0], np.cumsum([b.count for b in buckets])]).astype(int)

@@ -324,10 +324,23 @@ class Node(Port):
             (direct.get(d) or self.link_to(d, p)).send(d, p)
 
     def schedule(self, deadline_ns: int) -> None:
-        self.loop.at(deadline_ns, self.fire, deadline_ns)
+        # A host's timer fires up to its slack late (``Network.timer_slack_ns``)
+        slack = self.net.timer_slack_ns
+        late = int(self.net.rng.random() * slack) if slack else 0
+        self.loop.at(deadline_ns + late, self.fire, deadline_ns)
 
     def now(self) -> int:
         return self.loop.now
+
+
+# How late a host's timer may fire: Linux's default timer slack for a normal
+# thread. Timers that fired exactly on time would keep workers that lost
+# trains together retransmitting together: an incast that overfills the same
+# queue on every retry, one worker losing every time until it gives up (two
+# ATP jobs' trains to one PS shard did, at 48 workers a rack). Real hosts'
+# timers never line up to the nanosecond; this draws each firing's lateness
+# from the run's seeded generator, so a run stays reproducible.
+TIMER_SLACK_NS = 50_000
 
 
 @dataclass
@@ -337,6 +350,7 @@ class Network:
     values_per_packet: int = 256
     spray: bool = False  # per-packet path choice instead of per-flow ECMP
     priority: bool = False  # switch egress: strict-priority queues, per-class WRED
+    timer_slack_ns: int = TIMER_SLACK_NS  # each timer fires up to this late (0: on time)
     nodes: dict[str, Node] = field(default_factory=dict)
     links: list[Link] = field(default_factory=list)
     counters: Counters = field(default_factory=Counters)
