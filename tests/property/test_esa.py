@@ -140,31 +140,3 @@ def test_jobs_spanning_racks_share_both_levels_exactly(
     r = run_tenancy(cfg, jobs, values=True)
     assert r.exact is True
     assert len(r.jobs) == len(jobs)
-
-
-def test_trains_lost_together_are_not_retransmitted_together_forever() -> None:
-    """Two ATP jobs of 4 in one rack, their fallback PS off the spine: a
-    collision sends all four workers' 64-packet trains to one PS shard, whose
-    200 KB queue holds three. With timers that fire on time the same three
-    win every retry and the fourth worker gives up, naming its switch; a
-    host's timer slack (``sim.network.TIMER_SLACK_NS``) breaks the lockstep
-    and both jobs finish."""
-    import pytest
-
-    from gradfabric.core.errors import PeerTimeoutError
-    from gradfabric.sim.network import TIMER_SLACK_NS
-
-    def run(slack: int) -> float:
-        cfg = TenancyConfig(
-            scheme="atp", racks=2, hosts=8, pool_slots=4096, seed=0, models=("resnet50",),
-            workers_choices=(4,), ina=InaConfig(train_packets=64),
-            fabric=FabricConfig(topology="leaf_spine", link=LinkSpec(queue_bytes=200_000),
-                                timer_slack_ns=slack),
-        )  # fmt: skip
-        r = run_tenancy(cfg, [JobSpec(1, 0, "resnet50", 4, 1), JobSpec(2, 0, "resnet50", 4, 1)])
-        assert r.counters["ps_collision"] > 0  # (the PS shard's incast happened)
-        return r.avg_jct_s
-
-    with pytest.raises(PeerTimeoutError, match="leaf0"):
-        run(0)
-    assert run(TIMER_SLACK_NS) > 0

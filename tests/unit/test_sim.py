@@ -6,10 +6,13 @@ import random
 
 import pytest
 
-from gradfabric.core.errors import ConfigError
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.proto.actions import Action, NoTimers
+from gradfabric.proto.schemes import InaConfig
+from gradfabric.sim.collective import FabricConfig
 from gradfabric.sim.loop import EventLoop
-from gradfabric.sim.network import LinkSpec, Network
+from gradfabric.sim.multijob import JobSpec, TenancyConfig, run_tenancy
+from gradfabric.sim.network import TIMER_SLACK_NS, LinkSpec, Network
 from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, traffic_class
 
 
@@ -127,3 +130,27 @@ def test_link_spec_validation_names_the_field() -> None:
         LinkSpec(loss=1.5)
     with pytest.raises(ConfigError, match="link_gbps"):
         LinkSpec(link_gbps=0)
+
+
+def test_workers_that_lose_trains_together_do_not_retry_in_lockstep_forever() -> None:
+    """Two ATP jobs of 4 workers in one rack, queues of 200 KB, 64-packet
+    trains: a collision in the rack's pool sends a sequence's four 64 KB
+    trains to one of the job's PS shards at once, and that shard's port
+    takes two. With timers on time the same two workers lose every retry
+    until they give up, naming their switch; with a host's timer slack
+    (``TIMER_SLACK_NS``) the retries spread and both jobs finish."""
+
+    def run(slack: int) -> dict[str, int]:
+        cfg = TenancyConfig(
+            scheme="atp", racks=2, hosts=8, pool_slots=4096, seed=0, models=("resnet50",),
+            workers_choices=(4,), ina=InaConfig(train_packets=64),
+            fabric=FabricConfig(topology="leaf_spine", link=LinkSpec(queue_bytes=200_000),
+                                timer_slack_ns=slack),
+        )  # fmt: skip
+        jobs = [JobSpec(1, 0, "resnet50", 4, 1), JobSpec(2, 0, "resnet50", 4, 1)]
+        return run_tenancy(cfg, jobs).counters
+
+    with pytest.raises(PeerTimeoutError, match="leaf0"):
+        run(0)
+    done = run(TIMER_SLACK_NS)  # (finished: a job left unfinished raises)
+    assert done["ps_collision"] > 0 and done["ps_resend"] > 0  # the PS took retries

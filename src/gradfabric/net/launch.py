@@ -287,8 +287,8 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
 #   aborted once in the suite's runs, most likely there). A rank whose work
 #   returned and whose group was destroyed in order leaves with
 #   ``os._exit(0)`` (``leave``, which says more); ``faulthandler``
-#   is on in every rank, so a fatal signal before that prints every thread's
-#   Python stack.
+#   is on in every rank, so a fatal signal before that reports every
+#   thread's Python stack (a spawned rank's into the error ``spawn`` raises).
 #
 # A function that ends with an exception skips the barrier (its peers may be
 # dead or stuck) and the exception reaches ``torch.multiprocessing``'s report.
@@ -352,9 +352,11 @@ def spawn(
     whole run: past it the ranks still running are killed and
     ``PeerTimeoutError`` names them. A rank's exception or fatal signal is
     raised here as ``torch.multiprocessing``'s ``ProcessRaisedException`` /
-    ``ProcessExitedException``; the latter's text ends with the dead rank's
-    Python stacks at the signal (``faulthandler``), the thread that took it
-    first. ``threads``: intra-op threads per rank (ranks
+    ``ProcessExitedException``; where the signal was one ``faulthandler``
+    catches (SIGSEGV, SIGFPE, SIGABRT, SIGBUS, SIGILL; not SIGKILL or
+    SIGTERM), the latter's text ends with the rank's Python stacks at the
+    signal, the thread that took it first, and any other rank's crash is
+    printed to stderr. ``threads``: intra-op threads per rank (ranks
     that share a few cores spin against each other otherwise). ``hosts``:
     rank ``r`` runs in ``hosts[r]``'s network namespace and its gloo sockets
     on that host's link (``net.netns``; the rendezvous is a file, which every
@@ -378,12 +380,16 @@ def spawn(
                 if time.monotonic() >= end:
                     alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
                     raise PeerTimeoutError(", ".join(f"rank {r}" for r in alive), deadline_s)
-        except ProcessExitedException as e:
+        except ProcessExitedException as e:  # its stacks in its text, the others' on stderr
             stacks = _crash_stacks(_crash_path(store, e.error_index))
-            if not stacks:
-                raise
-            raise type(e)(f"{e}\n{stacks}", e.error_index, e.error_pid, e.exit_code,
-                          e.signal_name) from e  # fmt: skip
+            if stacks:
+                e.msg = f"{e.msg}\n{stacks}"
+                e.args = (e.msg,)
+            _print_crashes(store, world, but=e.error_index)
+            raise
+        except BaseException:  # a rank's error or the deadline: a crash beside it on stderr
+            _print_crashes(store, world)
+            raise
         finally:
             for p in ctx.processes:
                 if p.is_alive():
@@ -396,16 +402,24 @@ def _crash_path(store_path: str, rank: int) -> str:
 
 
 def _crash_stacks(path: str) -> str:
-    """A crashed rank's ``faulthandler`` report, the thread that took the
-    signal ("Current thread") first: its stack is the one that says where."""
+    """A crashed rank's ``faulthandler`` report (empty if none), its header
+    first ("Fatal Python error: ..."), then the thread that took the signal
+    ("Current thread": its stack says where), then the others."""
     try:
         with open(path) as f:
             text = f.read().strip()
     except OSError:
         return ""
     blocks = text.split("\n\n")
-    current = [b for b in blocks if b.startswith("Current thread")]
-    return "\n\n".join(current + [b for b in blocks if b not in current])
+    first = [b for b in blocks if b.startswith(("Fatal Python error", "Current thread"))]
+    return "\n\n".join(first + [b for b in blocks if b not in first])
+
+
+def _print_crashes(store_path: str, world: int, but: int = -1) -> None:
+    """Every other rank's crash report on stderr, before the files go."""
+    for rank in range(world):
+        if rank != but and (stacks := _crash_stacks(_crash_path(store_path, rank))):
+            print(f"rank {rank} crashed:\n{stacks}", file=sys.stderr)
 
 
 # --- Hosts: processes that meet only through the network ---

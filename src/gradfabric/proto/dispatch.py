@@ -69,7 +69,8 @@ class Port:
         raise NotImplementedError
 
     def schedule(self, deadline_ns: int) -> None:
-        """Call ``fire(deadline_ns)`` at ``deadline_ns`` on the driver's clock."""
+        """Call ``fire(deadline_ns)`` at or after ``deadline_ns`` on the
+        driver's clock (a host's timer may fire late: never early)."""
         raise NotImplementedError
 
     def now(self) -> int:

@@ -158,7 +158,7 @@ class CollectiveRun:
         )
         self.loop = EventLoop()
         self.net = Network(self.loop, random.Random(seed), ina.values_per_packet,
-                           timer_slack_ns=fabric.timer_slack_ns)  # fmt: skip
+                           timer_slack_ns=fabric.timer_slack_ns, slack_seed=seed)  # fmt: skip
         self.vpp = ina.values_per_sim_packet
         self.workers = [f"w{i}" for i in range(workers)]
         self.offsets = np.concatenate([[0], np.cumsum([b.count for b in buckets])]).astype(int)

@@ -153,11 +153,9 @@ class _Job:
         self.cfg = cfg
         self.loop = loop = EventLoop()
         rng = random.Random(cfg.seed)
-        # timers on time: the background sources' on/off periods are the load
-        # model's clock (their lateness would lower the offered load), and
-        # DLCP's losses are random, so no retransmissions line up
-        self.net = net = Network(loop, rng, cfg.per_packet, spray=cfg.spray, priority=cfg.priority,
-                                 timer_slack_ns=0)  # fmt: skip
+        # timers on time (``Network``'s default): the background sources' on/off
+        # periods are the load model's clock, which slack would slow
+        self.net = net = Network(loop, rng, cfg.per_packet, spray=cfg.spray, priority=cfg.priority)
         n = cfg.workers
         self.workers = [f"w{i}" for i in range(n)]
         bg = [[f"bg{r}_{i}" for i in range(cfg.background_hosts)] for r in range(2)]

@@ -237,8 +237,9 @@ class _Tenancy:
     def __init__(self, cfg: TenancyConfig, jobs: list[JobSpec], values: bool) -> None:
         self.cfg = cfg
         self.loop = EventLoop()
+        slack = cfg.fabric.timer_slack_ns
         self.net = Network(self.loop, random.Random(cfg.seed), cfg.ina.values_per_packet,
-                           timer_slack_ns=cfg.fabric.timer_slack_ns)  # fmt: skip
+                           timer_slack_ns=slack, slack_seed=cfg.seed)  # fmt: skip
         racks = [[f"h{r * cfg.hosts + i}" for i in range(cfg.hosts)] for r in range(cfg.racks)]
         # job j's PS shards sit in rack (j - 1) mod racks, wherever the job lands
         self.shards = {j.job_id: _ps_names(j, cfg) for j in jobs}

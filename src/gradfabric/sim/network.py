@@ -14,7 +14,9 @@ through it (forwarding and per-packet aggregation alike); a host's engine
 gets it when its last packet is in, since it has the train's data only then.
 
 Loss, duplication and reordering (a uniform extra delay up to ``jitter_ns``)
-draw from the network's one seeded RNG.
+draw from the network's seeded RNG; a host timer's lateness (its slack,
+``Network.timer_slack_ns``) from a generator of its own (``slack_seed``), so
+turning the slack on or off leaves every loss and delay draw as it was.
 """
 
 from __future__ import annotations
@@ -325,21 +327,22 @@ class Node(Port):
 
     def schedule(self, deadline_ns: int) -> None:
         # A host's timer fires up to its slack late (``Network.timer_slack_ns``)
-        slack = self.net.timer_slack_ns
-        late = int(self.net.rng.random() * slack) if slack else 0
+        net = self.net
+        late = int(net.slack_rng.random() * net.timer_slack_ns) if net.timer_slack_ns else 0
         self.loop.at(deadline_ns + late, self.fire, deadline_ns)
 
     def now(self) -> int:
         return self.loop.now
 
 
-# How late a host's timer may fire: Linux's default timer slack for a normal
-# thread. Timers that fired exactly on time would keep workers that lost
-# trains together retransmitting together: an incast that overfills the same
-# queue on every retry, one worker losing every time until it gives up (two
-# ATP jobs' trains to one PS shard did, at 48 workers a rack). Real hosts'
-# timers never line up to the nanosecond; this draws each firing's lateness
-# from the run's seeded generator, so a run stays reproducible.
+# How late a host's timer may fire, at most: a model of host timer jitter
+# (50 us, Linux's default timer slack for a normal thread, as its bound).
+# Timers that fired exactly on time kept workers that lost trains together
+# retransmitting together: an incast that overfilled the same queue on every
+# retry, the same workers losing every time until they gave up (two ATP jobs'
+# fallbacks to one PS shard did). Real hosts' timers never line up to the
+# nanosecond. ``FabricConfig`` defaults to it; a bare ``Network`` keeps
+# timers on time.
 TIMER_SLACK_NS = 50_000
 
 
@@ -350,10 +353,17 @@ class Network:
     values_per_packet: int = 256
     spray: bool = False  # per-packet path choice instead of per-flow ECMP
     priority: bool = False  # switch egress: strict-priority queues, per-class WRED
-    timer_slack_ns: int = TIMER_SLACK_NS  # each timer fires up to this late (0: on time)
+    timer_slack_ns: int = 0  # each timer fires up to this late (0: on time)
+    slack_seed: int = 0  # the lateness's own generator (loss and delay keep ``rng``)
+    slack_rng: random.Random = field(init=False, repr=False)
     nodes: dict[str, Node] = field(default_factory=dict)
     links: list[Link] = field(default_factory=list)
     counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        if self.timer_slack_ns < 0:
+            raise ConfigError("timer_slack_ns", f"must be >= 0, got {self.timer_slack_ns}")
+        self.slack_rng = random.Random(self.slack_seed)
 
     def node(self, name: str) -> Node:
         n = self.nodes.get(name)
