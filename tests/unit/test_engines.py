@@ -196,6 +196,39 @@ def test_atp_resend_flushes_partial_and_ps_never_double_counts() -> None:
     assert again[0].pkt.flags & Flag.RESEND and again[0].pkt.worker_id == 1  # type: ignore[union-attr]
 
 
+def test_ps_takes_a_whole_sum_over_a_partial_merge() -> None:
+    """A packet of every contribution is the result, whatever the PS merged:
+    the switch's complete aggregate, sent again after a resend, completes a
+    sequence whose partial merge overlaps it (ATP at scale: the last worker's
+    own resends kept losing a congested port, and the sequence never ended)."""
+    ps = ParameterServer("ps", (PsJob(1, ("w0", "w1", "w2"), via="sw"),))
+    assert ps.on_packet(_grad(1, 0, 0, 0, [1], n=3), 0) == []
+    assert ps.on_packet(_grad(1, 1, 0, 0, [2], n=3), 1) == []  # w0 and w1 merged
+    whole = _grad(1, 0, 0, 0, [7], n=3)
+    whole.bitmap = 0b111  # w0 + w1 + w2, as the switch summed them (1 + 2 + 4)
+    (res,) = ps.on_packet(whole, 2)
+    assert list(res.pkt.payload) == [7]  # type: ignore[union-attr,arg-type]
+    assert ps.counters["partial_superseded"] == 1 and ps.counters["drop_overlap"] == 0
+    (late,) = ps.on_packet(_grad(1, 2, 0, 0, [4], n=3), 3)  # w2's own share, late: answered
+    assert list(late.pkt.payload) == [7] and late.pkt.worker_id == 2  # type: ignore[union-attr,arg-type]
+    assert ps.missing_workers(1) == []
+
+
+def test_atp_sends_a_complete_aggregate_again_once_a_round_of_resends() -> None:
+    """A complete aggregate may have been lost on its way to the PS: the first
+    resend of its key sends it again, the rest of that round's do not (one
+    copy per worker per round congested a rack's uplink at scale)."""
+    sw = SwitchEngine.build("sw", "atp", 8, (SwitchJob(1, ("w0", "w1", "w2"), parent="ps"),))
+    idx = atp_index(1, 0, 8)
+    for w, v in enumerate((1, 2, 4)):
+        sw.on_packet(_grad(1, w, 0, idx, [v], n=3), w)
+    copies = []
+    for r in range(6):  # two rounds of the three workers' resends
+        out = sw.on_packet(_grad(1, r % 3, 0, idx, [1 << r % 3], n=3, flags=Flag.RESEND), 10 + r)
+        copies.append([a.pkt.bitmap for a in out])  # type: ignore[union-attr]
+    assert copies == [[0b111, 0b001], [0b010], [0b100], [0b111, 0b001], [0b010], [0b100]]
+
+
 def test_esa_preempts_lower_priority_and_reuses_complete_aggregators() -> None:
     jobs = (SwitchJob(1, ("w0", "w1"), parent="ps"), SwitchJob(2, ("x0", "x1"), parent="ps"))
     sw = SwitchEngine.build("sw", "esa", 4, jobs)

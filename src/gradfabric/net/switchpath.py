@@ -62,6 +62,7 @@ JOB_COUNTERS: Final = ("rx_datagrams", "drop_bad_token", "drop_malformed", "drop
 SERVER_COUNTERS: Final = (
     "merged", "resend_answered", "drop_bad_packet", "drop_stale", "drop_late_partial",
     "drop_duplicate", "drop_overlap", "drop_count_mismatch", "drop_pending_full",
+    "partial_superseded",
 )  # fmt: skip (a job's PS's, after the job's own in C)
 DRIVER_COUNTERS: Final = (
     "tx_datagrams", "drop_tx_full", "socket_error", "drop_no_address", "native_syscalls",

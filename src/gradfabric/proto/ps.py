@@ -9,8 +9,15 @@ Every packet carries the set of contributions it holds (``bitmap``). A packet
 disjoint from what the PS already has is merged; one wholly contained in it
 is a duplicate; one that overlaps only partly cannot be split (it is a sum)
 and is dropped: each of its new contributors is still waiting for the result
-and will retransmit its own packet, which then merges alone. So no
-contribution is ever counted twice and none is lost.
+and will retransmit its own packet, which then merges alone. A packet of
+every contribution is the sum itself, whatever is merged: it replaces the
+partial merge (``partial_superseded``). Without that rule a switch's
+complete aggregate, which ATP's switches send again with every
+retransmission of its key, lost to a partial merge of the same sequence
+here, and the one contributor still missing from it (always the last
+worker to reach a congested port, its resends dropped behind everybody
+else's) held the sequence until its workers gave up. So no contribution is
+ever counted twice and none is lost.
 
 Completed results are kept to answer retransmissions for ``window``
 sequences, then forgotten; anything at or below the forgotten floor is stale.
@@ -136,6 +143,10 @@ class ParameterServer(NoTimers):
                 return [self._unicast(job, st, done, pkt)]
             return self._drop("late_partial")
         acc = st.accs.get(pkt.seq)
+        if acc is not None and bits == full:  # the whole sum supersedes a partial merge
+            del st.accs[pkt.seq]
+            acc = None
+            self.counters["partial_superseded"] += 1
         if acc is None:
             # (a packet of every contribution opens nothing that stays)
             if len(st.accs) >= PENDING_WINDOWS * job.window and bits != full:

@@ -206,8 +206,10 @@ static void atp_gradient(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now) {
             s->counters[E_FLUSH_PARTIAL]++;
             aggregate(s, j, a, p->agg, F_PARTIAL);
             atp_free(s, a, now);
-        } else if (mine) { /* COMPLETE: the aggregate may have been lost on its way */
-            aggregate(s, j, a, p->agg, 0);
+        } else if (mine) { /* COMPLETE: the aggregate may have been lost on its way;
+                              * sent again once for every fan_in resends (count goes on) */
+            if ((a->count - j->fan_in) % j->fan_in == 0) aggregate(s, j, a, p->agg, 0);
+            a->count++;
         }
         to_ps(s, j, p->raw, p->len, p->seq, 0);
         return;

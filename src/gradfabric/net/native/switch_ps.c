@@ -3,7 +3,8 @@
  * through the switch; or the PS baseline, which answers the workers itself).
  * Merge by bitmap: a packet disjoint from what is merged is added, one
  * inside it is a duplicate, one that overlaps partly is dropped (its new
- * contributors resend alone); results are kept for ``window`` sequences to
+ * contributors resend alone), one of every contribution replaces the partial
+ * merge (it is the sum); results are kept for ``window`` sequences to
  * answer retransmissions, then forgotten (the floor). */
 #include "switch.h"
 
@@ -141,6 +142,13 @@ void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p) {
     }
     LOWER_BOUND(ps->accs, ps->naccs, seq, ->seq, at);
     acc_t *acc = at < ps->naccs && ps->accs[at]->seq == seq ? ps->accs[at] : NULL;
+    if (acc && p->bitmap == full) { /* the whole sum supersedes a partial merge */
+        memmove(ps->accs + at, ps->accs + at + 1, (size_t)(ps->naccs - at - 1) * sizeof *ps->accs);
+        ps->naccs--;
+        acc_free(acc);
+        acc = NULL;
+        j->counters[S_SUPERSEDED]++;
+    }
     if (!acc && p->bitmap == full && !(p->flags & F_FLOAT)) {
         /* every contribution at once (a complete aggregate, the common case):
          * the int32 values are their own int64 sum and fit, so the result is

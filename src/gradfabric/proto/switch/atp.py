@@ -13,6 +13,8 @@ Aggregator lifecycle::
     FREE --packet--> AGGREGATING(key) --last worker--> COMPLETE: aggregate -> PS
     COMPLETE --PS result with the same key passes back--> FREE (then multicast)
     AGGREGATING --resend for the key--> FREE (partial flushed to the PS)
+    COMPLETE --resend for the key--> COMPLETE (the aggregate sent again, once
+        for every ``n`` resends of the key, ``n`` the workers below)
 
 Other paths to the PS: a packet whose aggregator holds another key
 (``COLLISION``); a packet that overflowed the integer domain (``OVERFLOW``,
@@ -170,7 +172,13 @@ class ATPPolicy:
             out.append(Send(ps, self._aggregate(job, a, Flag.PARTIAL)))
             self._free(a, now_ns)
         elif mine:  # COMPLETE: the aggregate may have been lost on its way
-            out.append(Send(ps, self._aggregate(job, a, Flag.NONE)))
+            # Sent again once for every round of its workers' resends (``count``
+            # goes on counting them), not with each: with each, a rack's uplink
+            # carried its sum once per worker per round, most of what congested
+            # it at scale, and the PS needs one copy (``proto.ps``).
+            if (a.count - job.fan_in) % (sum(job.below) or job.fan_in) == 0:
+                out.append(Send(ps, self._aggregate(job, a, Flag.NONE)))
+            a.count += 1
         out.append(Send(ps, pkt))
         return out
 
