@@ -135,15 +135,15 @@ def test_link_spec_validation_names_the_field() -> None:
 def test_workers_that_lose_trains_together_do_not_retry_in_lockstep_forever() -> None:
     """Two ATP jobs of 4 workers in one rack, queues of 200 KB, 64-packet
     trains: a collision in the rack's pool sends a sequence's four 64 KB
-    trains to one of the job's PS shards at once, and that shard's port
-    takes two. With timers on time the same two workers lose every retry
-    until they give up, naming their switch; with a host's timer slack
-    (``TIMER_SLACK_NS``) the retries spread and both jobs finish."""
+    trains to the job's PS at once, and its port takes two. With timers on
+    time the same two workers lose every retry until they give up, naming
+    their switch; with a host's timer slack (``TIMER_SLACK_NS``) the retries
+    spread and both jobs finish."""
 
     def run(slack: int) -> dict[str, int]:
         cfg = TenancyConfig(
             scheme="atp", racks=2, hosts=8, pool_slots=4096, seed=0, models=("resnet50",),
-            workers_choices=(4,), ina=InaConfig(train_packets=64),
+            workers_choices=(4,), ps_shards=1, ina=InaConfig(train_packets=64),
             fabric=FabricConfig(topology="leaf_spine", link=LinkSpec(queue_bytes=200_000),
                                 timer_slack_ns=slack),
         )  # fmt: skip
@@ -154,3 +154,24 @@ def test_workers_that_lose_trains_together_do_not_retry_in_lockstep_forever() ->
         run(0)
     done = run(TIMER_SLACK_NS)  # (finished: a job left unfinished raises)
     assert done["ps_collision"] > 0 and done["ps_resend"] > 0  # the PS took retries
+
+
+def test_esa_at_scale_pairs_atp_and_esa_by_seed_on_a_small_leaf_spine() -> None:
+    """``esa-scale``'s grid, shrunk to two racks of four: every cell runs, the
+    comparison pairs each seed's ATP and ESA traces, and the claim reads
+    ATP's average JCT over ESA's."""
+    from gradfabric.experiments.esa import compare
+    from gradfabric.experiments.esa_scale import EsaScaleGrid, claims, run_grid
+
+    grid = EsaScaleGrid(racks=2, hosts=4, workers=(2, 6), jobs=3, iterations=(1, 1),
+                        pool_slots=(256,), seeds=(0, 1), train=16)  # fmt: skip
+    rows = run_grid(grid, lambda *_: None)
+    assert sorted((r["scheme"], r["seed"]) for r in rows) == [
+        ("atp", 0), ("atp", 1), ("esa", 0), ("esa", 1)]  # fmt: skip
+    assert all(r["jobs"] == 3 and r["largest_job"] == 6 for r in rows)  # one spans both racks
+    (cmp,) = compare(rows)
+    by = {(r["scheme"], r["seed"]): r["avg_jct_s"] for r in rows}
+    gains = [by["atp", s] / by["esa", s] for s in (0, 1)]
+    assert cmp["seeds"] == 2 and cmp["improvement"] == pytest.approx(sum(gains) / 2)
+    (claim,) = claims(grid, [cmp])
+    assert claim.speedup == cmp["improvement"] and claim.headline

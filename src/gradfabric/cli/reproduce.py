@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         dlcp_train,
         emulator,
         esa,
+        esa_scale,
         esa_train,
         flowlevel,
         granularity,

@@ -241,10 +241,15 @@ class _Tenancy:
         self.net = Network(self.loop, random.Random(cfg.seed), cfg.ina.values_per_packet,
                            timer_slack_ns=slack, slack_seed=cfg.seed)  # fmt: skip
         racks = [[f"h{r * cfg.hosts + i}" for i in range(cfg.hosts)] for r in range(cfg.racks)]
-        # job j's PS shards sit in rack (j - 1) mod racks, wherever the job lands
+        # job j's PS shard k sits in rack (j - 1 + k) mod racks, wherever the job
+        # lands: a server per worker machine spreads them as ATP and BytePS
+        # deploy them; all in one rack, a spanning job's fallbacks (a scarce
+        # pool's all but every packet) shared that rack's one link from the
+        # second level, and its workers gave up
         self.shards = {j.job_id: _ps_names(j, cfg) for j in jobs}
         for j in jobs:
-            racks[(j.job_id - 1) % cfg.racks] += self.shards[j.job_id]
+            for k, name in enumerate(self.shards[j.job_id]):
+                racks[(j.job_id - 1 + k) % cfg.racks].append(name)
         link = replace(cfg.fabric.link, jitter_ns=cfg.packet_jitter_ns or cfg.fabric.link.jitter_ns)
         up = cfg.fabric.uplink and replace(cfg.fabric.uplink, jitter_ns=link.jitter_ns)
         if cfg.racks == 1:
