@@ -174,4 +174,4 @@ def test_esa_at_scale_pairs_atp_and_esa_by_seed_on_a_small_leaf_spine() -> None:
     gains = [by["atp", s] / by["esa", s] for s in (0, 1)]
     assert cmp["seeds"] == 2 and cmp["improvement"] == pytest.approx(sum(gains) / 2)
     (claim,) = claims(grid, [cmp])
-    assert claim.speedup == cmp["improvement"] and claim.headline
+    assert claim.speedup == cmp["improvement"] and not claim.headline
