@@ -320,6 +320,44 @@ def test_the_modelled_links_hold_a_bounded_flood_and_count_the_rest_in_both() ->
         nat.close()
 
 
+def test_a_complete_aggregate_goes_again_once_a_round_of_resends_in_both() -> None:
+    """Every worker's share completes an aggregate, then two rounds and more
+    of resends (round robin, and one worker alone) reach it: both send it
+    again with the first resend of each round of ``n`` and their PS counts
+    the same copies (the old rule, a copy with each resend, shows in the PS's
+    ``drop_late_partial`` once the slow links have carried them)."""
+    for scheme in ("atp", "esa"):
+        for n in (1, 2, 3, 64):
+            for round_robin in (True, False):
+                cfg = NodeConfig(scheme=scheme, slots=16, job_slots=4, values_per_packet=300,
+                                 ps_link_mbps=1.0)  # fmt: skip
+                ref, nat = SwitchNode(cfg), NativeSwitchNode(cfg)
+                try:
+                    for x in (ref, nat):
+                        x.add_job(3, WTOKEN, n, 0)
+                    idx, now = atp_index(3, 0, cfg.slots), 0
+                    sends = [(w, 0) for w in range(n)]
+                    sends += [(r % n if round_robin else 0, Flag.RESEND) for r in range(2 * n + 3)]
+                    for w, flag in sends:
+                        pkt = Packet(3, w, 0, idx, 1 << w, n, flag, 0, 0, 1,
+                                     np.array([w + 1], np.int32))  # fmt: skip
+                        now += 1
+                        for x in (ref, nat):
+                            x.receive_datagram(WTOKEN + encode(pkt), now)
+                        assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
+                    while (at := ref.get_timer()) is not None:
+                        now = max(now, at)
+                        _fire(ref, nat, [3], now)
+                    _same_counters(ref, nat)
+                    late = ref.counter_groups()["servers"][3].get("drop_late_partial", 0)  # type: ignore[index]
+                    # a copy per round of n (with n = 1 each copy is one worker's
+                    # share, answered as a resend): every copy after the first
+                    # result is a late partial
+                    assert late == (-(-(2 * n + 3) // n) if n > 1 else 0)
+                finally:
+                    nat.close()
+
+
 # -- the worker node ---------------------------------------------------------------
 
 WTOKEN = bytes.fromhex("0123456789abcdef")

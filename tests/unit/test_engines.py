@@ -209,9 +209,14 @@ def test_ps_takes_a_whole_sum_over_a_partial_merge() -> None:
     (res,) = ps.on_packet(whole, 2)
     assert list(res.pkt.payload) == [7]  # type: ignore[union-attr,arg-type]
     assert ps.counters["partial_superseded"] == 1 and ps.counters["drop_overlap"] == 0
+    short = _grad(1, 0, 1, 0, [1, 1], n=3)  # another sequence, two values each
+    assert ps.on_packet(short, 4) == []
+    forged = _grad(1, 0, 1, 0, [9], n=3)
+    forged.bitmap = 0b111  # "every contribution", but of another length: not the sum
+    assert ps.on_packet(forged, 5) == [] and ps.counters["drop_overlap"] == 1
+    assert ps.missing_workers(1) == ["w1", "w2"]
     (late,) = ps.on_packet(_grad(1, 2, 0, 0, [4], n=3), 3)  # w2's own share, late: answered
     assert list(late.pkt.payload) == [7] and late.pkt.worker_id == 2  # type: ignore[union-attr,arg-type]
-    assert ps.missing_workers(1) == []
 
 
 def test_atp_sends_a_complete_aggregate_again_once_a_round_of_resends() -> None:
@@ -227,6 +232,22 @@ def test_atp_sends_a_complete_aggregate_again_once_a_round_of_resends() -> None:
         out = sw.on_packet(_grad(1, r % 3, 0, idx, [1 << r % 3], n=3, flags=Flag.RESEND), 10 + r)
         copies.append([a.pkt.bitmap for a in out])  # type: ignore[union-attr]
     assert copies == [[0b111, 0b001], [0b010], [0b100], [0b111, 0b001], [0b010], [0b100]]
+
+
+def test_atp_second_level_counts_a_round_of_resends_over_every_worker_below() -> None:
+    """At ATP's second level a round is every worker of every rack below
+    (five here, in racks of 2 and 3), not its two children."""
+    spine = SwitchEngine.build("sp", "atp", 8, (SwitchJob(1, ("l0", "l1"), ps_shards=("ps",),
+                                                          below=(2, 3)),))  # fmt: skip
+    assert spine.on_packet(_rack_sum(0, [3]), 0) == []
+    (whole,) = spine.on_packet(_rack_sum(1, [4]), 1)  # both racks' sums: complete, to the PS
+    assert whole.pkt.layer == 0 and whole.pkt.bitmap == 0b11  # type: ignore[union-attr]
+    copies = []
+    for k in range(10):  # two rounds of the five workers' resends, passed up by their racks
+        rack, w, n = (0, k % 5, 2) if k % 5 < 2 else (1, k % 5 - 2, 3)
+        out = spine.on_packet(_rack_grad(w, n, rack + 1, [1], flags=Flag.RESEND), 10 + k)
+        copies.append(sum(1 for a in out if a.pkt.layer == 0))  # type: ignore[union-attr]
+    assert copies == [1, 0, 0, 0, 0, 1, 0, 0, 0, 0]
 
 
 def test_esa_preempts_lower_priority_and_reuses_complete_aggregators() -> None:

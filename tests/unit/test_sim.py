@@ -173,5 +173,6 @@ def test_esa_at_scale_pairs_atp_and_esa_by_seed_on_a_small_leaf_spine() -> None:
     by = {(r["scheme"], r["seed"]): r["avg_jct_s"] for r in rows}
     gains = [by["atp", s] / by["esa", s] for s in (0, 1)]
     assert cmp["seeds"] == 2 and cmp["improvement"] == pytest.approx(sum(gains) / 2)
-    (claim,) = claims(grid, [cmp])
-    assert claim.speedup == cmp["improvement"] and not claim.headline
+    paper, goal = claims(grid, [cmp])  # (one pool: best and worst alike)
+    assert paper.speedup == goal.speedup == cmp["improvement"]
+    assert paper.paper == "1.35x" and goal.kind == "goal" and not paper.headline

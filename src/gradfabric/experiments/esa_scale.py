@@ -1,4 +1,4 @@
-"""ESA past one rack: jobs of 64 to 1,024 workers sharing a leaf-spine's pools.
+"""ESA past one rack: jobs of hundreds of workers sharing a leaf-spine's pools.
 
 The ``esa`` study holds ESA to its paper on one rack at packet level; this
 one asks the paper's question where its jobs live: many data-parallel jobs of
@@ -28,7 +28,7 @@ from typing import Any
 from gradfabric.core.cells import Executor, chosen, run_cells
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
-from gradfabric.experiments.esa import compare
+from gradfabric.experiments.esa import _gain, compare  # (esa's text for a paired gain)
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import FabricConfig
@@ -41,7 +41,7 @@ class EsaScaleGrid:
     """A leaf-spine of ``racks`` racks of ``hosts`` at 100 Gbit/s, ``spines``
     spines on ``fabric_gbps`` links (racks of 64 on 4 x 400G: 4:1
     oversubscribed), 2 MB queues. The default is 8 racks and jobs of up to
-    256 workers (about 2.5 minutes a run here); 16 racks with jobs of 1,024
+    256 workers (one to two minutes a run here); 16 racks with jobs of 1,024
     take 9 minutes a run, and with first-come placement a job of the whole
     cluster runs alone, so nothing contends."""
 
@@ -95,44 +95,58 @@ def run_cell(cfg: TenancyConfig) -> dict[str, Any]:
 
 
 def run_grid(grid: EsaScaleGrid, tick: Tick, where: Executor | int = 1) -> list[dict[str, Any]]:
-    cells = [config(grid, scheme, pool, seed)
-             for pool in grid.pool_slots for seed in grid.seeds for scheme in ("atp", "esa")]
-    return run_cells(run_cell, cells, where, tick,
-                     lambda c: f"{c.racks} racks, pool {c.pool_slots}, {c.scheme}, seed {c.seed}")
+    cells = [
+        config(grid, scheme, pool, seed)
+        for pool in grid.pool_slots
+        for seed in grid.seeds
+        for scheme in ("atp", "esa")
+    ]
+    return run_cells(run_cell, cells, where, tick, _label)
+
+
+def _label(c: TenancyConfig) -> str:
+    return f"{c.racks} racks, pool {c.pool_slots}, {c.scheme}, seed {c.seed}"
 
 
 def claims(grid: EsaScaleGrid, cmp: list[dict[str, Any]]) -> list[Claim]:
-    """ESA's gain over ATP at each pool size. None is a headline: the README's
-    simulated ESA is the one-rack study at packet level (``esa``), this one's
-    trains the coarser prediction."""
-    out = []
-    for c in cmp:
-        ci = f" ± {c['improvement_ci']:.2f}" if c["seeds"] > 1 else " (one trace)"
-        out.append(Claim(
-            "ESA",
-            f"average JCT better than ATP, jobs of {grid.workers[0]}-{grid.workers[-1]} workers "
-            f"on {grid.racks} racks of {grid.hosts}, pool {c['pool_slots']}",
-            "sim", "ATP (two levels, PS sharded per worker)", f"{c['improvement']:.2f}x{ci}",
-            "1.35x", reaches(c["improvement"], 1.35), speedup=c["improvement"],
-            note=f"{c['seeds']} seeded traces, load {c['load']:g}; avg JCT "
-            f"{c['atp_avg_jct_s'] * 1e3:.0f} ms (ATP) vs {c['esa_avg_jct_s'] * 1e3:.0f} ms, p99 "
-            f"{c['atp_p99_jct_s'] * 1e3:.0f} vs {c['esa_p99_jct_s'] * 1e3:.0f} ms; trains of "
-            f"{grid.train} packets",
-        ))  # fmt: skip
-    return out
+    """The paper's claim at the pool where ESA gains most, and our own goal
+    (never worse than ATP by more than 3%) where it gains least. Neither is a
+    headline: the README's simulated ESA is the one-rack study at packet
+    level (``esa``), this one's trains the coarser prediction."""
+    best = max(cmp, key=lambda c: c["improvement"])
+    worst = min(cmp, key=lambda c: c["improvement"])
+    setting = (f"jobs of {grid.workers[0]}-{grid.workers[-1]} workers on {grid.racks} racks of "
+               f"{grid.hosts}")  # fmt: skip
+
+    def note(c: dict[str, Any]) -> str:
+        return (f"pool {c['pool_slots']}, {c['seeds']} seeded traces, load {c['load']:g}; avg "
+                f"JCT {c['atp_avg_jct_s'] * 1e3:.0f} ms (ATP) vs {c['esa_avg_jct_s'] * 1e3:.0f} "
+                f"ms, p99 {c['atp_p99_jct_s'] * 1e3:.0f} vs {c['esa_p99_jct_s'] * 1e3:.0f} ms; "
+                f"trains of {grid.train} packets")  # fmt: skip
+
+    baseline = "ATP (two levels, PS sharded per worker)"
+    return [
+        Claim("ESA", f"average JCT better than ATP by up to, {setting}", "sim", baseline,
+              _gain(best, 2), "1.35x", reaches(best["improvement"], 1.35),
+              speedup=best["improvement"], note=note(best)),
+        Claim("ESA", f"never worse than ATP by more than 3% (avg JCT), {setting}", "sim",
+              "ATP", _gain(worst, 3), ">= 0.97x", reaches(worst["improvement"], 0.97),
+              kind="goal", speedup=worst["improvement"], note=note(worst)),
+    ]  # fmt: skip
 
 
 class EsaScale:
     name = "esa-scale"
     title = "ESA past one rack: jobs of hundreds of workers on a leaf-spine"
-    main_job = False  # 18 runs of about 2.5 minutes: its own run
+    main_job = False  # 18 runs of one to two minutes: its own run
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         grid = EsaScaleGrid.quick() if quick else EsaScaleGrid()
         rows = run_grid(grid, tick, chosen())
         cmp = compare(rows)
+        tenancy = config(grid, "esa", grid.pool_slots[0], grid.seeds[0])
         r = ExperimentResult(self.name, self.title, rows=cmp + rows,
-                             config={"grid": dump(grid)})  # fmt: skip
+                             config={"grid": dump(grid), "tenancy": dump(tenancy)})  # fmt: skip
         r.claims += claims(grid, cmp)
         pools = [float(p) for p in grid.pool_slots]
         for stat, label in (("avg_jct_s", "average"), ("p99_jct_s", "p99")):

@@ -10,13 +10,13 @@ disjoint from what the PS already has is merged; one wholly contained in it
 is a duplicate; one that overlaps only partly cannot be split (it is a sum)
 and is dropped: each of its new contributors is still waiting for the result
 and will retransmit its own packet, which then merges alone. A packet of
-every contribution is the sum itself, whatever is merged: it replaces the
-partial merge (``partial_superseded``). Without that rule a switch's
-complete aggregate, which ATP's switches send again with every
-retransmission of its key, lost to a partial merge of the same sequence
-here, and the one contributor still missing from it (always the last
-worker to reach a congested port, its resends dropped behind everybody
-else's) held the sequence until its workers gave up. So no contribution is
+every contribution (of the same length) is the sum itself, whatever is
+merged: it replaces the partial merge (``partial_superseded``). Without
+that rule a switch's complete aggregate, which ATP's switches send again
+after resends of its key, lost to a partial merge of the same sequence
+here, and a contributor still missing from it (a worker whose resends kept
+reaching a congested port behind everybody else's) held the sequence until
+its workers gave up. So no contribution is
 ever counted twice and none is lost.
 
 Completed results are kept to answer retransmissions for ``window``
@@ -143,8 +143,10 @@ class ParameterServer(NoTimers):
                 return [self._unicast(job, st, done, pkt)]
             return self._drop("late_partial")
         acc = st.accs.get(pkt.seq)
-        if acc is not None and bits == full:  # the whole sum supersedes a partial merge
+        carried = 0  # ECN marks of a partial merge a whole sum supersedes
+        if acc is not None and bits == full and pkt.count == acc.nvalues:
             del st.accs[pkt.seq]
+            carried = acc.flags & Flag.ECN
             acc = None
             self.counters["partial_superseded"] += 1
         if acc is None:
@@ -158,7 +160,7 @@ class ParameterServer(NoTimers):
             return self._drop("count_mismatch")
         self.counters["merged"] += 1
         acc.bitmap |= bits
-        acc.flags |= pkt.flags & Flag.ECN
+        acc.flags |= (pkt.flags | carried) & Flag.ECN
         if not pkt.flags & (Flag.COLLISION | Flag.RESEND | Flag.OVERFLOW):
             acc.agg_index = pkt.agg_index
         if pkt.payload is not None:

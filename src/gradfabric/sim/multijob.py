@@ -241,11 +241,11 @@ class _Tenancy:
         self.net = Network(self.loop, random.Random(cfg.seed), cfg.ina.values_per_packet,
                            timer_slack_ns=slack, slack_seed=cfg.seed)  # fmt: skip
         racks = [[f"h{r * cfg.hosts + i}" for i in range(cfg.hosts)] for r in range(cfg.racks)]
-        # job j's PS shard k sits in rack (j - 1 + k) mod racks, wherever the job
-        # lands: a server per worker machine spreads them as ATP and BytePS
-        # deploy them; all in one rack, a spanning job's fallbacks (a scarce
-        # pool's all but every packet) shared that rack's one link from the
-        # second level, and its workers gave up
+        # job j's PS shard k is a host of its own in rack (j - 1 + k) mod racks,
+        # placed before the job lands (so not beside its workers): spread as
+        # BytePS spreads its servers over machines; all in one rack, a spanning
+        # job's fallbacks (a scarce pool's all but every packet) shared that
+        # rack's one link from the second level, and its workers gave up
         self.shards = {j.job_id: _ps_names(j, cfg) for j in jobs}
         for j in jobs:
             for k, name in enumerate(self.shards[j.job_id]):

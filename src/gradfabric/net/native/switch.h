@@ -95,6 +95,7 @@ typedef struct {
 typedef struct {
     int64_t job, seq, claim_ns;
     int state, count, nvalues, flags, prio, cap;
+    int64_t resends; /* of its key since it completed, mod fan_in */
     uint64_t bitmap;
     int32_t *values;
 } agg_t;

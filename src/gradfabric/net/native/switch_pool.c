@@ -207,9 +207,9 @@ static void atp_gradient(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now) {
             aggregate(s, j, a, p->agg, F_PARTIAL);
             atp_free(s, a, now);
         } else if (mine) { /* COMPLETE: the aggregate may have been lost on its way;
-                              * sent again once for every fan_in resends (count goes on) */
-            if ((a->count - j->fan_in) % j->fan_in == 0) aggregate(s, j, a, p->agg, 0);
-            a->count++;
+                              * sent again once for every fan_in resends */
+            if (a->resends == 0) aggregate(s, j, a, p->agg, 0);
+            a->resends = (a->resends + 1) % j->fan_in;
         }
         to_ps(s, j, p->raw, p->len, p->seq, 0);
         return;
@@ -229,6 +229,7 @@ static void atp_gradient(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now) {
         s->claims++;
         a->state = HELD, a->prio = (int)p->prio, a->job = j->id, a->seq = p->seq;
         a->bitmap = 0, a->count = 0, a->flags = 0, a->nvalues = (int)count, a->claim_ns = now;
+        a->resends = 0;
     } else if (a->bitmap & p->bitmap) {
         s->counters[E_DUPLICATE]++;
         return;

@@ -142,7 +142,10 @@ void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p) {
     }
     LOWER_BOUND(ps->accs, ps->naccs, seq, ->seq, at);
     acc_t *acc = at < ps->naccs && ps->accs[at]->seq == seq ? ps->accs[at] : NULL;
-    if (acc && p->bitmap == full) { /* the whole sum supersedes a partial merge */
+    int64_t ecn = 0;
+    if (acc && p->bitmap == full && p->count == acc->nvalues) { /* the whole sum supersedes a
+                                                                 * partial merge (its ECN kept) */
+        ecn = acc->flags & F_ECN;
         memmove(ps->accs + at, ps->accs + at + 1, (size_t)(ps->naccs - at - 1) * sizeof *ps->accs);
         ps->naccs--;
         acc_free(acc);
@@ -156,8 +159,8 @@ void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p) {
         uint8_t *raw = result_room(s, ps, p->len);
         if (!raw) return;
         j->counters[S_MERGED]++;
-        uint8_t *v = gf_header(raw, 0, F_ACK | (p->flags & F_ECN), j->id, 0, n, p->count, seq,
-                               p->agg, full);
+        uint8_t *v = gf_header(raw, 0, F_ACK | ((p->flags | ecn) & F_ECN), j->id, 0, n, p->count,
+                               seq, p->agg, full);
         if (p->count) memcpy(v, p->raw + HEADER, (size_t)(4 * p->count));
         keep(s, j, seq, raw, p->len);
         return;
@@ -209,7 +212,7 @@ void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p) {
     }
     j->counters[S_MERGED]++;
     acc->bitmap |= p->bitmap;
-    acc->flags |= p->flags & F_ECN;
+    acc->flags |= (p->flags | ecn) & F_ECN;
     if (!(p->flags & (F_COLLISION | F_RESEND | F_OVERFLOW))) acc->agg = p->agg;
     if (acc->bitmap != full) return;
     memmove(ps->accs + at, ps->accs + at + 1, (size_t)(ps->naccs - at - 1) * sizeof *ps->accs);

@@ -66,6 +66,7 @@ class _Agg:
         "nvalues",
         "owner",
         "priority",
+        "resends",
         "seq",
         "state",
         "values",
@@ -78,6 +79,7 @@ class _Agg:
         self.seq = -1
         self.bitmap = 0
         self.count = 0
+        self.resends = 0  # resends of its key seen since it completed, mod the workers
         self.nvalues = 0
         self.flags = 0
         self.values: np.ndarray | None = None
@@ -165,20 +167,21 @@ class ATPPolicy:
     ) -> list[Action]:
         """A retransmission on its way to ``ps``: what this switch holds of its
         key goes first (a partial, flushed and freed; a complete aggregate, sent
-        again: it may have been lost)."""
+        again with the first resend of each round of them: it may have been
+        lost)."""
         out: list[Action] = []
         if mine and a.state == AGGREGATING:
             self.counters["flush_partial"] += 1
             out.append(Send(ps, self._aggregate(job, a, Flag.PARTIAL)))
             self._free(a, now_ns)
         elif mine:  # COMPLETE: the aggregate may have been lost on its way
-            # Sent again once for every round of its workers' resends (``count``
-            # goes on counting them), not with each: with each, a rack's uplink
-            # carried its sum once per worker per round, most of what congested
-            # it at scale, and the PS needs one copy (``proto.ps``).
-            if (a.count - job.fan_in) % (sum(job.below) or job.fan_in) == 0:
+            # Sent again once for every round of its workers' resends, not with
+            # each: with each, a rack's uplink carried its sum once per worker
+            # per round, most of what congested it at scale, and the PS needs
+            # one copy (``proto.ps``).
+            if a.resends == 0:
                 out.append(Send(ps, self._aggregate(job, a, Flag.NONE)))
-            a.count += 1
+            a.resends = (a.resends + 1) % job.workers
         out.append(Send(ps, pkt))
         return out
 
@@ -256,6 +259,7 @@ class ATPPolicy:
         a.seq = pkt.seq
         a.bitmap = 0
         a.count = 0
+        a.resends = 0
         a.flags = 0
         a.nvalues = pkt.count
         a.values = None

@@ -46,10 +46,12 @@ class SwitchJob:
     below: tuple[int, ...] = ()
     fan_in: int = field(init=False)
     full: int = field(init=False)
+    workers: int = field(init=False)  # below this switch, over every level
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fan_in", len(self.children))
         object.__setattr__(self, "full", (1 << len(self.children)) - 1)
+        object.__setattr__(self, "workers", sum(self.below) or len(self.children))
         if not 1 <= len(self.children) <= MAX_FAN_IN:
             raise ConfigError(
                 "children", f"need 1..{MAX_FAN_IN} children, got {len(self.children)}"
