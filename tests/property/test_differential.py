@@ -126,6 +126,8 @@ def _datagram(
     agg = (base + seq % cfg.job_slots) if cfg.scheme == "switchml" else atp_index(job_id, seq,
                                                                                     cfg.slots)
     values: np.ndarray = rng.integers(-(2**30), 2**30, vpp, dtype=np.int32)
+    if seed % 5 == 0:  # a wrapped sum at the integer domain's edge (the PS: an overflow)
+        values[seed % vpp] = np.iinfo(np.int32).min
     if flags & Flag.FLOAT:
         values = (values / 7.0).astype(np.float32)
     pkt = Packet(job_id, wid, seq, agg, 1 << wid, workers, flags, prio, 0, vpp, values)

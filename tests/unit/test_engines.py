@@ -202,12 +202,13 @@ def test_ps_takes_a_whole_sum_over_a_partial_merge() -> None:
     sequence whose partial merge overlaps it (ATP at scale: the last worker's
     own resends kept losing a congested port, and the sequence never ended)."""
     ps = ParameterServer("ps", (PsJob(1, ("w0", "w1", "w2"), via="sw"),))
-    assert ps.on_packet(_grad(1, 0, 0, 0, [1], n=3), 0) == []
+    assert ps.on_packet(_grad(1, 0, 0, 0, [1], n=3, flags=Flag.ECN), 0) == []  # w0's, marked
     assert ps.on_packet(_grad(1, 1, 0, 0, [2], n=3), 1) == []  # w0 and w1 merged
     whole = _grad(1, 0, 0, 0, [7], n=3)
     whole.bitmap = 0b111  # w0 + w1 + w2, as the switch summed them (1 + 2 + 4)
     (res,) = ps.on_packet(whole, 2)
     assert list(res.pkt.payload) == [7]  # type: ignore[union-attr,arg-type]
+    assert res.pkt.flags & Flag.ECN  # type: ignore[union-attr]  # the partial's mark kept
     assert ps.counters["partial_superseded"] == 1 and ps.counters["drop_overlap"] == 0
     short = _grad(1, 0, 1, 0, [1, 1], n=3)  # another sequence, two values each
     assert ps.on_packet(short, 4) == []

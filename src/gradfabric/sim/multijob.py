@@ -242,7 +242,7 @@ class _Tenancy:
                            timer_slack_ns=slack, slack_seed=cfg.seed)  # fmt: skip
         racks = [[f"h{r * cfg.hosts + i}" for i in range(cfg.hosts)] for r in range(cfg.racks)]
         # job j's PS shard k is a host of its own in rack (j - 1 + k) mod racks,
-        # placed before the job lands (so not beside its workers): spread as
+        # placed before the job lands (without regard to its workers): spread as
         # BytePS spreads its servers over machines; all in one rack, a spanning
         # job's fallbacks (a scarce pool's all but every packet) shared that
         # rack's one link from the second level, and its workers gave up

@@ -117,6 +117,17 @@ static void complete(gf_switch *s, job_t *j, acc_t *acc) {
     keep(s, j, acc->seq, raw, len);
 }
 
+/* Does a packet hold INT32_MIN, a value past the integer domain as the
+ * result reads it (|x| > INT32_MAX: floats, flagged OVERFLOW)? */
+static int holds_int32_min(const gf_pkt *p) {
+    for (int64_t k = 0; k < p->count; k++) {
+        int32_t x;
+        memcpy(&x, p->raw + HEADER + 4 * k, 4);
+        if (x == -INT32_MAX_ - 1) return 1;
+    }
+    return 0;
+}
+
 /* ParameterServer.on_packet: merge by bitmap. */
 void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p) {
     ps_t *ps = &j->ps;
@@ -152,10 +163,11 @@ void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p) {
         acc = NULL;
         j->counters[S_SUPERSEDED]++;
     }
-    if (!acc && p->bitmap == full && !(p->flags & F_FLOAT)) {
+    if (!acc && p->bitmap == full && !(p->flags & F_FLOAT) && !holds_int32_min(p)) {
         /* every contribution at once (a complete aggregate, the common case):
-         * the int32 values are their own int64 sum and fit, so the result is
-         * them under a result's header (what the merge below would give) */
+         * the int32 values are their own int64 sum and fit (INT32_MIN does
+         * not: the merge below makes it an overflow), so the result is them
+         * under a result's header (what the merge below would give) */
         uint8_t *raw = result_room(s, ps, p->len);
         if (!raw) return;
         j->counters[S_MERGED]++;

@@ -46,7 +46,7 @@ class SwitchJob:
     below: tuple[int, ...] = ()
     fan_in: int = field(init=False)
     full: int = field(init=False)
-    workers: int = field(init=False)  # below this switch, over every level
+    workers: int = field(init=False)  # ATP's: sum(below) at its second level, else fan_in
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fan_in", len(self.children))
