@@ -164,7 +164,7 @@ def test_esa_at_scale_pairs_atp_and_esa_by_seed_on_a_small_leaf_spine() -> None:
     from gradfabric.experiments.esa_scale import EsaScaleGrid, claims, run_grid
 
     grid = EsaScaleGrid(racks=2, hosts=4, workers=(2, 6), jobs=3, iterations=(1, 1),
-                        pool_slots=(256,), seeds=(0, 1), train=16)  # fmt: skip
+                        pool_slots=(256,), seeds=(0, 1), train=64)  # fmt: skip
     rows = run_grid(grid, lambda *_: None)
     assert sorted((r["scheme"], r["seed"]) for r in rows) == [
         ("atp", 0), ("atp", 1), ("esa", 0), ("esa", 1)]  # fmt: skip
