@@ -214,6 +214,7 @@ def _dying_worker(rank: int, world: int, out: str) -> None:
         f.write(msg)
 
 
+@pytest.mark.long  # (the default suite's 10 minutes; CI's second pass runs it)
 def test_auto_hook_names_a_rank_that_died_before_the_tables_exchange() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_dying_worker, 3, (tmp,), timeout_s=20, deadline_s=90, barrier_at_exit=False)

@@ -695,7 +695,7 @@ def test_envelope_layout() -> None:
 
 @pytest.mark.parametrize(
     ("policy", "loss", "exponents"),
-    [("switchml", 0.05, "agreed"), ("atp", 0.0, "carried"),
+    [pytest.param("switchml", 0.05, "agreed", marks=pytest.mark.long), ("atp", 0.0, "carried"),
      pytest.param("atp", 0.05, "agreed", marks=pytest.mark.long),
      pytest.param("esa", 0.0, "agreed", marks=pytest.mark.long)],
 )  # fmt: skip
@@ -801,6 +801,7 @@ def test_saatp_over_udp_helps_the_straggler_and_stays_exact() -> None:
     assert plain["exact"] and plain["helps_sent"] == 0 and "rx_help" not in plain["switch"]
 
 
+@pytest.mark.long  # (the default suite's 10 minutes; CI's second pass runs it)
 def test_a_helper_that_dies_mid_help_is_named_and_the_job_stops_cleanly() -> None:
     """A helper's process exits while helping the slow rank: the run fails
     at once naming that rank (not after the others' timeouts), and no
@@ -847,6 +848,7 @@ def test_real_jobs_on_shaped_links_with_atps_ps_behind_links_stay_exact() -> Non
     assert not netns.left_behind()  # the run's namespaces are gone
 
 
+@pytest.mark.long  # (the default suite's 10 minutes; CI's second pass runs it)
 def test_real_jobs_share_a_scarce_esa_pool_exactly_with_preemptions() -> None:
     """Three training jobs of a seeded trace (they overlap) share a daemon
     whose 40 aggregators cannot hold two windows of 32: packets find their
@@ -887,6 +889,7 @@ def test_dlcp_over_udp_completes_within_its_bounds_under_congestion() -> None:
     assert port["queue_drop"] > 0 and rate(0) < rate(3)
 
 
+@pytest.mark.long  # (the default suite's 10 minutes; CI's second pass runs it)
 def test_ddp_training_over_dlcp_through_a_congested_port() -> None:
     """``dlcp_hook`` under DDP: training completes and stays near the default
     hook (at most 10% of a bucket's values zero-filled on the push, 2% on the
