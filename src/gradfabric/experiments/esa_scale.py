@@ -28,7 +28,7 @@ from typing import Any
 from gradfabric.core.cells import Executor, chosen, run_cells
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
-from gradfabric.experiments.esa import _gain, compare  # (esa's text for a paired gain)
+from gradfabric.experiments.esa import _gain, _row, compare  # (esa's row and gain text)
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import FabricConfig
@@ -82,16 +82,10 @@ def config(grid: EsaScaleGrid, scheme: str, pool: int, seed: int) -> TenancyConf
 
 
 def run_cell(cfg: TenancyConfig) -> dict[str, Any]:
+    """``esa``'s row of a trace, and where it ran (racks, its largest job, events)."""
     r = run_tenancy(cfg)
-    return {
-        "scheme": cfg.scheme, "pool_slots": cfg.pool_slots, "load": cfg.load,
-        "jitter_us": cfg.iteration_jitter_us, "seed": cfg.seed, "racks": cfg.racks,
-        "jobs": len(r.jobs), "largest_job": max(j["workers"] for j in r.jobs),
-        "avg_jct_s": r.avg_jct_s, "p99_jct_s": r.p99_jct_s, "mem_util": r.mem_util,
-        "mem_held": r.mem_held, "wall_s": r.wall_s, "events": r.events,
-        "preemptions": r.counters.get("preemptions", 0),
-        "ps_collisions": r.counters.get("ps_collision", 0),
-    }  # fmt: skip
+    return {**_row(r, cfg), "racks": cfg.racks, "largest_job": max(j["workers"] for j in r.jobs),
+            "events": r.events}  # fmt: skip
 
 
 def run_grid(grid: EsaScaleGrid, tick: Tick, where: Executor | int = 1) -> list[dict[str, Any]]:
