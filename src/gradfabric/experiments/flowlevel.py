@@ -5,12 +5,13 @@ takes the packet level's ``FabricConfig`` as a Clos) and the flow level's
 error is its relative difference from packet level, which is the reference:
 
 * one 25 MB all-reduce for every scheme on a star of 64, and on leaf-spines
-  of 64 to 256 workers (1,024 and 4,096 in full): the ring (to 1,024),
-  SwitchML's levels and ATP's two (ATP, ESA, SA-ATP: racks, then a spine,
-  the PS off it); the hierarchical ring on leaf-spines whose uplinks have
-  room (``ROOMY``) of 64 to 256 (1,024 in full); the PS there too at 64 and
-  256, with trains small enough that a server's port takes every worker's
-  train at once without loss (``_ps``);
+  of 64 to 256 workers (1,024 and 4,096 in full): the ring, SwitchML's
+  levels and ATP's two (ATP, ESA, SA-ATP: racks, then a spine, the PS off
+  it); on leaf-spines whose uplinks have room (``ROOMY``) the hierarchical
+  ring at the same sizes, the PS to 1,024 with trains small enough that a
+  server's port takes every worker's train at once without loss (``_ps``),
+  and OmniReduce at 64 and three densities (``_omni``). Each is a cell
+  (``lab.levels.Pair``), so ``reproduce --store`` keeps finished ones;
 * a ResNet-50 training iteration (buckets released through backward) at 64;
 * SA-ATP against ATP with one straggler (``sim.training``: real help
   requests and shadow streams) against the flow level's help model.
@@ -30,12 +31,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gradfabric.core.cells import chosen, run_cells
 from gradfabric.core.config import dump
 from gradfabric.experiments import plots
 from gradfabric.experiments.baselines import builtin_config
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.experiments.simulate import flow_rows
-from gradfabric.lab.levels import peak_rss_mb
+from gradfabric.lab.levels import Pair, both, peak_rss_mb
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
 from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
@@ -83,43 +85,56 @@ def train(workers: int) -> int:
     return max(8, workers // 16)
 
 
-def _isolated(
+def _pair(
     scheme: str, workers: int, per_rack: int, on: FabricConfig = LEAF_SPINE,
-    ina_cfg: InaConfig | None = None,
-) -> dict[str, Any]:  # fmt: skip
-    """``lab.levels.alone`` at both levels, each in a process of its own."""
-    fabric = dump(replace(on, hosts_per_rack=per_rack))
-    cfg = ina_cfg or replace(INA, train_packets=train(workers))
-    ina = dump(cfg)
-    got = {
-        level: _child("from gradfabric.lab.levels import alone; alone("
-                      + repr(json.dumps([level, scheme, workers, VALUES, fabric, ina])) + ")")
-        for level in ("packet", "flow")
-    }  # fmt: skip
-    packet, flow = got["packet"]["ns"], got["flow"]["ns"]
-    return {
-        "case": "25 MB all-reduce", "scheme": scheme, "workers": workers,
-        "topology": "leaf_spine" if on == LEAF_SPINE else "leaf_spine, uplinks with room",
-        "packet_ms": packet / 1e6, "flow_ms": flow / 1e6,
-        "error": flow / packet - 1, "train_packets": cfg.train_packets,
-        "packet_wall_s": got["packet"]["wall_s"],
-        "flow_wall_s": got["flow"]["wall_s"], "packet_rss_mb": got["packet"]["rss_mb"],
-        "flow_rss_mb": got["flow"]["rss_mb"],
-    }  # fmt: skip
+    ina_cfg: InaConfig | None = None, density: float = 1.0,
+) -> Pair:  # fmt: skip
+    where = "leaf_spine" if on == LEAF_SPINE else "leaf_spine, uplinks with room"
+    ina = ina_cfg or replace(INA, train_packets=train(workers))
+    return Pair(scheme, workers, replace(on, hosts_per_rack=per_rack), ina, VALUES, where,
+                density)  # fmt: skip
 
 
-def _ps(workers: int) -> dict[str, Any]:
+def _ps(workers: int) -> Pair:
     """The PS (one server a worker) on uplinks with room. Its workers deal
     sequences round-robin over the servers, all from the same sequence, so
     a server's port takes every worker's train at once: a burst of ``n``
     trains, which a 2 MB queue must hold (no loss, as the flow level
     assumes) and which the flow level's fluid rates do not see. Trains of 8
-    packets at 64 and 2 at 256 keep it small (at 256, trains of 4 lose
-    nothing and still come out 12% slower than the flow level: measured);
-    a 1,024-packet window keeps a worker's first burst within the queue.
-    Past 256 this needs single packets: hours here."""
-    ina = replace(INA, train_packets=8 if workers <= 64 else 2, ps_window=1024)
-    return _isolated("ps", workers, 32, ROOMY, ina)
+    packets at 64, 2 at 256 and single packets at 1,024 keep it small (at
+    256, trains of 4 lose nothing and still come out 12% slower than the
+    flow level: measured); a 1,024-packet window keeps a worker's first
+    burst within the queue. At 4,096 a burst of single packets (4.5 MB)
+    overflows the queue."""
+    ina = replace(INA, train_packets=8 if workers <= 64 else 2 if workers <= 256 else 1,
+                  ps_window=1024)  # fmt: skip
+    return _pair("ps", workers, 32, ROOMY, ina)
+
+
+def _omni(workers: int, density: float) -> Pair:
+    """OmniReduce (one aggregator a worker, as the PS) on uplinks with room,
+    at 64 workers: an aggregator names a worker in the header's six bits
+    (``wire.packet.MAX_FAN_IN``), and OmniReduce has no second level to
+    carry more (its paper's aggregators serve every worker directly). Which
+    blocks are non-zero is drawn from the seed, and the flow level prices
+    the expected busiest aggregator, so packet level is the mean of three
+    seeds."""
+    pair = _pair("omnireduce", workers, 32, ROOMY, replace(INA, train_packets=1), density)
+    return replace(pair, seeds=3)
+
+
+def _pairs(quick: bool) -> list[Pair]:
+    """Every all-reduce the study runs at both levels (module doc)."""
+    sizes = (64, 256) if quick else (64, 256, 1024, 4096)
+    cells = [
+        _pair(scheme, n, 32 if n <= 2048 else 64)
+        for n in sizes
+        for scheme in ("ring", "switchml", "atp", "esa", "saatp")
+    ]
+    cells += [_ps(n) for n in sizes if n <= 1024]
+    cells += [_pair("hring", n, 32, ROOMY) for n in sizes]
+    cells += [_omni(64, d) for d in (0.001, 0.01, 0.1)]
+    return cells
 
 
 def _stragglers(scheme: str, slowdown: float) -> dict[str, Any]:
@@ -216,6 +231,11 @@ def _saatp_at_4096(tick: Tick) -> list[dict[str, Any]]:
     return rows
 
 
+def _scheme(row: dict[str, Any]) -> str:
+    d = row.get("density", 1.0)
+    return str(row["scheme"]) + (f" at density {d:g}" if d < 1 else "")
+
+
 class FlowLevel:
     main_job = False  # its packet-level references take minutes: its own run
     name = "flow-level"
@@ -227,25 +247,12 @@ class FlowLevel:
         for scheme in BOTH:
             tick(f"{scheme}, 64 on a star")
             rows.append(_case("25 MB all-reduce", scheme, 64, STAR, whole))
-        for n in (64, 256) if quick else (64, 256, 1024, 4096):
-            for scheme in ("ring", "switchml", "atp", "esa", "saatp"):
-                if scheme == "ring" and n > 1024:
-                    continue  # a ring of 4,096 at packet level: minutes per bucket
-                tick(f"{scheme}, {n} on a leaf-spine")
-                rows.append(_isolated(scheme, n, 32 if n <= 2048 else 64))
-        for n in (64, 256):
-            tick(f"ps, {n} on a leaf-spine with room")
-            rows.append(_ps(n))
-        for n in (64, 256) if quick else (64, 256, 1024):
-            tick(f"hring, {n} on a leaf-spine with room")
-            rows.append(_isolated("hring", n, 32, ROOMY))
+        rows += run_cells(both, _pairs(quick), chosen(), tick, lambda c: c.label)
         tl = timeline(model_spec("resnet50"), 32, device("v100"))
         buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
         for scheme in ("ring", "switchml", "atp"):
             tick(f"{scheme} ResNet-50 iteration")
-            rows.append(
-                _case("ResNet-50 iteration", scheme, 64, STAR, buckets, tl.compute_ns)
-            )
+            rows.append(_case("ResNet-50 iteration", scheme, 64, STAR, buckets, tl.compute_ns))
         for scheme in ("atp", "saatp"):
             for slowdown in (1.5, 3.0):
                 tick(f"{scheme}, a {slowdown:g}x straggler")
@@ -260,7 +267,7 @@ class FlowLevel:
         )  # fmt: skip
         for x in rows:
             r.claims.append(Claim(
-                "simulator", f"flow level vs packet level: {x['scheme']}, {x['workers']} "
+                "simulator", f"flow level vs packet level: {_scheme(x)}, {x['workers']} "
                 f"workers, {x['topology'].replace('_', '-')}, {x['case']}", "sim",
                 "packet level", f"{x['flow_ms']:.3f} ms vs {x['packet_ms']:.3f} ms "
                 f"({x['error']:+.1%})", "within 5%", abs(x["error"]) <= 0.05, kind="check",

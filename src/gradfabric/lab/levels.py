@@ -1,38 +1,103 @@
-"""One all-reduce at one simulator level, alone in a process, for the
-flow-level study's wall-time and memory figures (``experiments.flowlevel``):
-its imports are the simulator's only, so its peak memory is the run's."""
+"""One all-reduce at both simulator levels, each alone in a process, for the
+flow-level study (``experiments.flowlevel``): the levels' times, wall times
+and peak memory. A child's imports are the simulator's only, so its peak
+memory is the run's.
+
+``Pair`` is the study's cell (``core.cells``): its record depends on this
+module and the simulator's sources only, so a stored grid survives edits to
+the experiment that lays it out, and a grown grid runs only its new cells."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from gradfabric.core.config import dump
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig
 from gradfabric.sim.flow import Clos, plan, schedule
 
 
+@dataclass(frozen=True)
+class Pair:
+    """One all-reduce of ``values`` by ``scheme`` over ``workers`` on
+    ``fabric`` (``where`` names it in the study's table), its non-zero
+    block share ``density`` (OmniReduce). Packet level runs it ``seeds``
+    times (seeds 0, 1, ...) and takes the mean: where the seed draws the
+    work (which blocks are non-zero) the flow level prices the expectation."""
+
+    scheme: str
+    workers: int
+    fabric: FabricConfig
+    ina: InaConfig
+    values: int
+    where: str
+    density: float = 1.0
+    seeds: int = 1
+
+    @property
+    def label(self) -> str:
+        sparse = f" at density {self.density:g}" if self.density < 1 else ""
+        return f"{self.scheme}{sparse}, {self.workers} on a {self.where}"
+
+
+def both(cell: Pair) -> dict[str, Any]:
+    """``cell`` at packet and at flow level, each in a fresh interpreter;
+    the row of the study's table (packet level the reference)."""
+    args = [cell.scheme, cell.workers, cell.values, dump(cell.fabric), dump(cell.ina),
+            cell.density, cell.seeds]  # fmt: skip
+    got = {level: _child(json.dumps([level, *args])) for level in ("packet", "flow")}
+    packet, flow = got["packet"], got["flow"]
+    return {
+        "case": "25 MB all-reduce", "scheme": cell.scheme, "workers": cell.workers,
+        "topology": cell.where, "density": cell.density, "packet_ms": packet["ns"] / 1e6,
+        "flow_ms": flow["ns"] / 1e6, "error": flow["ns"] / packet["ns"] - 1,
+        "train_packets": cell.ina.train_packets, "seeds": cell.seeds, "events": packet["events"],
+        "packet_wall_s": packet["wall_s"], "flow_wall_s": flow["wall_s"],
+        "packet_rss_mb": packet["rss_mb"], "flow_rss_mb": flow["rss_mb"],
+    }  # fmt: skip
+
+
+def _child(args: str) -> dict[str, Any]:
+    code = f"from gradfabric.lab.levels import alone; alone({args!r})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"{code}:\n{out.stderr[-2000:]}")
+    row: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return row
+
+
 def alone(args: str) -> None:
     """One all-reduce at one level (``packet`` or ``flow``), alone in this
-    process (its imports the simulator's only); prints its time, wall time
-    and the process's peak resident memory as one JSON line. ``args``: JSON
-    ``[level, scheme, workers, values, FabricConfig, InaConfig]`` (plain data)."""
-    import json
+    process (its imports the simulator's only); prints its time (packet
+    level: the mean over ``seeds`` runs), events, wall time (both summed
+    over the runs) and the process's peak resident memory as one JSON line.
+    ``args``: JSON ``[level, scheme, workers, values, FabricConfig,
+    InaConfig, density, seeds]`` (plain data)."""
     import time
 
     from gradfabric.core.config import load
     from gradfabric.sim.collective import run_collective
 
-    level, scheme, workers, values, fabric_data, ina_data = json.loads(args)
+    level, scheme, workers, values, fabric_data, ina_data, density, seeds = json.loads(args)
     fabric, ina = load(FabricConfig, fabric_data), load(InaConfig, ina_data)
     buckets = [Bucket(0, values)]
     t0 = time.perf_counter()
+    events = 0
     if level == "packet":
-        r = run_collective(scheme, workers, buckets, fabric, ina)
-        ns = float(r.end_ns - r.start_ns)
+        runs = [run_collective(scheme, workers, buckets, fabric, ina, seed, density=density)
+                for seed in range(seeds)]  # fmt: skip
+        ns = sum(float(r.end_ns - r.start_ns) for r in runs) / seeds
+        events = sum(r.events for r in runs)
     else:
-        ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina), buckets)
+        ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina, density), buckets)
     wall = time.perf_counter() - t0
-    print(json.dumps({"ns": ns, "wall_s": wall, "rss_mb": peak_rss_mb()}))
+    print(json.dumps({"ns": ns, "events": events, "wall_s": wall, "rss_mb": peak_rss_mb()}))
 
 
 def peak_rss_mb() -> float:
