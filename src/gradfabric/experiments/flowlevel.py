@@ -24,8 +24,6 @@ and the process's peak resident memory (an upper bound on the run's).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +35,7 @@ from gradfabric.experiments import plots
 from gradfabric.experiments.baselines import builtin_config
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.experiments.simulate import flow_rows
-from gradfabric.lab.levels import Pair, both, peak_rss_mb
+from gradfabric.lab.levels import Pair, both, child, peak_rss_mb
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
 from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
@@ -160,7 +158,7 @@ def _stragglers(scheme: str, slowdown: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def scale_child(name: str) -> None:
+def scalechild(name: str) -> None:
     """One shipped config at flow level, alone in this process (torch and the
     model's profile included, as ``gradfabric simulate`` runs it); prints
     its row with the wall time and the process's peak memory."""
@@ -173,19 +171,9 @@ def _at_scale(tick: Tick) -> list[dict[str, Any]]:
     rows = []
     for scheme in SCALE:
         tick(f"{scheme}, 16,384 workers")
-        rows.append(_child(f"from gradfabric.experiments.flowlevel import scale_child; "
-                           f"scale_child('scale-{scheme}')"))  # fmt: skip
+        rows.append(child(f"from gradfabric.experiments.flowlevel import scale_child; "
+                           f"scalechild('scale-{scheme}')"))  # fmt: skip
     return rows
-
-
-def _child(code: str) -> dict[str, Any]:
-    """Run ``code`` in a fresh interpreter; its last line of output, as JSON."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=False)  # fmt: skip
-    if out.returncode != 0:
-        raise RuntimeError(f"{code}:\n{out.stderr[-2000:]}")
-    row: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return row
 
 
 def _oversubscribed(tick: Tick) -> list[dict[str, Any]]:

@@ -50,7 +50,8 @@ def both(cell: Pair) -> dict[str, Any]:
     the row of the study's table (packet level the reference)."""
     args = [cell.scheme, cell.workers, cell.values, dump(cell.fabric), dump(cell.ina),
             cell.density, cell.seeds]  # fmt: skip
-    got = {level: _child(json.dumps([level, *args])) for level in ("packet", "flow")}
+    run = "from gradfabric.lab.levels import alone; alone({!r})"
+    got = {level: child(run.format(json.dumps([level, *args]))) for level in ("packet", "flow")}
     packet, flow = got["packet"], got["flow"]
     return {
         "case": "25 MB all-reduce", "scheme": cell.scheme, "workers": cell.workers,
@@ -62,8 +63,8 @@ def both(cell: Pair) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _child(args: str) -> dict[str, Any]:
-    code = f"from gradfabric.lab.levels import alone; alone({args!r})"
+def child(code: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter; its last line of output, as JSON."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=False)  # fmt: skip
     if out.returncode != 0:
