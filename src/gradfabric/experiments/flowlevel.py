@@ -157,7 +157,7 @@ def _stragglers(scheme: str, slowdown: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def scalechild(name: str) -> None:
+def scale_child(name: str) -> None:
     """One shipped config at flow level, alone in this process (torch and the
     model's profile included, as ``gradfabric simulate`` runs it); prints
     its row with the wall time and the process's peak memory."""
@@ -171,7 +171,7 @@ def _at_scale(tick: Tick) -> list[dict[str, Any]]:
     for scheme in SCALE:
         tick(f"{scheme}, 16,384 workers")
         rows.append(child(f"from gradfabric.experiments.flowlevel import scale_child; "
-                           f"scalechild('scale-{scheme}')"))  # fmt: skip
+                           f"scale_child('scale-{scheme}')"))  # fmt: skip
     return rows
 
 
