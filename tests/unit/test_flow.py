@@ -260,3 +260,14 @@ def test_sparse_omnireduce_is_bound_by_its_busiest_aggregator(density: float) ->
     packet = sum(r.comm_ns for r in runs) / len(runs)
     flow = schedule(plan("omnireduce", Clos.of(fabric, n), n, InaConfig(), density), b)
     assert flow == pytest.approx(packet, rel=0.05)
+
+
+def test_the_flow_level_study_runs_a_shipped_config_in_a_child_of_its_own() -> None:
+    """``flow-level`` times each 16,384-worker config in a fresh interpreter
+    (its peak memory the run's own): the child runs and reports its row."""
+    from gradfabric.lab.levels import child
+
+    row = child("from gradfabric.experiments.flowlevel import scale_child; "
+                "scale_child('scale-switchml')")  # fmt: skip
+    assert row["workers"] == 16_384 and row["scheme"] == "switchml"
+    assert row["wall_s"] > 0 and row["peak_mb"] > 0
