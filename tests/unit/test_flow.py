@@ -264,10 +264,31 @@ def test_sparse_omnireduce_is_bound_by_its_busiest_aggregator(density: float) ->
 
 def test_the_flow_level_study_runs_a_shipped_config_in_a_child_of_its_own() -> None:
     """``flow-level`` times each 16,384-worker config in a fresh interpreter
-    (its peak memory the run's own): the child runs and reports its row."""
+    (its peak memory the run's own): the study's own code runs in the child
+    and reports the config's row."""
+    from gradfabric.experiments.flowlevel import scale_code
     from gradfabric.lab.levels import child
 
-    row = child("from gradfabric.experiments.flowlevel import scale_child; "
-                "scale_child('scale-switchml')")  # fmt: skip
-    assert row["workers"] == 16_384 and row["scheme"] == "switchml"
-    assert row["wall_s"] > 0 and row["peak_mb"] > 0
+    row = child(scale_code("scale-switchml"))
+    assert row["workers"] == 16_384 and row["scheme"] == "switchml" and row["peak_mb"] > 0
+
+
+def test_a_study_cell_runs_both_levels_each_in_a_child() -> None:
+    """``lab.levels.both``: packet level (the mean of its seeds, each run
+    here in this process as the reference) and flow level, each in a child
+    interpreter; the row's error is flow over packet. A cell that cannot run
+    is refused when it is made."""
+    from gradfabric.lab.levels import Pair, both
+
+    fabric, ina = FabricConfig(link=LINK), InaConfig()
+    cell = Pair("omnireduce", 8, fabric, ina, 65_536, "star", density=0.05, seeds=2)
+    row = both(cell)
+    b = [Bucket(0, 65_536)]
+    runs = [run_collective("omnireduce", 8, b, fabric, ina, s, density=0.05) for s in (0, 1)]
+    assert row["packet_ms"] == pytest.approx(sum(r.comm_ns for r in runs) / 2e6)
+    assert row["flow_ms"] == pytest.approx(
+        schedule(plan("omnireduce", Clos.of(fabric, 8), 8, ina, 0.05), b) / 1e6)  # fmt: skip
+    assert row["error"] == pytest.approx(row["flow_ms"] / row["packet_ms"] - 1)
+    assert row["events"] == sum(r.events for r in runs) and row["case"] == "0.25 MB all-reduce"
+    with pytest.raises(ConfigError, match="seeds"):
+        Pair("ring", 8, fabric, ina, 1024, "star", seeds=0)

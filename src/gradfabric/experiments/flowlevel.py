@@ -110,8 +110,9 @@ def _ps(workers: int) -> Pair:
 
 def _omni(workers: int, density: float) -> Pair:
     """OmniReduce (one aggregator a worker, as the PS) on uplinks with room,
-    at 64 workers: an aggregator names a worker in the header's six bits
-    (``wire.packet.MAX_FAN_IN``), and OmniReduce has no second level to
+    at 64 workers: the wire refuses a ``worker_id`` of 64 or more
+    (``wire.packet.MAX_FAN_IN``, the width of in-network aggregation's
+    bitmap, checked for every packet), and OmniReduce has no second level to
     carry more (its paper's aggregators serve every worker directly). Which
     blocks are non-zero is drawn from the seed, and the flow level prices
     the expected busiest aggregator, so packet level is the mean of three
@@ -166,12 +167,16 @@ def scale_child(name: str) -> None:
     print(json.dumps(row | {"wall_s": time.perf_counter() - t0, "peak_mb": peak_rss_mb()}))
 
 
+def scale_code(config: str) -> str:
+    """The code a child runs to time one shipped config (``scale_child``)."""
+    return f"from gradfabric.experiments.flowlevel import scale_child; scale_child({config!r})"
+
+
 def _at_scale(tick: Tick) -> list[dict[str, Any]]:
     rows = []
     for scheme in SCALE:
         tick(f"{scheme}, 16,384 workers")
-        rows.append(child(f"from gradfabric.experiments.flowlevel import scale_child; "
-                           f"scale_child('scale-{scheme}')"))  # fmt: skip
+        rows.append(child(scale_code(f"scale-{scheme}")))
     return rows
 
 

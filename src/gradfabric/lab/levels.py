@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from gradfabric.core.config import dump
+from gradfabric.core.errors import ConfigError
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig
 from gradfabric.sim.flow import Clos, plan, schedule
+from gradfabric.wire.packet import VALUE_BYTES
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,12 @@ class Pair:
     density: float = 1.0
     seeds: int = 1
 
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ConfigError("seeds", f"must be >= 1, got {self.seeds}")
+        if not 0 <= self.density <= 1:
+            raise ConfigError("density", f"must be in [0, 1], got {self.density}")
+
     @property
     def label(self) -> str:
         sparse = f" at density {self.density:g}" if self.density < 1 else ""
@@ -54,7 +62,8 @@ def both(cell: Pair) -> dict[str, Any]:
     got = {level: child(run.format(json.dumps([level, *args]))) for level in ("packet", "flow")}
     packet, flow = got["packet"], got["flow"]
     return {
-        "case": "25 MB all-reduce", "scheme": cell.scheme, "workers": cell.workers,
+        "case": f"{cell.values * VALUE_BYTES / 2**20:g} MB all-reduce", "scheme": cell.scheme,
+        "workers": cell.workers,
         "topology": cell.where, "density": cell.density, "packet_ms": packet["ns"] / 1e6,
         "flow_ms": flow["ns"] / 1e6, "error": flow["ns"] / packet["ns"] - 1,
         "train_packets": cell.ina.train_packets, "seeds": cell.seeds, "events": packet["events"],

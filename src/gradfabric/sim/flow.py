@@ -356,7 +356,9 @@ class Plan:
     groups: int = 0
     # a PS deals a bucket's sequences round-robin over ``servers``
     # (``proto.routes.Sharded``): the busiest holds ``ceil(k / servers)`` of
-    # ``k``, and its NIC moves each to or from every worker (``seq_ns``)
+    # ``k``, and its NIC moves each to or from every worker (``seq_ns``);
+    # where a sequence travels only with chance ``seq_share`` (OmniReduce's
+    # blocks), the expected busiest count (``busiest``)
     servers: int = 0
     seq_values: int = 1
     seq_ns: float = 0.0
@@ -381,8 +383,9 @@ def busiest(servers: int, each: int, p: float) -> float:
     if p <= 0:
         return 0.0
     k = np.arange(each + 1)
-    log_pmf = (math.lgamma(each + 1) - np.array([math.lgamma(x + 1) + math.lgamma(each - x + 1)
-               for x in k]) + k * math.log(p) + (each - k) * math.log1p(-p))  # fmt: skip
+    steps = np.log((each - k[:-1]) / (k[:-1] + 1.0))  # log C(each, k+1) - log C(each, k)
+    log_pmf = np.concatenate([[0.0], np.cumsum(steps)]) + k * math.log(p) + (
+        each - k) * math.log1p(-p)  # fmt: skip
     cdf = np.minimum(np.cumsum(np.exp(log_pmf)), 1.0)
     return float(np.sum(1.0 - cdf[:-1] ** servers))
 
@@ -512,9 +515,9 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
         g, hops = _sharded(fab, servers, push, pull)
         latency = 2 * fab.path_ns(hops, ina) + train
         if scheme == "omnireduce":  # every stream's announce round first: headers only
-            latency += 2 * fab.path_ns(hops, ina) + (
-                ina.omni_streams * workers * HEADER_BYTES / fab.host_rate
-            )
+            # (an aggregator's results to every worker; a worker's announces to every aggregator)
+            announces = ina.omni_streams * max(workers, servers)
+            latency += 2 * fab.path_ns(hops, ina) + announces * HEADER_BYTES / fab.host_rate
         solved = _solved(fab, g, Phase(0.0))
         return Plan((solved,), latency, False, vpp, len(g.share), servers,
                     ina.values_per_sim_packet, workers * train, pull)  # fmt: skip
