@@ -1164,6 +1164,7 @@ def test_bench_ddp_starts_its_switch_where_the_tor_sits() -> None:
     assert not netns.left_behind()
 
 
+@pytest.mark.long  # (the default suite's 10 minutes; CI's second pass runs it)
 def test_saatp_training_helps_the_slow_rank_and_stays_bitwise_synchronous() -> None:
     """Real training through the switch, the slow rank moving every 2 steps:
     helpers send the slow rank's gradients, and the loss curve and weights

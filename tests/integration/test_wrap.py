@@ -70,7 +70,7 @@ def _train(rank: int, world: int, control: str, out: str, native: bool) -> None:
     torch.save({"weights": weights, "seqs": seqs}, os.path.join(out, f"{rank}.pt"))
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", [True, pytest.param(False, marks=pytest.mark.long)])
 def test_a_ddp_job_trains_across_the_wires_sequence_limit(native: bool) -> None:
     """Two ranks, DDP with ``ina_hook`` through the switch, five steps of the
     digits MLP in 64-value datagrams (about 270 a step): started 600 short
