@@ -35,7 +35,7 @@ from gradfabric.experiments import plots
 from gradfabric.experiments.baselines import builtin_config
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.experiments.simulate import flow_rows
-from gradfabric.lab.levels import Pair, both, child, peak_rss_mb
+from gradfabric.lab.levels import Pair, both, child, named, peak_rss_mb
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
 from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
@@ -223,11 +223,6 @@ def _saatp_at_4096(tick: Tick) -> list[dict[str, Any]]:
     return rows
 
 
-def _scheme(row: dict[str, Any]) -> str:
-    d = row.get("density", 1.0)
-    return str(row["scheme"]) + (f" at density {d:g}" if d < 1 else "")
-
-
 class FlowLevel:
     main_job = False  # its packet-level references take minutes: its own run
     name = "flow-level"
@@ -258,8 +253,9 @@ class FlowLevel:
                     "scale_configs": [f"configs/scale-{s}.yaml" for s in SCALE]},
         )  # fmt: skip
         for x in rows:
+            scheme = named(x["scheme"], x.get("density", 1.0))
             r.claims.append(Claim(
-                "simulator", f"flow level vs packet level: {_scheme(x)}, {x['workers']} "
+                "simulator", f"flow level vs packet level: {scheme}, {x['workers']} "
                 f"workers, {x['topology'].replace('_', '-')}, {x['case']}", "sim",
                 "packet level", f"{x['flow_ms']:.3f} ms vs {x['packet_ms']:.3f} ms "
                 f"({x['error']:+.1%})", "within 5%", abs(x["error"]) <= 0.05, kind="check",

@@ -24,6 +24,11 @@ from gradfabric.sim.flow import Clos, plan, schedule
 from gradfabric.wire.packet import VALUE_BYTES
 
 
+def named(scheme: str, density: float = 1.0) -> str:
+    """A scheme as the study's table names it (OmniReduce with its density)."""
+    return scheme + (f" at density {density:g}" if density < 1 else "")
+
+
 @dataclass(frozen=True)
 class Pair:
     """One all-reduce of ``values`` by ``scheme`` over ``workers`` on
@@ -49,8 +54,7 @@ class Pair:
 
     @property
     def label(self) -> str:
-        sparse = f" at density {self.density:g}" if self.density < 1 else ""
-        return f"{self.scheme}{sparse}, {self.workers} on a {self.where}"
+        return f"{named(self.scheme, self.density)}, {self.workers} on a {self.where}"
 
 
 def both(cell: Pair) -> dict[str, Any]:
