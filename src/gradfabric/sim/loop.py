@@ -3,6 +3,7 @@ so one seed reproduces a run exactly."""
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections.abc import Callable
 from typing import Any
@@ -38,11 +39,21 @@ class EventLoop:
         heapq.heappush(self.heap, (time_ns, self.seq, fn, arg))
 
     def run(self, until_ns: int | None = None) -> None:
-        """Process events in time order until none remain, ``until_ns`` or ``stop()``."""
+        """Process events in time order until none remain, ``until_ns`` or ``stop()``.
+
+        The cyclic collector is off while events run. Every event is a heap
+        entry, a tuple the collector tracks, and each of its full passes walks
+        the whole heap and every engine: in a ring all-reduce of 1,024 workers
+        the collector took 4.0 s of 17 s, at 2,048 workers 53 s of 127 s.
+        Nothing here needs it: events make no reference cycles, so reference
+        counting frees all they leave (``tests/unit/test_sim.py`` holds every
+        scheme to that), and the caller's setting comes back on return."""
         heap, pop = self.heap, heapq.heappop
         horizon = until_ns if until_ns is not None else 1 << 62
         self._stopped = False
         n = 0
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             while heap and not self._stopped:
                 if heap[0][0] > horizon:
@@ -54,6 +65,8 @@ class EventLoop:
                 n += 1
         finally:
             self.events += n
+            if collecting:
+                gc.enable()
 
     @property
     def pending(self) -> int:
