@@ -69,7 +69,7 @@ def test_reproduce_quick_everything(tmp_path: Path) -> None:
     left = {n for n in EXPERIMENTS.names() if not getattr(EXPERIMENTS.get(n), "main_job", True)}
     res = _check_report(tmp_path, set(EXPERIMENTS.names()) - left)  # the rest, every one
     report = (tmp_path / "report.md").read_text()
-    assert left == {"esa", "esa-scale", "flow-level", "ddp", "simspeed"}
+    assert left == {"esa", "esa-scale", "esa-scale-1024", "flow-level", "ddp", "simspeed"}
     assert all(f"`gradfabric reproduce --quick --only {n}`" in report for n in left)
     assert {"baselines", "saatp", "dlcp", "omnireduce", "planner", "emulator"} <= set(res)
     assert all(c["met"] for c in res["baselines"]["claims"])  # the analytic bounds hold
