@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -133,6 +134,19 @@ def test_link_spec_validation_names_the_field() -> None:
         LinkSpec(link_gbps=0)
 
 
+def _lockstep(slack: int) -> TenancyConfig:
+    """Two ATP jobs' rack where retries in lockstep lose every time (below)."""
+    return TenancyConfig(
+        scheme="atp", racks=2, hosts=8, pool_slots=4096, seed=0, models=("resnet50",),
+        workers_choices=(4,), ps_shards=1, ina=InaConfig(train_packets=64),
+        fabric=FabricConfig(topology="leaf_spine", link=LinkSpec(queue_bytes=200_000),
+                            timer_slack_ns=slack),
+    )  # fmt: skip
+
+
+_TWO_JOBS = [JobSpec(1, 0, "resnet50", 4, 1), JobSpec(2, 0, "resnet50", 4, 1)]
+
+
 def test_workers_that_lose_trains_together_do_not_retry_in_lockstep_forever() -> None:
     """Two ATP jobs of 4 workers in one rack, queues of 200 KB, 64-packet
     trains: a collision in the rack's pool sends a sequence's four 64 KB
@@ -140,21 +154,25 @@ def test_workers_that_lose_trains_together_do_not_retry_in_lockstep_forever() ->
     time the same two workers lose every retry until they give up, naming
     their switch; with a host's timer slack (``TIMER_SLACK_NS``) the retries
     spread and both jobs finish."""
-
-    def run(slack: int) -> dict[str, int]:
-        cfg = TenancyConfig(
-            scheme="atp", racks=2, hosts=8, pool_slots=4096, seed=0, models=("resnet50",),
-            workers_choices=(4,), ps_shards=1, ina=InaConfig(train_packets=64),
-            fabric=FabricConfig(topology="leaf_spine", link=LinkSpec(queue_bytes=200_000),
-                                timer_slack_ns=slack),
-        )  # fmt: skip
-        jobs = [JobSpec(1, 0, "resnet50", 4, 1), JobSpec(2, 0, "resnet50", 4, 1)]
-        return run_tenancy(cfg, jobs).counters
-
     with pytest.raises(PeerTimeoutError, match="leaf0"):
-        run(0)
-    done = run(TIMER_SLACK_NS)  # (finished: a job left unfinished raises)
+        run_tenancy(_lockstep(0), _TWO_JOBS)
+    done = run_tenancy(_lockstep(TIMER_SLACK_NS), _TWO_JOBS).counters  # (unfinished: raises)
     assert done["ps_collision"] > 0 and done["ps_resend"] > 0  # the PS took retries
+
+
+def test_a_trace_whose_workers_give_up_is_a_row_of_the_scale_study() -> None:
+    """``esa-scale``'s cell keeps a trace that ended in a worker giving up
+    (the lockstep rack above) as a row naming the switch, which the study
+    leaves out of its pairs and states beside its claims."""
+    from gradfabric.experiments.esa_scale import failures, run_cell
+
+    cfg = _lockstep(0)
+    cell = replace(cfg, jobs=2, workers_choices=(4,), iterations_range=(1, 1), load=50.0)
+    row = run_cell(cell)
+    assert "leaf0" in row["failed"] and "avg_jct_s" not in row
+    ok = {**row, "seed": 1}
+    del ok["failed"]
+    assert failures([row, ok]) == ["ATP at pool 4096: a worker gave up in 1 of 2 traces (seeds 0)"]
 
 
 def test_esa_at_scale_pairs_atp_and_esa_by_seed_on_a_small_leaf_spine() -> None:
