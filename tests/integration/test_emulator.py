@@ -918,7 +918,7 @@ def test_training_through_a_switch_in_its_own_namespace_with_kernel_loss() -> No
     rec = run_emu_training(EmuTrainConfig(policy="atp", steps=8, link_gbps=1.0, kernel_loss=0.05))
     # (one fresh-clone run once read 0 drops here and did not recur: what the
     # switch counted says whether its datagrams crossed the rule at all)
-    assert rec["kernel_dropped"] > 0, rec["switch"]["counters"]
+    assert rec["kernel_dropped"] > 0, rec["switch"].get("counters")
     assert rec["max_loss_diff"] <= 1e-5
     assert not netns.left_behind()
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import random
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -170,9 +172,44 @@ def test_a_trace_whose_workers_give_up_is_a_row_of_the_scale_study() -> None:
     cell = replace(cfg, jobs=2, workers_choices=(4,), iterations_range=(1, 1), load=50.0)
     row = run_cell(cell)
     assert "leaf0" in row["failed"] and "avg_jct_s" not in row
+    assert gc.isenabled()  # (the loop's exit by the error restored it)
     ok = {**row, "seed": 1}
     del ok["failed"]
     assert failures([row, ok]) == ["ATP at pool 4096: a worker gave up in 1 of 2 traces (seeds 0)"]
+
+
+def test_the_scale_study_pairs_only_the_seeds_both_schemes_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``EsaScale.run`` on rows where ATP gave up at one pool: that pool
+    pairs nothing (a gap in the plots), the claims come from the other and
+    name the failure; where no pool pairs a seed, both claims are unmet and
+    say why, not a crash."""
+    from gradfabric.experiments import esa_scale
+
+    def row(scheme: str, pool: int, seed: int, jct: float | None) -> dict[str, object]:
+        key = {"scheme": scheme, "pool_slots": pool, "load": 0.9, "jitter_us": 500.0,
+               "seed": seed, "racks": 2}  # fmt: skip
+        if jct is None:
+            return {**key, "failed": "peer leaf1 did not answer within 0.101 s"}
+        return {**key, "avg_jct_s": jct, "p99_jct_s": 2 * jct}
+
+    grid = esa_scale.EsaScaleGrid(racks=2, workers=(64,), pool_slots=(256, 1024), seeds=(0, 1))
+    study = esa_scale.EsaScale("t", "t", grid, grid)
+    rows = [row("atp", 256, 0, None), row("esa", 256, 0, 0.1), row("atp", 256, 1, None),
+            row("esa", 256, 1, 0.1), row("atp", 1024, 0, 0.2), row("esa", 1024, 0, 0.1),
+            row("atp", 1024, 1, None), row("esa", 1024, 1, 0.1)]  # fmt: skip
+    monkeypatch.setattr(esa_scale, "run_grid", lambda *_: rows)
+    res = study.run(False, tmp_path, lambda *_: None)
+    paper, goal = res.claims
+    assert paper.speedup == 2.0 and "1 seeded traces" in paper.note
+    assert "ATP at pool 256: a worker gave up in 2 of 2 traces (seeds 0, 1)" in paper.note
+    assert "ATP at pool 1024: a worker gave up in 1 of 2 traces (seeds 1)" in goal.note
+    assert all((tmp_path / p).exists() for p in res.plots)
+    monkeypatch.setattr(esa_scale, "run_grid", lambda *_: rows[:4])
+    paper, goal = study.run(False, tmp_path, lambda *_: None).claims
+    assert paper.ours == goal.ours == "-" and paper.met is goal.met is False
+    assert "2 of 2 traces" in paper.note
 
 
 def test_esa_at_scale_pairs_atp_and_esa_by_seed_on_a_small_leaf_spine() -> None:
@@ -198,45 +235,85 @@ def test_esa_at_scale_pairs_atp_and_esa_by_seed_on_a_small_leaf_spine() -> None:
 
 
 
-def _no_cycles_made_by(loop: EventLoop) -> int:
-    """Run ``loop`` with the setup's garbage collected first and its network
-    still referenced: what the collector then finds, the events made."""
+def _garbage_made_by(run: Callable[[], object]) -> int:
+    """Objects the collector finds unreachable after ``run()``, the setup's
+    garbage collected first and the run's network still referenced by the
+    caller: cycles its events made. ``DEBUG_SAVEALL`` keeps what any pass
+    finds, so an automatic pass between the loop's return and ours cannot
+    hide them."""
     gc.collect()
-    loop.run()
-    assert gc.isenabled()  # the caller's setting, restored
-    return gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        run()
+        assert gc.isenabled()  # the caller's setting, restored
+        gc.collect()
+        return len(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
 
 
-@pytest.mark.parametrize("scheme", sorted(set(SCHEMES.names()) - {"dlcp"}))
+def test_the_cycle_check_finds_a_cycle_an_event_makes() -> None:
+    loop = EventLoop()
+    for t in range(5):
+        loop.at(t, lambda _: (x := []).append(x))
+    assert _garbage_made_by(loop.run) == 5
+
+
+@pytest.mark.parametrize("scheme", SCHEMES.names())
 def test_events_make_no_reference_cycles_so_the_collector_can_stay_off(scheme: str) -> None:
-    """``EventLoop.run`` turns the cyclic collector off (its passes walk every
-    long-lived engine and link); that is safe only while events make no
+    """``EventLoop.run`` turns the cyclic collector off (its passes walk the
+    event heap and every engine); that is safe only while events make no
     reference cycles. Each scheme runs an all-reduce over lossy, duplicating,
     jittered links where it tolerates them (so retries, duplicates and
-    timers run), ESA's tenancy two jobs that contend for an 8-slot pool, and
-    SA-ATP a training step with a straggler that gets help."""
+    timers run); DLCP its PS and its ring (``sim.dlcp``); ATP two jobs on a
+    leaf-spine, once finishing and once giving up (the error's exit); ESA's
+    tenancy two jobs that contend for an 8-slot pool; SA-ATP a training step
+    with a straggler that gets help."""
     from gradfabric.sim.collective import CollectiveRun, _starter
+    from gradfabric.sim.dlcp import COLLECTIVES, DlcpConfig
     from gradfabric.sim.multijob import _Tenancy
     from gradfabric.sim.stragglers import StragglerConfig
     from gradfabric.sim.training import TrainingConfig, _Trainer
 
+    if scheme == "dlcp":
+        # (each twice: the first run in a process has ``inspect`` parse a
+        # compiled function's signature once, which leaves cycles behind)
+        made = {}
+        for coll in [*COLLECTIVES] * 2:  # (the second round's counts stay)
+            job = COLLECTIVES[coll](DlcpConfig(collective=coll, workers=4, iterations=1,
+                                               tensors=(20_000,) * 2, load=0.5))  # fmt: skip
+            made[coll] = _garbage_made_by(job.result)
+        assert made == {"ps": 0, "allreduce": 0}
+        return
     lossless = SCHEMES.get(scheme).lossless
     link = LinkSpec(link_gbps=10, prop_delay_ns=2000, loss=0.0 if lossless else 0.02,
                     dup=0.0 if lossless else 0.02, jitter_ns=0 if lossless else 500)  # fmt: skip
     fabric = FabricConfig(link=link)
     ina = InaConfig(train_packets=1 if scheme == "omnireduce" else 4)
-    run = CollectiveRun(scheme, 4, [Bucket(0, 80_000)], fabric, ina, 1, True,
-                        0.1 if scheme == "omnireduce" else 1.0)  # fmt: skip
+    run = CollectiveRun(scheme, 4, [Bucket(0, 80_000)], fabric, ina, seed=1, values=True,
+                        density=0.1 if scheme == "omnireduce" else 1.0)  # fmt: skip
     start = run.build()
     for w in range(4):
         run.loop.at(0, _starter(start, w, 0))
-    assert _no_cycles_made_by(run.loop) == 0 and run.finished == 4
+    assert _garbage_made_by(run.loop.run) == 0 and run.finished == 4
+    if scheme == "atp":
+        done = _Tenancy(_lockstep(TIMER_SLACK_NS), _TWO_JOBS, False)
+        assert _garbage_made_by(done.loop.run) == 0 and done.finished == 2
+
+        lost = _Tenancy(_lockstep(0), _TWO_JOBS, False)
+
+        def gives_up() -> None:
+            with pytest.raises(PeerTimeoutError):
+                lost.loop.run()
+
+        assert _garbage_made_by(gives_up) == 0
     if scheme == "esa":
         cfg = TenancyConfig(scheme="esa", hosts=4, pool_slots=8, models=("mlp",),
                             workers_choices=(4,), fabric=fabric, ina=ina)  # fmt: skip
         ten = _Tenancy(cfg, [JobSpec(1, 0, "mlp", 4, 1), JobSpec(2, 0, "mlp", 4, 1)],
                        False)  # fmt: skip
-        assert _no_cycles_made_by(ten.loop) == 0 and ten.finished == 2
+        assert _garbage_made_by(ten.loop.run) == 0 and ten.finished == 2
     if scheme == "saatp":
         st = StragglerConfig(model="fixed", workers=(1,), slowdown=4.0)
         tr = _Trainer(TrainingConfig(scheme="saatp", model="mlp", workers=4, iterations=1,
@@ -244,5 +321,5 @@ def test_events_make_no_reference_cycles_so_the_collector_can_stay_off(scheme: s
                                      fabric=fabric, ina=ina), False)  # fmt: skip
         for w in range(4):
             tr.begin(w, 0)
-        assert _no_cycles_made_by(tr.run.loop) == 0 and tr.run.finished == 4
+        assert _garbage_made_by(tr.run.loop.run) == 0 and tr.run.finished == 4
         assert tr.helps_started > 0

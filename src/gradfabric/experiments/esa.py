@@ -128,13 +128,20 @@ def run_grid(grid: EsaGrid, tick: Tick, where: Executor | int = 1) -> list[dict[
     return run_cells(run_cell, cells, where, tick, _label)
 
 
-def _row(r: Any, cfg: TenancyConfig) -> dict[str, Any]:
+def trace_key(cfg: TenancyConfig) -> dict[str, Any]:
+    """What names a trace's row: its scheme, pool, load, jitter and seed."""
     return {
         "scheme": cfg.scheme,
         "pool_slots": cfg.pool_slots,
         "load": cfg.load,
         "jitter_us": cfg.iteration_jitter_us,
         "seed": cfg.seed,
+    }
+
+
+def _row(r: Any, cfg: TenancyConfig) -> dict[str, Any]:
+    return {
+        **trace_key(cfg),
         "jobs": len(r.jobs),
         "avg_jct_s": r.avg_jct_s,
         "p99_jct_s": r.p99_jct_s,

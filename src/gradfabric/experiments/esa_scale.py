@@ -21,17 +21,16 @@ simulator's prediction at that granularity, not packet level's.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from gradfabric.core.cells import Executor, chosen, run_cells
 from gradfabric.core.config import dump
 from gradfabric.core.errors import PeerTimeoutError
 from gradfabric.experiments import plots
-from gradfabric.experiments.esa import _gain, _row, compare  # (esa's row and gain text)
+from gradfabric.experiments.esa import _gain, _row, compare, trace_key  # (esa's row, gain)
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import FabricConfig
@@ -73,12 +72,17 @@ class EsaScaleGrid:
                    seeds=(0,))  # fmt: skip
 
     @classmethod
-    def wide(cls) -> EsaScaleGrid:
+    def wide(cls, quick: bool = False) -> EsaScaleGrid:
         """Jobs of 256 to 1,024 workers on 32 racks (2,048 hosts), in trains
-        of 128: with 256 a train is 270 KB and a 2 MB queue holds seven, so
-        when a second job of 1,024 arrives the queues drop trains faster than
-        the workers' retries recover them (measured: 169,867 queue drops
-        against 16 pool collisions, and a worker gave up)."""
+        of 128 (``quick``: four jobs, one pool, one seed). At trains of 256 a
+        worker gave up at every pool tried: a train is 270 KB, a 2 MB queue
+        holds seven, and the queues dropped trains faster than the retries
+        recovered them. Trains of 128 finish where the pool is ample and
+        still fail ATP at 2,048 aggregators (``failures``; the notebook's
+        "ESA with jobs of 1,024 workers" has the counts)."""
+        if quick:
+            return cls(racks=32, workers=(256, 512, 1024), jobs=4, pool_slots=POOLS_WIDE[1:],
+                       seeds=(0,), train=128)  # fmt: skip
         return cls(racks=32, workers=(256, 512, 1024), pool_slots=POOLS_WIDE, train=128)
 
 
@@ -105,9 +109,7 @@ def run_cell(cfg: TenancyConfig) -> dict[str, Any]:
     try:
         r = run_tenancy(cfg)
     except PeerTimeoutError as e:
-        return {"scheme": cfg.scheme, "pool_slots": cfg.pool_slots, "load": cfg.load,
-                "jitter_us": cfg.iteration_jitter_us, "seed": cfg.seed, "racks": cfg.racks,
-                "failed": str(e)}  # fmt: skip
+        return {**trace_key(cfg), "racks": cfg.racks, "failed": str(e)}
     return {**_row(r, cfg), "racks": cfg.racks, "largest_job": max(j["workers"] for j in r.jobs),
             "events": r.events}  # fmt: skip
 
@@ -138,11 +140,6 @@ def _label(c: TenancyConfig) -> str:
     return f"{c.racks} racks, pool {c.pool_slots}, {c.scheme}, seed {c.seed}"
 
 
-def _mean_ms(xs: list[float]) -> float:
-    """The mean in ms; NaN (a gap in the plot's line) where no trace finished."""
-    return statistics.fmean(xs) * 1e3 if xs else math.nan
-
-
 def claims(
     grid: EsaScaleGrid, cmp: list[dict[str, Any]], failed: Sequence[str] = ()
 ) -> list[Claim]:
@@ -151,10 +148,18 @@ def claims(
     traces that did not finish (``failures``) said beside both. Neither is a
     headline: the README's simulated ESA is the one-rack study at packet
     level (``esa``), this one's trains the coarser prediction."""
-    best = max(cmp, key=lambda c: c["improvement"])
-    worst = min(cmp, key=lambda c: c["improvement"])
     setting = (f"jobs of {grid.workers[0]}-{grid.workers[-1]} workers on {grid.racks} racks of "
                f"{grid.hosts}")  # fmt: skip
+    baseline = "ATP (two levels, PS sharded per worker)"
+    paper = f"average JCT better than ATP by up to, {setting}"
+    goal = f"never worse than ATP by more than 3% (avg JCT), {setting}"
+    if not cmp:  # no pool where both schemes finished a trace of the same seed
+        why = "; ".join(failed) or "no trace finished under both schemes"
+        return [Claim("ESA", paper, "sim", baseline, "-", "1.35x", False, note=why),
+                Claim("ESA", goal, "sim", "ATP", "-", ">= 0.97x", False, kind="goal",
+                      note=why)]  # fmt: skip
+    best = max(cmp, key=lambda c: c["improvement"])
+    worst = min(cmp, key=lambda c: c["improvement"])
 
     def note(c: dict[str, Any]) -> str:
         return (f"pool {c['pool_slots']}, {c['seeds']} seeded traces, load {c['load']:g}; avg "
@@ -163,18 +168,16 @@ def claims(
                 f"trains of {grid.train} packets"
                 + "".join(f"; {f}" for f in failed))  # fmt: skip
 
-    baseline = "ATP (two levels, PS sharded per worker)"
     return [
-        Claim("ESA", f"average JCT better than ATP by up to, {setting}", "sim", baseline,
-              _gain(best, 2), "1.35x", reaches(best["improvement"], 1.35),
-              speedup=best["improvement"], note=note(best)),
-        Claim("ESA", f"never worse than ATP by more than 3% (avg JCT), {setting}", "sim",
-              "ATP", _gain(worst, 3), ">= 0.97x", reaches(worst["improvement"], 0.97),
-              kind="goal", speedup=worst["improvement"], note=note(worst)),
+        Claim("ESA", paper, "sim", baseline, _gain(best, 2), "1.35x",
+              reaches(best["improvement"], 1.35), speedup=best["improvement"], note=note(best)),
+        Claim("ESA", goal, "sim", "ATP", _gain(worst, 3), ">= 0.97x",
+              reaches(worst["improvement"], 0.97), kind="goal", speedup=worst["improvement"],
+              note=note(worst)),
     ]  # fmt: skip
 
 
-@dataclass
+@dataclass  # (not frozen: the registry's protocol declares name and title settable)
 class EsaScale:
     """The study on ``full`` (``quick``: its smaller grid)."""
 
@@ -182,22 +185,24 @@ class EsaScale:
     title: str
     full: EsaScaleGrid
     quick: EsaScaleGrid
-    main_job = False  # runs of minutes each: its own command
+    main_job: ClassVar[bool] = False  # runs of minutes each: its own command
 
     def run(self, quick: bool, out: Path, tick: Tick) -> ExperimentResult:
         grid = self.quick if quick else self.full
         rows = run_grid(grid, tick, chosen())
-        finished = [r for r in rows if "failed" not in r]
-        cmp = compare(finished)  # (a pool where either scheme gave up pairs no seed)
+        # (a seed where either scheme gave up pairs nothing: its pool's
+        # figures are over the seeds both finished)
+        cmp = compare([r for r in rows if "failed" not in r])
         tenancy = config(grid, "esa", grid.pool_slots[0], grid.seeds[0])
         r = ExperimentResult(self.name, self.title, rows=cmp + rows,
                              config={"grid": dump(grid), "tenancy": dump(tenancy)})  # fmt: skip
         r.claims += claims(grid, cmp, failures(rows))
         pools = [float(p) for p in grid.pool_slots]
+        paired = {c["pool_slots"]: c for c in cmp}
         for stat, label in (("avg_jct_s", "average"), ("p99_jct_s", "p99")):
+            # the paired means; a gap where no seed finished under both
             series = {
-                s: [_mean_ms([x[stat] for x in finished
-                              if x["scheme"] == s and x["pool_slots"] == p])
+                s: [paired[p][f"{s}_{stat}"] * 1e3 if p in paired else math.nan
                     for p in grid.pool_slots]
                 for s in ("atp", "esa")
             }  # fmt: skip
@@ -220,5 +225,4 @@ EXPERIMENTS.add("esa-scale", EsaScale(
     EsaScaleGrid(), EsaScaleGrid.quick()))  # fmt: skip
 EXPERIMENTS.add("esa-scale-1024", EsaScale(
     "esa-scale-1024", "ESA with jobs of up to 1,024 workers on 32 racks",
-    EsaScaleGrid.wide(), replace(EsaScaleGrid.wide(), jobs=4, pool_slots=POOLS_WIDE[:1],
-                                 seeds=(0,))))  # fmt: skip
+    EsaScaleGrid.wide(), EsaScaleGrid.wide(quick=True)))  # fmt: skip

@@ -121,7 +121,9 @@ def udp_dropped(host: NsHost, table: str = "gf") -> int:
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     m = re.search(r"counter packets (\d+)", out)
-    return int(m.group(1)) if m else 0
+    if m is None:  # the rule is gone or never took: say so, not "nothing dropped"
+        raise RuntimeError(f"no drop counter in {host.netns}'s nftables table {table}:\n{out}")
+    return int(m.group(1))
 
 
 CLONE_NEWNET = 0x40000000
