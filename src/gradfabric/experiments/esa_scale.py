@@ -220,9 +220,10 @@ class EsaScale:
         return r
 
 
-EXPERIMENTS.add("esa-scale", EsaScale(
-    "esa-scale", "ESA past one rack: jobs of hundreds of workers on a leaf-spine",
-    EsaScaleGrid(), EsaScaleGrid.quick()))  # fmt: skip
-EXPERIMENTS.add("esa-scale-1024", EsaScale(
-    "esa-scale-1024", "ESA with jobs of up to 1,024 workers on 32 racks",
-    EsaScaleGrid.wide(), EsaScaleGrid.wide(quick=True)))  # fmt: skip
+for _study in (
+    EsaScale("esa-scale", "ESA past one rack: jobs of hundreds of workers on a leaf-spine",
+             EsaScaleGrid(), EsaScaleGrid.quick()),
+    EsaScale("esa-scale-1024", "ESA with jobs of up to 1,024 workers on 32 racks",
+             EsaScaleGrid.wide(), EsaScaleGrid.wide(quick=True)),
+):  # fmt: skip
+    EXPERIMENTS.add(_study.name, _study)
