@@ -10,11 +10,11 @@ well-formed traffic from several jobs' workers (windows of sequences, every
 slot reuse, retransmissions, duplicates, reordering, priorities that
 preempt, shares that overflow into floats) mixed with what a stranger or a
 confused token holder sends (random and truncated bytes, forged tokens,
-unknown jobs, another worker's bit, another job's slot, results from below,
-non-finite floats), jobs that resynchronise after a restart and jobs that
-leave. The edges are drawn too: fan-in 64, the largest datagram (16,000
-values), sequence numbers at the wire's limit, many jobs on a pool small
-enough that they collide.
+unknown jobs, a sender outside the job, another worker's bit, another job's
+slot, results from below, non-finite floats), jobs that resynchronise after
+a restart and jobs that leave. The edges are drawn too: fan-in 64, the
+largest datagram (16,000 values), sequence numbers at the wire's limit, many
+jobs on a pool small enough that they collide.
 
 After every step both must have the same datagrams to send (to the same
 job and rank, byte for byte) and name the same missing workers; at the end,
@@ -97,8 +97,8 @@ def node_setups(draw: st.DrawFn) -> tuple[NodeConfig, list[Job]]:
 # What a step sends: well-formed shares most of the time, then every kind of
 # trouble (see the module doc).
 KINDS = ("share", "share", "share", "share", "again", "random", "forged", "truncated", "mutated",
-         "unknown", "bit", "slot", "float", "nonfinite", "count", "below", "help", "resync",
-         "leave")  # fmt: skip
+         "unknown", "bit", "slot", "float", "nonfinite", "count", "below", "help", "sender",
+         "resync", "leave")  # fmt: skip
 steps = st.lists(
     st.tuples(
         st.sampled_from(KINDS),
@@ -149,6 +149,9 @@ def _datagram(
     elif kind == "help":  # SA-ATP's help under another's bit
         pkt.flags |= Flag.HELP
         pkt.bitmap = 1 << int(rng.integers(workers))
+    elif kind == "sender":  # a sender past the job, below or past one bitmap word
+        pkt.worker_id = int(rng.integers(workers, 1 << 16))
+        pkt.flags |= [0, Flag.HELP, Flag.ACK | Flag.RESEND][seed % 3]
     data = token + encode(pkt)
     if kind == "random":
         return rng.bytes(int(rng.integers(0, 80)))

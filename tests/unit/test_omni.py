@@ -99,6 +99,19 @@ def test_exact_under_loss_dup_reorder(
     _exact(r)
 
 
+def test_exact_past_one_bitmap_word() -> None:
+    """130 workers and as many aggregators (one stream each) on a
+    leaf-spine, under loss: senders past 64, the in-network bitmap's word,
+    are OmniReduce's to name (it keeps no bitmap of them)."""
+    fabric = FabricConfig(topology="leaf_spine", hosts_per_rack=32, spines=2,
+                          link=LinkSpec(loss=0.01))  # fmt: skip
+    ina = InaConfig(rto_ns=200_000, omni_streams=1)
+    r = run_collective("omnireduce", 130, [Bucket(0, 40_000)], fabric, ina, 0, True,
+                       density=0.02)  # fmt: skip
+    _exact(r)
+    assert r.counters["link_loss"] > 0 and r.counters["OmniWorker.timeouts"] > 0
+
+
 def test_a_dead_worker_is_named() -> None:
     with pytest.raises(PeerTimeoutError, match="waits on w2") as e:
         run_collective(

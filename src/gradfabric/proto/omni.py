@@ -45,7 +45,7 @@ from mypy_extensions import mypyc_attr
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Fail, Multicast, NoTimers, Send
-from gradfabric.wire.packet import MAX_FAN_IN, Flag, Packet, result_packet
+from gradfabric.wire.packet import MAX_FAN_IN, MAX_SENDERS, Flag, Packet, result_packet
 
 NONE = (1 << 64) - 1  # "no further non-zero block"
 
@@ -116,8 +116,8 @@ class OmniAggregator(NoTimers):
     def __init__(
         self, name: str, job_id: int, index: int, workers: list[str], streams: int
     ) -> None:
-        if len(workers) > MAX_FAN_IN:
-            raise ConfigError("workers", f"at most {MAX_FAN_IN} workers per aggregator")
+        if not 1 <= len(workers) <= MAX_SENDERS:
+            raise ConfigError("workers", f"need 1..{MAX_SENDERS} workers (the header's u16)")
         self.name, self.job_id, self.index, self.workers = name, job_id, index, workers
         self.first_stream, self.end_stream = index * streams, (index + 1) * streams
         self.counters = Counters()

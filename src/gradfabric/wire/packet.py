@@ -13,7 +13,12 @@ parameter server carries every contributor's bit. ``worker_id`` is the
 ``HELP`` packet, where a helper sends a straggler's share under the
 straggler's bit. This makes "merge by bitmap"
 one rule for every hop. One bitmap word bounds the fan-in of one aggregation
-point to 64; larger jobs aggregate hierarchically (leaf, then spine). Where
+point to 64; larger jobs aggregate hierarchically (leaf, then spine). The
+wire bounds ``fan_in`` and the bitmap by that word, not ``worker_id``: a
+sender may be any of a u16's values (OmniReduce's aggregators and DLCP's
+server name their peers by it and keep no bitmap of them), and every engine
+drops a sender outside its own job as foreign (in-network aggregation: not
+below ``fan_in``). Where
 a job's levels meet at one receiver (ATP's PS behind two levels, a PS job
 of more than 64 workers), ``layer`` says whose bits these are: 0 the top
 level's children (racks, or the workers of a one-level job), ``g + 1`` the
@@ -47,6 +52,7 @@ VERSION = 1
 HEADER = struct.Struct("<HBBHHHHHHIIQ")
 HEADER_BYTES = HEADER.size
 MAX_FAN_IN = 64
+MAX_SENDERS = 1 << 16  # worker_id is a u16: senders 0..65535
 SEQ_BITS = 32  # what the wire carries of a sequence number
 SEQ_WRAP = 1 << SEQ_BITS
 MAX_WIRE_VALUES = 16_000  # 64 KB of values: one UDP datagram (loopback, jumbo)
@@ -235,8 +241,6 @@ def decode(data: bytes) -> Packet:
         raise ProtocolError(f"unknown flag bits 0x{flags & ~KNOWN_FLAGS:04x}")
     if not 1 <= fan_in <= MAX_FAN_IN:
         raise ProtocolError(f"fan_in {fan_in} outside 1..{MAX_FAN_IN}")
-    if worker_id >= MAX_FAN_IN:
-        raise ProtocolError(f"worker_id {worker_id} >= {MAX_FAN_IN}")
     if bitmap >> fan_in:
         raise ProtocolError(f"bitmap 0x{bitmap:x} names contributors beyond fan_in {fan_in}")
     if count > MAX_WIRE_VALUES:

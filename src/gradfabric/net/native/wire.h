@@ -140,7 +140,7 @@ static inline int gf_check(const gf_pkt *p) {
     const uint8_t *h = p->raw;
     if (p->len < HEADER) return -1;
     if (gf_rd16(h) != MAGIC || h[2] != VERSION || (p->flags & ~KNOWN_FLAGS)) return -1;
-    if (p->fan_in < 1 || p->fan_in > MAX_FAN_IN || p->wid >= MAX_FAN_IN) return -1;
+    if (p->fan_in < 1 || p->fan_in > MAX_FAN_IN) return -1; /* any sender: the engines check */
     if (p->fan_in < 64 && (p->bitmap >> p->fan_in)) return -1;
     if (p->count > MAX_WIRE_VALUES || p->len != HEADER + 4 * p->count) return -1;
     for (int64_t k = 0; (p->flags & F_FLOAT) && k < p->count; k++) {
