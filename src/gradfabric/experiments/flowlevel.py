@@ -8,9 +8,9 @@ error is its relative difference from packet level, which is the reference:
   of 64 to 256 workers (1,024 and 4,096 in full): the ring, SwitchML's
   levels and ATP's two (ATP, ESA, SA-ATP: racks, then a spine, the PS off
   it); on leaf-spines whose uplinks have room (``ROOMY``) the hierarchical
-  ring at the same sizes, the PS to 256 with trains small enough that a
+  ring at the same sizes, the PS to 1,024 with trains small enough that a
   server's port takes every worker's train at once without loss (``_ps``),
-  and OmniReduce at 64 and three densities (``_omni``). Each is a cell
+  and OmniReduce at 64 and 256 and three densities (``_omni``). Each is a cell
   (``lab.levels.Pair``), so ``reproduce --store`` keeps finished ones;
 * a ResNet-50 training iteration (buckets released through backward) at 64;
 * SA-ATP against ATP with one straggler (``sim.training``: real help
@@ -99,24 +99,23 @@ def _ps(workers: int) -> Pair:
     a server's port takes every worker's train at once: a burst of ``n``
     trains, which a 2 MB queue must hold (no loss, as the flow level
     assumes) and which the flow level's fluid rates do not see. Trains of 8
-    packets at 64 and 2 at 256 keep it small (at 256, trains of 4 lose
-    nothing and still come out 12% slower than the flow level: measured);
-    a 1,024-packet window keeps a worker's first burst within the queue.
-    Past 256 it needs single packets: at 1,024 that run had not finished
-    in 52 minutes here."""
-    ina = replace(INA, train_packets=8 if workers <= 64 else 2, ps_window=1024)
-    return _pair("ps", workers, 32, ROOMY, ina)
+    packets at 64, 2 at 256 and single packets at 1,024 keep it within the
+    queue, and a 1,024-packet window keeps a worker's first burst there.
+    The burst still costs time the flow level does not price: 1 MB at a
+    port came out 12% slower than the flow level at 256 (trains of 4) and
+    at 1,024 (single packets; 206M events, 37 minutes here). Past 1,024 a
+    burst of single packets (4,096 KB at 4,096) outgrows the queue."""
+    train = 8 if workers <= 64 else 2 if workers <= 256 else 1
+    return _pair("ps", workers, 32, ROOMY, replace(INA, train_packets=train, ps_window=1024))
 
 
 def _omni(workers: int, density: float) -> Pair:
     """OmniReduce (one aggregator a worker, as the PS) on uplinks with room,
-    at 64 workers: the wire refuses a ``worker_id`` of 64 or more
-    (``wire.packet.MAX_FAN_IN``, the width of in-network aggregation's
-    bitmap, checked for every packet), and OmniReduce has no second level to
-    carry more (its paper's aggregators serve every worker directly). Which
-    blocks are non-zero is drawn from the seed, and the flow level prices
-    the expected busiest aggregator, so packet level is the mean of three
-    seeds."""
+    at 64 and 256 workers. Past that the packet level's cost: every worker
+    announces to each of the aggregators' 16 streams and each round's result
+    goes to every worker (16.7M announcements at 1,024). Which blocks are
+    non-zero is drawn from the seed, and the flow level prices the expected
+    busiest aggregator, so packet level is the mean of three seeds."""
     pair = _pair("omnireduce", workers, 32, ROOMY, replace(INA, train_packets=1), density)
     return replace(pair, seeds=3)
 
@@ -129,9 +128,10 @@ def _pairs(quick: bool) -> list[Pair]:
         for n in sizes
         for scheme in ("ring", "switchml", "atp", "esa", "saatp")
     ]
-    cells += [_ps(n) for n in sizes if n <= 256]
+    cells += [_ps(n) for n in sizes if n <= 1024]
     cells += [_pair("hring", n, 32, ROOMY) for n in sizes]
-    cells += [_omni(64, d) for d in (0.001, 0.01, 0.1)]
+    omni = (64,) if quick else (64, 256)  # 256: about an hour of packet level
+    cells += [_omni(n, d) for n in omni for d in (0.001, 0.01, 0.1)]
     return cells
 
 
