@@ -150,8 +150,13 @@ def _datagram(
         pkt.flags |= Flag.HELP
         pkt.bitmap = 1 << int(rng.integers(workers))
     elif kind == "sender":  # a sender past the job, below or past one bitmap word
-        pkt.worker_id = int(rng.integers(workers, 1 << 16))
-        pkt.flags |= [0, Flag.HELP, Flag.ACK | Flag.RESEND][seed % 3]
+        pkt.worker_id = int(rng.integers(workers, [64, 1 << 16][seed % 2] if workers < 64
+                                         else 1 << 16))  # fmt: skip
+        if seed % 3 == 1:  # as a helper's share under its own bit
+            pkt.flags |= Flag.HELP
+        elif seed % 3 == 2:  # as a result for one worker (the PS answering a retransmission)
+            pkt.flags = Flag.ACK | Flag.RESEND | flags & Flag.FLOAT
+            pkt.bitmap = (1 << workers) - 1
     data = token + encode(pkt)
     if kind == "random":
         return rng.bytes(int(rng.integers(0, 80)))

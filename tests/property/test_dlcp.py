@@ -15,12 +15,14 @@ from gradfabric.proto.actions import Deliver, Send
 from gradfabric.proto.dlcp import (
     DlcpReceiver,
     DlcpSender,
+    DlcpServer,
     classify,
+    dlcp_data,
     drop_policy,
     packet_norms,
 )
 from gradfabric.sim.dlcp import VARIANTS, DlcpConfig, run_dlcp
-from gradfabric.wire.packet import decode, encode
+from gradfabric.wire.packet import Packet, decode, encode, traffic_class
 
 
 def _transfer(
@@ -231,3 +233,26 @@ def test_values_left_out_of_a_completed_tensor_are_counted_by_precedence(
     got = [rx.counters.get(f"late_values_p{d}", 0) for d in range(4)]
     assert sum(got) == len(values) - rx.tensors[(0, 7)].received
     assert got == want
+
+
+def test_a_foreign_packet_leaves_the_servers_results_as_they_were() -> None:
+    """Another job's push, or one from no worker of this job, arriving first
+    about a tensor, changes nothing the server sends (its result's class
+    among them: the server took it from the first push it saw)."""
+    def sent(first: list[Packet]) -> list[tuple[str, int, int]]:
+        srv = DlcpServer("ps", 1, ["a", "b"], push_bound=0.0, per_packet=8)
+        out = []
+        for pkt in [*first, *(push(1, w, 0) for w in (0, 1))]:
+            out += [(a.dst, a.pkt.priority, a.pkt.count) for a in srv.on_packet(pkt, 0)
+                    if isinstance(a, Send) and a.pkt.count]  # fmt: skip
+        return out
+
+    def push(job: int, sender: int, queue: int) -> Packet:
+        return dlcp_data(job_id=job, sender=sender, tensor=5, offset=0, length=8,
+                         priority=traffic_class(queue, 0), count=8,
+                         values=np.ones(8, np.float32))  # fmt: skip
+
+    alone = sent([])
+    assert alone and {p >> 4 for _, p, _ in alone} == {0}  # the front half's class
+    assert sent([push(2, 0, 1)]) == alone  # another job's
+    assert sent([push(1, 7, 1)]) == alone  # no such worker

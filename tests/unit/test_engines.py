@@ -130,6 +130,27 @@ def test_switch_drops_foreign_and_malformed_packets() -> None:
     assert sw.counters["drop_bad_worker"] == 2
 
 
+def test_switch_drops_a_sender_outside_its_job_whatever_its_bits() -> None:
+    """The wire passes any u16 sender; the switch drops one outside the job
+    with a valid bit (a gradient, a helper's share) or on a result for one
+    worker (ATP's PS answering a retransmission), and forwards nothing."""
+    ml = SwitchEngine.build("sw", "switchml", 8, (SwitchJob(1, ("a", "b"), slot_count=2),))
+    for sender in (2, 64, 2**16 - 1):
+        grad = ina_packet(job_id=1, worker_id=sender, seq=0, agg_index=0, bitmap=1 << 1,
+                          fan_in=2, count=1, values=np.ones(1, np.int32))  # fmt: skip
+        assert ml.on_packet(grad, 0) == []
+        grad.flags = Flag.HELP  # a helper's share under b's bit, sent by no one of the job
+        assert ml.on_packet(grad, 0) == []
+    assert ml.counters["drop_bad_worker"] == 6 and ml.counters["rx_help"] == 0
+    atp = SwitchEngine.build("sw", "atp", 8, (SwitchJob(1, ("a", "b"), parent="ps"),))
+    for sender in (2, 64, 2**16 - 1):
+        res = ina_packet(job_id=1, worker_id=sender, seq=0, agg_index=0, bitmap=0b11, fan_in=2,
+                         flags=Flag.ACK | Flag.RESEND, count=1,
+                         values=np.ones(1, np.int32))  # fmt: skip
+        assert atp.on_packet(res, 0) == []
+    assert atp.counters["drop_bad_result"] == 3
+
+
 def test_switch_drops_are_traced_as_records() -> None:
     sink = ListSink()
     sw = SwitchEngine.build("sw", "switchml", 4, (SwitchJob(1, ("a", "b"), slot_count=2),))

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradfabric.core.errors import PeerTimeoutError
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.proto.omni import NONE, OmniAggregator, OmniLayout, block_mask
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, CollectiveResult, FabricConfig, run_collective
@@ -110,6 +110,14 @@ def test_exact_past_one_bitmap_word() -> None:
                        density=0.02)  # fmt: skip
     _exact(r)
     assert r.counters["link_loss"] > 0 and r.counters["OmniWorker.timeouts"] > 0
+
+
+def test_an_aggregator_takes_1_to_65536_workers() -> None:
+    """The header names a sender in a u16: no aggregator of none, or of more."""
+    for n in (0, 2**16 + 1):
+        with pytest.raises(ConfigError, match="workers"):
+            OmniAggregator("agg0", 1, 0, [f"w{i}" for i in range(n)], streams=1)
+    assert len(OmniAggregator("agg0", 1, 0, ["w"] * 2**16, streams=1).workers) == 2**16
 
 
 def test_a_dead_worker_is_named() -> None:

@@ -112,12 +112,22 @@ def _ps(workers: int) -> Pair:
 def _omni(workers: int, density: float) -> Pair:
     """OmniReduce (one aggregator a worker, as the PS) on uplinks with room,
     at 64 and 256 workers. Past that the packet level's cost: every worker
-    announces to each of the aggregators' 16 streams and each round's result
-    goes to every worker (16.7M announcements at 1,024). Which blocks are
+    announces to each of the aggregators' 64 streams and each round's result
+    goes to every worker (67M announcements at 1,024). Which blocks are
     non-zero is drawn from the seed, and the flow level prices the expected
     busiest aggregator, so packet level is the mean of three seeds."""
     pair = _pair("omnireduce", workers, 32, ROOMY, replace(INA, train_packets=1), density)
     return replace(pair, seeds=3)
+
+
+# What packet level has and the flow level does not model, where a row
+# misses by more than 5% (measured: notebook 2026-11-30, #omni-past-64)
+UNPRICED = {
+    "ps": "each server's port takes one packet of every worker at once: a burst the flow "
+    "level's fluid rates do not price",
+    "omnireduce": "packet level drops in queues and retransmits (every result converges on "
+    "every worker); the flow level has no loss",
+}
 
 
 def _pairs(quick: bool) -> list[Pair]:
@@ -259,6 +269,7 @@ class FlowLevel:
                 f"workers, {x['topology'].replace('_', '-')}, {x['case']}", "sim",
                 "packet level", f"{x['flow_ms']:.3f} ms vs {x['packet_ms']:.3f} ms "
                 f"({x['error']:+.1%})", "within 5%", abs(x["error"]) <= 0.05, kind="check",
+                note="" if abs(x["error"]) <= 0.05 else UNPRICED.get(x["scheme"], ""),
             ))  # fmt: skip
         for x in scale:
             r.claims.append(Claim(

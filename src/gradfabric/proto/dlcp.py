@@ -452,7 +452,8 @@ class DlcpServer(DlcpEndpoint):
         self.back: dict[int, int] = {}  # tensor -> layer half (0 front, 1 back)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
-        if not pkt.flags & (Flag.RESEND | Flag.ACK):
+        ours = pkt.job_id == self.rx.job_id and 0 <= pkt.worker_id < len(self.rx.senders)
+        if ours and not pkt.flags & (Flag.RESEND | Flag.ACK):  # a stranger sets no class
             self.back.setdefault(pkt.layer, pkt.priority >> 4)
         out: list[Action] = []
         for a in super().on_packet(pkt, now_ns):
