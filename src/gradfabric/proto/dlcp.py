@@ -171,6 +171,10 @@ class DlcpReceiver:
         t = self.tensors[(sender, tensor)]
         return 1 - t.received / max(1, t.count)
 
+    def from_sender(self, pkt: Packet) -> bool:
+        """A packet of this job from one of its senders."""
+        return pkt.job_id == self.job_id and 0 <= pkt.worker_id < len(self.senders)
+
     def _incoming(self, pkt: Packet, now_ns: int) -> _Incoming | None:
         """The tensor a data packet belongs to (announced by it on a server),
         or None for a foreign packet (counted)."""
@@ -179,9 +183,8 @@ class DlcpReceiver:
         if (
             t is None
             and self.accept_bound is not None
-            and pkt.job_id == self.job_id
+            and self.from_sender(pkt)
             and not pkt.flags & (Flag.RESEND | Flag.ACK)
-            and 0 <= pkt.worker_id < len(self.senders)
             and 0 < pkt.bitmap <= MAX_TENSOR
             and key not in self.finished
         ):
@@ -452,8 +455,7 @@ class DlcpServer(DlcpEndpoint):
         self.back: dict[int, int] = {}  # tensor -> layer half (0 front, 1 back)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
-        ours = pkt.job_id == self.rx.job_id and 0 <= pkt.worker_id < len(self.rx.senders)
-        if ours and not pkt.flags & (Flag.RESEND | Flag.ACK):  # a stranger sets no class
+        if self.rx.from_sender(pkt) and not pkt.flags & (Flag.RESEND | Flag.ACK):
             self.back.setdefault(pkt.layer, pkt.priority >> 4)
         out: list[Action] = []
         for a in super().on_packet(pkt, now_ns):
