@@ -150,8 +150,8 @@ def _datagram(
         pkt.flags |= Flag.HELP
         pkt.bitmap = 1 << int(rng.integers(workers))
     elif kind == "sender":  # a sender past the job, below or past one bitmap word
-        pkt.worker_id = int(rng.integers(workers, [64, 1 << 16][seed % 2] if workers < 64
-                                         else 1 << 16))  # fmt: skip
+        below_word = seed % 2 == 0 and workers < 64
+        pkt.worker_id = int(rng.integers(workers, 64 if below_word else 1 << 16))
         if seed % 3 == 1:  # as a helper's share under its own bit
             pkt.flags |= Flag.HELP
         elif seed % 3 == 2:  # as a result for one worker (the PS answering a retransmission)
