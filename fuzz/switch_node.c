@@ -1,6 +1,6 @@
 /* libFuzzer harness: the native switch node's datagram and control entry
  * points (net/native/switch_node.c), with AddressSanitizer and
- * UndefinedBehaviorSanitizer. Config: scheme (switchml, atp, esa, ps),
+ * UndefinedBehaviorSanitizer. Config: scheme (switchml, atp, esa, ps, dlcp),
  * window (0..8: a range of no slots is refused by the reference's config,
  * and here reaches the C's guard), pool size, jobs (1..4: ids 1.., workers 3, 2, 64, 1, tokens their
  * id eight times). Ops: 0 a datagram; 1 take what the node sends; 2 a job
@@ -8,7 +8,9 @@
  * comes back. The first config byte's high bit puts ATP's and ESA's PS behind
  * modelled links (gf_s_links), the next one SA-ATP's straggler monitor on
  * every job (gf_s_help); after every op the node handles its timer if it is
- * due. */
+ * due. DLCP: every job a server (gf_s_dlcp; the fourth a background job),
+ * its push bound, values a packet and timeout from the window (``dlcp_*``,
+ * as tests/property/test_corpus.py reads them). */
 #include <stdlib.h>
 
 #include "../src/gradfabric/net/native/switch.h"
@@ -27,9 +29,14 @@ int gf_s_links(gf_switch *s, double mbps);
 int gf_s_help(gf_switch *s, int64_t id, int64_t lag, int64_t replicas, int64_t max_requests,
               int64_t it_len, int64_t policy);
 int64_t gf_s_timer(void *e);
+int gf_s_dlcp(gf_switch *s, int64_t id, double bound, int64_t per_packet, int64_t rto,
+              int64_t max_values, int64_t background);
 int gf_s_handle_timer(void *e, int64_t now);
 
 static const int64_t WORKERS[4] = {3, 2, 64, 1};
+static const double DLCP_BOUND[3] = {0.0, 0.1, 0.5};
+
+static int64_t dlcp_values(int64_t window) { return window == 8 ? 256 : 1 + window; }
 
 static void install(gf_switch *s, int policy, int64_t k, int64_t window, int resync, int help) {
     uint8_t token[8];
@@ -38,12 +45,15 @@ static void install(gf_switch *s, int policy, int64_t k, int64_t window, int res
     gf_s_job(s, k + 1, token, WORKERS[k], statics ? k * window : 0, statics ? window : 0, resync,
              statics ? 0 : window, 4 * window, 1e6);
     if (help) gf_s_help(s, k + 1, 1 + k, 2, 3, 1 + window, k % 2); /* refused but for ATP, ESA */
+    if (policy == P_DLCP) /* (again for a job that resynchronises: refused, it has one) */
+        gf_s_dlcp(s, k + 1, DLCP_BOUND[window % 3], dlcp_values(window), 1000 * (1 + window),
+                  1 << 16, k == 3); /* (tensors of 2**16 values at most: a run's time stays short) */
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     reader r = {data, size, 0};
     uint8_t first = rd_u8(&r);
-    int policy = first % 4;
+    int policy = first % 5;
     int64_t window = rd_u8(&r) % 9, njobs = 1 + rd_u8(&r) % 4;
     int64_t slots = njobs * window + rd_u8(&r) % 16;
     gf_switch *s = gf_s_new(slots, policy);

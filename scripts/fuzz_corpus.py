@@ -20,7 +20,7 @@ from gradfabric.proto.worker_node import WorkerNode
 from gradfabric.wire.packet import Flag, Packet, decode, encode
 
 ROOT = Path(__file__).resolve().parent.parent / "fuzz" / "corpus"
-SCHEMES_C = ("switchml", "atp", "esa", "ps")
+SCHEMES_C = ("switchml", "atp", "esa", "ps", "dlcp")
 WORKERS = (3, 2, 64, 1)
 VPP = (1, 3, 300, 16000)
 
@@ -48,6 +48,39 @@ def switch_seed(scheme: int, window: int, njobs: int, rounds: int, seed: int) ->
                     out += op(0, bytes([job]) * 8 + encode(pkt))  # a duplicate
             out += op(1)
     return out + op(2, b"\0") + op(0, b"junk") + op(4, b"\1") + op(1)
+
+
+def dlcp_seed(window: int, njobs: int, seed: int) -> bytes:
+    """Every DLCP job's workers push two tensors (a tenth of the packets
+    lost, some twice), time passes for the server's requests and probes,
+    and the workers ACK the first tensor's sum and ask for a range of the
+    second's (the fourth job is a background job: its datagrams only count)."""
+    from gradfabric.proto.dlcp import dlcp_control, dlcp_data
+
+    rng = np.random.default_rng(seed)
+    pp = 256 if window == 8 else 1 + window
+    out = bytes([4, window, njobs - 1, 0])
+    for tensor in (0, 1):
+        n = 2 * pp + 1
+        for k in range(njobs):
+            job, workers = k + 1, WORKERS[k]
+            for w in range(workers):
+                vals = rng.standard_normal(n).astype(np.float32)
+                for lo in range(0, n, pp):
+                    if rng.random() < 0.1:
+                        continue  # lost
+                    pkt = dlcp_data(job_id=job, sender=w, tensor=tensor, offset=lo, length=n,
+                                    priority=int(rng.integers(0x14)), count=min(n, lo + pp) - lo,
+                                    values=vals[lo : lo + pp])  # fmt: skip
+                    out += op(0, bytes([job]) * 8 + encode(pkt)) * (2 if rng.random() < 0.1 else 1)
+        out += op(1) + op(3, struct.pack("<I", 5000 * (1 + window))) + op(1)
+    for k in range(njobs):
+        for w in range(WORKERS[k]):
+            for tensor, flags, span in ((0, Flag.ACK, 0), (1, Flag.RESEND, pp + 1)):
+                pkt = dlcp_control(job_id=k + 1, sender=w, flags=flags, tensor=tensor, about=0,
+                                   offset=1, span=span)  # fmt: skip
+                out += op(0, bytes([k + 1]) * 8 + encode(pkt))
+    return out + op(1) + op(3, struct.pack("<I", 100_000)) + op(1) + op(4, b"\0") + op(1)
 
 
 def worker_seed(route: int, window: int, vpp_sel: int, flags: int, seed: int) -> bytes:
@@ -93,6 +126,9 @@ def main() -> None:
         for window, njobs in ((1, 1), (4, 3), (2, 4)):
             path = ROOT / "switch_node" / f"{SCHEMES_C[scheme]}-w{window}-j{njobs}"
             path.write_bytes(switch_seed(scheme, window, njobs, 3, scheme * 10 + window))
+    for window, njobs in ((1, 1), (4, 3), (8, 4), (2, 2)):
+        path = ROOT / "switch_node" / f"dlcp-w{window}-j{njobs}"
+        path.write_bytes(dlcp_seed(window, njobs, window))
     for route in range(3):
         for flags in (0, 3, 7, 16 | 4):
             path = ROOT / "worker" / f"{('static', 'hashed', 'one')[route]}-f{flags}"
@@ -112,6 +148,15 @@ def main() -> None:
         empty = Packet(1, 0, 0, agg, 1, 3, 0, 0, 0, 0, np.zeros(0, np.int32))
         seed = bytes([scheme, 1, 0, 0]) + op(0, bytes([1]) * 8 + encode(empty)) + op(1)
         (ROOT / "switch_node" / f"regress-empty-share-{SCHEMES_C[scheme]}").write_bytes(seed)
+    # a DLCP push announcing a tensor of 2**31 - 1 values, then its server's
+    # timer (each request round scanned every value: a run timed out)
+    from gradfabric.proto.dlcp import dlcp_data
+
+    huge = dlcp_data(job_id=1, sender=0, tensor=0, offset=0, length=2**31 - 1, priority=0,
+                     count=1, values=np.ones(1, np.float32))  # fmt: skip
+    (ROOT / "switch_node" / "regress-dlcp-huge-tensor").write_bytes(
+        bytes([4, 1, 0, 0]) + op(0, bytes([1]) * 8 + encode(huge))
+        + op(3, struct.pack("<I", 10_000)) * 3 + op(1))  # fmt: skip
     ones = np.ones(9, np.float32).tobytes()
     (ROOT / "quant" / "regress-block-0").write_bytes(bytes([8, 0]) + ones)
     (ROOT / "quant" / "regress-decode-2-62").write_bytes(

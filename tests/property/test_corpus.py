@@ -24,6 +24,12 @@ from tests.native import require
 
 CORPUS = Path(__file__).resolve().parents[2] / "fuzz" / "corpus"
 WORKERS = (3, 2, 64, 1)
+
+
+def dlcp_config(window: int) -> dict[str, object]:
+    """A DLCP node's bound, values a packet and timeout, from the window."""
+    return {"push_bound": (0.0, 0.1, 0.5)[window % 3], "rto_ns": 1000 * (1 + window),
+            "values_per_packet": 256 if window == 8 else 1 + window}  # fmt: skip
 VPP = (1, 3, 300, 16000)
 
 
@@ -47,20 +53,22 @@ def _nonzero(c: object) -> dict[str, int]:
 def test_the_switch_node_corpus_runs_alike(name: str) -> None:
     require("the switch node", switchpath.PATH, switchpath.WHY_NOT)
     data = (CORPUS / "switch_node" / name).read_bytes().ljust(4, b"\0")
-    scheme = ("switchml", "atp", "esa", "ps")[data[0] % 4]
+    scheme = ("switchml", "atp", "esa", "ps", "dlcp")[data[0] % 5]
     window, njobs = data[1] % 9, 1 + data[2] % 4
     if window == 0:  # the C takes a range of no slots (its guard, fuzzed); a node refuses one
         with pytest.raises(ConfigError, match="job_slots"):
             NodeConfig(scheme=scheme, slots=1 + data[3] % 16, job_slots=0)
         return
-    cfg = NodeConfig(scheme=scheme, slots=njobs * window + data[3] % 16, job_slots=window)
+    cfg = NodeConfig(scheme=scheme, slots=njobs * window + data[3] % 16, job_slots=window,
+                     **(dlcp_config(window) if scheme == "dlcp" else {}))  # fmt: skip
     ref, nat = SwitchNode(cfg), switchpath.NativeSwitchNode(cfg)
     resync = [False] * njobs
 
     def install(k: int) -> None:
         base = k * window if scheme == "switchml" else 0
         for node in (ref, nat):
-            node.add_job(k + 1, bytes([k + 1]) * 8, WORKERS[k], base, resyncing=resync[k])
+            node.add_job(k + 1, bytes([k + 1]) * 8, WORKERS[k], base, resyncing=resync[k],
+                         kind="background" if scheme == "dlcp" and k == 3 else None)
 
     try:
         for k in range(njobs):
@@ -83,10 +91,18 @@ def test_the_switch_node_corpus_runs_alike(name: str) -> None:
                 for node in (ref, nat):
                     node.remove_job(k + 1)
                 install(k)
+            at = ref.get_timer()  # (DLCP's server's timers)
+            assert nat.get_timer() == at
+            if at is not None and at <= now:
+                ref.handle_timer(now)
+                nat.handle_timer(now)
         assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
         r, n = ref.counter_groups(), nat.counter_groups()
         assert _nonzero(n["node"]) == _nonzero(r["node"])
         assert _nonzero(n["switch"]) == _nonzero(r["switch"])
+        rs, ns = r["servers"], n["servers"]
+        assert isinstance(rs, dict) and isinstance(ns, dict)
+        assert {j: _nonzero(c) for j, c in ns.items()} == {j: _nonzero(c) for j, c in rs.items()}
     finally:
         nat.close()
 

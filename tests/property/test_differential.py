@@ -183,8 +183,8 @@ def _same_state(ref: SwitchNode, nat: NativeSwitchNode, jobs: list[int], now: in
         assert nat.missing(j) == ref.missing(j)
     assert nat.occupancy() == ref.occupancy()
     assert nat.get_timer() == ref.get_timer()
-    if not ref.cfg.ps_link_mbps:
-        assert ref.get_timer() is None  # no modelled links: nothing waits
+    if not ref.cfg.ps_link_mbps and ref.cfg.scheme != "dlcp":
+        assert ref.get_timer() is None  # no modelled links, no DLCP server: nothing waits
 
 
 def _fire(ref: SwitchNode, nat: NativeSwitchNode, jobs: list[int], now: int) -> None:
@@ -300,6 +300,168 @@ def test_the_native_straggler_monitor_equals_the_reference(
                 nat.receive_datagram(data, now)
                 _same_state(ref, nat, [job_id], now)
         _same_counters(ref, nat)
+    finally:
+        nat.close()
+
+
+# -- DLCP's server in the switch node ----------------------------------------------
+
+
+@st.composite
+def dlcp_setups(draw: st.DrawFn) -> tuple[NodeConfig, list[tuple[int, int, bool]], list[int]]:
+    """A DLCP node, its jobs (id, workers, background) and the tensors'
+    lengths by id (a few ids, so that pushes meet, complete and sum)."""
+    cfg = NodeConfig(
+        scheme="dlcp", values_per_packet=draw(st.sampled_from([1, 3, 8, 9, 256])),
+        rto_ns=draw(st.sampled_from([1_000, 5_000, 20_000])),
+        push_bound=draw(st.sampled_from([0.0, 0.1, 0.5])),
+    )  # fmt: skip
+    ids = draw(st.lists(st.integers(1, 0xFFFF), min_size=1, max_size=2, unique=True))
+    jobs = [(j, draw(st.sampled_from([1, 2, 3, 4, 64])), k == 1 and draw(st.booleans()))
+            for k, j in enumerate(ids)]  # fmt: skip
+    lengths = draw(st.lists(st.sampled_from([1, 5, 17, 40, 300]), min_size=4, max_size=4))
+    return cfg, jobs, lengths
+
+
+# What a worker sends DLCP's server: a whole push (some packets lost), one
+# packet of it, a probe, an ACK or a range request for the pull, and trouble
+DLCP_KINDS = (*["whole"] * 6, "packet", "packet", "probe", "ack", "resend", "resend", "resend",
+              "again", "int", "long", "huge", "sender", "malformed", "random", "forged", "resync",
+              "leave")  # fmt: skip
+dlcp_steps = st.lists(
+    st.tuples(
+        st.sampled_from(DLCP_KINDS),
+        st.integers(0, 1),  # which job
+        st.integers(0, 63),  # which worker (mod the job's)
+        st.integers(0, 3),  # which tensor
+        st.integers(0, 2**16),  # the values, the losses, the junk
+        st.integers(0, 8_000),  # time that passes
+    ),
+    min_size=10,
+    max_size=200,
+)
+
+
+def _dlcp_values(job: int, worker: int, tensor: int, length: int) -> np.ndarray:
+    """A worker's copy of a tensor, the same whenever it is sent again:
+    magnitudes over many decades, and ties (equal packets) on some."""
+    rng = np.random.default_rng([job, worker, tensor])
+    if (job + tensor) % 3 == 0:
+        return np.full(length, 0.5, np.float32)
+    return (rng.standard_normal(length) * 10.0 ** rng.integers(-6, 6, length)).astype(np.float32)
+
+
+def _dlcp_datagrams(
+    kind: str, job: tuple[int, int, bool], wid: int, tensor: int, seed: int, length: int,
+    cfg: NodeConfig,
+) -> list[bytes]:  # fmt: skip
+    from gradfabric.proto.dlcp import MAX_TENSOR, PROBE, dlcp_control, dlcp_data
+
+    job_id, workers, _ = job
+    rng = np.random.default_rng(seed)
+    w, pp = wid % workers, cfg.values_per_packet
+    if kind == "long" and seed % 2:  # this worker's copy longer than the others'
+        length += 1
+    if kind == "huge":  # a copy past what a server takes (announced; a few values sent)
+        pkt = dlcp_data(job_id=job_id, sender=w, tensor=tensor, offset=0, length=MAX_TENSOR + 1,
+                        priority=0, count=1, values=np.ones(1, np.float32))  # fmt: skip
+        return [WTOKEN + encode(pkt)]
+    vals = _dlcp_values(job_id, w, tensor, length)
+    token = WTOKEN
+
+    def push(lo: int, seq: int = 0, sender: int = w) -> bytes:
+        hi = min(length, lo + pp)
+        prio = int(rng.integers(0, 0x14))
+        pkt = dlcp_data(job_id=job_id, sender=sender, tensor=tensor, offset=lo, length=length,
+                        priority=prio, count=hi - lo, values=vals[lo:hi], seq=seq)  # fmt: skip
+        return token + encode(pkt)
+
+    starts = list(range(0, length, pp))
+    if kind in ("whole", "long"):
+        lost = rng.random(len(starts)) < [0.0, 0.05, 0.3][seed % 3]
+        order = rng.permutation(len(starts)) if seed % 4 == 0 else range(len(starts))
+        return [push(starts[i]) for i in order if not lost[i]]
+    if kind == "packet":
+        return [push(starts[int(rng.integers(len(starts)))])]
+    if kind == "probe":
+        return [push(starts[-1], seq=PROBE)]
+    if kind == "sender":  # outside the job, below or past one bitmap word
+        below_word = seed % 2 == 1 and workers < 64
+        return [push(0, sender=int(rng.integers(workers, 64 if below_word else 1 << 16)))]
+    if kind == "int":  # int32 values, as a worker that forgot the float flag
+        pkt = decode(push(0)[TOKEN_BYTES:])
+        pkt.flags, pkt.payload = 0, rng.integers(-(2**24), 2**24, pkt.count, dtype=np.int32)
+        return [token + encode(pkt)]
+    if kind == "malformed":  # values past the tensor's end
+        pkt = decode(push(0)[TOKEN_BYTES:])
+        pkt.agg_index = length - pkt.count + 1 + int(rng.integers(3))
+        return [token + encode(pkt)]
+    if kind in ("ack", "resend"):
+        off = int(rng.integers(0, length + 2))
+        span = int(rng.integers(0, length + 2)) if kind == "resend" else 0
+        flags = Flag.ACK if kind == "ack" else Flag.RESEND
+        pkt = dlcp_control(job_id=job_id, sender=w if seed % 7 else 64 + seed % 100, flags=flags,
+                           tensor=tensor, about=0, offset=off, span=span)  # fmt: skip
+        return [token + encode(pkt)]
+    if kind == "forged":
+        return [rng.bytes(TOKEN_BYTES) + push(0)[TOKEN_BYTES:]]
+    return [rng.bytes(int(rng.integers(0, 80)))]
+
+
+@SETTINGS
+@given(setup=dlcp_setups(), script=dlcp_steps)
+def test_the_native_dlcp_server_equals_the_reference(
+    setup: tuple[NodeConfig, list[tuple[int, int, bool]], list[int]],
+    script: list[tuple[str, int, int, int, int, int]],
+) -> None:
+    """DLCP's server (pushes within the bound, the float64 sum, the pull in
+    priority order, range requests, probes, ACKs and their timers) in both,
+    with losses, duplicates, reordering, a worker's copy of another length,
+    int payloads, senders outside the job and junk; a background job's
+    datagrams are counted only."""
+    cfg, jobs, lengths = setup
+    ref, nat = SwitchNode(cfg), NativeSwitchNode(cfg)
+    try:
+        for job_id, workers, bg in jobs:
+            for n in (ref, nat):
+                n.add_job(job_id, WTOKEN, workers, kind="background" if bg else "dlcp")
+        live = [j[0] for j in jobs]
+        now, sent = 0, list[bytes]()
+        for kind, k, wid, tensor, seed, dt in script:
+            now += dt
+            _fire(ref, nat, live, now)
+            job = jobs[k % len(jobs)]
+            if kind in ("resync", "leave"):
+                if job[0] not in live:
+                    continue
+                if kind == "leave":
+                    _same_counters(ref, nat)
+                    ref.remove_job(job[0])
+                    nat.remove_job(job[0])
+                    live.remove(job[0])
+                else:
+                    on = not ref.jobs[job[0]].resyncing
+                    ref.resync(job[0], on)
+                    nat.resync(job[0], on)
+                _same_state(ref, nat, live, now)
+                continue
+            if kind == "again" and sent:
+                batch = [sent[seed % len(sent)]]
+            else:
+                batch = _dlcp_datagrams(kind, job, wid, tensor, seed, lengths[tensor], cfg)
+            for data in batch:
+                sent.append(data)
+                ref.receive_datagram(data, now)
+                nat.receive_datagram(data, now)
+                _same_state(ref, nat, live, now)
+        for _ in range(40):  # the timers after the last step (probes go on until ACKed)
+            at = ref.get_timer()
+            if at is None:
+                break
+            now = max(now, at)
+            _fire(ref, nat, live, now)
+        _same_counters(ref, nat)
+        assert nat.lost_to_memory == 0
     finally:
         nat.close()
 

@@ -256,3 +256,21 @@ def test_a_foreign_packet_leaves_the_servers_results_as_they_were() -> None:
     assert alone and {p >> 4 for _, p, _ in alone} == {0}  # the front half's class
     assert sent([push(2, 0, 1)]) == alone  # another job's
     assert sent([push(1, 7, 1)]) == alone  # no such worker
+
+
+def test_a_server_takes_no_tensor_past_its_bound_and_counts_it() -> None:
+    """An announcement of more values than the server takes holds nothing
+    and is counted (``drop_too_long``); one at the bound is taken and sums."""
+
+    def push(sender: int, length: int) -> Packet:
+        return dlcp_data(job_id=1, sender=sender, tensor=3, offset=0, length=length, priority=0,
+                         count=2, values=np.full(2, sender + 1, np.float32))  # fmt: skip
+
+    srv = DlcpServer("ps", 1, ["a", "b"], push_bound=0.9, per_packet=8, max_values=20)
+    assert srv.on_packet(push(0, 21), 0) == []
+    assert srv.counters["drop_too_long"] == 1 and not srv.rx.tensors
+    out = srv.on_packet(push(0, 20), 0) + srv.on_packet(push(1, 20), 0)
+    pulls = [a.pkt for a in out if isinstance(a, Send) and a.pkt.count and a.dst == "a"]
+    assert sum(p.count for p in pulls) == 20
+    first = next(p for p in pulls if p.agg_index == 0)
+    assert first.payload is not None and list(first.payload[:2]) == [3.0, 3.0]

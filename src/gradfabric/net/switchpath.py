@@ -2,16 +2,18 @@
 (``net/native/udp.c``).
 
 ``NativeSwitchNode`` is a second implementation of ``proto.node.SwitchNode``
-for the schemes SwitchML, ATP, ESA and the PS baseline: the same control
+for the schemes SwitchML, ATP, ESA, the PS baseline and DLCP's server: the same control
 calls (``add_job``, ``remove_job``, ``resync``, ``missing``, ``occupancy``),
 the same datagram interface (``receive_datagram``, ``datagrams_to_send``,
 ``get_timer``, ``handle_timer``) and the same counters under the same names,
 held equal to the reference datagram for datagram by the differential
 harness (``tests/property/test_differential.py``), the PS behind modelled
 links (``ps_link_mbps``) and SA-ATP's straggler monitor (its registered
-detector and helper policies) included. What the reference models besides
-(DLCP's shaped port) it does not: ``unsuitable`` says why, and the daemon
-serves such a node from the reference.
+detector and helper policies) included, and DLCP's server
+(``proto.dlcp.DlcpServer``, ``switch_dlcp.c``) with its timers. What the
+reference models besides (DLCP's shaped port, ``--port-mbps``) it does
+not: ``unsuitable`` says why, and the daemon serves such a node from the
+reference.
 
 ``UdpBook`` is the native driver's half that a driver owns: the workers'
 addresses and the multicast groups, and ``drain``, which reads a few
@@ -34,7 +36,15 @@ from typing import Final
 from gradfabric.core import native
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.proto.node import NodeConfig, NodeJob, Outgoing, server_name, worker_name
+from gradfabric.proto.dlcp import MAX_TENSOR
+from gradfabric.proto.node import (
+    BACKGROUND,
+    NodeConfig,
+    NodeJob,
+    Outgoing,
+    server_name,
+    worker_name,
+)
 from gradfabric.proto.ps import PsJob
 from gradfabric.proto.schemes import SCHEMES, Placement
 from gradfabric.proto.switch.straggler import HelpConfig
@@ -42,10 +52,10 @@ from gradfabric.wire.envelope import TOKEN_BYTES
 
 HERE = Path(__file__).parent
 NATIVE = HERE / "native"
-SOURCES = [NATIVE / f for f in ("switch_node.c", "switch_pool.c", "switch_ps.c",
-                                "switch_help.c", "switch.h", "wire.h")]  # fmt: skip
+SOURCES = [NATIVE / f for f in ("switch_node.c", "switch_pool.c", "switch_ps.c", "switch_help.c",
+                                "switch_dlcp.c", "switch.h", "wire.h")]  # fmt: skip
 UDP_SOURCES = [NATIVE / "udp.c", NATIVE / "wire.h"]
-SCHEMES_NATIVE: Final = ("switchml", "atp", "esa", "ps")  # in the C node's order
+SCHEMES_NATIVE: Final = ("switchml", "atp", "esa", "ps", "dlcp")  # in the C node's order
 HELPERS_NATIVE: Final = ("most-ahead", "next-holder")  # SA-ATP's helper policies, in C's order
 DETECTORS_NATIVE: Final = ("progress-gap",)
 # The C node's counters, in its order: the node's, then the switch engine's
@@ -57,13 +67,19 @@ ENGINE_COUNTERS: Final = (
     "ps_overflow", "ps_resend", "flush_partial", "ps_collision", "drop_late", "stale_reclaimed",
     "reclaimed_complete", "preemptions", "help_requests",
 )  # fmt: skip
-NODE_TAIL: Final = ("drop_outbox_full", "drop_link_full")  # the node's, after the engine's in C
+NODE_TAIL: Final = ("drop_outbox_full", "drop_link_full", "bg_delivered")  # the node's, after
+# the engine's in C
 JOB_COUNTERS: Final = ("rx_datagrams", "drop_bad_token", "drop_malformed", "drop_resyncing")
 SERVER_COUNTERS: Final = (
     "merged", "resend_answered", "drop_bad_packet", "drop_stale", "drop_late_partial",
     "drop_duplicate", "drop_overlap", "drop_count_mismatch", "drop_pending_full",
     "partial_superseded",
 )  # fmt: skip (a job's PS's, after the job's own in C)
+DLCP_COUNTERS: Final = (
+    "drop_foreign", "drop_malformed", "duplicate", "probes_answered", "completed", "values_lost",
+    "nacks", "packets", "resent_ranges", "probes", "drop_mismatch", "values_incomplete", "sums",
+    "drop_too_long", *(f"late_values_p{k}" for k in range(16)),
+)  # fmt: skip (a DLCP job's server's, switch.h's D_* order)
 DRIVER_COUNTERS: Final = (
     "tx_datagrams", "drop_tx_full", "socket_error", "drop_no_address", "native_syscalls",
     "drop_no_memory", "gso_sends", "gro_reads",
@@ -86,6 +102,8 @@ _LIB, WHY_NOT = native.load(HERE / "_switch", SOURCES, (
     ("gf_s_links", [_p, _f64], ctypes.c_int), ("gf_s_timer", [_p], _i64),
     ("gf_s_help", [_p, _i64, _i64, _i64, _i64, _i64, _i64], ctypes.c_int),
     ("gf_s_handle_timer", [_p, _i64], ctypes.c_int),
+    ("gf_s_dlcp", [_p, _i64, _f64, _i64, _i64, _i64, _i64], ctypes.c_int),
+    ("gf_s_dlcp_counters", [_p, _i64], _I64P),
 ))  # fmt: skip
 _UDP, UDP_WHY_NOT = native.load(HERE / "_udp", UDP_SOURCES, (
     ("gf_book_new", [], _p), ("gf_book_free", [_p], None), ("gf_book_counters", [_p], _I64P),
@@ -106,6 +124,8 @@ def unsuitable(cfg: NodeConfig) -> str | None:
         return str(WHY_NOT)
     if cfg.scheme not in SCHEMES_NATIVE:
         return f"it runs {', '.join(SCHEMES_NATIVE)}, not {cfg.scheme}"
+    if cfg.scheme == "dlcp" and cfg.port_mbps > 0:
+        return "DLCP's shaped port (port_mbps) runs in the reference"
     return None
 
 
@@ -177,13 +197,19 @@ class NativeSwitchNode:
         ):  # fmt: skip
             self.lib.gf_s_forget(self.s, job_id)
             raise MemoryError(f"job {job_id}: the native switch's straggler monitor")
+        if cfg.scheme == "dlcp" and self.lib.gf_s_dlcp(
+            self.s, job_id, cfg.push_bound, cfg.values_per_packet, cfg.rto_ns, MAX_TENSOR,
+            int(kind == BACKGROUND),
+        ):  # fmt: skip
+            self.lib.gf_s_forget(self.s, job_id)
+            raise MemoryError(f"job {job_id}: the native switch's DLCP server")
         names = tuple(worker_name(job_id, r) for r in range(workers))
         p = Placement(job_id, names, {"sw": names}, servers=(server_name(job_id),),
                       window=cfg.job_slots, pool_slots=cfg.slots, slot_base=slot_base,
                       help=help)  # fmt: skip
         job = self.jobs[job_id] = NodeJob(job_id, token, kind, p, scheme.entry(p),
                                           resyncing=resyncing)  # fmt: skip
-        if not static:
+        if not static and kind != BACKGROUND:
             self.servers[job_id] = Counters()
         return job
 
@@ -240,6 +266,9 @@ class NativeSwitchNode:
             server = self.servers.get(job_id, job.counters)
             _fold(ptr, JOB_COUNTERS + SERVER_COUNTERS,
                   [job.counters] * len(JOB_COUNTERS) + [server] * len(SERVER_COUNTERS))  # fmt: skip
+            dlcp = self.lib.gf_s_dlcp_counters(self.s, job_id)
+            if dlcp:
+                _fold(dlcp, DLCP_COUNTERS, [server] * len(DLCP_COUNTERS))
 
     # -- the datagram interface ---------------------------------------------------
     def receive_datagram(self, data: bytes, now_ns: int) -> None:

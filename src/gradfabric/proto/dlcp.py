@@ -70,7 +70,10 @@ def dlcp_control(
 
 
 MAG_CLASSES = 4
-MAX_TENSOR = 1 << 31  # values in one tensor
+# The most values a server takes in one tensor (a quarter of a GiB of
+# float32, ten of DDP's default 25 MB buckets): an announcement of more is a
+# counted drop (``drop_too_long``), not gigabytes held for a stranger.
+MAX_TENSOR = 1 << 26
 PROBE = 1  # ``seq`` of a data packet re-sent as a probe (0 otherwise)
 MAX_BACKOFF = 64  # silent rounds double the wait, up to this many rto
 
@@ -140,7 +143,7 @@ class DlcpReceiver:
 
     def __init__(
         self, name: str, job_id: int, rank: int, senders: list[str], rto_ns: int = 200_000,
-        accept_bound: float | None = None, keep_done: int = 4096,
+        accept_bound: float | None = None, keep_done: int = 4096, max_values: int = MAX_TENSOR,
     ) -> None:  # fmt: skip
         self.name, self.job_id, self.rank, self.senders = name, job_id, rank, senders
         self.rto_ns = rto_ns
@@ -149,7 +152,7 @@ class DlcpReceiver:
         # packet) under that bound. Finished tensors are forgotten after
         # ``keep_done`` newer ones finish (a late duplicate of an older one is
         # then a counted drop, not a new tensor).
-        self.accept_bound, self.keep_done = accept_bound, keep_done
+        self.accept_bound, self.keep_done, self.max_values = accept_bound, keep_done, max_values
         self.finished: dict[tuple[int, int], None] = {}
         self.counters = Counters()
         self.tensors: dict[tuple[int, int], _Incoming] = {}
@@ -185,9 +188,12 @@ class DlcpReceiver:
             and self.accept_bound is not None
             and self.from_sender(pkt)
             and not pkt.flags & (Flag.RESEND | Flag.ACK)
-            and 0 < pkt.bitmap <= MAX_TENSOR
+            and pkt.bitmap > 0
             and key not in self.finished
         ):
+            if pkt.bitmap > self.max_values:
+                self.counters["drop_too_long"] += 1
+                return None
             self.expect(pkt.worker_id, pkt.layer, pkt.bitmap, self.accept_bound, now_ns)
             t = self.tensors[key]
         if pkt.job_id != self.job_id or t is None or pkt.flags & (Flag.RESEND | Flag.ACK):
@@ -446,9 +452,10 @@ class DlcpServer(DlcpEndpoint):
 
     def __init__(
         self, name: str, job_id: int, workers: list[str], push_bound: float,
-        per_packet: int = 256, rto_ns: int = 200_000,
+        per_packet: int = 256, rto_ns: int = 200_000, max_values: int = MAX_TENSOR,
     ) -> None:  # fmt: skip
-        rx = DlcpReceiver(name, job_id, 0, workers, rto_ns, accept_bound=push_bound)
+        rx = DlcpReceiver(name, job_id, 0, workers, rto_ns, accept_bound=push_bound,
+                          max_values=max_values)  # fmt: skip
         tx = [DlcpSender(name, job_id, 0, w, per_packet, rto_ns) for w in workers]
         super().__init__(name, rx, tx)
         self.sums: dict[int, tuple[np.ndarray, set[int]]] = {}

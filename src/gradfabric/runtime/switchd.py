@@ -142,9 +142,9 @@ class SwitchConfig:
         "and a Linux bridge carry it; not with the wildcard --host, which names no interface)",
     )  # fmt: skip
     datapath: str = _opt(
-        "auto", "native: the switch's datapath in C (net.switchpath: switchml, atp, esa, ps); "
-        "python: the reference engines; auto: native where it is built and can serve "
-        "(those policies, no impairments, the PS at the switch)",
+        "auto", "native: the switch's datapath in C (net.switchpath: switchml, atp, esa, ps, "
+        "dlcp); python: the reference engines; auto: native where it is built and can serve "
+        "(those policies, no impairments, DLCP's port unshaped)",
         ("auto", "native", "python"),
     )  # fmt: skip
 

@@ -18,7 +18,7 @@
 #define IP_UDP 28 /* proto.node.IP_UDP_BYTES: what a modelled link carries besides the datagram */
 enum { UP, DOWN }; /* proto.node's: a modelled link's ways, out of its server and into it */
 
-enum { P_SWITCHML, P_ATP, P_ESA, P_PS }; /* the scheme, as gf_s_new takes it */
+enum { P_SWITCHML, P_ATP, P_ESA, P_PS, P_DLCP }; /* the scheme, as gf_s_new takes it */
 enum { IDLE, AGGREGATING, FORWARDED, COMPLETE }; /* SwitchML's copies */
 enum { FREE, HELD, DONE };                       /* ATP's aggregators: FREE, AGGREGATING, COMPLETE */
 /* counter indices (net.switchpath names them): the node's, the switch
@@ -29,7 +29,7 @@ enum {
     E_DUPLICATE, E_RETX_ANSWERED, E_COUNT_MISMATCH, E_STALE_RESULT, E_NACK_SENT,
     E_PS_OVERFLOW, E_PS_RESEND, E_FLUSH_PARTIAL, E_PS_COLLISION, E_LATE, E_STALE_RECLAIMED,
     E_RECLAIMED_COMPLETE, E_PREEMPTIONS, E_HELP_REQUESTS, N_OUTBOX_FULL, N_LINK_FULL,
-    NCOUNTERS
+    N_BG_DELIVERED, NCOUNTERS
 };
 /* a job's own: the datagrams that named it, then its parameter server's */
 enum {
@@ -73,6 +73,15 @@ typedef struct {
 } hkey_t;
 typedef struct help_t help_t;
 
+/* DLCP's server (switch_dlcp.c); its counters, in net.switchpath's order
+ * (D_LATE: late_values_p0 to p15, by drop precedence) */
+typedef struct dlcp_t dlcp_t;
+enum {
+    D_FOREIGN, D_MALFORMED, D_DUPLICATE, D_PROBES_ANSWERED, D_COMPLETED, D_VALUES_LOST, D_NACKS,
+    D_PACKETS, D_RESENT_RANGES, D_PROBES, D_MISMATCH, D_INCOMPLETE, D_SUMS, D_TOO_LONG, D_LATE,
+    ND = D_LATE + 16
+};
+
 typedef struct {
     uint8_t token[TOKEN];
     int64_t id, fan_in, slot_base, slot_count, resync;
@@ -80,6 +89,7 @@ typedef struct {
     int64_t largest;        /* the largest sequence a datagram of the job named (-1: none) */
     int64_t *link_free;     /* ATP's PS behind modelled links: when each shard's way is free */
     help_t *help;           /* SA-ATP's straggler monitor (NULL: the job asked for none) */
+    dlcp_t *dlcp;           /* DLCP's server (NULL: none, or a background job's datagrams) */
     ps_t ps;
     int64_t counters[NJOB];
 } job_t;
@@ -126,6 +136,8 @@ typedef struct {
     double link_ns_per_byte; /* ATP's and ESA's PS behind modelled links (0: none) */
     held_t *held;            /* what the links hold, a heap on (at, n) */
     int64_t nheld, capheld, nsent;
+    int64_t *dlcp_jobs; /* DLCP: the jobs with a server, in the order they were added */
+    int64_t ndlcp;
     int64_t now; /* the time of the datagram or timer being handled */
     int oom; /* a datagram was lost to memory: the driver reports it */
 } gf_switch;
@@ -151,5 +163,15 @@ void help_observe(gf_switch *s, const job_t *j, const gf_pkt *p);
 void ps_packet(gf_switch *s, job_t *j, const gf_pkt *p);
 void ps_clear(ps_t *ps);
 uint64_t ps_missing(const job_t *j);
+
+/* switch_dlcp.c: a DLCP job's server (proto.dlcp.DlcpServer) */
+dlcp_t *dlcp_new(int64_t workers, double bound, int64_t per_packet, int64_t rto,
+                 int64_t max_values);
+void dlcp_free(dlcp_t *d);
+int64_t *dlcp_counters(dlcp_t *d);
+void dlcp_packet(gf_switch *s, job_t *j, const gf_pkt *p, int64_t now);
+int64_t dlcp_deadline(const dlcp_t *d);
+void dlcp_timer(gf_switch *s, job_t *j, int64_t now);
+uint64_t dlcp_missing(const job_t *j);
 
 #endif

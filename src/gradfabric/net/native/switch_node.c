@@ -1,7 +1,7 @@
 /* The native switch node: proto.node.SwitchNode in C, behind the same
  * datagram interface (receive a datagram and the time; datagrams to send as
  * (job, rank, bytes); a timer only for what modelled links hold), for the
- * schemes SwitchML, ATP, ESA and the PS baseline.
+ * schemes SwitchML, ATP, ESA, the PS baseline and DLCP's server (unshaped).
  *
  * Theory of operation
  * -------------------
@@ -27,6 +27,13 @@
  * plane, between datagrams, in the same thread. Root switches only (one
  * level, as the daemon runs it); little-endian hosts.
  *
+ * DLCP (switch_dlcp.c): each job's server, entered by every datagram of
+ * the job; its timers are the node's too (gf_s_timer is the earliest of
+ * them and the links'; gf_s_handle_timer fires the due ones, the jobs in
+ * the order they were added, as the reference's ports). A background job
+ * (gf_s_dlcp's ``background``) has no server: its datagrams are counted.
+ * The reference's shaped port is not here: net.switchpath refuses it.
+ *
  * ATP's fallback PS behind links of its own (gf_s_links: the reference's
  * ModelledLinks, one shard per worker, each a FIFO each way at the rate): a
  * packet between the switch and a job's PS is held (``held``, a heap on
@@ -45,7 +52,7 @@
 GF_API const char *gf_source(void) { return GRADFABRIC_SOURCE; }
 
 GF_API gf_switch *gf_s_new(int64_t slots, int64_t policy) {
-    if (slots < 1 || slots > (1LL << 30) || policy < P_SWITCHML || policy > P_PS) return NULL;
+    if (slots < 1 || slots > (1LL << 30) || policy < P_SWITCHML || policy > P_DLCP) return NULL;
     gf_switch *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->slots = slots, s->policy = policy;
@@ -53,7 +60,7 @@ GF_API gf_switch *gf_s_new(int64_t slots, int64_t policy) {
         s->copies = calloc((size_t)(2 * slots), sizeof(copy_t));
     else if (policy != P_PS)
         s->pool = calloc((size_t)slots, sizeof(agg_t));
-    if (!(s->copies || s->pool || policy == P_PS)) {
+    if (!(s->copies || s->pool || policy == P_PS || policy == P_DLCP)) {
         free(s);
         return NULL;
     }
@@ -118,12 +125,13 @@ GF_API void gf_s_free(gf_switch *s) {
     for (int64_t i = 0; s->pool && i < s->slots; i++) free(s->pool[i].values);
     for (int64_t j = 0; j < MAX_JOBS; j++)
         if (s->jobs[j])
-            ps_clear(&s->jobs[j]->ps), help_free(s->jobs[j]->help), free(s->jobs[j]->link_free),
-                free(s->jobs[j]);
+            ps_clear(&s->jobs[j]->ps), help_free(s->jobs[j]->help), dlcp_free(s->jobs[j]->dlcp),
+                free(s->jobs[j]->link_free), free(s->jobs[j]);
     for (int64_t i = 0; i < s->nwork; i++) free(s->work[i].raw);
     for (int64_t i = 0; i < s->nheld; i++) free(s->held[i].m.raw);
     drop_outbox(s, s->nout);
-    free(s->copies), free(s->pool), free(s->work), free(s->held), free(s->out), free(s);
+    free(s->copies), free(s->pool), free(s->work), free(s->held), free(s->out), free(s->dlcp_jobs);
+    free(s);
 }
 
 /* Install or update a job (the control plane's register, restore, resume);
@@ -172,9 +180,37 @@ GF_API void gf_s_forget(gf_switch *s, int64_t id) {
     s->nheld = kept;
     for (int64_t i = kept / 2 - 1; i >= 0; i--) sift_down(s, i);
     help_free(j->help);
+    if (j->dlcp) {
+        int64_t k = 0;
+        for (int64_t i = 0; i < s->ndlcp; i++)
+            if (s->dlcp_jobs[i] != id) s->dlcp_jobs[k++] = s->dlcp_jobs[i];
+        s->ndlcp = k;
+        dlcp_free(j->dlcp);
+    }
     free(j->link_free);
     free(j);
     s->jobs[id] = NULL;
+}
+
+/* DLCP's server for job ``id`` (DlcpServer: the push ``bound``, the pull's
+ * ``per_packet`` values, ``rto``, the most values in a tensor), or none for
+ * a ``background`` job. */
+GF_API int gf_s_dlcp(gf_switch *s, int64_t id, double bound, int64_t per_packet, int64_t rto,
+                     int64_t max_values, int64_t background) {
+    job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
+    if (!j || s->policy != P_DLCP || j->dlcp) return -1;
+    if (background) return 0;
+    int64_t *order = realloc(s->dlcp_jobs, (size_t)(s->ndlcp + 1) * sizeof *order);
+    if (!order) return -1;
+    s->dlcp_jobs = order;
+    if (!(j->dlcp = dlcp_new(j->fan_in, bound, per_packet, rto, max_values))) return -1;
+    s->dlcp_jobs[s->ndlcp++] = id;
+    return 0;
+}
+
+GF_API int64_t *gf_s_dlcp_counters(gf_switch *s, int64_t id) {
+    job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
+    return j && j->dlcp ? dlcp_counters(j->dlcp) : NULL;
 }
 
 /* SA-ATP's straggler help for job ``id`` (SwitchEngine.watch: the monitor
@@ -219,7 +255,7 @@ GF_API int64_t *gf_s_pool(gf_switch *s) { return &s->busy_ns; } /* busy_ns, held
  * of the job waits on, as a bitmap. */
 GF_API uint64_t gf_s_missing(gf_switch *s, int64_t id) {
     job_t *j = (id >= 0 && id < MAX_JOBS) ? s->jobs[id] : NULL;
-    return j ? pool_missing(s, j) | ps_missing(j) : 0;
+    return j ? pool_missing(s, j) | ps_missing(j) | dlcp_missing(j) : 0;
 }
 
 /* ATP's and ESA's aggregators now held by some job (SwitchNode.occupancy). */
@@ -349,10 +385,16 @@ GF_API int gf_s_datagram(gf_switch *s, const uint8_t *data, int64_t len, int64_t
     }
     p.seq = gf_unwrap(p.seq, j->largest < 0 ? p.seq : j->largest + 1); /* SwitchNode.accept */
     if (p.seq > j->largest) j->largest = p.seq;
-    if (s->policy == P_PS)
+    if (s->policy == P_DLCP) {
+        if (j->dlcp)
+            dlcp_packet(s, j, &p, now);
+        else
+            s->counters[N_BG_DELIVERED]++;
+    } else if (s->policy == P_PS) {
         ps_packet(s, j, &p);
-    else
+    } else {
         pool_packet(s, j, &p, now);
+    }
     run_work(s, now);
     int oom = s->oom;
     s->oom = 0;
@@ -375,10 +417,16 @@ static void gf_s_sent(void *e, int64_t n, int64_t now) {
     drop_outbox(e, n);
 }
 
-/* When the first packet a modelled link holds has crossed (-1: none). */
+/* The next deadline: when the first packet a modelled link holds has
+ * crossed, or a DLCP server's timer (-1: none). */
 GF_API int64_t gf_s_timer(void *e) {
     gf_switch *s = e;
-    return s->nheld ? s->held[0].at : -1;
+    int64_t at = s->nheld ? s->held[0].at : -1;
+    for (int64_t i = 0; i < s->ndlcp; i++) {
+        int64_t d = dlcp_deadline(s->jobs[s->dlcp_jobs[i]]->dlcp);
+        if (d >= 0 && (at < 0 || d < at)) at = d;
+    }
+    return at;
 }
 
 /* SwitchNode.handle_timer: every packet that has crossed by ``now``, in
@@ -392,6 +440,11 @@ GF_API int gf_s_handle_timer(void *e, int64_t now) {
         sift_down(s, 0);
         run_msg(s, m, now);
         run_work(s, now);
+    }
+    for (int64_t i = 0; i < s->ndlcp; i++) { /* (a server's timer adds no job) */
+        job_t *j = s->jobs[s->dlcp_jobs[i]];
+        int64_t d = dlcp_deadline(j->dlcp);
+        if (d >= 0 && d <= now) dlcp_timer(s, j, now);
     }
     int oom = s->oom;
     s->oom = 0;
