@@ -26,11 +26,9 @@
  * sender, as the reference's (the node fires a job's when its earliest is
  * due, in the order the jobs were added).
  */
-#include "switch.h"
+#include "switch.h" /* (and through wire.h, math.h and string.h) */
 
-#include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define PROBE 1                /* proto.dlcp.PROBE */
 #define MAX_BACKOFF 64         /* proto.dlcp.MAX_BACKOFF */
@@ -56,11 +54,7 @@ typedef struct {
 } dout_t;
 
 /* A vector in insertion order with an index by key (a dict's order). */
-#define VEC(T)                                                                                  \
-    struct {                                                                                    \
-        T *v;                                                                                   \
-        int64_t n, cap, live;                                                                   \
-    }
+#define VEC(T) struct { T *v; int64_t n, cap, live; } /* NOLINT */
 
 /* DlcpSender: one worker's pull */
 typedef struct {
@@ -69,18 +63,15 @@ typedef struct {
     int64_t tick;
 } dtx_t;
 
-/* a sender's share of the receiver's index */
-typedef struct {
+typedef struct {        /* a sender's share of the receiver's index */
     int32_t *at;       /* tensor -> index in ``in`` + 1 (0: none) */
     uint8_t *finished; /* tensor -> in the finished FIFO */
 } dfrom_t;
 
-/* DlcpServer._merge's sum of one tensor */
-typedef struct {
+typedef struct { /* DlcpServer._merge's sum of one tensor */
     double *acc;
-    int64_t len;
+    int64_t len, nseen;
     uint64_t seen;
-    int64_t nseen;
 } dsum_t;
 
 struct dlcp_t {
@@ -97,8 +88,6 @@ struct dlcp_t {
     int8_t back[TENSORS]; /* tensor -> layer half of its push (-1: none) */
     int64_t counters[ND];
 };
-
-static inline int64_t key_of(int64_t sender, int64_t tensor) { return sender << 16 | tensor; }
 
 dlcp_t *dlcp_new(int64_t workers, double bound, int64_t per_packet, int64_t rto,
                  int64_t max_values) {
@@ -124,12 +113,12 @@ dlcp_t *dlcp_new(int64_t workers, double bound, int64_t per_packet, int64_t rto,
 
 static void free_in(din_t *t) {
     free(t->values), free(t->have), free(t->late);
-    t->values = NULL, t->have = t->late = NULL, t->live = 0;
+    *t = (din_t){0};
 }
 
 static void free_out(dout_t *t) {
     free(t->values), free(t->prio);
-    t->values = NULL, t->prio = NULL, t->live = 0;
+    *t = (dout_t){0};
 }
 
 void dlcp_free(dlcp_t *d) {
@@ -147,7 +136,6 @@ void dlcp_free(dlcp_t *d) {
 }
 
 int64_t *dlcp_counters(dlcp_t *d) { return d->counters; }
-
 /* ---- the ordered vectors ---- */
 
 /* Room for one more entry at the end (0), compacting holes first where
@@ -267,13 +255,8 @@ typedef struct {
     int64_t i;
 } ranked_t;
 
-static int by_norm_desc(const void *x, const void *y) {
-    const ranked_t *a = x, *b = y;
-    if (a->key != b->key) return a->key > b->key ? -1 : 1;
-    return (a->i > b->i) - (a->i < b->i);
-}
-
-static int by_class(const void *x, const void *y) {
+/* on (key, index): a stable argsort's order */
+static int by_key(const void *x, const void *y) {
     const ranked_t *a = x, *b = y;
     if (a->key != b->key) return a->key < b->key ? -1 : 1;
     return (a->i > b->i) - (a->i < b->i);
@@ -295,13 +278,13 @@ static int classify(const float *v, int64_t count, int64_t pp, int64_t layer, ui
             double x = k * pp + i < count ? (double)v[k * pp + i] : 0.;
             sq[i] = x * x;
         }
-        r[k] = (ranked_t){sqrt(pairwise(sq, pp)), k};
+        r[k] = (ranked_t){-sqrt(pairwise(sq, pp)), k}; /* argsort(-norms) */
     }
-    qsort(r, (size_t)np, sizeof *r, by_norm_desc);
+    qsort(r, (size_t)np, sizeof *r, by_key);
     int back = layer >= 1; /* classify(.., layer, 2): the back half */
     for (int64_t k = 0; k < np; k++) prio[r[k].i] = (uint8_t)((back << 4) + k * MAG_CLASSES / np);
     for (int64_t k = 0; k < np; k++) r[k] = (ranked_t){prio[k], k};
-    qsort(r, (size_t)np, sizeof *r, by_class);
+    qsort(r, (size_t)np, sizeof *r, by_key);
     for (int64_t k = 0; k < np; k++) order[k] = r[k].i;
     free(r), free(sq);
     return 0;
@@ -430,7 +413,7 @@ oom:
 
 /* DlcpReceiver._complete's server half: the finished FIFO keeps KEEP_DONE. */
 static void finish(dlcp_t *d, din_t *t) {
-    d->fin[(d->fhead + d->fn++) % (KEEP_DONE + 1)] = key_of(t->sender, t->tensor);
+    d->fin[(d->fhead + d->fn++) % (KEEP_DONE + 1)] = t->sender << 16 | t->tensor;
     d->from[t->sender].finished[t->tensor] = 1;
     while (d->fn > KEEP_DONE) {
         int64_t old = d->fin[d->fhead];
