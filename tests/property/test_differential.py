@@ -208,6 +208,39 @@ def _same_counters(ref: SwitchNode, nat: NativeSwitchNode) -> None:
     assert nat.pool_stats() == (st_.busy_ns, st_.held_ns, st_.claims)
 
 
+def _control(
+    kind: str, ref: SwitchNode, nat: NativeSwitchNode, job_id: int, live: list[int], floor: int,
+    now: int,
+) -> None:  # fmt: skip
+    """A live job leaves (its counters checked first: they leave with it), or
+    resynchronises after a restart, or resumes from ``floor``, in both."""
+    if job_id not in live:
+        return
+    if kind == "leave":
+        _same_counters(ref, nat)
+        ref.remove_job(job_id)
+        nat.remove_job(job_id)
+        live.remove(job_id)
+    else:
+        on = not ref.jobs[job_id].resyncing
+        ref.resync(job_id, on, floor)
+        nat.resync(job_id, on, floor)
+    _same_state(ref, nat, live, now)
+
+
+def _settle(
+    ref: SwitchNode, nat: NativeSwitchNode, live: list[int], now: int, rounds: int | None = None
+) -> None:
+    """The timers after the last step (at most ``rounds`` of them), then the
+    same counters in both, and nothing lost to memory."""
+    while (at := ref.get_timer()) is not None and (rounds is None or rounds > 0):
+        now = max(now, at)
+        _fire(ref, nat, live, now)
+        rounds = None if rounds is None else rounds - 1
+    _same_counters(ref, nat)
+    assert nat.lost_to_memory == 0
+
+
 @SETTINGS
 @given(setup=node_setups(), script=steps)
 def test_the_native_switch_node_equals_the_reference(
@@ -226,19 +259,8 @@ def test_the_native_switch_node_equals_the_reference(
             now += dt
             _fire(ref, nat, live, now)
             job = jobs[k % len(jobs)]
-            if kind in ("resync", "leave"):
-                if job[0] not in live:
-                    continue
-                if kind == "leave":
-                    _same_counters(ref, nat)  # (a job's counters leave with it)
-                    ref.remove_job(job[0])
-                    nat.remove_job(job[0])
-                    live.remove(job[0])
-                else:  # a restart: on resuming, the floor the workers agreed on
-                    on, floor = not ref.jobs[job[0]].resyncing, job[5] + off
-                    ref.resync(job[0], on, floor)
-                    nat.resync(job[0], on, floor)
-                _same_state(ref, nat, live, now)
+            if kind in ("resync", "leave"):  # on resuming, the floor the workers agreed on
+                _control(kind, ref, nat, job[0], live, job[5] + off, now)
                 continue
             if kind == "again" and sent:
                 data = sent[seed % len(sent)]  # a duplicate, a retransmission, a late copy
@@ -248,11 +270,7 @@ def test_the_native_switch_node_equals_the_reference(
             ref.receive_datagram(data, now)
             nat.receive_datagram(data, now)
             _same_state(ref, nat, live, now)
-        while (at := ref.get_timer()) is not None:  # what the links still hold arrives
-            now = max(now, at)
-            _fire(ref, nat, live, now)
-        _same_counters(ref, nat)
-        assert nat.lost_to_memory == 0
+        _settle(ref, nat, live, now)  # what the links still hold arrives
     finally:
         nat.close()
 
@@ -432,18 +450,7 @@ def test_the_native_dlcp_server_equals_the_reference(
             _fire(ref, nat, live, now)
             job = jobs[k % len(jobs)]
             if kind in ("resync", "leave"):
-                if job[0] not in live:
-                    continue
-                if kind == "leave":
-                    _same_counters(ref, nat)
-                    ref.remove_job(job[0])
-                    nat.remove_job(job[0])
-                    live.remove(job[0])
-                else:
-                    on = not ref.jobs[job[0]].resyncing
-                    ref.resync(job[0], on)
-                    nat.resync(job[0], on)
-                _same_state(ref, nat, live, now)
+                _control(kind, ref, nat, job[0], live, 0, now)
                 continue
             if kind == "again" and sent:
                 batch = [sent[seed % len(sent)]]
@@ -454,14 +461,7 @@ def test_the_native_dlcp_server_equals_the_reference(
                 ref.receive_datagram(data, now)
                 nat.receive_datagram(data, now)
                 _same_state(ref, nat, live, now)
-        for _ in range(40):  # the timers after the last step (probes go on until ACKed)
-            at = ref.get_timer()
-            if at is None:
-                break
-            now = max(now, at)
-            _fire(ref, nat, live, now)
-        _same_counters(ref, nat)
-        assert nat.lost_to_memory == 0
+        _settle(ref, nat, live, now, rounds=40)  # (probes go on until ACKed)
     finally:
         nat.close()
 
