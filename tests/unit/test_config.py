@@ -62,14 +62,15 @@ def test_bad_yaml_is_a_config_error(tmp_path: Path) -> None:
 
 def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
     """``switch serve --datapath native`` names why it cannot serve: a policy
-    other than SwitchML, ATP, ESA and PS, impairments (they run in the
-    reference), or no build; ATP's PS behind modelled links it serves."""
+    other than SwitchML, ATP, ESA, PS and DLCP, DLCP's shaped port or
+    impairments (they run in the reference), or no build; ATP's PS behind
+    modelled links and DLCP's server behind an unshaped port it serves."""
     from gradfabric.net import switchpath
     from gradfabric.runtime.impair import Impairment
     from gradfabric.runtime.switchd import SwitchConfig
 
     for kw in (
-        {"policy": "dlcp"}, {"policy": "omni"},
+        {"policy": "dlcp", "port_mbps": 50.0}, {"policy": "omni"},
         {"policy": "switchml", "impair": Impairment(loss=0.1)},
     ):  # fmt: skip
         with pytest.raises(ConfigError, match="datapath: native cannot serve"):
@@ -77,7 +78,7 @@ def test_a_native_switch_datapath_it_cannot_serve_is_a_config_error() -> None:
         assert SwitchConfig(**kw).native_unsuitable() is not None  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="datapath: one of auto, native, python"):
         SwitchConfig(datapath="fast")
-    for policy in ("switchml", "atp", "esa", "ps"):
+    for policy in ("switchml", "atp", "esa", "ps", "dlcp"):
         serves = SwitchConfig(policy=policy).native_unsuitable() is None
         assert serves == (switchpath.PATH == "compiled")
     for policy in ("atp", "esa"):
