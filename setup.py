@@ -45,7 +45,8 @@ NATIVE = (
      ["net/native/worker.h", "net/native/wire.h"]),
     ("gradfabric.net._switch",
      ["net/native/switch_node.c", "net/native/switch_pool.c", "net/native/switch_ps.c",
-      "net/native/switch_help.c", "net/native/switch_dlcp.c"],
+      "net/native/switch_help.c", "net/native/switch_dlcp.c",
+      "net/native/switch_dlcp_classes.c"],
      ["net/native/switch.h", "net/native/wire.h"]),
     ("gradfabric.net._udp", ["net/native/udp.c"], ["net/native/wire.h"]),
 )  # fmt: skip

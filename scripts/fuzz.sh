@@ -29,7 +29,7 @@ mkdir -p build/fuzz
 clang "${flags[@]/-fsanitize=fuzzer,/-fsanitize=fuzzer-no-link,}" -Dgf_source=gf_quant_source \
   -c -o build/fuzz/quant.o "$quant"
 declare -A sources=(
-  [switch_node]="$native/switch_node.c $native/switch_pool.c $native/switch_ps.c $native/switch_help.c $native/switch_dlcp.c"
+  [switch_node]="$native/switch_node.c $native/switch_pool.c $native/switch_ps.c $native/switch_help.c $native/switch_dlcp.c $native/switch_dlcp_classes.c"
   [worker]="$native/worker.c build/fuzz/quant.o"
   [quant]="$quant"
 )

@@ -408,7 +408,7 @@ def _dlcp_datagrams(
         return [push(0, sender=int(rng.integers(workers, 64 if below_word else 1 << 16)))]
     if kind == "int":  # int32 values, as a worker that forgot the float flag
         pkt = decode(push(0)[TOKEN_BYTES:])
-        pkt.flags, pkt.payload = 0, rng.integers(-(2**24), 2**24, pkt.count, dtype=np.int32)
+        pkt.flags, pkt.payload = 0, rng.integers(-(2**31), 2**31, pkt.count, dtype=np.int32)
         return [token + encode(pkt)]
     if kind == "malformed":  # values past the tensor's end
         pkt = decode(push(0)[TOKEN_BYTES:])
@@ -462,6 +462,36 @@ def test_the_native_dlcp_server_equals_the_reference(
                 nat.receive_datagram(data, now)
                 _same_state(ref, nat, live, now)
         _settle(ref, nat, live, now, rounds=40)  # (probes go on until ACKed)
+    finally:
+        nat.close()
+
+
+def test_a_copy_forgotten_and_announced_again_while_its_sum_waits_in_both() -> None:
+    """Worker 0's copy of tensor 0 is summed, then forgotten after 4,096
+    newer copies finish, then announced again shorter while worker 1's copy
+    is still to come: the sum counts what the copies it summed had (the
+    receiver's present copy is another), and both send and count alike."""
+    from gradfabric.proto.dlcp import dlcp_data
+
+    cfg = NodeConfig(scheme="dlcp", values_per_packet=4, rto_ns=10**9, push_bound=0.0)
+    ref, nat = SwitchNode(cfg), NativeSwitchNode(cfg)
+
+    def push(w: int, tensor: int, length: int) -> bytes:
+        pkt = dlcp_data(job_id=1, sender=w, tensor=tensor, offset=0, length=length, priority=0,
+                        count=length, values=np.full(length, w + 1.5, np.float32))  # fmt: skip
+        return WTOKEN + encode(pkt)
+
+    try:
+        for n in (ref, nat):
+            n.add_job(1, WTOKEN, 2)
+        for data in [push(0, 0, 4), *(push(0, t, 1) for t in range(1, 4098)), push(0, 0, 2),
+                     push(1, 0, 4)]:  # fmt: skip
+            ref.receive_datagram(data, 0)
+            nat.receive_datagram(data, 0)
+            _same_state(ref, nat, [1], 0)
+        server = ref.counter_groups()["servers"][1]  # type: ignore[index]
+        assert server["sums"] == 1 and server["drop_mismatch"] == 1
+        _settle(ref, nat, [1], 0, rounds=0)
     finally:
         nat.close()
 

@@ -53,7 +53,8 @@ from gradfabric.wire.envelope import TOKEN_BYTES
 HERE = Path(__file__).parent
 NATIVE = HERE / "native"
 SOURCES = [NATIVE / f for f in ("switch_node.c", "switch_pool.c", "switch_ps.c", "switch_help.c",
-                                "switch_dlcp.c", "switch.h", "wire.h")]  # fmt: skip
+                                "switch_dlcp.c", "switch_dlcp_classes.c", "switch.h",
+                                "wire.h")]  # fmt: skip
 UDP_SOURCES = [NATIVE / "udp.c", NATIVE / "wire.h"]
 SCHEMES_NATIVE: Final = ("switchml", "atp", "esa", "ps", "dlcp")  # in the C node's order
 HELPERS_NATIVE: Final = ("most-ahead", "next-holder")  # SA-ATP's helper policies, in C's order
@@ -67,8 +68,8 @@ ENGINE_COUNTERS: Final = (
     "ps_overflow", "ps_resend", "flush_partial", "ps_collision", "drop_late", "stale_reclaimed",
     "reclaimed_complete", "preemptions", "help_requests",
 )  # fmt: skip
-NODE_TAIL: Final = ("drop_outbox_full", "drop_link_full", "bg_delivered")  # the node's, after
-# the engine's in C
+# the node's, after the engine's in C
+NODE_TAIL: Final = ("drop_outbox_full", "drop_link_full", "bg_delivered")
 JOB_COUNTERS: Final = ("rx_datagrams", "drop_bad_token", "drop_malformed", "drop_resyncing")
 SERVER_COUNTERS: Final = (
     "merged", "resend_answered", "drop_bad_packet", "drop_stale", "drop_late_partial",

@@ -136,8 +136,9 @@ class _Incoming:
 class DlcpReceiver:
     """Receives tensors from one or more senders with per-tensor loss bounds.
 
-    ``expect(sender, tensor, count, bound)`` announces a tensor; the
-    receiver delivers it (``Deliver(seq=tensor, pkt.payload=values,
+    ``expect(sender, tensor, count, bound)`` announces a tensor (a server's
+    first packet of one announces it, up to ``max_values``); the receiver
+    delivers it (``Deliver(seq=tensor, pkt.payload=values,
     pkt.worker_id=sender)``) once at least ``(1 - bound) count`` values are
     in, zeros elsewhere."""
 
@@ -458,7 +459,8 @@ class DlcpServer(DlcpEndpoint):
                           max_values=max_values)  # fmt: skip
         tx = [DlcpSender(name, job_id, 0, w, per_packet, rto_ns) for w in workers]
         super().__init__(name, rx, tx)
-        self.sums: dict[int, tuple[np.ndarray, set[int]]] = {}
+        # tensor -> the sum so far, the workers in it, the values every one of them had
+        self.sums: dict[int, tuple[np.ndarray, set[int], np.ndarray]] = {}
         self.back: dict[int, int] = {}  # tensor -> layer half (0 front, 1 back)
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
@@ -483,19 +485,23 @@ class DlcpServer(DlcpEndpoint):
         tensor, w, vals = d.seq, d.pkt.worker_id, d.pkt.payload
         if vals is None:
             return []
-        acc, seen = self.sums.setdefault(tensor, (np.zeros(len(vals)), set()))
+        acc, seen, whole = self.sums.setdefault(
+            tensor, (np.zeros(len(vals)), set(), np.ones(len(vals), dtype=bool))
+        )
         if w in seen or len(acc) != len(vals):
             self.counters["drop_mismatch"] += 1
             return []
         acc += vals
         seen.add(w)
+        # the copy as summed (the receiver may forget it, and take another, before the
+        # sum is whole)
+        copy = self.rx.tensors.get((w, tensor))  # (just completed: the newest it keeps)
+        if copy is not None:
+            whole &= copy.have
         if len(seen) < len(self.tx):
             return []
         del self.sums[tensor]
-        have = [self.rx.tensors.get((s, tensor)) for s in seen]
-        if all(h is not None for h in have):  # summed values that miss some worker's copy
-            whole = np.logical_and.reduce([h.have for h in have if h is not None])
-            self.counters["values_incomplete"] += len(whole) - int(whole.sum())
+        self.counters["values_incomplete"] += len(whole) - int(whole.sum())  # missing some copy
         total = acc.astype(np.float32)
         layer = self.back.pop(tensor, 0)
         self.counters["sums"] += 1

@@ -86,6 +86,7 @@ NODE_SCHEMES: Final = ("switchml", "atp", "esa", "dlcp", "ps", "omni")
 # batch it reads (a few hundred); one that does not has the rest refused,
 # counted (``drop_outbox_full``), never grown without bound.
 OUTBOX_CAP: Final = 4096
+MAX_RTO_NS: Final = 1 << 40  # about 18 minutes: a DLCP server's waits, 64 of them, stay in int64
 
 Outgoing = tuple[int, int, bytes]  # (job id, rank or ALL, datagram)
 Then = Callable[[str, Packet], None]  # what a modelled link does with a packet once across
@@ -122,8 +123,8 @@ class NodeConfig:
             raise ConfigError("job_slots", f"must be in 1..slots ({self.slots})")
         if not 1 <= self.values_per_packet <= MAX_WIRE_VALUES:
             raise ConfigError("values_per_packet", f"must be in 1..{MAX_WIRE_VALUES}")
-        if self.rto_ns <= 0:
-            raise ConfigError("rto_ns", "must be > 0")
+        if not 0 < self.rto_ns <= MAX_RTO_NS:
+            raise ConfigError("rto_ns", f"must be in 1..{MAX_RTO_NS} ns")
         if not (self.ps_link_mbps == 0 or 1 <= self.ps_link_mbps < float("inf")):
             raise ConfigError("ps_link_mbps", f"0 (none) or >= 1, got {self.ps_link_mbps}")
         if self.port_mbps < 0 or self.port_buffer_kb < 1:

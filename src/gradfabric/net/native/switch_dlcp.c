@@ -13,11 +13,9 @@
  * insertion order and an index by key; a removed entry is a hole until the
  * holes outnumber the live entries.
  *
- * The pull's priority classes (proto.dlcp.classify) need each packet's L2
- * norm exactly as numpy computes it, since ties and near-ties decide a
- * class: ``pairwise`` is numpy's pairwise summation of float64 squares
- * (blocks of 8 partial sums up to 128 values, halves above), and the ranks
- * are a sort on (norm descending, index), as the reference's stable sorts.
+ * The pull's priority classes are switch_dlcp_classes.c's. The sum goes to
+ * every worker from one buffer (``dpull_t``, counted references), as the
+ * reference's senders share one array.
  *
  * Counters have the reference's names (net.switchpath.DLCP_COUNTERS, in
  * the order of D_* below); what leaves is queued in the node's outbox, in
@@ -32,10 +30,10 @@
 
 #define PROBE 1                /* proto.dlcp.PROBE */
 #define MAX_BACKOFF 64         /* proto.dlcp.MAX_BACKOFF */
-#define MAG_CLASSES 4          /* proto.dlcp.MAG_CLASSES */
 #define KEEP_DONE 4096         /* DlcpReceiver's keep_done */
 #define TENSORS 65536          /* the header's tensor ids (``layer``) */
 #define CONTROL (F_RESEND | F_ACK)
+#define MAX_RTO (1LL << 40) /* proto.node.MAX_RTO_NS: 64 waits of it stay in int64 */
 
 /* _Incoming: a worker's copy of a tensor */
 typedef struct {
@@ -45,12 +43,18 @@ typedef struct {
     uint8_t *have, *late; /* per value: arrived; arrived after completion */
 } din_t;
 
+/* a sum as every worker's sender holds it */
+typedef struct {
+    float *values;
+    uint8_t *prio; /* per packet */
+    int64_t refs;
+} dpull_t;
+
 /* _Outgoing: a tensor sent to one worker, not yet ACKed */
 typedef struct {
     int64_t tensor, count, last_ns, backoff;
     int live;
-    float *values;
-    uint8_t *prio; /* per packet */
+    dpull_t *sum;
 } dout_t;
 
 /* A vector in insertion order with an index by key (a dict's order). */
@@ -70,6 +74,7 @@ typedef struct {        /* a sender's share of the receiver's index */
 
 typedef struct { /* DlcpServer._merge's sum of one tensor */
     double *acc;
+    uint8_t *whole; /* per value: every copy summed had it */
     int64_t len, nseen;
     uint64_t seen;
 } dsum_t;
@@ -92,7 +97,8 @@ struct dlcp_t {
 dlcp_t *dlcp_new(int64_t workers, double bound, int64_t per_packet, int64_t rto,
                  int64_t max_values) {
     if (workers < 1 || workers > MAX_FAN_IN || !(bound >= 0 && bound < 1) || per_packet < 1 ||
-        per_packet > MAX_WIRE_VALUES || rto < 1 || max_values < 1 || max_values > INT32_MAX_)
+        per_packet > MAX_WIRE_VALUES || rto < 1 || rto > MAX_RTO || max_values < 1 ||
+        max_values > INT32_MAX_)
         return NULL;
     dlcp_t *d = calloc(1, sizeof *d);
     if (!d) return NULL;
@@ -100,14 +106,7 @@ dlcp_t *dlcp_new(int64_t workers, double bound, int64_t per_packet, int64_t rto,
     d->max_values = max_values;
     d->tick = -1;
     memset(d->back, -1, sizeof d->back);
-    for (int64_t w = 0; w < workers; w++) {
-        d->backoff[w] = 1, d->tx[w].tick = -1;
-        d->tx[w].at = calloc(TENSORS, sizeof(int32_t));
-        if (!d->tx[w].at) {
-            dlcp_free(d);
-            return NULL;
-        }
-    }
+    for (int64_t w = 0; w < workers; w++) d->backoff[w] = 1, d->tx[w].tick = -1;
     return d;
 }
 
@@ -116,8 +115,16 @@ static void free_in(din_t *t) {
     *t = (din_t){0};
 }
 
+static void free_sum(dsum_t *m) {
+    if (m) free(m->acc), free(m->whole), free(m);
+}
+
+static void free_pull(dpull_t *p) {
+    if (p && --p->refs <= 0) free(p->values), free(p->prio), free(p);
+}
+
 static void free_out(dout_t *t) {
-    free(t->values), free(t->prio);
+    free_pull(t->sum);
     *t = (dout_t){0};
 }
 
@@ -130,8 +137,7 @@ void dlcp_free(dlcp_t *d) {
         for (int64_t i = 0; i < d->tx[w].out.n; i++) free_out(&d->tx[w].out.v[i]);
         free(d->tx[w].out.v), free(d->tx[w].at);
     }
-    for (int64_t t = 0; t < TENSORS; t++)
-        if (d->sums[t]) free(d->sums[t]->acc), free(d->sums[t]);
+    for (int64_t t = 0; t < TENSORS; t++) free_sum(d->sums[t]);
     free(d);
 }
 
@@ -204,10 +210,10 @@ static void data(gf_switch *s, const job_t *j, dlcp_t *d, int64_t w, const dout_
     d->counters[D_PACKETS]++;
     uint8_t *h = sw_reserve(s, j, w, HEADER + 4 * (hi - lo));
     if (!h) return;
-    uint8_t *v = gf_header(h, t->prio[lo / d->per_packet], F_FLOAT, j->id, 0, MAX_FAN_IN,
+    uint8_t *v = gf_header(h, t->sum->prio[lo / d->per_packet], F_FLOAT, j->id, 0, MAX_FAN_IN,
                            hi - lo, seq, lo, (uint64_t)t->count);
     gf_wr16(h + 12, t->tensor);
-    memcpy(v, t->values + lo, (size_t)(4 * (hi - lo)));
+    memcpy(v, t->sum->values + lo, (size_t)(4 * (hi - lo)));
 }
 
 /* Where the first byte equal to ``v`` is in ``[a, n)`` of ``x`` (n: none). */
@@ -226,77 +232,15 @@ static void request(gf_switch *s, const job_t *j, dlcp_t *d, const din_t *t) {
     }
 }
 
-/* ---- the pull's priority classes (proto.dlcp.packet_norms, classify) ---- */
+/* ---- the pull ---- */
 
-/* numpy's pairwise summation of ``n`` doubles (its add.reduce's inner loop) */
-static double pairwise(const double *a, int64_t n) {
-    if (n < 8) {
-        double r = 0.;
-        for (int64_t i = 0; i < n; i++) r += a[i];
-        return r;
-    }
-    if (n <= 128) {
-        double r[8];
-        int64_t i;
-        for (int k = 0; k < 8; k++) r[k] = a[k];
-        for (i = 8; i < n - n % 8; i += 8)
-            for (int k = 0; k < 8; k++) r[k] += a[i + k];
-        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; i++) res += a[i];
-        return res;
-    }
-    int64_t half = n / 2;
-    half -= half % 8;
-    return pairwise(a, half) + pairwise(a + half, n - half);
-}
-
-typedef struct {
-    double key;
-    int64_t i;
-} ranked_t;
-
-/* on (key, index): a stable argsort's order */
-static int by_key(const void *x, const void *y) {
-    const ranked_t *a = x, *b = y;
-    if (a->key != b->key) return a->key < b->key ? -1 : 1;
-    return (a->i > b->i) - (a->i < b->i);
-}
-
-/* Each packet's traffic class for a tensor of ``layer``'s half, into
- * ``prio``, and the packets most important first, into ``order``. */
-static int classify(const float *v, int64_t count, int64_t pp, int64_t layer, uint8_t *prio,
-                    int64_t *order) {
-    int64_t np = (count + pp - 1) / pp;
-    ranked_t *r = malloc((size_t)np * sizeof *r);
-    double *sq = malloc((size_t)pp * sizeof *sq);
-    if (!r || !sq) {
-        free(r), free(sq);
-        return -1;
-    }
-    for (int64_t k = 0; k < np; k++) {
-        for (int64_t i = 0; i < pp; i++) {
-            double x = k * pp + i < count ? (double)v[k * pp + i] : 0.;
-            sq[i] = x * x;
-        }
-        r[k] = (ranked_t){-sqrt(pairwise(sq, pp)), k}; /* argsort(-norms) */
-    }
-    qsort(r, (size_t)np, sizeof *r, by_key);
-    int back = layer >= 1; /* classify(.., layer, 2): the back half */
-    for (int64_t k = 0; k < np; k++) prio[r[k].i] = (uint8_t)((back << 4) + k * MAG_CLASSES / np);
-    for (int64_t k = 0; k < np; k++) r[k] = (ranked_t){prio[k], k};
-    qsort(r, (size_t)np, sizeof *r, by_key);
-    for (int64_t k = 0; k < np; k++) order[k] = r[k].i;
-    free(r), free(sq);
-    return 0;
-}
-
-/* DlcpSender.send of the sum to worker ``w`` (``prio`` and ``order`` from
- * ``classify``): kept until ACKed, its packets sent most important first. */
+/* DlcpSender.send of ``sum`` to worker ``w`` (``order``: its packets most
+ * important first): kept until ACKed. */
 static void pull(gf_switch *s, const job_t *j, dlcp_t *d, int64_t w, int64_t tensor,
-                 const float *total, int64_t count, const uint8_t *prio, const int64_t *order,
-                 int64_t now) {
+                 dpull_t *sum, int64_t count, const int64_t *order, int64_t now) {
     dtx_t *x = &d->tx[w];
     int64_t pp = d->per_packet, np = (count + pp - 1) / pp;
+    if (!x->at && !(x->at = calloc(TENSORS, sizeof(int32_t)))) goto oom;
     dout_t *t = x->at[tensor] ? &x->out.v[x->at[tensor] - 1] : NULL;
     if (t) { /* a tensor id not yet ACKed, sent again: it keeps its place */
         free_out(t);
@@ -306,16 +250,9 @@ static void pull(gf_switch *s, const job_t *j, dlcp_t *d, int64_t w, int64_t ten
         t = &x->out.v[x->out.n++];
         x->at[tensor] = (int32_t)x->out.n;
     }
-    *t = (dout_t){tensor, count, now, 1, 1, malloc((size_t)count * 4), malloc((size_t)np)};
-    x->out.live++;
-    if (!t->values || !t->prio) {
-        free_out(t);
-        x->out.live--;
-        x->at[tensor] = 0;
-        goto oom;
-    }
-    memcpy(t->values, total, (size_t)count * 4);
-    memcpy(t->prio, prio, (size_t)np);
+    *t = (dout_t){.tensor = tensor, .count = count, .last_ns = now, .backoff = 1, .live = 1,
+                  .sum = sum};
+    sum->refs++, x->out.live++;
     if (x->tick < 0) x->tick = now + d->rto;
     for (int64_t k = 0; k < np; k++) {
         int64_t lo = order[k] * pp;
@@ -327,56 +264,52 @@ oom:
 }
 
 /* DlcpServer._merge: worker ``w``'s complete copy ``t`` into the tensor's
- * sum; the last one sends the sum to every worker. */
+ * sum, and the values it had into those every copy had; the last one sends
+ * the sum to every worker. */
 static void merge(gf_switch *s, const job_t *j, dlcp_t *d, const din_t *t, int64_t now) {
     int64_t tensor = t->tensor, w = t->sender, n = t->count;
     dsum_t *m = d->sums[tensor];
     if (!m) {
         m = d->sums[tensor] = calloc(1, sizeof *m);
-        if (m) m->acc = calloc((size_t)n, sizeof(double)), m->len = n;
-        if (!m || !m->acc) {
-            if (m) free(m), d->sums[tensor] = NULL;
-            s->oom = 1;
-            return;
+        if (m) m->acc = calloc((size_t)n, sizeof(double)), m->whole = malloc((size_t)n);
+        if (!m || !m->acc || !m->whole) {
+            free_sum(m), d->sums[tensor] = NULL;
+            goto oom;
         }
+        memset(m->whole, 1, (size_t)n);
+        m->len = n;
     }
     if (m->seen >> w & 1 || m->len != n) {
         d->counters[D_MISMATCH]++;
         return;
     }
-    for (int64_t i = 0; i < n; i++) m->acc[i] += (double)t->values[i];
+    for (int64_t i = 0; i < n; i++) m->acc[i] += (double)t->values[i], m->whole[i] &= t->have[i];
     m->seen |= 1ULL << w, m->nseen++;
     if (m->nseen < d->workers) return;
     d->sums[tensor] = NULL;
-    int all = 1; /* summed values that miss some worker's copy */
-    for (int64_t u = 0; u < d->workers; u++) all &= in_get(d, u, tensor) != NULL;
-    if (all) {
-        int64_t short_ = 0;
-        for (int64_t i = 0; i < n; i++) {
-            int whole = 1;
-            for (int64_t u = 0; u < d->workers; u++) whole &= in_get(d, u, tensor)->have[i];
-            short_ += !whole;
-        }
-        d->counters[D_INCOMPLETE] += short_;
-    }
+    for (int64_t i = 0; i < n; i++) d->counters[D_INCOMPLETE] += !m->whole[i];
     int64_t layer = d->back[tensor] < 0 ? 0 : d->back[tensor];
     d->back[tensor] = -1;
     d->counters[D_SUMS]++;
     int64_t np = (n + d->per_packet - 1) / d->per_packet;
-    float *total = malloc((size_t)n * 4);
-    uint8_t *prio = malloc((size_t)np);
+    dpull_t *sum = calloc(1, sizeof *sum);
     int64_t *order = malloc((size_t)np * sizeof *order);
-    if (total && prio && order) {
-        for (int64_t i = 0; i < n; i++) total[i] = (float)m->acc[i];
-        if (classify(total, n, d->per_packet, layer, prio, order) == 0)
-            for (int64_t u = 0; u < d->workers; u++)
-                pull(s, j, d, u, tensor, total, n, prio, order, now);
-        else
-            s->oom = 1;
-    } else {
-        s->oom = 1;
+    if (sum) sum->values = malloc((size_t)n * 4), sum->prio = malloc((size_t)np);
+    if (!order || !sum || !sum->values || !sum->prio) {
+        if (sum) free(sum->values), free(sum->prio), free(sum);
+        free(order), free_sum(m);
+        goto oom;
     }
-    free(total), free(prio), free(order), free(m->acc), free(m);
+    for (int64_t i = 0; i < n; i++) sum->values[i] = (float)m->acc[i];
+    sum->refs = 1; /* this call's, until every worker's sender holds it */
+    if (dlcp_classify(sum->values, n, d->per_packet, layer, sum->prio, order) == 0)
+        for (int64_t u = 0; u < d->workers; u++) pull(s, j, d, u, tensor, sum, n, order, now);
+    else
+        s->oom = 1;
+    free_pull(sum), free(order), free_sum(m);
+    return;
+oom:
+    s->oom = 1;
 }
 
 /* ---- the receiver: the workers' pushes ---- */
@@ -395,8 +328,8 @@ static din_t *expect(gf_switch *s, dlcp_t *d, int64_t w, int64_t tensor, int64_t
     }
     if (GROW(d->in, reindex_in(d))) goto oom;
     din_t *t = &d->in.v[d->in.n];
-    *t = (din_t){w, tensor, count, 0, 0, 0, 1, calloc((size_t)count, 4), calloc((size_t)count, 1),
-                 NULL};
+    *t = (din_t){.sender = w, .tensor = tensor, .count = count, .live = 1,
+                 .values = calloc((size_t)count, 4), .have = calloc((size_t)count, 1)};
     if (!t->values || !t->have) {
         free_in(t);
         goto oom;
@@ -505,7 +438,7 @@ static void on_control(gf_switch *s, const job_t *j, dlcp_t *d, const gf_pkt *p,
     }
     int64_t w = d->workers > 1 ? p->wid : 0;
     dtx_t *x = &d->tx[w];
-    int32_t at = x->at[p->layer];
+    int32_t at = x->at ? x->at[p->layer] : 0;
     if (!at) {
         d->counters[D_FOREIGN]++;
         return;

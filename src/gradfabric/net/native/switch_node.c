@@ -144,7 +144,7 @@ GF_API int gf_s_job(gf_switch *s, int64_t id, const uint8_t *token, int64_t fan_
     if (slot_base < 0 || slot_count < 0 || slot_base + slot_count > s->slots || window < 0) return -1;
     if (!(scale > 0)) return -1;
     job_t *j = s->jobs[id];
-    if (j && (j->link_free || j->help) && j->fan_in != fan_in) return -1; /* sized by worker */
+    if (j && (j->link_free || j->help || j->dlcp) && j->fan_in != fan_in) return -1; /* by worker */
     if (!j) {
         j = s->jobs[id] = calloc(1, sizeof *j);
         if (!j) return -1;
