@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradfabric.proto.dlcp import dlcp_control, dlcp_data
 from gradfabric.proto.routes import atp_index
 from gradfabric.proto.schemes import SCHEMES, Placement
 from gradfabric.proto.worker import ResumableWorker
@@ -55,8 +56,6 @@ def dlcp_seed(window: int, njobs: int, seed: int) -> bytes:
     lost, some twice), time passes for the server's requests and probes,
     and the workers ACK the first tensor's sum and ask for a range of the
     second's (the fourth job is a background job: its datagrams only count)."""
-    from gradfabric.proto.dlcp import dlcp_control, dlcp_data
-
     rng = np.random.default_rng(seed)
     pp = 256 if window == 8 else 1 + window
     out = bytes([4, window, njobs - 1, 0])
@@ -150,8 +149,6 @@ def main() -> None:
         (ROOT / "switch_node" / f"regress-empty-share-{SCHEMES_C[scheme]}").write_bytes(seed)
     # a DLCP push announcing a tensor of 2**31 - 1 values, then its server's
     # timer (each request round scanned every value: a run timed out)
-    from gradfabric.proto.dlcp import dlcp_data
-
     huge = dlcp_data(job_id=1, sender=0, tensor=0, offset=0, length=2**31 - 1, priority=0,
                      count=1, values=np.ones(1, np.float32))  # fmt: skip
     (ROOT / "switch_node" / "regress-dlcp-huge-tensor").write_bytes(

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from gradfabric.core.trace import Counters
 from gradfabric.net import switchpath
 from gradfabric.net.switchpath import HELPERS_NATIVE, NativeSwitchNode
+from gradfabric.proto.dlcp import MAX_TENSOR, PROBE, dlcp_control, dlcp_data
 from gradfabric.proto.node import LINK_HOLD, NodeConfig, SwitchNode
 from gradfabric.proto.routes import atp_index
 from gradfabric.proto.schemes import SCHEMES, Placement
@@ -373,8 +374,6 @@ def _dlcp_datagrams(
     kind: str, job: tuple[int, int, bool], wid: int, tensor: int, seed: int, length: int,
     cfg: NodeConfig,
 ) -> list[bytes]:  # fmt: skip
-    from gradfabric.proto.dlcp import MAX_TENSOR, PROBE, dlcp_control, dlcp_data
-
     job_id, workers, _ = job
     rng = np.random.default_rng(seed)
     w, pp = wid % workers, cfg.values_per_packet
@@ -471,8 +470,6 @@ def test_a_copy_forgotten_and_announced_again_while_its_sum_waits_in_both() -> N
     newer copies finish, then announced again shorter while worker 1's copy
     is still to come: the sum counts what the copies it summed had (the
     receiver's present copy is another), and both send and count alike."""
-    from gradfabric.proto.dlcp import dlcp_data
-
     cfg = NodeConfig(scheme="dlcp", values_per_packet=4, rto_ns=10**9, push_bound=0.0)
     ref, nat = SwitchNode(cfg), NativeSwitchNode(cfg)
 

@@ -475,6 +475,11 @@ int64_t dlcp_deadline(const dlcp_t *d) {
     return at;
 }
 
+/* A silent round's wait: twice the last, up to MAX_BACKOFF. */
+static int64_t doubled(int64_t backoff) {
+    return 2 * backoff < MAX_BACKOFF ? 2 * backoff : MAX_BACKOFF;
+}
+
 /* DlcpReceiver.on_timer: a request round for each silent sender's started,
  * incomplete copies, then that sender's wait doubles. */
 static void rx_timer(gf_switch *s, const job_t *j, dlcp_t *d, int64_t now) {
@@ -493,7 +498,7 @@ static void rx_timer(gf_switch *s, const job_t *j, dlcp_t *d, int64_t now) {
     for (int64_t w = 0; w < d->workers; w++)
         if (silent >> w & 1) {
             d->heard[w] = now;
-            d->backoff[w] = 2 * d->backoff[w] < MAX_BACKOFF ? 2 * d->backoff[w] : MAX_BACKOFF;
+            d->backoff[w] = doubled(d->backoff[w]);
         }
     if (waiting) d->tick = now + d->rto;
 }
@@ -507,7 +512,7 @@ static void tx_timer(gf_switch *s, const job_t *j, dlcp_t *d, int64_t w, int64_t
         dout_t *t = &x->out.v[i];
         if (!t->live || now - t->last_ns < d->rto * t->backoff) continue;
         t->last_ns = now;
-        t->backoff = 2 * t->backoff < MAX_BACKOFF ? 2 * t->backoff : MAX_BACKOFF;
+        t->backoff = doubled(t->backoff);
         d->counters[D_PROBES]++;
         data(s, j, d, w, t, (t->count - 1) / d->per_packet * d->per_packet, t->count, PROBE);
     }
