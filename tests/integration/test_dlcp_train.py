@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -61,19 +62,23 @@ def test_priority_ports_place_dlcp_datagrams_by_their_header(push_bound: float) 
 
 
 @pytest.mark.long
-def test_dlcp_training_over_congested_priority_links() -> None:
+@pytest.mark.parametrize("fabric", ["star", "leaf-spine"])
+def test_dlcp_training_over_congested_priority_links(fabric: str) -> None:
     """Reliable mode equals the in-process float64 replay bit for bit (the
-    loss curve); bounded mode stays within its bounds and learns."""
+    loss curve), also sprayed over two spines (datagrams reordered);
+    bounded mode stays within its bounds and learns."""
     from gradfabric.lab.dlcp_train import DlcpTrainConfig, replay, run_dlcp_training
 
-    cfg = DlcpTrainConfig(scheme="reliable", steps=6, load=0.5, eval_every=3)
+    cfg = DlcpTrainConfig(scheme="reliable", steps=6, load=0.5, eval_every=3, fabric=fabric)
     rel = run_dlcp_training(cfg)
     want = replay(cfg)
     assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(rel["loss"], want, strict=True))
     assert rel["lost_push"] == rel["lost_pull"] == rel["incomplete"] == 0
     assert rel["classes"]["1:10"]["sent"] > 0 and rel["background"]["sent"] > 0
 
-    dl = run_dlcp_training(DlcpTrainConfig(scheme="dlcp", steps=6, load=0.5, eval_every=3))
+    if fabric == "leaf-spine":  # both spines carried traffic up from each leaf
+        assert all(min(up) > 0 for up in rel["paths"])
+    dl = run_dlcp_training(replace(cfg, scheme="dlcp"))
     c = dl["config"]
     assert 0 < dl["lost_push"] <= c["push_bound"] and dl["lost_pull"] <= c["pull_bound"]
     assert dl["loss"][-1] < dl["loss"][0] and dl["evals"][-1][1] > 0.5

@@ -274,3 +274,44 @@ def test_a_server_takes_no_tensor_past_its_bound_and_counts_it() -> None:
     assert sum(p.count for p in pulls) == 20
     first = next(p for p in pulls if p.agg_index == 0)
     assert first.payload is not None and list(first.payload[:2]) == [3.0, 3.0]
+
+
+def test_a_server_in_the_leaf_has_no_incast_at_its_port() -> None:
+    """An idle fabric, reliable PS, sprayed: behind a host link of its own the server
+    takes every worker's push through that one link (and sends every pull
+    out of it), so a round grows with the workers; in the leaf its port
+    takes them all at once, and a round stays near two wire times (each
+    worker's push up its link, then the sum down it), whatever the count."""
+    v = 65_536
+    wire_ms = (v * 4 + v // 256 * 32) * 8 / 10 / 1e6  # one copy on a 10 Gbit/s link
+
+    def comm(server: str, n: int) -> float:
+        cfg = DlcpConfig(workers=n, tensors=(v,), iterations=2, load=0.0, compute_ms=0.5,
+                         server=server, **VARIANTS["reliable+spray"])  # fmt: skip
+        return run_dlcp(cfg).mean_comm_ms
+
+    host4, host8, leaf4, leaf8 = comm("host", 4), comm("host", 8), comm("leaf", 4), comm("leaf", 8)
+    assert host4 >= 4 * wire_ms and host8 >= 8 * wire_ms  # n pushes through one link
+    assert 2 * wire_ms <= leaf4 < host4 and 2 * wire_ms <= leaf8 < host8 / 2
+    assert abs(leaf8 - leaf4) <= 0.1 * leaf4
+
+
+@pytest.mark.parametrize("per_queue", [False, True])
+def test_a_port_s_queues_share_one_buffer_or_hold_one_each(per_queue: bool) -> None:
+    """Queue 1 (other traffic) offered twice the buffer: a shared buffer
+    fills, and then a top-queue packet of the largest gradients (precedence
+    0, dropped only at a full buffer) is lost too; with a buffer per queue
+    it is kept, and queue 1 loses the same packets either way. Strict
+    priority serves it first."""
+    from gradfabric.core.trace import Counters
+    from gradfabric.proto.qos import PortQueues
+    from gradfabric.wire.packet import traffic_class
+
+    buffer, size = 10_000, 1_000
+    port: PortQueues[str] = PortQueues(buffer, Counters(), per_queue=per_queue)
+    kept = [port.offer(f"bg{i}", size, traffic_class(1, 0), 0.5) for i in range(20)]
+    assert kept == [True] * 10 + [False] * 10  # precedence 0: tail drop at the buffer
+    top = port.offer("top", size, traffic_class(0, 0), 0.5)
+    assert top is per_queue
+    assert port.take() == (("top", size) if per_queue else ("bg0", size))
+    assert port.backlog == 10 * size + (size if per_queue else 0) - size

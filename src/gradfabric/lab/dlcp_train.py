@@ -32,6 +32,16 @@ to wait and to be lost. Datagrams beyond the bound are never waited for
 the network's side of the ledger. Workers and server pace by small send
 buffers (``pace_kb``: the kernel takes a datagram when the port has room).
 
+``fabric="leaf-spine"`` is the network where DLCP's load balancing
+matters (``net.fabric``): two racks, each with half the ranks and
+``bg_hosts`` background hosts, every leaf linked to ``spines`` spines at
+``link_mbps``. Leaves hash TCP flows over the spines (ECMP), and spray
+DLCP's datagrams over them one by one; the server sits in the second rack's
+leaf (its switch). The background is bursty: on/off flows between the two
+racks' background hosts at ``link_mbps`` when on (``burst_ms`` on average,
+each a new flow to the hash), off long enough that the spines carry
+``load`` of their capacity on average.
+
 Recorded per run: each step's time (the slowest rank's), the global mean
 loss, test accuracy every ``eval_every`` steps, the per-class packets sent
 and dropped over all ports, the background's datagrams, and for DLCP the
@@ -46,8 +56,9 @@ import resource
 import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -60,7 +71,12 @@ from gradfabric.proto.dlcp import MAG_CLASSES
 from gradfabric.runtime.client import SWITCH_ENV
 from gradfabric.wire.envelope import TOKEN_BYTES
 
+if TYPE_CHECKING:
+    from gradfabric.net.fabric import Fabric
+    from gradfabric.net.netns import NsHost
+
 SCHEMES = ("gloo", "gloo-prio", "reliable", "dlcp")
+FABRICS = ("star", "leaf-spine")
 TOP, BOTTOM = "1:10", "1:12"  # netns.CLASSES' first and last
 # the priority byte, in bits from the UDP header: its 8 bytes, the job token, then
 # the packet header's magic (2 bytes) and version (1)
@@ -83,8 +99,13 @@ class DlcpTrainConfig:
     rto_ms: float = 5.0
     pace_kb: int = 64  # DLCP's send buffers, worker and server: paced by the link (0: bursts)
     bucket_kb: int = 0  # DDP's gradient buckets (0: DDP's default, 25 MB)
+    values_per_packet: int = 256  # DLCP's datagrams (256: 1 KB; 2,048: 8 KB, a jumbo frame's)
     eval_every: int = 2
     timeout_s: float = 60.0
+    fabric: str = "star"  # or "leaf-spine" (module docstring)
+    spines: int = 2  # leaf-spine: spines, background hosts per rack, mean on period
+    bg_hosts: int = 2
+    burst_ms: float = 50.0
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -93,6 +114,17 @@ class DlcpTrainConfig:
             raise ConfigError("workers", "need >= 2 workers, >= 1 step, eval_every >= 1")
         if not 0 <= self.load < 1 or self.link_mbps <= 0:
             raise ConfigError("load", "load in [0, 1) of a link rate > 0")
+        if self.fabric not in FABRICS:
+            raise ConfigError("fabric", f"one of {', '.join(FABRICS)}, got {self.fabric!r}")
+        if self.fabric == "leaf-spine" and not 0 <= self.duty <= 1:
+            raise ConfigError("load", f"{self.bg_hosts} background hosts a rack at the link "
+                              f"rate cannot load {self.spines} spines to {self.load}")  # fmt: skip
+
+    @property
+    def duty(self) -> float:
+        """The share of time each background host of the leaf-spine is on
+        (at ``link_mbps``): the spines then carry ``load`` on average."""
+        return self.load * self.spines / self.bg_hosts
 
     @property
     def dlcp(self) -> bool:
@@ -123,46 +155,50 @@ GLOO_PRIO_RULES = [f"meta l4proto tcp meta priority set {TOP}"]
 
 def run_dlcp_training(cfg: DlcpTrainConfig) -> dict[str, Any]:
     """One run of ``cfg.scheme`` (root: namespaces, nftables)."""
-    from contextlib import ExitStack
-
     from gradfabric.lab.daemon import cpu_s, switch_daemon
-    from gradfabric.net.background import background
+    from gradfabric.net.fabric import spine_bytes, spray
     from gradfabric.net.launch import run_on_hosts
-    from gradfabric.net.netns import class_totals, prioritise, tor_star
+    from gradfabric.net.netns import class_totals, prioritise
 
     with ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         out = os.path.join(tmp, "train.json")
-        hosts, tor = stack.enter_context(
-            tor_star(cfg.workers, cfg.link_mbps / 1000, classes=True, queue_kb=cfg.queue_kb)
-        )
+        hosts, server, nodes, fab = _network(cfg, stack)
         env: dict[str, str] = {}
         sw = None
         if cfg.dlcp:
             bounds = (0.0, 0.0) if cfg.scheme == "reliable" else (cfg.push_bound, cfg.pull_bound)
             sw = stack.enter_context(switch_daemon(
-                "--policy", "dlcp", "--values-per-packet", "256", "--job-slots", "32",
+                "--policy", "dlcp", "--values-per-packet", str(cfg.values_per_packet),
+                "--job-slots", "32",
                 "--rto-ms", str(cfg.rto_ms),
                 "--push-bound", str(bounds[0]), "--pull-bound", str(bounds[1]),
-                "--sndbuf-kb", str(cfg.pace_kb), host=tor,
+                "--sndbuf-kb", str(cfg.pace_kb), host=server,
             ))  # fmt: skip
             env[SWITCH_ENV] = sw.control_text
             rules = dlcp_rules(sw.data[1], bounds[0])
+            if fab is not None:
+                spray(fab, sw.data[1])
         else:
             rules = GLOO_PRIO_RULES if cfg.scheme == "gloo-prio" else []
         if rules:
-            for h in (*hosts, tor):
+            for h in nodes:
                 prioritise(h, rules)
-        sent = stack.enter_context(background(hosts, tor, cfg.load * cfg.link_mbps, cfg.seed))
+        sent = stack.enter_context(_load(cfg, hosts, server, fab))
         time.sleep(0.2)  # the background's queues fill before the job starts
+        paths = spine_bytes(fab) if fab is not None else []
         t0 = time.perf_counter()
         daemon_cpu = cpu_s(sw.proc.pid) if sw else 0.0
         run_on_hosts(hosts, MODULE, [json.dumps(asdict(cfg)), out],
                      timeout_s=cfg.timeout_s * 4, extra_env=env)  # fmt: skip
         daemon_cpu = cpu_s(sw.proc.pid) - daemon_cpu if sw else 0.0
-        classes = class_totals(hosts, tor)
+        classes = class_totals(nodes)
+        if fab is not None:  # bytes each leaf sent up each spine while the job ran
+            paths = [[b - a for a, b in zip(x, y, strict=True)]
+                     for x, y in zip(paths, spine_bytes(fab), strict=True)]  # fmt: skip
         with open(out) as f:
             rec: dict[str, Any] = json.load(f)
+    rec["paths"] = paths
     rec["config"] = asdict(cfg)
     rec["classes"] = classes
     rec["background"] = dict(sent)
@@ -176,6 +212,43 @@ def run_dlcp_training(cfg: DlcpTrainConfig) -> dict[str, Any]:
         rec["switch"] = counters
         rec["daemon_cpu_s"] = daemon_cpu  # while the ranks ran, torchrun's start included
     return rec
+
+
+def _network(
+    cfg: DlcpTrainConfig, stack: ExitStack
+) -> tuple[list[NsHost], NsHost, list[NsHost], Fabric | None]:
+    """The ranks' hosts (in rank order), where the server runs, every
+    namespace (their ports are counted), and the leaf-spine if it is one."""
+    from gradfabric.net.fabric import leaf_spine
+    from gradfabric.net.netns import tor_star
+
+    if cfg.fabric == "star":
+        hosts, tor = stack.enter_context(
+            tor_star(cfg.workers, cfg.link_mbps / 1000, classes=True, queue_kb=cfg.queue_kb)
+        )
+        return hosts, tor, [*hosts, tor], None
+    half = cfg.workers // 2
+    fab = stack.enter_context(leaf_spine(
+        [half + cfg.bg_hosts, cfg.workers - half + cfg.bg_hosts], cfg.spines, cfg.link_mbps,
+        cfg.link_mbps, cfg.queue_kb,
+    ))  # fmt: skip
+    ranks = fab.racks[0][:half] + fab.racks[1][: cfg.workers - half]
+    return ranks, fab.leaves[1], fab.nodes, fab
+
+
+def _load(
+    cfg: DlcpTrainConfig, hosts: list[NsHost], server: NsHost, fab: Fabric | None
+) -> AbstractContextManager[dict[str, float]]:
+    """The background: constant on the star's links, on/off flows between
+    the racks' background hosts on the leaf-spine."""
+    from gradfabric.net.background import background, bursts
+
+    if fab is None or cfg.load == 0:  # (no load: nothing started)
+        return background(hosts, server, cfg.load * cfg.link_mbps, cfg.seed)
+    bg = [rack[len(rack) - cfg.bg_hosts :] for rack in fab.racks]
+    plan = [(h, [p.ip for p in bg[1 - r]]) for r in range(2) for h in bg[r]]
+    off_ms = cfg.burst_ms * (1 - cfg.duty) / cfg.duty
+    return bursts(plan, cfg.link_mbps, cfg.burst_ms, off_ms, cfg.seed)
 
 
 def replay(cfg: DlcpTrainConfig) -> list[float]:

@@ -69,7 +69,7 @@ def _free_tag() -> int:
     taken = listed()
     for k in range(250):
         tag = (os.getpid() + k) % 250
-        if not any(re.fullmatch(rf"gf{tag}(sw|h\d+)", n) for n in taken):
+        if not any(re.fullmatch(rf"gf{tag}[a-z]+\d*", n) for n in taken):
             return tag
     raise ConfigError("netns", "every star tag (gf0..gf249) is in use here")
 
@@ -218,17 +218,18 @@ def _shape(where: str, dev: str, rate: str, burst: str, queue_kb: int) -> None:
 def prioritise(host: NsHost, rules: list[str], table: str = "gfprio") -> None:
     """Place packets in ``CLASSES`` in ``host``'s namespace: each rule is an
     nftables match and a class (``"meta l4proto tcp" + " meta priority set
-    1:10"``), applied to what the namespace sends and what its bridge
-    forwards (the switch namespace's ports). Deleted with the namespace."""
+    1:10"``), applied to what the namespace sends, routes (a fabric's leaves
+    and spines) and bridges (the switch namespace's ports). Deleted with the
+    namespace."""
     if not nft_available():
         raise ConfigError("nft", "nftables is not installed (apt-get install nftables)")
     script = ""
-    for family, hook in (("inet", "output"), ("bridge", "forward")):
+    for family, hook in (("inet", "output"), ("inet", "forward"), ("bridge", "forward")):
         script += (
             f"add table {family} {table}\n"
-            f"add chain {family} {table} c {{ type filter hook {hook} priority 0; }}\n"
+            f"add chain {family} {table} {hook} {{ type filter hook {hook} priority 0; }}\n"
         )
-        script += "".join(f"add rule {family} {table} c {r}\n" for r in rules)
+        script += "".join(f"add rule {family} {table} {hook} {r}\n" for r in rules)
     subprocess.run(["ip", "netns", "exec", host.netns, "nft", "-f", "-"], input=script.encode(),
                    check=True, capture_output=True)  # fmt: skip
 
@@ -247,18 +248,64 @@ def class_stats(host: NsHost, dev: str) -> dict[str, dict[str, int]]:
     return stats
 
 
-def class_totals(hosts: list[NsHost], tor: NsHost) -> dict[str, dict[str, int]]:
-    """``class_stats`` summed over a star's ports: every host's uplink and
-    the switch namespace's port down to each host."""
-    out = subprocess.run(["ip", "-n", tor.netns, "-o", "link", "show", "type", "veth"],
-                         check=True, capture_output=True, text=True).stdout  # fmt: skip
-    ports = [(tor, m) for m in re.findall(r"^\d+: ([^@:]+)", out, re.M)]
+def class_totals(nodes: list[NsHost]) -> dict[str, dict[str, int]]:
+    """``class_stats`` summed over every veth port of ``nodes``' namespaces
+    (a star's hosts and switch, a fabric's hosts, leaves and spines)."""
     total: dict[str, dict[str, int]] = {c: {"sent": 0, "dropped": 0} for c in CLASSES}
-    for host, dev in [*((h, h.ifname) for h in hosts), *ports]:
-        for c, st in class_stats(host, dev).items():
-            for k, v in st.items():
-                total[c][k] += v
+    for node in nodes:
+        out = subprocess.run(["ip", "-n", node.netns, "-o", "link", "show", "type", "veth"],
+                             check=True, capture_output=True, text=True).stdout  # fmt: skip
+        for dev in re.findall(r"^\d+: ([^@:]+)", out, re.M):
+            for c, st in class_stats(node, dev).items():
+                for k, v in st.items():
+                    total[c][k] += v
     return total
+
+
+def veth(a: tuple[str, str], b: tuple[str, str], mtu: int) -> None:
+    """A veth pair: interface ``a[1]`` in namespace ``a[0]``, its peer
+    ``b[1]`` in ``b[0]``, both at ``mtu``."""
+    _ip("link", "add", a[1], "netns", a[0], "mtu", str(mtu), "type", "veth",
+        "peer", "name", b[1], "netns", b[0], "mtu", str(mtu))  # fmt: skip
+
+
+def sysctl(ns: str, *settings: str) -> None:
+    """``sysctl -w`` each ``key=value`` of ``settings`` in namespace ``ns``."""
+    subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", *settings], check=True,
+                   capture_output=True)  # fmt: skip
+
+
+@contextmanager
+def namespaces() -> Iterator[Callable[[str], str]]:
+    """Yields ``add(name)``, which makes a namespace (loopback up) and
+    returns its name; every one made is deleted on exit, after an error or a
+    SIGTERM too (a killed benchmark, a CI timeout)."""
+    made: list[str] = []
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
+
+    def add(name: str) -> str:
+        _ip("netns", "add", name)
+        made.append(name)
+        _MADE.add(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+        return name
+
+    try:
+        yield add
+    finally:
+        for ns in reversed(made):
+            if subprocess.run(["ip", "netns", "del", ns], capture_output=True).returncode == 0:
+                _MADE.discard(ns)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def shape(where: str, dev: str, mbps: float, mtu: int, queue_kb: int) -> None:
+    """``dev``'s egress at ``mbps`` (``_shape``), with enough tokens for line
+    rate at 1 ms and at least two of the largest packets."""
+    burst = f"{max(160, int(mbps * 0.16), 2 * mtu // 1000 + 1)}kb"
+    _shape(where, dev, f"{int(mbps)}mbit", burst, queue_kb)
 
 
 @contextmanager
@@ -298,75 +345,25 @@ def tor_star(
         raise ConfigError("link_gbps", f"must be > 0, got {link_gbps}")
     check_mtu(mtu)
     tag = _free_tag()
-    sw = f"gf{tag}sw"
-    names = [f"gf{tag}h{i}" for i in range(n)]
-    made: list[str] = []
-    # a SIGTERM (a killed benchmark, a CI timeout) must still delete what was made
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
-    rate = f"{int(link_gbps * 1000)}mbit"
-    # enough tokens for line rate at 1 ms, and at least two of the largest packets
-    burst = f"{max(160, int(link_gbps * 160), 2 * mtu // 1000 + 1)}kb"
-    try:
-        _ip("netns", "add", sw)
-        made.append(sw)
-        _MADE.add(sw)
+    with namespaces() as add:
+        sw = add(f"gf{tag}sw")
         # no IGMP snooping: the bridge floods a job's multicast results to every
         # port, as a switch replicates them (``SwitchConfig.multicast``)
         _ip("-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
         _ip("-n", sw, "link", "set", "br0", "up")
-        _ip("-n", sw, "link", "set", "lo", "up")
         _ip("-n", sw, "addr", "add", f"10.77.{tag}.{TOR_HOST}/24", "dev", "br0")
         tor = NsHost(sw, f"10.77.{tag}.{TOR_HOST}", "br0")
         hosts = []
-        for i, ns in enumerate(names):
-            _ip("netns", "add", ns)
-            made.append(ns)
-            _MADE.add(ns)
+        for i in range(n):
+            ns = add(f"gf{tag}h{i}")
             a, b = f"gfh{i}", f"gfs{tag}x{i}"
-            _ip(
-                "link",
-                "add",
-                a,
-                "netns",
-                ns,
-                "mtu",
-                str(mtu),
-                "type",
-                "veth",
-                "peer",
-                "name",
-                b,
-                "netns",
-                sw,
-                "mtu",
-                str(mtu),
-            )
+            veth((ns, a), (sw, b), mtu)
             addr = f"10.77.{tag}.{i + 1}"
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", a)
             _ip("-n", ns, "link", "set", a, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            subprocess.run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "sysctl",
-                    "-qw",
-                    "net.ipv4.tcp_slow_start_after_idle=0",
-                ],
-                check=True,
-                capture_output=True,
-            )
+            sysctl(ns, "net.ipv4.tcp_slow_start_after_idle=0")
             _ip("-n", sw, "link", "set", b, "master", "br0", "up")
             for where, dev in ((ns, a), (sw, b)):
-                _shape(where, dev, rate, burst, queue_kb if classes else 0)
+                shape(where, dev, link_gbps * 1000, mtu, queue_kb if classes else 0)
             hosts.append(NsHost(ns, addr, a))
         yield hosts, tor
-    finally:
-        for ns in reversed(made):
-            if subprocess.run(["ip", "netns", "del", ns], capture_output=True).returncode == 0:
-                _MADE.discard(ns)
-        if main:
-            signal.signal(signal.SIGTERM, previous)

@@ -26,6 +26,9 @@ from gradfabric.runtime.client import CLIENTS, Attached, Ticket
 from gradfabric.runtime.switchd import worker_name
 from gradfabric.wire import fastquant
 
+# a tensor begun and not yet finished: its id, set once its sum is in, the sum
+Pending = tuple[int, threading.Event, list[Any]]
+
 
 class DlcpClient(Attached):
     """Rank ``rank`` of a DLCP job (a ``dlcp`` ticket from a ``--policy dlcp`` switch)."""
@@ -51,7 +54,7 @@ class DlcpClient(Attached):
         )
         self.next_tensor = 0
         self.buckets = 1  # DDP buckets seen (for dlcp_hook's layer order)
-        self.results: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self.results: dict[int, Pending] = {}
         self._attach(ticket, rank, timeout_s, self.endpoint, self._deliver)
         if pace_kb and self.proto.transport is not None:
             sock = self.proto.transport.get_extra_info("socket")
@@ -65,9 +68,19 @@ class DlcpClient(Attached):
         length in the same order): values lost beyond recovery read as zero.
         ``out``: as ``Attached.allreduce``'s (the sum is copied there); ``key``
         is unused (floats travel as they are: no exponents)."""
+        return self.finish(self.begin(x, layer, layers), out=out)
+
+    def begin(self, x: npt.NDArray[np.float32], layer: int = 0, layers: int = 1) -> Pending:
+        """``allreduce``'s first half: ``x``'s push starts now, on the client's
+        loop, and returns at once (any thread; every rank begins the same
+        tensors in the same order). ``x`` must stay as it is until its
+        ``finish``: its datagrams are sent, and resent, from it. Several may
+        be in flight: a bucket's push then overlaps the sums of earlier ones
+        coming back, and the senders serve them by priority (front layers
+        first), as DLCP's per-layer design has it."""
         tensor = self.next_tensor
         self.next_tensor = (self.next_tensor + 1) % 0x10000  # the header's tensor id
-        done: tuple[threading.Event, list[Any]] = (threading.Event(), [])
+        done: Pending = (tensor, threading.Event(), [])
         self.results[tensor] = done
         vals = np.ascontiguousarray(x, dtype=np.float32)
 
@@ -80,14 +93,21 @@ class DlcpClient(Attached):
             )
 
         self.loop.call_soon_threadsafe(start)
-        if not done[0].wait(self.timeout_s):
+        return done
+
+    def finish(
+        self, pending: Pending, out: npt.NDArray[np.float32] | None = None
+    ) -> npt.NDArray[np.float32]:
+        """``allreduce``'s second half: the sum of a ``begin``, once it is in."""
+        tensor, event, got = pending
+        if not event.wait(self.timeout_s):
             raise PeerTimeoutError(self.ticket.entry, self.timeout_s)
         del self.results[tensor]
-        got = np.asarray(done[1][0], dtype=np.float32)
+        total = np.asarray(got[0], dtype=np.float32)
         if out is None:
-            return got
-        into: npt.NDArray[np.float32] = fastquant.output(out, len(vals), np.float32)
-        into[:] = got
+            return total
+        into: npt.NDArray[np.float32] = fastquant.output(out, len(total), np.float32)
+        into[:] = total
         return into
 
     def lost(self) -> int:
@@ -96,8 +116,8 @@ class DlcpClient(Attached):
     def _deliver(self, d: Deliver) -> None:
         hit = self.results.get(d.seq)
         if hit is not None and d.pkt.payload is not None:
-            hit[1].append(d.pkt.payload.copy())
-            hit[0].set()
+            hit[2].append(d.pkt.payload.copy())
+            hit[1].set()
 
 
 CLIENTS.add("dlcp", DlcpClient)

@@ -39,9 +39,9 @@ def dlcp_hook(
     state: DlcpClient,
     bucket: dist.GradBucket,  # type: ignore[name-defined]  # DDP checks this exact annotation
 ) -> torch.futures.Future[torch.Tensor]:
-    """Each bucket pushed to the job's DLCP server and the sum pulled, within
-    the job's loss bounds (lost values read as zero), then averaged; on the
-    client's communication thread. DLCP's wire carries finite floats only (a
+    """Each bucket pushed to the job's DLCP server as DDP hands it over and
+    the sum pulled, within the job's loss bounds (lost values read as zero),
+    then averaged on the client's communication thread. DLCP's wire carries finite floats only (a
     NaN or an infinity in a datagram is a counted drop, and under a loss bound
     would read as zero, hiding an overflow from AMP's scaler): a bucket that
     holds one raises ``ValueError`` naming the rank and the bucket, where the
@@ -60,8 +60,13 @@ def dlcp_hook(
     layer = state.buckets - 1 - bucket.index()
     layers = state.buckets
 
+    # pushed now, on DDP's thread: this bucket's push overlaps the sums of the
+    # buckets before it coming back (the communication thread waits for each
+    # sum in turn, so a blocking all-reduce would have serialised them)
+    pending = state.begin(_flat(buf), layer, layers)
+
     def job(group: Any) -> torch.Tensor:
-        return _written(buf, state.allreduce(_flat(buf), layer, layers) / state.ticket.workers)
+        return _written(buf, state.finish(pending) / state.ticket.workers)
 
     return state.run(buf, job)
 

@@ -85,6 +85,13 @@ class DlcpConfig:
     ecn_bytes: int = 65 * (32 + 256 * 4)
     seed: int = 0
     horizon_s: float = 2.0  # simulated; a run still unfinished by then is an error
+    # "host": the PS behind a host link of its own in the second rack (incast
+    # at its port); "leaf": the server in that rack's leaf switch, as the real
+    # leaf-spine runs it (its port to the leaf takes every worker's link rate)
+    server: str = "host"
+    # switch ports' priority queues: one buffer shared (a switch ASIC's), or a
+    # buffer of queue_bytes each (the namespaces' htb classes, a FIFO each)
+    class_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 2 or not self.tensors or self.iterations < 1:
@@ -95,6 +102,8 @@ class DlcpConfig:
             raise ConfigError("transport", f"one of {sorted(TRANSPORTS)}, got {self.transport!r}")
         if not 0 <= self.load < 1:
             raise ConfigError("load", f"must be in [0, 1), got {self.load}")
+        if self.server not in ("host", "leaf"):
+            raise ConfigError("server", f"host or leaf, got {self.server!r}")
 
 
 class _Background:
@@ -159,10 +168,18 @@ class _Job:
         n = cfg.workers
         self.workers = [f"w{i}" for i in range(n)]
         bg = [[f"bg{r}_{i}" for i in range(cfg.background_hosts)] for r in range(2)]
-        racks = [self.workers[: n // 2] + bg[0], self.workers[n // 2 :] + ["ps"] + bg[1]]
+        ps_host = ["ps"] if cfg.server == "host" else []
+        racks = [self.workers[: n // 2] + bg[0], self.workers[n // 2 :] + ps_host + bg[1]]
         link = LinkSpec(link_gbps=cfg.link_gbps, queue_bytes=cfg.queue_bytes,
-                        ecn_bytes=cfg.ecn_bytes)  # fmt: skip
-        leaf_spine(net, racks, cfg.spines, link)
+                        ecn_bytes=cfg.ecn_bytes, class_buffers=cfg.class_buffers)  # fmt: skip
+        topo = leaf_spine(net, racks, cfg.spines, link)
+        if not ps_host:  # the server in leaf1: one port as fast as every worker's link
+            fast = replace(link, link_gbps=cfg.link_gbps * n)
+            up, down = net.connect("ps", "leaf1", replace(fast, queue_bytes=0), fast)
+            net.node("ps").routes["*"] = [up]
+            net.node("leaf1").routes["ps"] = [down]
+            for sp in topo.spines:
+                net.node(sp).routes["ps"] = net.node(sp).routes["leaf1"]
         for h in [*self.workers, "ps"]:  # ACKs are not stuck behind a host's data
             (nic,) = net.node(h).routes["*"]
             nic.control_first = True
@@ -246,8 +263,10 @@ class _PsJob(_Job):
         # Workers pace their push at a fair share of the PS's link (what a
         # congestion-controlled transport converges to); without it the push is an
         # n-to-1 incast that no transport survives without a window.
+        # (At a leaf there is no PS link to share: a worker's own link paces it.)
         fair = cfg.link_gbps / n
-        for w in () if self.tx_cls.congestion_controlled else self.workers:  # DCTCP finds it
+        paced = not self.tx_cls.congestion_controlled and cfg.server == "host"
+        for w in self.workers if paced else ():  # DCTCP finds it
             (uplink,) = net.node(w).routes["*"]
             uplink.pace(fair)
         rto = cfg.rto_ns

@@ -61,6 +61,9 @@ class LinkSpec:
     loss: float = 0.0
     dup: float = 0.0
     jitter_ns: int = 0
+    # a priority port's queues: one shared buffer of queue_bytes (False), or one
+    # each (``proto.qos.PortQueues``' per_queue)
+    class_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.link_gbps <= 0:
@@ -205,7 +208,9 @@ class PriorityLink(Link):
 
     def __init__(self, net: Network, src: str, dst: Node, spec: LinkSpec) -> None:
         super().__init__(net, src, dst, spec)
-        self.port: PortQueues[tuple[str, Packet]] = PortQueues(spec.queue_bytes, net.counters)
+        self.port: PortQueues[tuple[str, Packet]] = PortQueues(
+            spec.queue_bytes, net.counters, spec.class_buffers
+        )
         self.busy = False
 
     def send(self, dst: str, pkt: Packet) -> None:

@@ -1,0 +1,91 @@
+"""The namespace leaf-spine (``net.fabric``): routes between racks, hashes
+a flow onto one spine, sprays a marked port's datagrams over all of them,
+and leaves nothing behind (root and nftables; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gradfabric.core.errors import ConfigError
+from gradfabric.net import fabric, netns
+
+needs_root = pytest.mark.skipif(
+    not netns.usable() or not netns.nft_available(),
+    reason="needs root, network namespaces and nftables",
+)
+
+# Sent from a host: ``count`` datagrams of 1,000 bytes from one socket (one
+# flow) to ``port``, paced well under the link; the receiver counts them.
+SEND = """
+import socket, sys, time
+dst, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(count):
+    s.sendto(bytes(1000), (dst, port))
+    time.sleep(0.0005)
+"""
+RECEIVE = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.settimeout(3.0)
+n = 0
+try:
+    while True:
+        s.recv(2048)
+        n += 1
+except TimeoutError:
+    print(n)
+"""
+
+
+def _flow(fab: fabric.Fabric, port: int, count: int) -> tuple[int, list[int]]:
+    """``count`` datagrams from rack 0's first host to rack 1's: how many
+    arrived, and the bytes leaf 0 sent up each spine meanwhile."""
+    src, dst = fab.racks[0][0], fab.racks[1][0]
+    before = fabric.spine_bytes(fab)[0]
+    rx = subprocess.Popen(["ip", "netns", "exec", dst.netns, sys.executable, "-c", RECEIVE,
+                           str(port)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    subprocess.run(["ip", "netns", "exec", src.netns, sys.executable, "-c", SEND, dst.ip,
+                    str(port), str(count)], check=True, timeout=60)  # fmt: skip
+    out, _ = rx.communicate(timeout=30)
+    after = fabric.spine_bytes(fab)[0]
+    return int(out), [b - a for a, b in zip(before, after, strict=True)]
+
+
+@needs_root
+def test_a_flow_keeps_one_spine_and_a_sprayed_port_takes_them_all() -> None:
+    count, spines = 400, 2
+    with fabric.leaf_spine([2, 2], spines, 50.0, 50.0, queue_kb=64) as fab:
+        names = {h.netns for h in fab.nodes}
+        got, up = _flow(fab, 5_001, count)
+        assert got == count
+        # ECMP hashes the flow: its datagrams all leave by one spine
+        assert max(up) >= count * 1000 > 50 * min(up)
+        fabric.spray(fab, 5_002)
+        got, up = _flow(fab, 5_002, count)
+        assert got == count
+        # sprayed: each datagram by the next spine, so an equal share each
+        # (within the few control packets that ride along)
+        share = count // spines * 1000
+        assert all(share <= b <= share * 1.05 for b in up)
+    assert not names & netns.listed()  # every namespace deleted
+
+
+def test_a_fabric_refuses_what_it_cannot_build() -> None:
+    for racks, spines in (([4], 2), ([2, 0], 2), ([2, 2], 0), ([2, 2], 9)):
+        with pytest.raises(ConfigError), fabric.leaf_spine(racks, spines, 50.0, 50.0):
+            pass
+
+
+def test_the_training_study_refuses_a_load_its_background_cannot_make() -> None:
+    from gradfabric.lab.dlcp_train import DlcpTrainConfig
+
+    DlcpTrainConfig(fabric="leaf-spine", load=0.8)  # two hosts a rack on 0.8 of the time
+    with pytest.raises(ConfigError, match="cannot load"):
+        DlcpTrainConfig(fabric="leaf-spine", load=0.8, bg_hosts=1)
+    with pytest.raises(ConfigError, match="fabric"):
+        DlcpTrainConfig(fabric="mesh")
