@@ -203,6 +203,12 @@ def best_baseline(res: dict[str, Any], load: float) -> str:
     return min(reached or ran, key=lambda b: _at(res, load, b)["tta_s"] or float("inf"))
 
 
+def _reached(row: dict[str, Any]) -> str:
+    """`` (reached in k of n runs)`` where a scheme missed the target in some."""
+    k, n = row.get("reached"), row.get("runs")
+    return "" if k is None or k == n else f" (reached in {k} of {n} runs)"
+
+
 def claims(res: dict[str, Any]) -> list[Claim]:
     out = []
     for load in res["config"]["loads"]:
@@ -212,7 +218,8 @@ def claims(res: dict[str, Any]) -> list[Claim]:
                  None)  # fmt: skip
         ours = "not reached" if g is None else f"{g['speedup']:.2f}x ± {g['speedup_half']:.2f}"
         others = ", ".join(
-            f"{s} {_at(res, load, s)['tta_s']:.2f} s" if _at(res, load, s)["tta_s"] else f"{s} -"
+            (f"{s} {_at(res, load, s)['tta_s']:.2f} s" if _at(res, load, s)["tta_s"] else f"{s} -")
+            + _reached(_at(res, load, s))
             for s in res["config"].get("schemes", SCHEMES)
         )
         where = (
