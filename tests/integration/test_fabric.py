@@ -31,6 +31,7 @@ RECEIVE = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.bind(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
 s.settimeout(3.0)
 n = 0
 try:
@@ -49,6 +50,7 @@ def _flow(fab: fabric.Fabric, port: int, count: int) -> tuple[int, list[int]]:
     before = fabric.spine_bytes(fab)[0]
     rx = subprocess.Popen(["ip", "netns", "exec", dst.netns, sys.executable, "-c", RECEIVE,
                            str(port)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert rx.stdout is not None and rx.stdout.readline() == "ready\n"  # bound before we send
     subprocess.run(["ip", "netns", "exec", src.netns, sys.executable, "-c", SEND, dst.ip,
                     str(port), str(count)], check=True, timeout=60)  # fmt: skip
     out, _ = rx.communicate(timeout=30)

@@ -33,6 +33,7 @@ from gradfabric.net.netns import (
     NsHost,
     _free_tag,
     _ip,
+    bridged,
     check_mtu,
     namespaces,
     nft_available,
@@ -93,21 +94,12 @@ def leaf_spine(
             _ip("-n", leaf, "link", "set", "br0", "up")
             _ip("-n", leaf, "addr", "add", f"10.78.{r}.{LEAF_HOST}/24", "dev", "br0")
             leaves.append(NsHost(leaf, f"10.78.{r}.{LEAF_HOST}", "br0"))
-            rack = []
-            for j in range(n):
-                i = first + j
-                ns = add(f"gf{tag}h{i}")
-                a, b = f"gfh{i}", f"dn{i}"
-                veth((ns, a), (leaf, b), mtu)
-                addr = f"10.78.{r}.{j + 1}"
-                _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", a)
-                _ip("-n", ns, "link", "set", a, "up")
-                _ip("-n", ns, "route", "add", "default", "via", f"10.78.{r}.{LEAF_HOST}")
-                sysctl(ns, "net.ipv4.tcp_slow_start_after_idle=0")
-                _ip("-n", leaf, "link", "set", b, "master", "br0", "up")
-                for where, dev in ((ns, a), (leaf, b)):
-                    shape(where, dev, link_mbps, mtu, queue_kb)
-                rack.append(NsHost(ns, addr, a))
+            rack = [
+                bridged(add(f"gf{tag}h{first + j}"), f"gfh{first + j}", (leaf, f"dn{first + j}"),
+                        f"10.78.{r}.{j + 1}", mtu, link_mbps, queue_kb,
+                        gateway=f"10.78.{r}.{LEAF_HOST}")
+                for j in range(n)
+            ]  # fmt: skip
             hosts.append(rack)
             first += n
             for k, sp in enumerate(spine_ns):

@@ -308,6 +308,26 @@ def shape(where: str, dev: str, mbps: float, mtu: int, queue_kb: int) -> None:
     _shape(where, dev, f"{int(mbps)}mbit", burst, queue_kb)
 
 
+def bridged(
+    ns: str, ifname: str, port: tuple[str, str], addr: str, mtu: int, mbps: float,
+    queue_kb: int, gateway: str | None = None,
+) -> NsHost:  # fmt: skip
+    """Host namespace ``ns`` on a port of a bridge (``br0`` in ``port[0]``,
+    the port named ``port[1]``): ``ifname`` at ``addr``/24, both ends shaped
+    at ``mbps`` (``shape``), the default route via ``gateway`` if given."""
+    sw, dev = port
+    veth((ns, ifname), port, mtu)
+    _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+    _ip("-n", ns, "link", "set", ifname, "up")
+    if gateway is not None:
+        _ip("-n", ns, "route", "add", "default", "via", gateway)
+    sysctl(ns, "net.ipv4.tcp_slow_start_after_idle=0")
+    _ip("-n", sw, "link", "set", dev, "master", "br0", "up")
+    for where, d in ((ns, ifname), (sw, dev)):
+        shape(where, d, mbps, mtu, queue_kb)
+    return NsHost(ns, addr, ifname)
+
+
 @contextmanager
 def shaped_star(n: int, link_gbps: float, mtu: int = MTU) -> Iterator[list[NsHost]]:
     with tor_star(n, link_gbps, mtu) as (hosts, _tor):
@@ -353,17 +373,9 @@ def tor_star(
         _ip("-n", sw, "link", "set", "br0", "up")
         _ip("-n", sw, "addr", "add", f"10.77.{tag}.{TOR_HOST}/24", "dev", "br0")
         tor = NsHost(sw, f"10.77.{tag}.{TOR_HOST}", "br0")
-        hosts = []
-        for i in range(n):
-            ns = add(f"gf{tag}h{i}")
-            a, b = f"gfh{i}", f"gfs{tag}x{i}"
-            veth((ns, a), (sw, b), mtu)
-            addr = f"10.77.{tag}.{i + 1}"
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", a)
-            _ip("-n", ns, "link", "set", a, "up")
-            sysctl(ns, "net.ipv4.tcp_slow_start_after_idle=0")
-            _ip("-n", sw, "link", "set", b, "master", "br0", "up")
-            for where, dev in ((ns, a), (sw, b)):
-                shape(where, dev, link_gbps * 1000, mtu, queue_kb if classes else 0)
-            hosts.append(NsHost(ns, addr, a))
+        hosts = [
+            bridged(add(f"gf{tag}h{i}"), f"gfh{i}", (sw, f"gfs{tag}x{i}"), f"10.77.{tag}.{i + 1}",
+                    mtu, link_gbps * 1000, queue_kb if classes else 0)
+            for i in range(n)
+        ]  # fmt: skip
         yield hosts, tor
