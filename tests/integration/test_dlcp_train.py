@@ -11,11 +11,9 @@ from dataclasses import replace
 import pytest
 
 from gradfabric.net import netns
+from tests.namespaces import needs_nft_namespaces
 
-pytestmark = pytest.mark.skipif(
-    not netns.usable() or not netns.nft_available(),
-    reason="needs root, network namespaces and nftables",
-)
+pytestmark = needs_nft_namespaces
 
 # Sent from a host namespace: DLCP datagrams of each class to the server's
 # port (16 Mbit/s), each followed by 8 KB of unmarked UDP (128 Mbit/s): the
@@ -65,8 +63,9 @@ def test_priority_ports_place_dlcp_datagrams_by_their_header(push_bound: float) 
 @pytest.mark.parametrize("fabric", ["star", "leaf-spine"])
 def test_dlcp_training_over_congested_priority_links(fabric: str) -> None:
     """Reliable mode equals the in-process float64 replay bit for bit (the
-    loss curve), also sprayed over two spines (datagrams reordered);
-    bounded mode stays within its bounds and learns."""
+    loss curve), also sprayed over two spines (datagrams reordered;
+    ``test_fabric`` holds the spraying itself); bounded mode stays within
+    its bounds and learns."""
     from gradfabric.lab.dlcp_train import DlcpTrainConfig, replay, run_dlcp_training
 
     cfg = DlcpTrainConfig(scheme="reliable", steps=6, load=0.5, eval_every=3, fabric=fabric)
@@ -76,8 +75,6 @@ def test_dlcp_training_over_congested_priority_links(fabric: str) -> None:
     assert rel["lost_push"] == rel["lost_pull"] == rel["incomplete"] == 0
     assert rel["classes"]["1:10"]["sent"] > 0 and rel["background"]["sent"] > 0
 
-    if fabric == "leaf-spine":  # both spines carried traffic up from each leaf
-        assert all(min(up) > 0 for up in rel["paths"])
     dl = run_dlcp_training(replace(cfg, scheme="dlcp"))
     c = dl["config"]
     assert 0 < dl["lost_push"] <= c["push_bound"] and dl["lost_pull"] <= c["pull_bound"]

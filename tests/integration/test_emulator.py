@@ -1214,3 +1214,31 @@ def test_saatp_trainings_baselines_train_the_same_batch() -> None:
     two = run_mode(replace(cfg, backups=2), "backup")  # the first n - 2
     assert two["replicas_agree"] and two["dropped"] == 2 * cfg.steps
     assert [len(u) for u in two["used"]] == [cfg.workers - 2] * cfg.steps
+
+
+def test_dlcp_tensors_begun_together_each_come_back_exact() -> None:
+    """Several tensors in flight at once (``DlcpClient.begin``, as
+    ``dlcp_hook`` pushes DDP's buckets): in reliable mode each sum, finished
+    in any order, is the float64 sum of the workers' copies rounded once to
+    float32, as the server computes it."""
+    from gradfabric.lab.daemon import switch_daemon
+    from gradfabric.runtime.client import Ticket
+    from gradfabric.runtime.dlcp import DlcpClient
+
+    workers, sizes = 3, (5_000, 300, 12_345, 1)
+    rng = np.random.default_rng(7)
+    xs = [[rng.standard_normal(n).astype(np.float32) for n in sizes] for _ in range(workers)]
+    options = ("--policy", "dlcp", "--push-bound", "0", "--pull-bound", "0",
+               *DlcpClient.DAEMON_OPTIONS)  # fmt: skip
+    with switch_daemon(*options) as sw:
+        job = Ticket.register(sw.control, workers, "dlcp")
+        clients = [DlcpClient(job, r, timeout_s=30.0) for r in range(workers)]
+        try:
+            begun = [[c.begin(x) for x in xw] for c, xw in zip(clients, xs, strict=True)]
+            for w, c in enumerate(clients):
+                for t in reversed(range(len(sizes))):  # finished last first
+                    want = np.sum([x[t].astype(np.float64) for x in xs], axis=0)
+                    np.testing.assert_array_equal(c.finish(begun[w][t]), want.astype(np.float32))
+        finally:
+            for c in clients:
+                c.close()

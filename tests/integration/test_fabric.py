@@ -11,11 +11,7 @@ import pytest
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.net import fabric, netns
-
-needs_root = pytest.mark.skipif(
-    not netns.usable() or not netns.nft_available(),
-    reason="needs root, network namespaces and nftables",
-)
+from tests.namespaces import needs_nft_namespaces
 
 # Sent from a host: ``count`` datagrams of 1,000 bytes from one socket (one
 # flow) to ``port``, paced well under the link; the receiver counts them.
@@ -43,37 +39,41 @@ except TimeoutError:
 """
 
 
-def _flow(fab: fabric.Fabric, port: int, count: int) -> tuple[int, list[int]]:
-    """``count`` datagrams from rack 0's first host to rack 1's: how many
-    arrived, and the bytes leaf 0 sent up each spine meanwhile."""
-    src, dst = fab.racks[0][0], fab.racks[1][0]
-    before = fabric.spine_bytes(fab)[0]
+def _flow(
+    fab: fabric.Fabric, src: netns.NsHost, dst: netns.NsHost, leaf: int, port: int, count: int
+) -> tuple[int, list[int]]:
+    """``count`` datagrams from ``src`` to ``dst``: how many arrived, and the
+    bytes leaf ``leaf`` sent up each spine meanwhile."""
+    before = fabric.spine_bytes(fab)[leaf]
     rx = subprocess.Popen(["ip", "netns", "exec", dst.netns, sys.executable, "-c", RECEIVE,
                            str(port)], stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert rx.stdout is not None and rx.stdout.readline() == "ready\n"  # bound before we send
     subprocess.run(["ip", "netns", "exec", src.netns, sys.executable, "-c", SEND, dst.ip,
                     str(port), str(count)], check=True, timeout=60)  # fmt: skip
     out, _ = rx.communicate(timeout=30)
-    after = fabric.spine_bytes(fab)[0]
+    after = fabric.spine_bytes(fab)[leaf]
     return int(out), [b - a for a, b in zip(before, after, strict=True)]
 
 
-@needs_root
+@needs_nft_namespaces
 def test_a_flow_keeps_one_spine_and_a_sprayed_port_takes_them_all() -> None:
     count, spines = 400, 2
     with fabric.leaf_spine([2, 2], spines, 50.0, 50.0, queue_kb=64) as fab:
         names = {h.netns for h in fab.nodes}
-        got, up = _flow(fab, 5_001, count)
+        a, b = fab.racks[0][0], fab.racks[1][0]
+        got, up = _flow(fab, a, b, 0, 5_001, count)
         assert got == count
         # ECMP hashes the flow: its datagrams all leave by one spine
         assert max(up) >= count * 1000 > 50 * min(up)
         fabric.spray(fab, 5_002)
-        got, up = _flow(fab, 5_002, count)
-        assert got == count
-        # sprayed: each datagram by the next spine, so an equal share each
-        # (within the few control packets that ride along)
         share = count // spines * 1000
-        assert all(share <= b <= share * 1.05 for b in up)
+        # sprayed: each datagram by the next spine, so an equal share each
+        # (within the few control packets that ride along), forwarded from a
+        # host and sent by a process in the leaf itself (a server there)
+        for src, dst, leaf in ((a, b, 0), (fab.leaves[1], a, 1)):
+            got, up = _flow(fab, src, dst, leaf, 5_002, count)
+            assert got == count
+            assert all(share <= x <= share * 1.05 for x in up), (src, up)
     assert not names & netns.listed()  # every namespace deleted
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from gradfabric.cli.common import Sub, add_output, progress, report
 
@@ -303,6 +303,12 @@ def dlcp_train(args: argparse.Namespace) -> int:
         print(f"dlcp-train: {e}", file=sys.stderr)
         return 2
     loads = tuple(float(x) for x in args.loads.split(","))
+    try:  # every load checked before the first run
+        for load in loads:
+            replace(cfg, load=load)
+    except ConfigError as e:
+        print(f"dlcp-train: {e}", file=sys.stderr)
+        return 2
     with progress(len(loads) * len(SCHEMES) * args.seeds, args.json) as tick:
         res = study(cfg, args.seeds, loads, tick)
     res["claims"] = [c.__dict__ for c in claims(res)]

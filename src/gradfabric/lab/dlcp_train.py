@@ -76,6 +76,9 @@ if TYPE_CHECKING:
     from gradfabric.net.netns import NsHost
 
 SCHEMES = ("gloo", "gloo-prio", "reliable", "dlcp")
+# float32 values in one datagram within the namespaces' MTU (9,000: the IP and
+# UDP headers, the job token and the packet header leave 8,900 bytes)
+MAX_VALUES_PER_DATAGRAM = 2_048
 FABRICS = ("star", "leaf-spine")
 TOP, BOTTOM = "1:10", "1:12"  # netns.CLASSES' first and last
 # the priority byte, in bits from the UDP header: its 8 bytes, the job token, then
@@ -116,6 +119,11 @@ class DlcpTrainConfig:
             raise ConfigError("load", "load in [0, 1) of a link rate > 0")
         if self.fabric not in FABRICS:
             raise ConfigError("fabric", f"one of {', '.join(FABRICS)}, got {self.fabric!r}")
+        if not (1 <= self.spines <= 8 and self.bg_hosts >= 1 and self.burst_ms > 0):
+            raise ConfigError("spines", "need 1..8 spines, >= 1 background host, burst_ms > 0")
+        if not 1 <= self.values_per_packet <= MAX_VALUES_PER_DATAGRAM:
+            raise ConfigError("values_per_packet", f"1..{MAX_VALUES_PER_DATAGRAM} (one "
+                              f"datagram within the links' MTU), got {self.values_per_packet}")
         if self.fabric == "leaf-spine" and not 0 <= self.duty <= 1:
             raise ConfigError("load", f"{self.bg_hosts} background hosts a rack at the link "
                               f"rate cannot load {self.spines} spines to {self.load}")  # fmt: skip

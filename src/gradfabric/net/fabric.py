@@ -31,10 +31,10 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.net.netns import (
     MTU,
     NsHost,
-    _free_tag,
-    _ip,
     bridged,
     check_mtu,
+    free_tag,
+    ip,
     namespaces,
     nft_available,
     shape,
@@ -72,14 +72,15 @@ def leaf_spine(
     racks: list[int], spines: int, link_mbps: float, uplink_mbps: float, queue_kb: int = 256,
     mtu: int = MTU,
 ) -> Iterator[Fabric]:  # fmt: skip
-    if len(racks) < 2 or not all(1 <= n < LEAF_HOST for n in racks):
-        raise ConfigError("racks", f"need >= 2 racks of 1..{LEAF_HOST - 1} hosts, got {racks}")
+    if not 2 <= len(racks) <= 64 or not all(1 <= n < LEAF_HOST for n in racks):
+        # (64: leaf r's uplink is 10.79.<spine>.<4r + 1>)
+        raise ConfigError("racks", f"need 2..64 racks of 1..{LEAF_HOST - 1} hosts, got {racks}")
     if not 1 <= spines <= 8:
         raise ConfigError("spines", f"must be in 1..8, got {spines}")
     if link_mbps <= 0 or uplink_mbps <= 0 or queue_kb <= 0:
         raise ConfigError("link_mbps", "link rates and queues must be > 0")
     check_mtu(mtu)
-    tag = _free_tag()
+    tag = free_tag()
     with namespaces() as add:
         spine_ns = [add(f"gf{tag}spine{k}") for k in range(spines)]
         for ns in spine_ns:
@@ -90,9 +91,9 @@ def leaf_spine(
         for r, n in enumerate(racks):
             leaf = add(f"gf{tag}leaf{r}")
             sysctl(leaf, *_ROUTER, "net.ipv4.fib_multipath_hash_policy=1")
-            _ip("-n", leaf, "link", "add", "br0", "type", "bridge")
-            _ip("-n", leaf, "link", "set", "br0", "up")
-            _ip("-n", leaf, "addr", "add", f"10.78.{r}.{LEAF_HOST}/24", "dev", "br0")
+            ip("-n", leaf, "link", "add", "br0", "type", "bridge")
+            ip("-n", leaf, "link", "set", "br0", "up")
+            ip("-n", leaf, "addr", "add", f"10.78.{r}.{LEAF_HOST}/24", "dev", "br0")
             leaves.append(NsHost(leaf, f"10.78.{r}.{LEAF_HOST}", "br0"))
             rack = [
                 bridged(add(f"gf{tag}h{first + j}"), f"gfh{first + j}", (leaf, f"dn{first + j}"),
@@ -107,10 +108,10 @@ def leaf_spine(
                 veth((leaf, up), (sp, down), mtu)
                 mine, theirs = _uplink(r, k)
                 for where, dev, addr in ((leaf, up, mine), (sp, down, theirs)):
-                    _ip("-n", where, "addr", "add", f"{addr}/30", "dev", dev)
-                    _ip("-n", where, "link", "set", dev, "up")
+                    ip("-n", where, "addr", "add", f"{addr}/30", "dev", dev)
+                    ip("-n", where, "link", "set", dev, "up")
                     shape(where, dev, uplink_mbps, mtu, queue_kb)
-                _ip("-n", sp, "route", "add", f"10.78.{r}.0/24", "via", mine)
+                ip("-n", sp, "route", "add", f"10.78.{r}.0/24", "via", mine)
         for r, leaf_host in enumerate(leaves):
             for s in range(len(racks)):
                 if s == r:
@@ -120,9 +121,9 @@ def leaf_spine(
                     via = ["via", _uplink(r, k)[1], "dev", f"up{k}"]
                     hops += ["nexthop", *via]
                     # the table a sprayed datagram's mark picks: this spine alone
-                    _ip("-n", leaf_host.netns, "route", "add", dst, *via,
+                    ip("-n", leaf_host.netns, "route", "add", dst, *via,
                         "table", str(SPRAY_TABLE + k))  # fmt: skip
-                _ip("-n", leaf_host.netns, "route", "add", dst, *hops)
+                ip("-n", leaf_host.netns, "route", "add", dst, *hops)
         yield Fabric(hosts, leaves, spine_ns)
 
 
@@ -153,7 +154,7 @@ def spray(fabric: Fabric, port: int) -> None:
         subprocess.run(["ip", "netns", "exec", leaf.netns, "nft", "-f", "-"],
                        input=script.encode(), check=True, capture_output=True)  # fmt: skip
         for k in range(spines):
-            _ip("-n", leaf.netns, "rule", "add", "fwmark", str(k + 1), "table",
+            ip("-n", leaf.netns, "rule", "add", "fwmark", str(k + 1), "table",
                 str(SPRAY_TABLE + k))  # fmt: skip
 
 

@@ -42,7 +42,8 @@ class NsHost:
     ifname: str
 
 
-def _ip(*args: str) -> None:
+def ip(*args: str) -> None:
+    """``ip ARGS``, raising ``CalledProcessError`` (with its output) on failure."""
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
@@ -62,7 +63,7 @@ def left_behind() -> set[str]:
     return _MADE & listed()
 
 
-def _free_tag() -> int:
+def free_tag() -> int:
     """A star's tag (its names and subnet) that no namespace here uses: this
     process's pid picks the first try, and a star left by a killed run (SIGKILL
     deletes nothing) or a concurrent one moves it on rather than failing."""
@@ -83,10 +84,10 @@ def usable() -> bool:
 def available() -> bool:
     name = f"gfprobe{os.getpid()}"
     try:
-        _ip("netns", "add", name)
+        ip("netns", "add", name)
     except (OSError, subprocess.CalledProcessError):
         return False
-    _ip("netns", "del", name)
+    ip("netns", "del", name)
     return True
 
 
@@ -265,7 +266,7 @@ def class_totals(nodes: list[NsHost]) -> dict[str, dict[str, int]]:
 def veth(a: tuple[str, str], b: tuple[str, str], mtu: int) -> None:
     """A veth pair: interface ``a[1]`` in namespace ``a[0]``, its peer
     ``b[1]`` in ``b[0]``, both at ``mtu``."""
-    _ip("link", "add", a[1], "netns", a[0], "mtu", str(mtu), "type", "veth",
+    ip("link", "add", a[1], "netns", a[0], "mtu", str(mtu), "type", "veth",
         "peer", "name", b[1], "netns", b[0], "mtu", str(mtu))  # fmt: skip
 
 
@@ -285,10 +286,10 @@ def namespaces() -> Iterator[Callable[[str], str]]:
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main else None
 
     def add(name: str) -> str:
-        _ip("netns", "add", name)
+        ip("netns", "add", name)
         made.append(name)
         _MADE.add(name)
-        _ip("-n", name, "link", "set", "lo", "up")
+        ip("-n", name, "link", "set", "lo", "up")
         return name
 
     try:
@@ -317,12 +318,12 @@ def bridged(
     at ``mbps`` (``shape``), the default route via ``gateway`` if given."""
     sw, dev = port
     veth((ns, ifname), port, mtu)
-    _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
-    _ip("-n", ns, "link", "set", ifname, "up")
+    ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+    ip("-n", ns, "link", "set", ifname, "up")
     if gateway is not None:
-        _ip("-n", ns, "route", "add", "default", "via", gateway)
+        ip("-n", ns, "route", "add", "default", "via", gateway)
     sysctl(ns, "net.ipv4.tcp_slow_start_after_idle=0")
-    _ip("-n", sw, "link", "set", dev, "master", "br0", "up")
+    ip("-n", sw, "link", "set", dev, "master", "br0", "up")
     for where, d in ((ns, ifname), (sw, dev)):
         shape(where, d, mbps, mtu, queue_kb)
     return NsHost(ns, addr, ifname)
@@ -364,14 +365,14 @@ def tor_star(
     if link_gbps <= 0:
         raise ConfigError("link_gbps", f"must be > 0, got {link_gbps}")
     check_mtu(mtu)
-    tag = _free_tag()
+    tag = free_tag()
     with namespaces() as add:
         sw = add(f"gf{tag}sw")
         # no IGMP snooping: the bridge floods a job's multicast results to every
         # port, as a switch replicates them (``SwitchConfig.multicast``)
-        _ip("-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
-        _ip("-n", sw, "link", "set", "br0", "up")
-        _ip("-n", sw, "addr", "add", f"10.77.{tag}.{TOR_HOST}/24", "dev", "br0")
+        ip("-n", sw, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
+        ip("-n", sw, "link", "set", "br0", "up")
+        ip("-n", sw, "addr", "add", f"10.77.{tag}.{TOR_HOST}/24", "dev", "br0")
         tor = NsHost(sw, f"10.77.{tag}.{TOR_HOST}", "br0")
         hosts = [
             bridged(add(f"gf{tag}h{i}"), f"gfh{i}", (sw, f"gfs{tag}x{i}"), f"10.77.{tag}.{i + 1}",

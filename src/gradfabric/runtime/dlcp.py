@@ -76,8 +76,8 @@ class DlcpClient(Attached):
         tensors in the same order). ``x`` must stay as it is until its
         ``finish``: its datagrams are sent, and resent, from it. Several may
         be in flight: a bucket's push then overlaps the sums of earlier ones
-        coming back, and the senders serve them by priority (front layers
-        first), as DLCP's per-layer design has it."""
+        coming back. (Each tensor's datagrams queue behind the ones begun
+        before it: tensors are not reordered by layer here.)"""
         tensor = self.next_tensor
         self.next_tensor = (self.next_tensor + 1) % 0x10000  # the header's tensor id
         done: Pending = (tensor, threading.Event(), [])
@@ -98,11 +98,15 @@ class DlcpClient(Attached):
     def finish(
         self, pending: Pending, out: npt.NDArray[np.float32] | None = None
     ) -> npt.NDArray[np.float32]:
-        """``allreduce``'s second half: the sum of a ``begin``, once it is in."""
+        """``allreduce``'s second half: the sum of a ``begin``, once it is in;
+        ``PeerTimeoutError`` naming the server if it is not in ``timeout_s``
+        (the tensor is then given up: a sum arriving later is dropped)."""
         tensor, event, got = pending
-        if not event.wait(self.timeout_s):
-            raise PeerTimeoutError(self.ticket.entry, self.timeout_s)
-        del self.results[tensor]
+        try:
+            if not event.wait(self.timeout_s):
+                raise PeerTimeoutError(self.ticket.entry, self.timeout_s)
+        finally:
+            self.results.pop(tensor, None)
         total = np.asarray(got[0], dtype=np.float32)
         if out is None:
             return total

@@ -60,15 +60,21 @@ def dlcp_hook(
     layer = state.buckets - 1 - bucket.index()
     layers = state.buckets
 
+    if buf.device.type != "cpu":  # the copy to the host would block backward here
+
+        def job(group: Any) -> torch.Tensor:
+            return _written(buf, state.allreduce(_flat(buf), layer, layers) / state.ticket.workers)
+
+        return state.run(buf, job)
     # pushed now, on DDP's thread: this bucket's push overlaps the sums of the
     # buckets before it coming back (the communication thread waits for each
-    # sum in turn, so a blocking all-reduce would have serialised them)
+    # sum in turn, so a blocking all-reduce there would have serialised them)
     pending = state.begin(_flat(buf), layer, layers)
 
-    def job(group: Any) -> torch.Tensor:
+    def finish(group: Any) -> torch.Tensor:
         return _written(buf, state.finish(pending) / state.ticket.workers)
 
-    return state.run(buf, job)
+    return state.run(buf, finish)
 
 
 def switch_sum(client: Session, buf: torch.Tensor, group: Any, divide_by: int = 1) -> torch.Tensor:
