@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from gradfabric.cli.common import Sub, add_output, progress, report
 
@@ -294,19 +294,15 @@ def dlcp_train(args: argparse.Namespace) -> int:
     if not (usable() and nft_available()):
         print("dlcp-train needs root, network namespaces and nftables", file=sys.stderr)
         return 2
-    try:
-        cfg = DlcpTrainConfig(steps=args.steps, link_mbps=args.link_mbps,
-                              push_bound=args.push_bound, fabric=args.fabric, spines=args.spines,
-                              burst_ms=args.burst_ms,
-                              values_per_packet=args.values_per_packet)  # fmt: skip
-    except ConfigError as e:
-        print(f"dlcp-train: {e}", file=sys.stderr)
-        return 2
-    loads = tuple(float(x) for x in args.loads.split(","))
-    try:  # every load checked before the first run
-        for load in loads:
-            replace(cfg, load=load)
-    except ConfigError as e:
+    try:  # the fabric, and every load on it, checked before the first run
+        loads = tuple(float(x) for x in args.loads.split(","))
+        cfg, *_ = [
+            DlcpTrainConfig(steps=args.steps, link_mbps=args.link_mbps, load=load,
+                            push_bound=args.push_bound, fabric=args.fabric, spines=args.spines,
+                            burst_ms=args.burst_ms, values_per_packet=args.values_per_packet)
+            for load in loads
+        ]  # fmt: skip
+    except (ConfigError, ValueError) as e:
         print(f"dlcp-train: {e}", file=sys.stderr)
         return 2
     with progress(len(loads) * len(SCHEMES) * args.seeds, args.json) as tick:
