@@ -15,9 +15,11 @@ sends it (one bucket), the server in the second rack's leaf, a FIFO per
 class at every port (as the namespaces' htb classes) and the compute time
 measured here. It differs in what it does not model: its background is
 Poisson at the same mean (here on/off flows), its links have no token
-bucket's burst (here an idle link passes 160 KB at once), its TCP is DCTCP
-(gloo's is CUBIC), and its hosts spend no CPU on a packet (here every
-datagram crosses Python and the kernel). On the
+bucket's burst (here an idle link passes 160 KB at once), its queues drop
+by WRED on precedence (here at the tail), its TCP is DCTCP (gloo's is
+CUBIC), its job is one tensor a step (``bucket_kb`` and ``pace_kb`` are not
+passed on), and its hosts spend no CPU on a packet (here every datagram
+crosses Python and the kernel). On the
 star it is not run: the simulator has no star with the server at its hub.
 """
 
@@ -162,10 +164,12 @@ def predict(cfg: DlcpTrainConfig, seeds: int) -> list[dict[str, Any]]:
     of ``SIM_SCHEMES`` (mean and 95% interval over ``seeds``)."""
     from gradfabric.sim.dlcp import DlcpConfig, run_dlcp
 
+    if cfg.duty >= 1:  # background always on: the simulator's sources take < 1 of a link
+        return []
     params = sum(p.numel() for p in model(cfg).parameters())
     base = DlcpConfig(
         workers=cfg.workers, tensors=(params,), push_bound=cfg.push_bound,
-        pull_bound=cfg.pull_bound, load=cfg.load * cfg.spines / cfg.bg_hosts,
+        pull_bound=cfg.pull_bound, load=cfg.duty,
         background_hosts=cfg.bg_hosts, link_gbps=cfg.link_mbps / 1000,
         queue_bytes=cfg.queue_kb * 1024, spines=cfg.spines, iterations=10,
         compute_ms=compute_ms(cfg), rto_ns=int(cfg.rto_ms * 1e6), horizon_s=30.0,
