@@ -67,6 +67,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.lab.job import accuracy, apply, data, gradient, model, optimizer, shard_batch
+from gradfabric.net.netns import MTU
+from gradfabric.net.udp import values_fitting
 from gradfabric.proto.dlcp import MAG_CLASSES
 from gradfabric.runtime.client import SWITCH_ENV
 from gradfabric.wire.envelope import TOKEN_BYTES
@@ -76,9 +78,8 @@ if TYPE_CHECKING:
     from gradfabric.net.netns import NsHost
 
 SCHEMES = ("gloo", "gloo-prio", "reliable", "dlcp")
-# float32 values in one datagram within the namespaces' MTU (9,000: the IP and
-# UDP headers, the job token and the packet header leave 8,900 bytes)
-MAX_VALUES_PER_DATAGRAM = 2_048
+# the most float32 values one DLCP datagram carries whole on the namespaces' links
+MAX_VALUES_PER_DATAGRAM = values_fitting(MTU)
 FABRICS = ("star", "leaf-spine")
 TOP, BOTTOM = "1:10", "1:12"  # netns.CLASSES' first and last
 # the priority byte, in bits from the UDP header: its 8 bytes, the job token, then

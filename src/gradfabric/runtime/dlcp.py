@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,8 +27,14 @@ from gradfabric.runtime.client import CLIENTS, Attached, Ticket
 from gradfabric.runtime.switchd import worker_name
 from gradfabric.wire import fastquant
 
-# a tensor begun and not yet finished: its id, set once its sum is in, the sum
-Pending = tuple[int, threading.Event, list[Any]]
+
+@dataclass(frozen=True)
+class Pending:
+    """A tensor begun and not yet finished: ``done`` is set once its sum is in ``got``."""
+
+    tensor: int
+    done: threading.Event = field(default_factory=threading.Event)
+    got: list[Any] = field(default_factory=list)
 
 
 class DlcpClient(Attached):
@@ -80,7 +87,7 @@ class DlcpClient(Attached):
         before it: tensors are not reordered by layer here.)"""
         tensor = self.next_tensor
         self.next_tensor = (self.next_tensor + 1) % 0x10000  # the header's tensor id
-        done: Pending = (tensor, threading.Event(), [])
+        done = Pending(tensor)
         self.results[tensor] = done
         vals = np.ascontiguousarray(x, dtype=np.float32)
 
@@ -101,13 +108,12 @@ class DlcpClient(Attached):
         """``allreduce``'s second half: the sum of a ``begin``, once it is in;
         ``PeerTimeoutError`` naming the server if it is not in ``timeout_s``
         (the tensor is then given up: a sum arriving later is dropped)."""
-        tensor, event, got = pending
         try:
-            if not event.wait(self.timeout_s):
+            if not pending.done.wait(self.timeout_s):
                 raise PeerTimeoutError(self.ticket.entry, self.timeout_s)
         finally:
-            self.results.pop(tensor, None)
-        total = np.asarray(got[0], dtype=np.float32)
+            self.results.pop(pending.tensor, None)
+        total = np.asarray(pending.got[0], dtype=np.float32)
         if out is None:
             return total
         into: npt.NDArray[np.float32] = fastquant.output(out, len(total), np.float32)
@@ -120,8 +126,8 @@ class DlcpClient(Attached):
     def _deliver(self, d: Deliver) -> None:
         hit = self.results.get(d.seq)
         if hit is not None and d.pkt.payload is not None:
-            hit[2].append(d.pkt.payload.copy())
-            hit[1].set()
+            hit.got.append(d.pkt.payload.copy())
+            hit.done.set()
 
 
 CLIENTS.add("dlcp", DlcpClient)
