@@ -26,6 +26,7 @@ for _ in range(count):
 RECEIVE = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # every datagram, however late we read
 s.bind(("0.0.0.0", int(sys.argv[1])))
 print("ready", flush=True)
 s.settimeout(3.0)
