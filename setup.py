@@ -47,8 +47,10 @@ NATIVE = (
      ["net/native/switch_node.c", "net/native/switch_pool.c", "net/native/switch_ps.c",
       "net/native/switch_help.c", "net/native/switch_dlcp.c",
       "net/native/switch_dlcp_classes.c"],
-     ["net/native/switch.h", "net/native/wire.h"]),
+     ["net/native/switch.h", "net/native/dlcp.h", "net/native/wire.h"]),
     ("gradfabric.net._udp", ["net/native/udp.c"], ["net/native/wire.h"]),
+    ("gradfabric.net._dlcp", ["net/native/dlcp_client.c", "net/native/switch_dlcp_classes.c"],
+     ["net/native/dlcp.h", "net/native/wire.h"]),
 )  # fmt: skip
 C_FLAGS = [
     "-O3", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",

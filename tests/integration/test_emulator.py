@@ -1216,15 +1216,22 @@ def test_saatp_trainings_baselines_train_the_same_batch() -> None:
     assert [len(u) for u in two["used"]] == [cfg.workers - 2] * cfg.steps
 
 
-def test_dlcp_tensors_begun_together_each_come_back_exact() -> None:
+@pytest.mark.parametrize("native_path", [True, False], ids=["native", "reference"])
+def test_dlcp_tensors_begun_together_each_come_back_exact(native_path: bool) -> None:
     """Several tensors in flight at once (``DlcpClient.begin``, as
     ``dlcp_hook`` pushes DDP's buckets): in reliable mode each sum, finished
     in any order, is the float64 sum of the workers' copies rounded once to
     float32, as the server computes it. (The values are multiples of 2**-10
-    under 2**5: their sums are exact in any order the server adds them.)"""
+    under 2**5: their sums are exact in any order the server adds them.)
+    Both clients: the native endpoint and the reference."""
     from gradfabric.lab.daemon import switch_daemon
+    from gradfabric.net import dlcpath
     from gradfabric.runtime.client import Ticket
     from gradfabric.runtime.dlcp import DlcpClient
+    from tests.native import require
+
+    if native_path:
+        require("the DLCP client", dlcpath.PATH, dlcpath.WHY_NOT)
 
     workers, sizes = 3, (5_000, 300, 12_345, 1)
     rng = np.random.default_rng(7)
@@ -1234,7 +1241,8 @@ def test_dlcp_tensors_begun_together_each_come_back_exact() -> None:
                *DlcpClient.DAEMON_OPTIONS)  # fmt: skip
     with switch_daemon(*options) as sw:
         job = Ticket.register(sw.control, workers, "dlcp")
-        clients = [DlcpClient(job, r, timeout_s=30.0) for r in range(workers)]
+        clients = [DlcpClient(job, r, timeout_s=30.0, native_path=native_path)
+                   for r in range(workers)]  # fmt: skip
         try:
             begun = [[c.begin(x) for x in xw] for c, xw in zip(clients, xs, strict=True)]
             for w, c in enumerate(clients):

@@ -74,8 +74,8 @@ _LIB, WHY_NOT = native.load(HERE / "_worker", SOURCES, (
 ))  # fmt: skip
 _UDP, UDP_WHY_NOT = native.load(HERE / "_udp", [HERE / "native" / "udp.c", HERE / "native" /
                                                  "wire.h"], (
-    ("gf_udp_run", [_p, _p, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, _i64, _i64, _p,
-                    ctypes.c_int, _p], ctypes.c_int),
+    ("gf_udp_run", [_p, _p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, _i64,
+                    _i64, _p, ctypes.c_int, _p], ctypes.c_int),
     ("gf_udp_offload", [ctypes.c_int, ctypes.c_int], ctypes.c_int),
     ("gf_udp_send", [ctypes.c_int, ctypes.c_char_p, _i64, ctypes.c_char_p, _p, _i64, _p], None),
     ("gf_udp_take", [ctypes.c_int, _p, _i64, _p, _i64, _p], _i64),
@@ -322,7 +322,7 @@ def run(
         assert _UDP is not None and isinstance(peer, bytes)
         c = np.zeros(len(DRIVER_COUNTERS), np.int64)
         rc = int(_UDP.gf_udp_run(node.ops, node.w, sock.fileno(),
-                                 -1 if group is None else group.fileno(), peer, len(peer),
+                                 -1 if group is None else group.fileno(), -1, peer, len(peer),
                                  deadline_ns, ctypes.addressof(abort), int(quiet),
                                  c.ctypes.data))  # fmt: skip
         node.fold()

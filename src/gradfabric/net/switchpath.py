@@ -53,7 +53,7 @@ from gradfabric.wire.envelope import TOKEN_BYTES
 HERE = Path(__file__).parent
 NATIVE = HERE / "native"
 SOURCES = [NATIVE / f for f in ("switch_node.c", "switch_pool.c", "switch_ps.c", "switch_help.c",
-                                "switch_dlcp.c", "switch_dlcp_classes.c", "switch.h",
+                                "switch_dlcp.c", "switch_dlcp_classes.c", "switch.h", "dlcp.h",
                                 "wire.h")]  # fmt: skip
 UDP_SOURCES = [NATIVE / "udp.c", NATIVE / "wire.h"]
 SCHEMES_NATIVE: Final = ("switchml", "atp", "esa", "ps", "dlcp")  # in the C node's order

@@ -151,8 +151,9 @@ class DlcpReceiver:
         # A server does not know what is coming: with ``accept_bound`` the first
         # packet of an unknown tensor announces it (its length rides in every
         # packet) under that bound. Finished tensors are forgotten after
-        # ``keep_done`` newer ones finish (a late duplicate of an older one is
-        # then a counted drop, not a new tensor).
+        # ``keep_done`` newer ones finish, on a worker too (a late duplicate of
+        # an older one is then a counted drop, not a new tensor, nor a
+        # worker's memory growing with every step).
         self.accept_bound, self.keep_done, self.max_values = accept_bound, keep_done, max_values
         self.finished: dict[tuple[int, int], None] = {}
         self.counters = Counters()
@@ -255,12 +256,11 @@ class DlcpReceiver:
         t.done = True
         t.late = np.zeros(t.count, dtype=bool)
         self.counters["completed"] += 1
-        if self.accept_bound is not None:  # a server: forget old tensors
-            self.finished[(sender, tensor)] = None
-            while len(self.finished) > self.keep_done:
-                old = next(iter(self.finished))
-                del self.finished[old]
-                self.tensors.pop(old, None)
+        self.finished[(sender, tensor)] = None  # forget old tensors
+        while len(self.finished) > self.keep_done:
+            old = next(iter(self.finished))
+            del self.finished[old]
+            self.tensors.pop(old, None)
         self.counters["values_lost"] += t.count - t.received
         res = result_packet(
             job_id=self.job_id, sender=sender, seq=tensor, count=t.count, values=t.values

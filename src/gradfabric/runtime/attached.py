@@ -26,8 +26,7 @@ from gradfabric.proto.actions import Action, Deliver
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.omni import OmniWorker
 from gradfabric.proto.worker_node import result_error
-from gradfabric.runtime.control import control_call
-from gradfabric.runtime.session import ANY_HOST, Session
+from gradfabric.runtime.session import Session, bind_host_for, say_hello
 from gradfabric.runtime.ticket import Ticket, scheme_worker
 from gradfabric.wire.packet import Packet
 
@@ -71,22 +70,17 @@ class Attached(Session):
         on_help: Callable[[Any], None] | None = None,
     ) -> None:  # fmt: skip
         self._start(ticket, rank, timeout_s)
-        if bind_host is None:  # loopback for a local switch, else every interface
-            bind_host = "127.0.0.1" if ticket.switch[0].startswith("127.") else ANY_HOST
+        host = bind_host_for(ticket) if bind_host is None else bind_host
 
         async def open_() -> None:
             t = ticket
             transport, self.proto = await open_engine(
-                engine, {t.entry: t.switch}, (bind_host, 0), on_deliver,
-                bytes.fromhex(t.token), on_help,
+                engine, {t.entry: t.switch}, (host, 0), on_deliver, bytes.fromhex(t.token),
+                on_help,
             )  # fmt: skip
-            hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": rank,
-                     "port": transport.get_extra_info("sockname")[1]}  # fmt: skip
-            if bind_host != ANY_HOST:  # else the switch answers where the hello came from
-                hello["host"] = bind_host
             # (no probe of the job's group: the daemon sends these clients' results
             # one by one; ``InaClient`` probes and takes them multicast)
-            await control_call(t.control, hello)
+            await say_hello(t, rank, transport.get_extra_info("sockname")[1], host)
 
         self._wait(open_(), timeout_s)
 

@@ -62,7 +62,7 @@ from gradfabric.net.udp import (
 from gradfabric.proto.worker import ResumableWorker
 from gradfabric.proto.worker_node import Fused, WorkerNode
 from gradfabric.runtime.control import control_call
-from gradfabric.runtime.session import ANY_HOST, Exponents, Session
+from gradfabric.runtime.session import Exponents, Session, bind_host_for, say_hello
 from gradfabric.runtime.ticket import Ticket, scheme_worker, with_secret
 from gradfabric.wire import fastquant
 
@@ -119,9 +119,7 @@ class InaClient(Session):
         self.group: socket.socket | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._start(ticket, rank, timeout_s)
-        if bind_host is None:  # loopback for a local switch, else every interface
-            bind_host = "127.0.0.1" if ticket.switch[0].startswith("127.") else ANY_HOST
-        self.bind_host = bind_host
+        self.bind_host = bind_host_for(ticket) if bind_host is None else bind_host
         self._wait(self._open(), timeout_s)
 
     @property
@@ -293,11 +291,7 @@ class InaClient(Session):
         if isinstance(self.node, NativeWorkerNode):  # the native driver alone reads it
             self.offload = offload(sock)
         sock.bind((self.bind_host, 0))
-        hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": self.rank,
-                 "port": sock.getsockname()[1]}  # fmt: skip
-        if self.bind_host != ANY_HOST:  # else the switch answers where the hello came from
-            hello["host"] = self.bind_host
-        return await control_call(t.control, hello)
+        return await say_hello(t, self.rank, sock.getsockname()[1], self.bind_host)
 
     async def _watch(self) -> None:
         t = self.ticket

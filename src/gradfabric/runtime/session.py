@@ -59,6 +59,22 @@ from gradfabric.wire.quant import block_exponents, block_scales
 Exponents = Literal["agreed", "carried"]
 
 ANY_HOST = "0.0.0.0"
+
+
+def bind_host_for(ticket: Ticket) -> str:
+    """Where a client's data socket binds: loopback for a local switch, else
+    every interface."""
+    return "127.0.0.1" if ticket.switch[0].startswith("127.") else ANY_HOST
+
+
+async def say_hello(ticket: Ticket, rank: int, port: int, bind_host: str) -> dict[str, Any]:
+    """Tell the daemon where rank ``rank``'s data socket is (its reply)."""
+    t = ticket
+    hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": rank, "port": port}
+    if bind_host != ANY_HOST:  # else the switch answers where the hello came from
+        hello["host"] = bind_host
+    return await control_call(t.control, hello)
+
 # An exponent no finite float32 has: the block holds a NaN or an infinity at
 # some rank, and is summed as floats, outside the switch.
 NON_FINITE = 1 << 20

@@ -174,9 +174,5 @@ int64_t dlcp_deadline(const dlcp_t *d);
 void dlcp_timer(gf_switch *s, job_t *j, int64_t now);
 uint64_t dlcp_missing(const job_t *j);
 
-/* switch_dlcp_classes.c: a pull's classes by packet, and its packets most
- * important first (proto.dlcp.classify of packet_norms; -1: out of memory) */
-int dlcp_classify(const float *v, int64_t count, int64_t pp, int64_t layer, uint8_t *prio,
-                  int64_t *order);
 
 #endif

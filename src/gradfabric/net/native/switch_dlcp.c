@@ -24,14 +24,12 @@
  * sender, as the reference's (the node fires a job's when its earliest is
  * due, in the order the jobs were added).
  */
+#include "dlcp.h"
 #include "switch.h" /* (and through wire.h, math.h and string.h) */
 
 #include <stdlib.h>
 
-#define PROBE 1                /* proto.dlcp.PROBE */
-#define MAX_BACKOFF 64         /* proto.dlcp.MAX_BACKOFF */
 #define KEEP_DONE 4096         /* DlcpReceiver's keep_done */
-#define TENSORS 65536          /* the header's tensor ids (``layer``) */
 #define CONTROL (F_RESEND | F_ACK)
 #define MAX_RTO (1LL << 40) /* proto.node.MAX_RTO_NS: 64 waits of it stay in int64 */
 
@@ -57,8 +55,6 @@ typedef struct {
     dpull_t *sum;
 } dout_t;
 
-/* A vector in insertion order with an index by key (a dict's order). */
-#define VEC(T) struct { T *v; int64_t n, cap, live; } /* NOLINT */
 
 /* DlcpSender: one worker's pull */
 typedef struct {
@@ -143,29 +139,6 @@ void dlcp_free(dlcp_t *d) {
 
 int64_t *dlcp_counters(dlcp_t *d) { return d->counters; }
 /* ---- the ordered vectors ---- */
-
-/* Room for one more entry at the end (0), compacting holes first where
- * they outnumber the live entries; ``at`` is rebuilt by ``reindex``. */
-#define GROW(vec, reindex)                                                                      \
-    ({                                                                                          \
-        int _r = 0;                                                                             \
-        if ((vec).n - (vec).live > (vec).live && (vec).n >= 64) {                               \
-            int64_t _k = 0;                                                                     \
-            for (int64_t _i = 0; _i < (vec).n; _i++)                                            \
-                if ((vec).v[_i].live) (vec).v[_k++] = (vec).v[_i];                              \
-            (vec).n = _k;                                                                       \
-            reindex;                                                                            \
-        }                                                                                       \
-        if ((vec).n == (vec).cap) {                                                             \
-            int64_t _cap = (vec).cap ? 2 * (vec).cap : 16;                                      \
-            void *_v = realloc((vec).v, (size_t)_cap * sizeof *(vec).v);                        \
-            if (_v)                                                                             \
-                (vec).v = _v, (vec).cap = _cap;                                                 \
-            else                                                                                \
-                _r = -1;                                                                        \
-        }                                                                                       \
-        _r;                                                                                     \
-    })
 
 static void reindex_in(dlcp_t *d) {
     for (int64_t i = 0; i < d->in.n; i++) {
@@ -475,11 +448,6 @@ int64_t dlcp_deadline(const dlcp_t *d) {
     return at;
 }
 
-/* A silent round's wait: twice the last, up to MAX_BACKOFF. */
-static int64_t doubled(int64_t backoff) {
-    return 2 * backoff < MAX_BACKOFF ? 2 * backoff : MAX_BACKOFF;
-}
-
 /* DlcpReceiver.on_timer: a request round for each silent sender's started,
  * incomplete copies, then that sender's wait doubles. */
 static void rx_timer(gf_switch *s, const job_t *j, dlcp_t *d, int64_t now) {
@@ -498,7 +466,7 @@ static void rx_timer(gf_switch *s, const job_t *j, dlcp_t *d, int64_t now) {
     for (int64_t w = 0; w < d->workers; w++)
         if (silent >> w & 1) {
             d->heard[w] = now;
-            d->backoff[w] = doubled(d->backoff[w]);
+            d->backoff[w] = dlcp_doubled(d->backoff[w]);
         }
     if (waiting) d->tick = now + d->rto;
 }
@@ -512,7 +480,7 @@ static void tx_timer(gf_switch *s, const job_t *j, dlcp_t *d, int64_t w, int64_t
         dout_t *t = &x->out.v[i];
         if (!t->live || now - t->last_ns < d->rto * t->backoff) continue;
         t->last_ns = now;
-        t->backoff = doubled(t->backoff);
+        t->backoff = dlcp_doubled(t->backoff);
         d->counters[D_PROBES]++;
         data(s, j, d, w, t, (t->count - 1) / d->per_packet * d->per_packet, t->count, PROBE);
     }

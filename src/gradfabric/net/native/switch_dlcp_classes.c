@@ -3,9 +3,10 @@
  * since ties and near-ties decide a class (``pairwise`` is numpy's pairwise
  * summation of float64 squares: blocks of 8 partial sums up to 128 values,
  * halves above), then the ranks as the reference's stable argsorts. */
-#include "switch.h" /* (and through wire.h, math.h and string.h) */
-
+#include <math.h>
 #include <stdlib.h>
+
+#include "dlcp.h"
 
 #define MAG_CLASSES 4 /* proto.dlcp.MAG_CLASSES */
 
@@ -45,7 +46,7 @@ static int by_key(const void *x, const void *y) {
 
 /* Each packet's traffic class for a tensor of ``layer``'s half, into
  * ``prio``, and the packets most important first, into ``order``. */
-int dlcp_classify(const float *v, int64_t count, int64_t pp, int64_t layer, uint8_t *prio,
+int dlcp_classify(const float *v, int64_t count, int64_t pp, int64_t back, uint8_t *prio,
                   int64_t *order) {
     int64_t np = (count + pp - 1) / pp;
     ranked_t *r = malloc((size_t)np * sizeof *r);
@@ -62,8 +63,8 @@ int dlcp_classify(const float *v, int64_t count, int64_t pp, int64_t layer, uint
         r[k] = (ranked_t){-sqrt(pairwise(sq, pp)), k}; /* argsort(-norms) */
     }
     qsort(r, (size_t)np, sizeof *r, by_key);
-    int back = layer >= 1; /* classify(.., layer, 2): the back half */
-    for (int64_t k = 0; k < np; k++) prio[r[k].i] = (uint8_t)((back << 4) + k * MAG_CLASSES / np);
+    const int half = back ? 1 : 0;
+    for (int64_t k = 0; k < np; k++) prio[r[k].i] = (uint8_t)((half << 4) + k * MAG_CLASSES / np);
     for (int64_t k = 0; k < np; k++) r[k] = (ranked_t){prio[k], k};
     qsort(r, (size_t)np, sizeof *r, by_key);
     for (int64_t k = 0; k < np; k++) order[k] = r[k].i;

@@ -8,8 +8,10 @@
  * the caller raises ``*abort`` (a switch restart), ``wall_deadline`` passes,
  * the engine gives up on its peer, or memory runs out; it waits in ppoll
  * for the next datagram, the engine's deadline or its read period, and
- * sends what the engine lets leave. net.driver's ``run`` is the same loop in
- * Python, for the reference engine.
+ * sends what the engine lets leave; a write to ``wake_fd`` (an eventfd; -1:
+ * none) says another thread gave the engine more to send (DLCP's next
+ * bucket). net.driver's ``run`` is the same loop in Python, for the
+ * reference engine.
  *
  * gf_udp_drain is the switch daemon's: the daemon's event loop calls it when
  * its socket is readable or the engine's timer is due; it first lets the
@@ -46,6 +48,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "wire.h"
 
@@ -487,12 +490,12 @@ static int read_batch(const gf_ops *ops, void *e, rx_t *r, int fd, uint8_t *rx, 
     return got;
 }
 
-GF_API int gf_udp_run(const gf_ops *ops, void *e, int fd, int group_fd, const uint8_t *addr,
-                      int64_t alen, int64_t wall_deadline, volatile const int32_t *abort,
-                      int quiet, int64_t *counters) {
+GF_API int gf_udp_run(const gf_ops *ops, void *e, int fd, int group_fd, int wake_fd,
+                      const uint8_t *addr, int64_t alen, int64_t wall_deadline,
+                      volatile const int32_t *abort, int quiet, int64_t *counters) {
     const struct sockaddr *sa = (const struct sockaddr *)addr;
     const socklen_t sl = (socklen_t)alen;
-    const int nfds = group_fd < 0 ? 1 : 2;
+    const int nfds = group_fd < 0 ? 1 : 2; /* the sockets read */
     uint8_t *rx = malloc((size_t)WBATCH * DGRAM);
     tx_t *t = malloc(sizeof *t);
     rx_t *r = malloc(sizeof *r);
@@ -532,8 +535,13 @@ GF_API int gf_udp_run(const gf_ops *ops, void *e, int fd, int group_fd, const ui
         if (every && wait > every) wait = every;
         struct timespec ts = {wait / 1000000000LL, wait % 1000000000LL};
         const short events = every ? 0 : POLLIN; /* on a read period: wake on it alone */
-        struct pollfd p[2] = {{fd, events, 0}, {group_fd, events, 0}};
-        int ready = ppoll(p, (nfds_t)nfds, &ts, NULL);
+        struct pollfd p[3] = {{fd, events, 0}, {group_fd, events, 0}, {wake_fd, POLLIN, 0}};
+        int ready = ppoll(p, 3, &ts, NULL); /* (a negative fd is not polled) */
+        if (p[2].revents & POLLIN) {        /* the engine was given work: send it */
+            uint64_t v;
+            if (read(wake_fd, &v, sizeof v) < 0) c[W_SOCKET_ERROR]++;
+            send_all(ops, e, t, sa, sl);
+        }
         if (!every && ready <= 0) continue;
         for (int i = 0; i < nfds; i++) {
             if (!every && !p[i].revents) continue;
