@@ -19,8 +19,10 @@ forgotten.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -51,17 +53,19 @@ class Reference:
     """``DlcpClient``'s engine as the UDP driver runs it, with the native
     endpoint's interface."""
 
-    def __init__(self, pp: int, keep: int) -> None:
+    def __init__(self, pp: int, keep: int, job: int = JOB, token: bytes = TOKEN,
+                 rto: int = RTO) -> None:  # fmt: skip
         name = "w"
-        self.ep = DlcpEndpoint(name, DlcpReceiver(name, JOB, RANK, ["ps"], RTO, keep_done=keep),
-                               [DlcpSender(name, JOB, RANK, "ps", pp, RTO)])  # fmt: skip
+        self.ep = DlcpEndpoint(name, DlcpReceiver(name, job, RANK, ["ps"], rto, keep_done=keep),
+                               [DlcpSender(name, job, RANK, "ps", pp, rto)])  # fmt: skip
+        self.token = token
         self.out: list[bytes] = []
         self.sums: dict[int, np.ndarray] = {}
 
     def _do(self, actions: list[Action]) -> None:
         for a in actions:
             if isinstance(a, Send):
-                self.out.append(seal(TOKEN, a.pkt))
+                self.out.append(seal(self.token, a.pkt))
             elif isinstance(a, Deliver):
                 assert a.pkt.payload is not None
                 self.sums[a.seq] = np.asarray(a.pkt.payload, dtype=np.float32).copy()
@@ -73,7 +77,7 @@ class Reference:
 
     def receive_datagram(self, data: bytes, now: int) -> None:
         try:
-            pkt = unseal(data, TOKEN)
+            pkt = unseal(data, self.token)
         except ProtocolError as e:
             self.ep.counters[drop_reason(e)] += 1
             return
@@ -209,6 +213,57 @@ def test_native_dlcp_client_equals_the_reference(script: tuple[int, int, list[tu
                 np.testing.assert_array_equal(outs[t].view(np.int32), got.view(np.int32))
             for t in outs.keys() - ref.sums.keys():
                 assert not nat.ready(t)
+        assert _nonzero(nat.fold()) == _nonzero(ref.ep.counters)
+    finally:
+        nat.close()
+
+
+CORPUS = Path(__file__).resolve().parents[2] / "fuzz" / "corpus" / "dlcp_client"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CORPUS.iterdir()))
+def test_the_dlcp_client_corpus_runs_alike(name: str) -> None:
+    """The fuzzer's corpus (``fuzz/dlcp_client.c``'s ops, read as it reads
+    them) through both: the same datagrams at every take, the same sums."""
+    data = (CORPUS / name).read_bytes().ljust(2, b"\0")
+    pp, keep, token = (1, 3, 256, 2048)[data[0] % 4], 1 + data[1] % 8, bytes([7]) * 8
+    ref = Reference(pp, keep, 7, token, 10_000)
+    nat = dlcpath.NativeDlcpEndpoint(7, RANK, pp, 10_000, token, keep=keep)
+    outs: dict[int, np.ndarray] = {}
+    now, at = 0, 2
+    try:
+        while at + 3 <= len(data):
+            kind, n = data[at] % 6, int.from_bytes(data[at + 1 : at + 3], "little")
+            p, at = data[at + 3 : at + 3 + n], at + 3 + n
+            if kind == 0:
+                ref.receive_datagram(p, now)
+                nat.receive_datagram(p, now)
+            elif kind == 1:
+                assert nat.datagrams_to_send(now) == ref.datagrams_to_send()
+            elif kind == 2:
+                now += int.from_bytes(p[:4].ljust(4, b"\0"), "little")
+                due = ref.ep.next_deadline()
+                if due is not None and due <= now:
+                    ref.handle_timer(now)
+                    nat.handle_timer(now)
+            elif kind == 3:
+                t = p[0] % 8 if p else 0
+                count = 1 + (int.from_bytes(p[:4].ljust(4, b"\0"), "little") & 0xFFFF)
+                x = np.asarray([np.int8(p[i % len(p)] - 256 * (p[i % len(p)] > 127)) if p else 0
+                                for i in range(count)], np.float32)  # fmt: skip
+                bound, back = (p[1] if len(p) > 1 else 0) / 512, len(p) > 2 and bool(p[2] & 1)
+                ref.begin(t, x, back, bound, now)
+                outs[t] = np.zeros(count, np.float32)
+                nat.begin(t, x, back, bound, outs[t], now)
+            elif kind == 4:
+                t = p[0] % 8 if p else 0
+                nat.forget(t)
+                outs.pop(t, None)
+            assert nat.get_timer() == ref.ep.next_deadline()
+        assert nat.datagrams_to_send(now) == ref.datagrams_to_send()
+        for t, out in outs.items():
+            if t in ref.sums:
+                np.testing.assert_array_equal(out.view(np.int32), ref.sums[t].view(np.int32))
         assert _nonzero(nat.fold()) == _nonzero(ref.ep.counters)
     finally:
         nat.close()

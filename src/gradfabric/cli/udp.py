@@ -139,6 +139,11 @@ def add(esub: Sub) -> None:
                     "frame's; the fabric's MTU is 9,000)")  # fmt: skip
     ed.add_argument("--burst-ms", type=float, default=50.0,
                     help="leaf-spine: the background's mean on period")  # fmt: skip
+    ed.add_argument("--pace-kb", type=int, default=64,
+                    help="DLCP's send buffers, workers' and server's, in KB (default 64: the "
+                    "kernel takes datagrams as the first link drains them; 0: the large "
+                    "default, a bucket at once into the ports' queues; a server's full "
+                    "buffer drops what it sends)")  # fmt: skip
     add_output(ed, "dlcp-train")
     ed.set_defaults(fn=dlcp_train)
 
@@ -299,7 +304,8 @@ def dlcp_train(args: argparse.Namespace) -> int:
         cfg, *_ = [
             DlcpTrainConfig(steps=args.steps, link_mbps=args.link_mbps, load=load,
                             push_bound=args.push_bound, fabric=args.fabric, spines=args.spines,
-                            burst_ms=args.burst_ms, values_per_packet=args.values_per_packet)
+                            burst_ms=args.burst_ms, values_per_packet=args.values_per_packet,
+                            pace_kb=args.pace_kb)
             for load in loads
         ]  # fmt: skip
     except (ConfigError, ValueError) as e:

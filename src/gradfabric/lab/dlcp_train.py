@@ -120,6 +120,9 @@ class DlcpTrainConfig:
             raise ConfigError("load", "load in [0, 1) of a link rate > 0")
         if self.fabric not in FABRICS:
             raise ConfigError("fabric", f"one of {', '.join(FABRICS)}, got {self.fabric!r}")
+        if self.pace_kb < 0:
+            raise ConfigError("pace_kb", f"a send buffer in KB, >= 0 (0: the default), got "
+                              f"{self.pace_kb}")  # fmt: skip
         if not (1 <= self.spines <= 8 and self.bg_hosts >= 1 and self.burst_ms > 0):
             raise ConfigError("spines", "need 1..8 spines, >= 1 background host, burst_ms > 0")
         if not 1 <= self.values_per_packet <= MAX_VALUES_PER_DATAGRAM:
