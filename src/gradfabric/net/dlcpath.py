@@ -81,7 +81,7 @@ class NativeDlcpEndpoint:
         self.counters = Counters()
         self._buf = ctypes.create_string_buffer(DGRAM)
         # what C writes into, kept alive until the sum is in or given up
-        self._held: dict[int, tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]] = {}
+        self._held: dict[int, npt.NDArray[np.float32]] = {}
 
     def close(self) -> None:
         if self.e:
@@ -99,11 +99,11 @@ class NativeDlcpEndpoint:
             raise ConfigError("out", f"a contiguous float32 array of {len(x)} values")
         if not 0 <= bound < 1:
             raise ConfigError("loss_bound", f"must be in [0, 1), got {bound}")
-        self._held[tensor] = (x, out)
         rc = self._lib.gf_dc_begin(self.e, tensor, x.ctypes.data, len(x), int(back), bound,
                                    out.ctypes.data, now_ns)  # fmt: skip
-        if rc == -2:
+        if rc == -2:  # refused: an entry of that id keeps its own ``out``
             raise ConfigError("tensor", f"tensor id {tensor} of {len(x)} values")
+        self._held[tensor] = out  # (C writes the sum there; it copied ``x``)
         if rc:
             raise MemoryError("the native DLCP client ran out of memory")
 

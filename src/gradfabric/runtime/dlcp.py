@@ -15,6 +15,7 @@ uses it under DDP. A congested run over UDP, measured: ``lab.dlcp_udp``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -116,8 +117,10 @@ class DlcpClient(Attached):
         assert self.native is not None
         ep = self.native
         while not self.abort.value:
-            if ep.idle():
-                select.select([self.wake], [], [], ABORT_CHECK_S)
+            if ep.idle():  # (a wake-up the loop did not read is read here: else it spins)
+                if select.select([self.wake], [], [], ABORT_CHECK_S)[0]:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self.wake)
                 continue
             ep.run(self.sock, self.peer, time.monotonic_ns() + int(ABORT_CHECK_S * 1e9),
                    self.abort, self.wake, self.driver)  # fmt: skip
