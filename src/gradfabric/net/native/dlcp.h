@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "wire.h" /* (and math.h and string.h) */
+
 #define PROBE 1        /* proto.dlcp.PROBE */
 #define MAX_BACKOFF 64 /* proto.dlcp.MAX_BACKOFF */
 #define TENSORS 65536  /* the header's tensor ids (``layer``) */
@@ -19,6 +21,46 @@ int dlcp_classify(const float *v, int64_t count, int64_t pp, int64_t back, uint8
 /* A silent round's wait: twice the last, up to MAX_BACKOFF. */
 static inline int64_t dlcp_doubled(int64_t backoff) {
     return 2 * backoff < MAX_BACKOFF ? 2 * backoff : MAX_BACKOFF;
+}
+
+/* Where the first byte equal to ``v`` is in ``[a, n)`` of ``x`` (n: none). */
+static inline int64_t dlcp_find(const uint8_t *x, int v, int64_t a, int64_t n) {
+    const uint8_t *at = a < n ? memchr(x + a, v, (size_t)(n - a)) : NULL;
+    return at ? at - x : n;
+}
+
+/* DlcpReceiver._store: the values of ``p`` that a tensor lacks (``have``
+ * per value, written to ``values``), the number it took (0: a duplicate,
+ * counted). Once the tensor is ``done`` nothing is stored: the values it
+ * went without, arriving now, are counted once each in ``late_by``, by the
+ * packet's drop precedence (16 counters), and ``late`` marks them. */
+static inline int64_t dlcp_store(const gf_pkt *p, int done, float *values, uint8_t *have,
+                                 uint8_t *late, int64_t *late_by, int64_t *duplicate) {
+    int64_t lo = p->agg, hi = p->agg + p->count, fresh = 0;
+    for (int64_t i = lo; i < hi; i++) fresh += !have[i];
+    if (done && fresh && late) {
+        int64_t n = 0;
+        for (int64_t i = lo; i < hi; i++)
+            if (!have[i]) n += !late[i], late[i] = 1;
+        late_by[p->prio & 0xF] += n;
+    }
+    if (done || !fresh) {
+        ++*duplicate;
+        return 0;
+    }
+    const uint8_t *v = p->raw + HEADER;
+    for (int64_t i = lo; i < hi; i++) {
+        if (have[i]) continue;
+        if (p->flags & F_FLOAT) {
+            memcpy(&values[i], v + 4 * (i - lo), 4);
+        } else {
+            int32_t x;
+            memcpy(&x, v + 4 * (i - lo), 4);
+            values[i] = (float)x;
+        }
+        have[i] = 1;
+    }
+    return fresh;
 }
 
 /* A vector in insertion order with an index by key (a dict's order). */

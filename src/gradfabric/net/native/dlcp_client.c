@@ -177,19 +177,13 @@ static void data(gf_dc *e, const cout_t *t, int64_t lo, int64_t hi, int64_t seq)
             t->tensor, t->values + lo);
 }
 
-/* Where the first byte equal to ``v`` is in ``[a, n)`` of ``x`` (n: none). */
-static int64_t find(const uint8_t *x, int v, int64_t a, int64_t n) {
-    const uint8_t *at = a < n ? memchr(x + a, v, (size_t)(n - a)) : NULL;
-    return at ? at - x : n;
-}
-
 /* DlcpReceiver._request: one RESEND per missing range of ``t``. */
 static void request(gf_dc *e, const cin_t *t) {
-    for (int64_t a = find(t->have, 0, 0, t->count), any = 0; a < t->count;) {
-        int64_t b = find(t->have, 1, a, t->count);
+    for (int64_t a = dlcp_find(t->have, 0, 0, t->count), any = 0; a < t->count;) {
+        int64_t b = dlcp_find(t->have, 1, a, t->count);
         if (!any) e->counters[C_NACKS]++, any = 1;
         control(e, F_RESEND, t->tensor, a, b - a);
-        a = find(t->have, 0, b, t->count);
+        a = dlcp_find(t->have, 0, b, t->count);
     }
 }
 
@@ -312,36 +306,6 @@ static void finish(gf_dc *e, const cin_t *t) {
     }
 }
 
-/* DlcpReceiver._store: the packet's values ``t`` lacks; 0 for a duplicate. */
-static int store(gf_dc *e, const gf_pkt *p, cin_t *t) {
-    int64_t lo = p->agg, hi = p->agg + p->count, fresh = 0;
-    for (int64_t i = lo; i < hi; i++) fresh += !t->have[i];
-    if (t->done && fresh && t->late) {
-        int64_t late = 0;
-        for (int64_t i = lo; i < hi; i++)
-            if (!t->have[i]) late += !t->late[i], t->late[i] = 1;
-        e->counters[C_LATE + (p->prio & 0xF)] += late;
-    }
-    if (t->done || !fresh) {
-        e->counters[C_DUPLICATE]++;
-        return 0;
-    }
-    const uint8_t *v = p->raw + HEADER;
-    for (int64_t i = lo; i < hi; i++) {
-        if (t->have[i]) continue;
-        if (p->flags & F_FLOAT) {
-            memcpy(&t->values[i], v + 4 * (i - lo), 4);
-        } else {
-            int32_t k;
-            memcpy(&k, v + 4 * (i - lo), 4);
-            t->values[i] = (float)k;
-        }
-        t->have[i] = 1;
-    }
-    t->received += fresh;
-    return 1;
-}
-
 /* DlcpReceiver.on_packet: the server's sum. */
 static void on_sum(gf_dc *e, const gf_pkt *p, int64_t now) {
     cin_t *t = p->wid == 0 && e->in_at[p->layer] ? &e->in.v[e->in_at[p->layer] - 1] : NULL;
@@ -363,7 +327,10 @@ static void on_sum(gf_dc *e, const gf_pkt *p, int64_t now) {
         return;
     }
     e->heard = now, e->backoff = 1;
-    if (!store(e, p, t)) return;
+    int64_t took = dlcp_store(p, t->done, t->values, t->have, t->late, &e->counters[C_LATE],
+                              &e->counters[C_DUPLICATE]);
+    if (!took) return;
+    t->received += took;
     if ((double)t->received < (1 - t->bound) * (double)t->count - 1e-9) return;
     t->done = 1;
     t->late = calloc((size_t)t->count, 1);

@@ -189,19 +189,13 @@ static void data(gf_switch *s, const job_t *j, dlcp_t *d, int64_t w, const dout_
     memcpy(v, t->sum->values + lo, (size_t)(4 * (hi - lo)));
 }
 
-/* Where the first byte equal to ``v`` is in ``[a, n)`` of ``x`` (n: none). */
-static int64_t find(const uint8_t *x, int v, int64_t a, int64_t n) {
-    const uint8_t *at = a < n ? memchr(x + a, v, (size_t)(n - a)) : NULL;
-    return at ? at - x : n;
-}
-
 /* DlcpReceiver._request: one RESEND per missing range of ``t``. */
 static void request(gf_switch *s, const job_t *j, dlcp_t *d, const din_t *t) {
-    for (int64_t a = find(t->have, 0, 0, t->count), any = 0; a < t->count;) {
-        int64_t b = find(t->have, 1, a, t->count);
+    for (int64_t a = dlcp_find(t->have, 0, 0, t->count), any = 0; a < t->count;) {
+        int64_t b = dlcp_find(t->have, 1, a, t->count);
         if (!any) d->counters[D_NACKS]++, any = 1;
         control(s, j, t->sender, F_RESEND, t->tensor, a, b - a);
-        a = find(t->have, 0, b, t->count);
+        a = dlcp_find(t->have, 0, b, t->count);
     }
 }
 
@@ -329,36 +323,6 @@ static void finish(dlcp_t *d, din_t *t) {
     }
 }
 
-/* DlcpReceiver._store: the packet's values ``t`` lacks; 0 for a duplicate. */
-static int store(dlcp_t *d, const gf_pkt *p, din_t *t) {
-    int64_t lo = p->agg, hi = p->agg + p->count, fresh = 0;
-    for (int64_t i = lo; i < hi; i++) fresh += !t->have[i];
-    if (t->done && fresh && t->late) {
-        int64_t late = 0;
-        for (int64_t i = lo; i < hi; i++)
-            if (!t->have[i]) late += !t->late[i], t->late[i] = 1;
-        d->counters[D_LATE + (p->prio & 0xF)] += late;
-    }
-    if (t->done || !fresh) {
-        d->counters[D_DUPLICATE]++;
-        return 0;
-    }
-    const uint8_t *v = p->raw + HEADER;
-    for (int64_t i = lo; i < hi; i++) {
-        if (t->have[i]) continue;
-        if (p->flags & F_FLOAT) {
-            memcpy(&t->values[i], v + 4 * (i - lo), 4);
-        } else {
-            int32_t x;
-            memcpy(&x, v + 4 * (i - lo), 4);
-            t->values[i] = (float)x;
-        }
-        t->have[i] = 1;
-    }
-    t->received += fresh;
-    return 1;
-}
-
 static void on_push(gf_switch *s, const job_t *j, dlcp_t *d, const gf_pkt *p, int64_t now) {
     int64_t w = p->wid, tensor = p->layer;
     int mine = w < d->workers; /* DlcpReceiver.from_sender (the node checked the job) */
@@ -390,7 +354,10 @@ static void on_push(gf_switch *s, const job_t *j, dlcp_t *d, const gf_pkt *p, in
         return;
     }
     d->heard[w] = now, d->heard_any |= 1ULL << w, d->backoff[w] = 1;
-    if (!store(d, p, t)) return;
+    int64_t took = dlcp_store(p, t->done, t->values, t->have, t->late, &d->counters[D_LATE],
+                              &d->counters[D_DUPLICATE]);
+    if (!took) return;
+    t->received += took;
     if (t->done || (double)t->received < (1 - d->bound) * (double)t->count - 1e-9) return;
     t->done = 1;
     t->late = calloc((size_t)t->count, 1);
