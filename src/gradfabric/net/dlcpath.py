@@ -49,7 +49,7 @@ DGRAM: Final = 65536
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 _LIB, WHY_NOT = native.load(HERE / "_dlcp", SOURCES, (
     ("gf_dc_new", [_i64, _i64, _i64, _i64, _i64, ctypes.c_char_p], _p),
-    ("gf_dc_free", [_p], None), ("gf_dc_counters", [_p], ctypes.POINTER(_i64)),
+    ("gf_dc_free", [_p], None), ("gf_dc_counters", [_p, _p], None),
     ("gf_dc_begin", [_p, _i64, _p, _i64, _i64, ctypes.c_double, _p, _i64], ctypes.c_int),
     ("gf_dc_ready", [_p, _i64], ctypes.c_int), ("gf_dc_forget", [_p, _i64], None),
     ("gf_dc_idle", [_p], ctypes.c_int), ("gf_dc_settle", [_p], None),
@@ -84,10 +84,16 @@ class NativeDlcpEndpoint:
         self._held: dict[int, npt.NDArray[np.float32]] = {}
 
     def close(self) -> None:
+        """Free the engine (no thread may be in it); its counters stay readable."""
         if self.e:
             self.fold()
             self._lib.gf_dc_free(self.e)
             self.e = None
+
+    def _live(self) -> int:
+        if not self.e:
+            raise RuntimeError("the native DLCP endpoint is closed")
+        return int(self.e)
 
     def begin(self, tensor: int, x: npt.NDArray[np.float32], back: bool, bound: float,
               out: npt.NDArray[np.float32], now_ns: int) -> None:  # fmt: skip
@@ -99,7 +105,7 @@ class NativeDlcpEndpoint:
             raise ConfigError("out", f"a contiguous float32 array of {len(x)} values")
         if not 0 <= bound < 1:
             raise ConfigError("loss_bound", f"must be in [0, 1), got {bound}")
-        rc = self._lib.gf_dc_begin(self.e, tensor, x.ctypes.data, len(x), int(back), bound,
+        rc = self._lib.gf_dc_begin(self._live(), tensor, x.ctypes.data, len(x), int(back), bound,
                                    out.ctypes.data, now_ns)  # fmt: skip
         if rc == -2:  # refused: an entry of that id keeps its own ``out``
             raise ConfigError("tensor", f"tensor id {tensor} of {len(x)} values")
@@ -109,46 +115,49 @@ class NativeDlcpEndpoint:
 
     def ready(self, tensor: int) -> bool:
         """Whether ``tensor``'s sum is in its ``out``."""
-        done = bool(self._lib.gf_dc_ready(self.e, tensor))
+        done = bool(self._lib.gf_dc_ready(self._live(), tensor))
         if done:
             self._held.pop(tensor, None)
         return done
 
     def forget(self, tensor: int) -> None:
-        """Give ``tensor`` up: a sum arriving later is written nowhere."""
-        self._lib.gf_dc_forget(self.e, tensor)
+        """Give ``tensor`` up: its sum is no longer awaited, and a sum
+        arriving later is foreign (``DlcpReceiver.forget``)."""
+        self._lib.gf_dc_forget(self._live(), tensor)
         self._held.pop(tensor, None)
 
     # -- the datagram interface ------------------------------------------------
     def receive_datagram(self, data: bytes, now_ns: int) -> None:
-        if self._lib.gf_dc_datagram(self.e, data, len(data), now_ns):
+        if self._lib.gf_dc_datagram(self._live(), data, len(data), now_ns):
             raise MemoryError("the native DLCP client ran out of memory")
 
     def datagrams_to_send(self, now_ns: int) -> list[bytes]:
         out = []
-        while (n := self._lib.gf_dc_next(self.e, self._buf, DGRAM)) > 0:
+        while (n := self._lib.gf_dc_next(self._live(), self._buf, DGRAM)) > 0:
             out.append(self._buf.raw[:n])
         return out
 
     def get_timer(self) -> int | None:
-        d = int(self._lib.gf_dc_deadline(self.e))
+        d = int(self._lib.gf_dc_deadline(self._live()))
         return None if d < 0 else d
 
     def handle_timer(self, now_ns: int) -> None:
-        if self._lib.gf_dc_timer(self.e, now_ns):
+        if self._lib.gf_dc_timer(self._live(), now_ns):
             raise MemoryError("the native DLCP client ran out of memory")
 
     def fold(self) -> Counters:
         """The engine's counters, by the reference's names."""
-        c = self._lib.gf_dc_counters(self.e)
-        for i, name in enumerate(COUNTERS):
-            self.counters[name] = int(c[i])
+        if self.e:
+            c = np.zeros(len(COUNTERS), np.int64)
+            self._lib.gf_dc_counters(self.e, c.ctypes.data)
+            for name, v in zip(COUNTERS, c.tolist(), strict=True):
+                self.counters[name] = v
         return self.counters
 
     # -- the driver --------------------------------------------------------------
     def idle(self) -> bool:
         """Nothing queued, nothing unACKed, no sum awaited."""
-        return bool(self._lib.gf_dc_idle(self.e))
+        return bool(self._lib.gf_dc_idle(self._live()))
 
     def run(self, sock: socket.socket, peer: bytes, deadline_ns: int, abort: ctypes.c_int32,
             wake_fd: int, driver: Counters) -> int:  # fmt: skip
@@ -158,7 +167,7 @@ class NativeDlcpEndpoint:
         write to ``wake_fd`` sends what ``begin`` queued meanwhile."""
         assert datapath._UDP is not None
         c = np.zeros(len(DRIVER_COUNTERS), np.int64)
-        self._lib.gf_dc_settle(self.e)
+        self._lib.gf_dc_settle(self._live())
         rc = int(datapath._UDP.gf_udp_run(self.ops, self.e, sock.fileno(), -1, wake_fd, peer,
                                           len(peer), deadline_ns, ctypes.addressof(abort), 0,
                                           c.ctypes.data))  # fmt: skip
@@ -166,6 +175,8 @@ class NativeDlcpEndpoint:
             driver[name] += v
         if rc == datapath.OUT_OF_MEMORY:
             raise MemoryError("the native DLCP client ran out of memory")
+        if rc == datapath.FAILED:  # (the engine never gives up on its server: a bug)
+            raise RuntimeError("the native DLCP client's loop failed")
         return rc
 
 

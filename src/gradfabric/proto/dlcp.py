@@ -167,10 +167,17 @@ class DlcpReceiver:
         if not 0 <= bound < 1:
             raise ConfigError("loss_bound", f"must be in [0, 1), got {bound}")
         vals = np.zeros(count, dtype=np.float32) if values else None
+        self.finished.pop((sender, tensor), None)  # (an id used again: a new tensor)
         self.tensors[(sender, tensor)] = _Incoming(count, bound, vals, np.zeros(count, dtype=bool))
         self.heard.setdefault(sender, now_ns)
         if self.tick is None:
             self.tick = now_ns + self.rto_ns
+
+    def forget(self, sender: int, tensor: int) -> None:
+        """Give ``tensor`` up (its caller timed out): neither awaited nor asked
+        for again; a packet of it is then foreign."""
+        self.finished.pop((sender, tensor), None)
+        self.tensors.pop((sender, tensor), None)
 
     def lost_fraction(self, sender: int, tensor: int) -> float:
         t = self.tensors[(sender, tensor)]

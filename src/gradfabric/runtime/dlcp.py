@@ -44,11 +44,13 @@ from gradfabric.wire import fastquant
 
 @dataclass(frozen=True)
 class Pending:
-    """A tensor begun and not yet finished: ``done`` is set once its sum is in ``got``."""
+    """A tensor begun and not yet finished: ``done`` is set once its sum is in
+    ``got``, or once ``error`` says why it never will be."""
 
     tensor: int
     done: threading.Event = field(default_factory=threading.Event)
     got: list[Any] = field(default_factory=list)
+    error: list[BaseException] = field(default_factory=list)
 
 
 class DlcpClient(Attached):
@@ -75,6 +77,7 @@ class DlcpClient(Attached):
         self.buckets = 1  # DDP buckets seen (for dlcp_hook's layer order)
         self.results: dict[int, Pending] = {}
         self.native: dlcpath.NativeDlcpEndpoint | None = None
+        self.stopped: BaseException | None = None  # why the native endpoint's thread ended
         if native_path:
             self._attach_native(ticket, rank, timeout_s, pace_kb)
             return
@@ -116,17 +119,26 @@ class DlcpClient(Attached):
         until ``begin`` writes to ``wake``)."""
         assert self.native is not None
         ep = self.native
-        while not self.abort.value:
-            if ep.idle():  # (a wake-up the loop did not read is read here: else it spins)
-                if select.select([self.wake], [], [], ABORT_CHECK_S)[0]:
-                    with contextlib.suppress(BlockingIOError):
-                        os.eventfd_read(self.wake)
-                continue
-            ep.run(self.sock, self.peer, time.monotonic_ns() + int(ABORT_CHECK_S * 1e9),
-                   self.abort, self.wake, self.driver)  # fmt: skip
-            for tensor, p in list(self.results.items()):
-                if ep.ready(tensor):
-                    p.done.set()
+        why: BaseException = RuntimeError(f"DLCP client of rank {self.rank} closed")
+        try:
+            while not self.abort.value:
+                if ep.idle():  # (a wake-up the loop did not read is read here: else it spins)
+                    if select.select([self.wake], [], [], ABORT_CHECK_S)[0]:
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(self.wake)
+                    continue
+                ep.run(self.sock, self.peer, time.monotonic_ns() + int(ABORT_CHECK_S * 1e9),
+                       self.abort, self.wake, self.driver)  # fmt: skip
+                for tensor, p in list(self.results.items()):
+                    if ep.ready(tensor):
+                        p.done.set()
+        except Exception as e:  # (out of memory, a socket gone): no finish is left waiting
+            why = e
+        self.stopped = why
+        for p in list(self.results.values()):
+            if not p.done.is_set():
+                p.error.append(why)
+                p.done.set()
 
     def allreduce(  # bounded loss on floats: no quantisation round
         self, x: npt.NDArray[np.float32], layer: int = 0, layers: int = 1, *,
@@ -154,8 +166,14 @@ class DlcpClient(Attached):
         if self.native is not None:
             done.got.append(np.empty(len(vals), np.float32))
             back = layers > 1 and layer >= layers / 2  # (proto.dlcp.classify's halves)
-            self.native.begin(tensor, vals, back, self.ticket.pull_bound, done.got[0],
-                              time.monotonic_ns())  # fmt: skip
+            try:
+                if self.stopped is not None:
+                    raise self.stopped
+                self.native.begin(tensor, vals, back, self.ticket.pull_bound, done.got[0],
+                                  time.monotonic_ns())  # fmt: skip
+            except BaseException:
+                del self.results[tensor]
+                raise
             os.eventfd_write(self.wake, 1)  # the serving thread sends it now
             return done
 
@@ -180,9 +198,13 @@ class DlcpClient(Attached):
             if not pending.done.wait(self.timeout_s):
                 if self.native is not None:
                     self.native.forget(pending.tensor)
+                else:
+                    self.loop.call_soon_threadsafe(self.endpoint.rx.forget, 0, pending.tensor)
                 raise PeerTimeoutError(self.ticket.entry, self.timeout_s)
         finally:
             self.results.pop(pending.tensor, None)
+        if pending.error:
+            raise pending.error[0]
         total = np.asarray(pending.got[0], dtype=np.float32)
         if out is None:
             return total

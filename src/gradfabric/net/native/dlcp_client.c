@@ -127,7 +127,12 @@ GF_API void gf_dc_free(gf_dc *e) {
     free(e);
 }
 
-GF_API int64_t *gf_dc_counters(gf_dc *e) { return e->counters; }
+/* The counters (NC of them) into ``out``, read under the engine's lock. */
+GF_API void gf_dc_counters(gf_dc *e, int64_t *out) {
+    pthread_mutex_lock(&e->mu);
+    memcpy(out, e->counters, sizeof e->counters);
+    pthread_mutex_unlock(&e->mu);
+}
 
 static void reindex_in(gf_dc *e) {
     for (int64_t i = 0; i < e->in.n; i++) e->in_at[e->in.v[i].tensor] = (int32_t)(i + 1);
@@ -189,63 +194,90 @@ static void request(gf_dc *e, const cin_t *t) {
 
 /* ---- a tensor begun: DlcpReceiver.expect, then DlcpSender.send ---- */
 
-/* The entry for ``tensor`` in ``vec`` (kept where it is if there is one,
- * as a dict keeps a key's place), emptied; NULL on memory. */
-#define SLOT(vec, at, tensor, reindex, freer)                                                   \
-    ({                                                                                          \
-        __typeof__((vec).v) _t = NULL;                                                          \
-        if ((at)[tensor]) {                                                                     \
-            _t = &(vec).v[(at)[tensor] - 1];                                                    \
-            freer(_t);                                                                          \
-            (vec).live--;                                                                       \
-        } else if (!GROW(vec, reindex)) {                                                       \
-            _t = &(vec).v[(vec).n++];                                                           \
-            (at)[tensor] = (int32_t)(vec).n;                                                    \
-        }                                                                                       \
-        _t;                                                                                     \
-    })
+/* Drop ``tensor`` from the finished FIFO (a key popped from the reference's dict). */
+static void unfinish(gf_dc *e, int64_t tensor) {
+    if (!e->finished[tensor]) return;
+    e->finished[tensor] = 0;
+    const int64_t cap = e->keep + 1;
+    int64_t k = 0;
+    for (int64_t i = 0; i < e->fn; i++) {
+        int64_t id = e->fin[(e->fhead + i) % cap];
+        if (id != tensor) e->fin[(e->fhead + k++) % cap] = id;
+    }
+    e->fn = k;
+}
+
+/* Forget the receiver's entry of ``tensor``: its sum, its masks, its flag. */
+static void in_drop(gf_dc *e, int64_t tensor) {
+    e->ready[tensor] = 0;
+    if (!e->in_at[tensor]) return;
+    free_in(&e->in.v[e->in_at[tensor] - 1]);
+    e->in.live--;
+    e->in_at[tensor] = 0;
+}
 
 /* The sum of ``tensor`` (``n`` values) is written to ``out`` once at least
  * ``(1 - bound) n`` of it is in; ``x`` is pushed, its packets most
- * important first (``back``: of the model's back half). 0, -1 on memory,
- * -2 for arguments the reference refuses. */
+ * important first (``back``: of the model's back half). 0, -1 on memory
+ * (nothing changed), -2 for arguments the reference refuses. The copy and
+ * the classes are made before the engine is locked: a large bucket does not
+ * hold up the driver's reads. An entry of ``tensor`` is kept where it is, as
+ * a dict keeps a key's place, and leaves the finished FIFO. */
 GF_API int gf_dc_begin(gf_dc *e, int64_t tensor, const float *x, int64_t n, int64_t back,
                        double bound, float *out, int64_t now) {
     if (tensor < 0 || tensor >= TENSORS || n < 1 || !(bound >= 0 && bound < 1)) return -2;
+    const int64_t np = (n + e->pp - 1) / e->pp;
+    float *copy = malloc((size_t)n * 4), *sum = calloc((size_t)n, 4);
+    uint8_t *have = calloc((size_t)n, 1), *prio = malloc((size_t)np);
+    int64_t *order = malloc((size_t)np * sizeof *order);
+    int ok = copy && sum && have && prio && order &&
+             dlcp_classify(x, n, e->pp, back, prio, order) == 0;
+    if (ok) memcpy(copy, x, (size_t)n * 4);
     pthread_mutex_lock(&e->mu);
-    int rc = -1;
-    cin_t *r = SLOT(e->in, e->in_at, tensor, reindex_in(e), free_in);
-    if (!r) goto done;
-    *r = (cin_t){.tensor = tensor, .count = n, .bound = bound, .live = 1, .out = out,
-                 .values = calloc((size_t)n, 4), .have = calloc((size_t)n, 1)};
-    e->in.live++;
+    if (ok && !e->in_at[tensor] && GROW(e->in, reindex_in(e))) ok = 0;
+    if (ok && !e->out_at[tensor] && GROW(e->out, reindex_out(e))) ok = 0;
+    if (!ok) {
+        e->oom = 1;
+        pthread_mutex_unlock(&e->mu);
+        free(copy), free(sum), free(have), free(prio), free(order);
+        return -1;
+    }
+    /* DlcpReceiver.expect */
+    unfinish(e, tensor);
     e->ready[tensor] = 0;
+    cin_t *r;
+    if (e->in_at[tensor]) {
+        r = &e->in.v[e->in_at[tensor] - 1];
+        free_in(r);
+    } else {
+        r = &e->in.v[e->in.n++];
+        e->in_at[tensor] = (int32_t)e->in.n;
+    }
+    e->in.live++;
+    *r = (cin_t){.tensor = tensor, .count = n, .bound = bound, .live = 1, .out = out,
+                 .values = sum, .have = have};
     if (!e->heard_set) e->heard = now, e->heard_set = 1;
     if (e->rx_tick < 0) e->rx_tick = now + e->rto;
-    cout_t *t = SLOT(e->out, e->out_at, tensor, reindex_out(e), free_out);
-    if (!r->values || !r->have || !t) goto done;
-    int64_t np = (n + e->pp - 1) / e->pp;
-    int64_t *order = malloc((size_t)np * sizeof *order);
-    *t = (cout_t){.tensor = tensor, .count = n, .last_ns = now, .backoff = 1, .live = 1,
-                  .values = malloc((size_t)n * 4), .prio = malloc((size_t)np)};
+    /* DlcpSender.send */
+    cout_t *t;
+    if (e->out_at[tensor]) {
+        t = &e->out.v[e->out_at[tensor] - 1];
+        if (t->live) free_out(t), e->out.live--;
+    } else {
+        t = &e->out.v[e->out.n++];
+        e->out_at[tensor] = (int32_t)e->out.n;
+    }
     e->out.live++;
-    if (!order || !t->values || !t->prio) {
-        free(order);
-        goto done;
+    *t = (cout_t){.tensor = tensor, .count = n, .last_ns = now, .backoff = 1, .live = 1,
+                  .values = copy, .prio = prio};
+    if (e->tx_tick < 0) e->tx_tick = now + e->rto;
+    for (int64_t k = 0; k < np; k++) {
+        int64_t lo = order[k] * e->pp;
+        data(e, t, lo, lo + e->pp < n ? lo + e->pp : n, 0);
     }
-    memcpy(t->values, x, (size_t)n * 4);
-    if (dlcp_classify(x, n, e->pp, back, t->prio, order) == 0) {
-        if (e->tx_tick < 0) e->tx_tick = now + e->rto;
-        for (int64_t k = 0; k < np; k++) {
-            int64_t lo = order[k] * e->pp;
-            data(e, t, lo, lo + e->pp < n ? lo + e->pp : n, 0);
-        }
-        rc = 0;
-    }
-    free(order);
-done:
-    if (rc) e->oom = 1;
+    int rc = e->oom ? -1 : 0;
     pthread_mutex_unlock(&e->mu);
+    free(order);
     return rc;
 }
 
@@ -257,11 +289,13 @@ GF_API int gf_dc_ready(gf_dc *e, int64_t tensor) {
     return r;
 }
 
-/* The caller gave ``tensor`` up: its sum, if it comes, is written nowhere. */
+/* DlcpReceiver.forget: the caller gave ``tensor`` up; its sum is neither
+ * awaited nor written (its push is still resent until the server ACKs). */
 GF_API void gf_dc_forget(gf_dc *e, int64_t tensor) {
+    if (tensor < 0 || tensor >= TENSORS) return;
     pthread_mutex_lock(&e->mu);
-    if (tensor >= 0 && tensor < TENSORS && e->in_at[tensor])
-        e->in.v[e->in_at[tensor] - 1].out = NULL;
+    unfinish(e, tensor);
+    in_drop(e, tensor);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -298,11 +332,7 @@ static void finish(gf_dc *e, const cin_t *t) {
         int64_t old = e->fin[e->fhead];
         e->fhead = (e->fhead + 1) % (e->keep + 1), e->fn--;
         e->finished[old] = 0;
-        if (e->in_at[old]) {
-            free_in(&e->in.v[e->in_at[old] - 1]);
-            e->in.live--;
-            e->in_at[old] = 0;
-        }
+        in_drop(e, old);
     }
 }
 
