@@ -184,9 +184,7 @@ def _datagram(step: tuple) -> bytes:
     return good[: 8 + len(raw) % 40]
 
 
-@SETTINGS
-@given(_script())
-def test_native_dlcp_client_equals_the_reference(script: tuple[int, int, list[tuple]]) -> None:
+def _client_equals_the_reference(script: tuple[int, int, list[tuple]]) -> None:
     pp, keep, steps = script
     ref = Reference(pp, keep)
     nat = dlcpath.NativeDlcpEndpoint(JOB, RANK, pp, RTO, TOKEN, keep=keep)
@@ -227,6 +225,16 @@ def test_native_dlcp_client_equals_the_reference(script: tuple[int, int, list[tu
     finally:
         nat.close()
 
+
+
+# The default suite searches 150 scripts (its 10 minutes); CI's second pass
+# (``-m long``) 1,000, as GRADFABRIC_EXAMPLES would.
+test_native_dlcp_client_equals_the_reference = settings(
+    SETTINGS, max_examples=int(os.environ.get("GRADFABRIC_EXAMPLES", 150))
+)(given(_script())(_client_equals_the_reference))
+test_native_dlcp_client_equals_the_reference_searched_longer = pytest.mark.long(settings(
+    SETTINGS, max_examples=int(os.environ.get("GRADFABRIC_EXAMPLES", 1000))
+)(given(_script())(_client_equals_the_reference)))
 
 CORPUS = Path(__file__).resolve().parents[2] / "fuzz" / "corpus" / "dlcp_client"
 

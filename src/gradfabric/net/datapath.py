@@ -319,18 +319,31 @@ def run(
     (``FAILED``). ``peer``: the switch, as a raw sockaddr (the native
     driver's) or an address. The driver's counters go to ``counters``."""
     if isinstance(node, NativeWorkerNode):
-        assert _UDP is not None and isinstance(peer, bytes)
-        c = np.zeros(len(DRIVER_COUNTERS), np.int64)
-        rc = int(_UDP.gf_udp_run(node.ops, node.w, sock.fileno(),
-                                 -1 if group is None else group.fileno(), -1, peer, len(peer),
-                                 deadline_ns, ctypes.addressof(abort), int(quiet),
-                                 c.ctypes.data))  # fmt: skip
+        assert isinstance(peer, bytes)
+        rc = run_native(node.ops, node.w, sock, -1 if group is None else group.fileno(), -1,
+                        peer, deadline_ns, abort, quiet, counters)  # fmt: skip
         node.fold()
-        if counters is not None:
-            for name, v in zip(DRIVER_COUNTERS, c.tolist(), strict=True):
-                counters[name] += v
         return rc
     return _run_python(node, sock, peer, deadline_ns, abort, group, quiet, counters)
+
+
+def run_native(
+    ops: int, engine: int, sock: socket.socket, group_fd: int, wake_fd: int, peer: bytes,
+    deadline_ns: int, abort: ctypes.c_int32, quiet: bool, counters: Counters | None,
+) -> int:  # fmt: skip
+    """``udp.c``'s ``gf_udp_run``: any native engine (``ops``, its
+    ``gf_ops``) served on ``sock`` until it is done, with the GIL released;
+    its return code as ``run``'s. ``wake_fd``: an eventfd whose write sends
+    what another thread gave the engine (-1: none)."""
+    assert _UDP is not None
+    c = np.zeros(len(DRIVER_COUNTERS), np.int64)
+    rc = int(_UDP.gf_udp_run(ops, engine, sock.fileno(), group_fd, wake_fd, peer, len(peer),
+                             deadline_ns, ctypes.addressof(abort), int(quiet),
+                             c.ctypes.data))  # fmt: skip
+    if counters is not None:
+        for name, v in zip(DRIVER_COUNTERS, c.tolist(), strict=True):
+            counters[name] += v
+    return rc
 
 
 def _run_python(

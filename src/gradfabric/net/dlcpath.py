@@ -30,7 +30,6 @@ from gradfabric.core import native
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.net import datapath
-from gradfabric.net.datapath import DRIVER_COUNTERS
 from gradfabric.wire.envelope import TOKEN_BYTES
 
 HERE = Path(__file__).parent
@@ -165,14 +164,9 @@ class NativeDlcpEndpoint:
         sockaddr) until a sum completes or the endpoint is idle
         (``datapath.DONE``), ``abort`` is raised or ``deadline_ns`` passes; a
         write to ``wake_fd`` sends what ``begin`` queued meanwhile."""
-        assert datapath._UDP is not None
-        c = np.zeros(len(DRIVER_COUNTERS), np.int64)
         self._lib.gf_dc_settle(self._live())
-        rc = int(datapath._UDP.gf_udp_run(self.ops, self.e, sock.fileno(), -1, wake_fd, peer,
-                                          len(peer), deadline_ns, ctypes.addressof(abort), 0,
-                                          c.ctypes.data))  # fmt: skip
-        for name, v in zip(DRIVER_COUNTERS, c.tolist(), strict=True):
-            driver[name] += v
+        rc = datapath.run_native(self.ops, self.e, sock, -1, wake_fd, peer, deadline_ns, abort,
+                                 False, driver)  # fmt: skip
         if rc == datapath.OUT_OF_MEMORY:
             raise MemoryError("the native DLCP client ran out of memory")
         if rc == datapath.FAILED:  # (the engine never gives up on its server: a bug)
