@@ -56,6 +56,7 @@ def _flow(
     return int(out), [b - a for a, b in zip(before, after, strict=True)]
 
 
+@pytest.mark.long  # (11 s of namespaces: in CI's second pass, outside the default 10 minutes)
 @needs_nft_namespaces
 def test_a_flow_keeps_one_spine_and_a_sprayed_port_takes_them_all() -> None:
     count, spines = 400, 2
