@@ -43,6 +43,7 @@ HOT: tuple[str, ...] = (
     "proto.switch.esa",
     "proto.switch.straggler",
     "proto.ring",
+    "proto.rto",
     "proto.omni",
     "proto.dlcp",
     "proto.dctcp",

@@ -112,6 +112,33 @@ def test_exact_past_one_bitmap_word() -> None:
     assert r.counters["link_loss"] > 0 and r.counters["OmniWorker.timeouts"] > 0
 
 
+def test_the_timeout_follows_rounds_slower_than_its_floor() -> None:
+    """16 workers' blocks into one aggregator over 1 Gbit/s links: a round
+    takes 64 packets in and 64 results out of its port, hundreds of
+    microseconds, against a 100 us floor, and nothing is lost. A fixed
+    timeout re-sent every round's block until it gave up on a live
+    aggregator; the timeout learns the rounds instead: exact, a few
+    re-sends per stream and worker while each one's timeout doubles past
+    the round, and the run within the time of one with a timeout (10 ms)
+    no round reaches plus what those re-sends cost the port (a block in,
+    a result out, each)."""
+    fabric = FabricConfig(link=LinkSpec(link_gbps=1.0))
+    buckets = [Bucket(0, 160_000)]
+
+    def run(rto_ns: int) -> CollectiveResult:
+        ina = InaConfig(rto_ns=rto_ns, omni_streams=4, omni_aggregators=1)
+        return run_collective("omnireduce", 16, buckets, fabric, ina, 0, True, density=1.0)
+
+    learnt, ample = run(100_000), run(10_000_000)
+    _exact(learnt)
+    assert ample.counters.get("OmniWorker.timeouts", 0) == 0  # (no round reaches it)
+    resent = learnt.counters["OmniWorker.timeouts"]
+    assert 0 < resent < 64 * 12  # each stream's timeout doubles to the round's in a few
+    packet_ns = (1024 + HEADER_BYTES) * 8 / 1.0
+    took, bound = learnt.comm_ns, ample.comm_ns + 2 * resent * packet_ns
+    assert took <= bound, (took, bound)
+
+
 def test_an_aggregator_takes_1_to_65536_workers() -> None:
     """The header names a sender in a u16: no aggregator of none, or of more."""
     for n in (0, 2**16 + 1):

@@ -125,8 +125,8 @@ def _omni(workers: int, density: float) -> Pair:
 UNPRICED = {
     "ps": "each server's port takes one packet of every worker at once: a burst the flow "
     "level's fluid rates do not price",
-    "omnireduce": "packet level drops in queues and retransmits (every result converges on "
-    "every worker); the flow level has no loss",
+    "omnireduce": "packet level drops in queues and retransmits (every result goes to every "
+    "worker); the flow level has no loss",
 }
 
 

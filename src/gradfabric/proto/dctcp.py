@@ -23,8 +23,8 @@ in. What it adds is what a datacenter TCP does:
   ACK of a copy already re-sent (a spurious retransmission) widens the
   window by another quarter of the min RTT (once per round trip, up to
   the smoothed RTT).
-- **A retransmission timeout** from the smoothed RTT (RFC 6298: ``srtt + 4
-  rttvar``, at least ``rto_ns``, doubled per timeout); it re-sends all in
+- **A retransmission timeout** from the smoothed RTT (``proto.rto``, RFC 6298's:
+  ``srtt + 4 rttvar``, at least ``rto_ns``, doubled per timeout); it re-sends all in
   flight from a window of one.
 
 Every re-send gets a new sequence number, so an ACK always names the copy
@@ -43,12 +43,12 @@ import numpy as np
 
 from gradfabric.proto.actions import Action, Send
 from gradfabric.proto.dlcp import DlcpReceiver, DlcpSender, dlcp_control
+from gradfabric.proto.rto import Rto
 from gradfabric.wire.packet import Flag, Packet
 
 INITIAL_WINDOW: Final = 10  # packets (RFC 6928)
 DCTCP_G: Final = 1 / 16  # alpha's gain (the DCTCP paper's g)
 REORDER_SHARE: Final = 0.25  # RACK's reordering window, share of the min RTT
-MAX_RTO_BACKOFF: Final = 64
 
 
 @dataclass(slots=True)
@@ -81,9 +81,8 @@ class DctcpSender(DlcpSender):
         self.acked = self.marked = 0  # in the current observation window
         self.window_end = 0  # the window ends when this sequence number is ACKed
         self.recover = 0  # no second cut until a packet sent after the last is ACKed
-        self.srtt = self.rttvar = 0.0
+        self.rto = Rto(rto_ns)
         self.min_rtt = float("inf")
-        self.backoff = 1
         self.rto_at: int | None = None
         self.reorder_steps = 1  # the reordering window in quarters of the min RTT
         self.widened_at = 0  # no second widening until a later packet is ACKed
@@ -99,10 +98,6 @@ class DctcpSender(DlcpSender):
         self.queue.extend((tensor, lo, False) for lo in offsets)
         return self._pump(now_ns)
 
-    def _rto(self) -> int:
-        base = self.srtt + 4 * self.rttvar if self.srtt else 0.0
-        return int(max(self.rto_ns, base)) * self.backoff
-
     def _pump(self, now_ns: int) -> list[Action]:
         out: list[Action] = []
         while self.queue and len(self.flight) < int(self.cwnd):
@@ -117,7 +112,7 @@ class DctcpSender(DlcpSender):
             if resent:
                 self.counters["retransmits"] += 1
         if self.flight and self.rto_at is None:
-            self.rto_at = now_ns + self._rto()
+            self.rto_at = now_ns + self.rto.ns()
         return out
 
     def _requeue(self, seqs: list[int]) -> None:
@@ -163,13 +158,9 @@ class DctcpSender(DlcpSender):
         if not sent.resent:  # RFC 6298 estimators
             rtt = now_ns - sent.sent_ns
             self.min_rtt = min(self.min_rtt, rtt)
-            if self.srtt:
-                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-                self.srtt = 0.875 * self.srtt + 0.125 * rtt
-            else:
-                self.srtt, self.rttvar = float(rtt), rtt / 2
-        self.backoff = 1
-        self.rto_at = now_ns + self._rto() if self.flight else None
+            self.rto.sample(rtt)
+        self.rto.progress()
+        self.rto_at = now_ns + self.rto.ns() if self.flight else None
         marked = bool(pkt.flags & Flag.ECN)
         self.acked += 1
         self.marked += marked
@@ -182,7 +173,7 @@ class DctcpSender(DlcpSender):
             self._cut(1 - self.alpha / 2)
         elif not marked:
             self.cwnd += 1.0 if self.cwnd < self.ssthresh else 1.0 / self.cwnd
-        reorder = min(self.reorder_steps * REORDER_SHARE * self.min_rtt, self.srtt)
+        reorder = min(self.reorder_steps * REORDER_SHARE * self.min_rtt, self.rto.srtt)
         lost: list[int] = []
         for seq, f in self.flight.items():  # sending order
             if f.sent_ns > sent.sent_ns - reorder:
@@ -203,7 +194,7 @@ class DctcpSender(DlcpSender):
         self.cwnd = 1.0
         self.recover = self.seq
         self._requeue(list(self.flight))
-        self.backoff = min(MAX_RTO_BACKOFF, 2 * self.backoff)
+        self.rto.expired()
         self.rto_at = None
         return self._pump(now_ns)
 

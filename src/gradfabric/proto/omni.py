@@ -18,14 +18,27 @@ One stream, as in the paper:
   at every worker never travel.
 
 Loss: results carry their position and the next one, so a worker knows
-which result it expects. A worker that sees no progress on a stream for
-``rto_ns`` retransmits the block it owes (if any) and sends a ``RESEND``
-request naming the last position it applied; the aggregator keeps each
+which result it expects. A worker that sees no progress on a stream for its
+timeout retransmits the block it owes (if any) and sends a ``RESEND``
+request naming the last position it applied. A round waits on every
+worker's packet and every result goes to every worker, so at hundreds of
+workers rounds outlast any fixed timeout a small job would choose, and a
+fixed one re-sends blocks nobody lost into the queues that made the rounds
+slow. The timeout follows the rounds instead (``proto.rto``: at least
+``rto_ns``, at most ``MAX_BACKOFF`` times it): its samples are a stream's
+times from one result to the next, taken only where the stream sent
+nothing twice and the round ended inside the stream's timeout (Karn's
+rule, and a round that waited on another worker's recovery is longer than
+that); a stream's timeout doubles with each of its silent checks (still
+at most ``MAX_BACKOFF`` times ``rto_ns``: every worker re-sends at least that
+often, so one whose rounds seem short never gives up before a peer with a
+longer timeout has re-sent) and stays doubled until it gives a sample; the
+aggregator keeps each
 stream's results until every worker has acknowledged them (a data packet for
 position ``q`` acknowledges everything before ``q``, a request everything up
 to its position) and re-sends what the requester lacks. Duplicates are counted
-and ignored. After ``max_tries`` silent timeouts a worker fails naming the
-aggregator; the aggregator reports which workers a stream still waits on.
+and ignored. After ``max_tries`` silent timeouts in a row a worker fails naming
+the aggregator; the aggregator reports which workers a stream still waits on.
 
 Fields (the common 32-byte header): ``layer`` = bucket, ``seq`` = stream,
 ``agg_index`` = position + 1 (0: the announce round), ``bitmap`` = the next
@@ -45,6 +58,7 @@ from mypy_extensions import mypyc_attr
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
 from gradfabric.proto.actions import Action, Deliver, Fail, Multicast, NoTimers, Send
+from gradfabric.proto.rto import MAX_BACKOFF, Rto
 from gradfabric.wire.packet import MAX_FAN_IN, MAX_SENDERS, Flag, Packet, result_packet
 
 NONE = (1 << 64) - 1  # "no further non-zero block"
@@ -212,8 +226,10 @@ class _Stream:
     expect: int = -1  # position of the next result (-1: the announce round's)
     done: bool = False
     owed: Packet | None = None  # the packet whose round has not completed
-    last_ns: int = 0
-    tries: int = 0
+    last_ns: int = 0  # the last result, or the last timeout since
+    tries: int = 0  # timeouts since the last result
+    since_ns: int = 0  # the last result (or the bucket's start)
+    backoff: int = 1  # the stream's timeout in the worker's (``Rto``), doubled per timeout
 
 
 @dataclass
@@ -239,6 +255,7 @@ class OmniWorker:
     ) -> None:
         self.name, self.job_id, self.rank, self.layout = name, job_id, rank, layout
         self.rto_ns, self.max_tries = rto_ns, max_tries
+        self.rto = Rto(rto_ns, ceiling_ns=rto_ns * MAX_BACKOFF)
         self.counters = Counters()
         self.buckets: dict[int, _OBucket] = {}
         self.tick: int | None = None
@@ -260,7 +277,7 @@ class OmniWorker:
             if payload is None:
                 raise ValueError("need the payload or the block mask")
             mask = block_mask(payload, lay.block)
-        streams = [_Stream([], last_ns=now_ns) for _ in range(lay.width)]
+        streams = [_Stream([], last_ns=now_ns, since_ns=now_ns) for _ in range(lay.width)]
         for blk in np.flatnonzero(mask).tolist():
             g, pos = lay.where(blk)
             streams[g].nz.append(pos)
@@ -281,9 +298,16 @@ class OmniWorker:
             next_position=nxt, count=count, values=vals,
         )  # fmt: skip
 
+    def _timeout(self, rto: int, st: _Stream) -> int:
+        """Stream ``st``'s timeout, backed off, never past the ceiling: a
+        worker re-sends at least that often, so one whose rounds seem short
+        never gives up before a peer whose timeout grew has re-sent."""
+        return min(self.rto.ceiling_ns, rto * st.backoff)
+
     def _arm(self, now_ns: int) -> None:
-        if self.tick is None:
-            self.tick = now_ns + self.rto_ns
+        due = now_ns + self.rto.ns()  # (a new bucket's streams: not backed off)
+        if self.tick is None or due < self.tick:
+            self.tick = due
 
     def on_packet(self, pkt: Packet, now_ns: int) -> list[Action]:
         bk = self.buckets.get(pkt.layer)
@@ -306,7 +330,14 @@ class OmniWorker:
             return []
         if pos >= 0 and bk.result is not None and pkt.payload is not None:
             bk.result[lo : lo + pkt.count] = pkt.payload
-        st.expect, st.owed, st.last_ns, st.tries = pkt.bitmap, None, now_ns, 0
+        rtt, timeout = now_ns - st.since_ns, self._timeout(self.rto.ns(), st)
+        if not st.tries and rtt < timeout:  # a clean round (module doc)
+            self.rto.sample(rtt)
+            st.backoff = 1
+        st.expect, st.owed, st.last_ns, st.since_ns, st.tries = pkt.bitmap, None, now_ns, now_ns, 0
+        due = now_ns + self._timeout(self.rto.ns(), st)
+        if self.tick is None or due < self.tick:
+            self.tick = due
         out: list[Action] = []
         if pkt.bitmap == NONE:
             st.done = True
@@ -333,16 +364,23 @@ class OmniWorker:
     def on_timer(self, now_ns: int) -> list[Action]:
         self.tick = None
         out: list[Action] = []
-        lay = self.layout
+        lay, rto = self.layout, self.rto.ns()
         for b, bk in self.buckets.items():
             for g, st in enumerate(bk.streams):
-                if st.done or now_ns - st.last_ns < self.rto_ns:
+                if st.done:
+                    continue
+                due = st.last_ns + self._timeout(rto, st)
+                if now_ns < due:
+                    self.tick = due if self.tick is None else min(self.tick, due)
                     continue
                 st.tries += 1
                 st.last_ns = now_ns
+                st.backoff = min(MAX_BACKOFF, 2 * st.backoff)
+                due = now_ns + self._timeout(rto, st)
+                self.tick = due if self.tick is None else min(self.tick, due)
                 agg = lay.aggregators[g // lay.streams]
                 if st.tries > self.max_tries:
-                    waited = self.rto_ns * self.max_tries
+                    waited = now_ns - st.since_ns
                     return [Fail(agg, f"stream {g} of bucket {b} made no progress", waited)]
                 self.counters["timeouts"] += 1
                 if st.owed is not None:
@@ -350,8 +388,8 @@ class OmniWorker:
                 req = self._packet(b, g, st.expect, NONE, None, 0)
                 req.flags = Flag.RESEND  # "send me every result from ``expect`` on"
                 out.append(Send(agg, req))
-        if self.buckets:
-            self._arm(now_ns)
+        if self.tick is not None:  # a scan of every stream at most once a timeout
+            self.tick = max(self.tick, now_ns + rto)
         return out
 
     def next_deadline(self) -> int | None:
