@@ -4,6 +4,7 @@ at the data-volume bound, and loud about a dead peer."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.proto.omni import NONE, OmniAggregator, OmniLayout, block_mask
+from gradfabric.proto.actions import Fail
+from gradfabric.proto.omni import NONE, OmniAggregator, OmniLayout, OmniWorker, block_mask
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, CollectiveResult, FabricConfig, run_collective
 from gradfabric.sim.network import LinkSpec
@@ -114,7 +116,7 @@ def test_exact_past_one_bitmap_word() -> None:
 
 def test_the_timeout_follows_rounds_slower_than_its_floor() -> None:
     """16 workers' blocks into one aggregator over 1 Gbit/s links: a round
-    takes 64 packets in and 64 results out of its port, hundreds of
+    takes 32 packets in and 32 results out of its port, hundreds of
     microseconds, against a 100 us floor, and nothing is lost. A fixed
     timeout re-sent every round's block until it gave up on a live
     aggregator; the timeout learns the rounds instead: exact, a few
@@ -126,14 +128,14 @@ def test_the_timeout_follows_rounds_slower_than_its_floor() -> None:
     buckets = [Bucket(0, 160_000)]
 
     def run(rto_ns: int) -> CollectiveResult:
-        ina = InaConfig(rto_ns=rto_ns, omni_streams=4, omni_aggregators=1)
+        ina = InaConfig(rto_ns=rto_ns, omni_streams=2, omni_aggregators=1)
         return run_collective("omnireduce", 16, buckets, fabric, ina, 0, True, density=1.0)
 
     learnt, ample = run(100_000), run(10_000_000)
     _exact(learnt)
     assert ample.counters.get("OmniWorker.timeouts", 0) == 0  # (no round reaches it)
     resent = learnt.counters["OmniWorker.timeouts"]
-    assert 0 < resent < 64 * 12  # each stream's timeout doubles to the round's in a few
+    assert 0 < resent < 32 * 12  # each stream's timeout doubles to the round's in a few
     packet_ns = (1024 + HEADER_BYTES) * 8 / 1.0
     took, bound = learnt.comm_ns, ample.comm_ns + 2 * resent * packet_ns
     assert took <= bound, (took, bound)
@@ -180,3 +182,42 @@ def test_aggregator_drops_foreign_and_malformed_input() -> None:
     wire = res.pkt.clone()  # type: ignore[union-attr]
     wire.payload = np.zeros(0, dtype=np.int32)
     assert decode(encode(wire)).bitmap == 5
+
+
+def test_the_worker_s_timer_step_by_step() -> None:
+    """One worker, one aggregator, one stream, results scripted: the timer
+    as the module doc states it (floor 100 ns, a stream given up 400 floors
+    after its last result, no timeout past 1/32 of that)."""
+    lay = OmniLayout(["agg"], streams=1, block=4)
+    w = OmniWorker("w", 7, 0, lay, rto_ns=100, max_tries=400)
+    x = np.arange(1, 9, dtype=np.int64)  # two blocks, both non-zero
+
+    def result(pos: int, nxt: int, at: int) -> list[Any]:
+        vals = None if pos < 0 else x[4 * pos : 4 * pos + 4]
+        pkt = Packet(7, 0, 0, pos + 1, nxt, 64, Flag.ACK, 0, 0, 0 if pos < 0 else 4, vals)
+        return w.on_packet(pkt, at)
+
+    w.start(0, 8, 0, payload=x)
+    assert w.next_deadline() == 100  # the floor
+    assert len(w.on_timer(100)) == 2  # the announce again and a RESEND
+    assert w.next_deadline() == 300  # backed off: twice the floor
+    result(-1, 0, 250)  # the announce round's result, after a re-send: no sample
+    assert w.rto.srtt == 0 and w.next_deadline() == 300
+    assert w.on_timer(300) == [] and w.next_deadline() == 450  # still backed off
+    result(0, 1, 400)  # a clean round, inside its timeout (200): sampled
+    assert w.rto.srtt == 150 and w.rto.ns() == 150 + 4 * 75
+    assert w.next_deadline() == 450  # (the timer moves only earlier)
+    # due at 400 + 450, but every stream is scanned at most once a timeout
+    assert w.on_timer(450) == [] and w.next_deadline() == 450 + 450
+    # silence: doubling up to the ceiling (40,000 / 32), given up 40,000 after
+    fired = []
+    while (at := w.next_deadline()) is not None:
+        acts = w.on_timer(at)
+        fired.append(at)
+        if any(isinstance(a, Fail) for a in acts):
+            (fail,) = acts
+            break
+    assert fail.waited_ns == 40_000 and fired[-1] == 400 + 40_000
+    gaps = np.diff(fired[:-1])
+    assert gaps.max() == 1_250 and np.all(gaps[1:] >= gaps[:-1])
+    assert w.next_deadline() is None and not w.buckets  # forgotten, no timer left

@@ -24,21 +24,23 @@ request naming the last position it applied. A round waits on every
 worker's packet and every result goes to every worker, so at hundreds of
 workers rounds outlast any fixed timeout a small job would choose, and a
 fixed one re-sends blocks nobody lost into the queues that made the rounds
-slow. The timeout follows the rounds instead (``proto.rto``: at least
-``rto_ns``, at most ``MAX_BACKOFF`` times it): its samples are a stream's
-times from one result to the next, taken only where the stream sent
-nothing twice and the round ended inside the stream's timeout (Karn's
-rule, and a round that waited on another worker's recovery is longer than
-that); a stream's timeout doubles with each of its silent checks (still
-at most ``MAX_BACKOFF`` times ``rto_ns``: every worker re-sends at least that
-often, so one whose rounds seem short never gives up before a peer with a
-longer timeout has re-sent) and stays doubled until it gives a sample; the
-aggregator keeps each
+slow. The timeout follows the rounds instead (``proto.rto``, at least
+``rto_ns``): its samples are a stream's times from one result to the next
+(not the announce round's, which also measures how far apart the ranks
+began the bucket), taken only where the stream sent nothing twice and the
+round ended inside the stream's timeout (Karn's rule, and a round that
+waited on another worker's recovery is longer than that); a stream's
+timeout doubles with each of its silent checks and stays doubled until it
+gives a sample. A worker gives up on a stream ``max_tries * rto_ns`` after
+its last result, however its timeout grew, and no timeout exceeds
+``1/GIVE_UP_TRIES`` of that (nor ``MAX_BACKOFF * rto_ns``): every worker re-sends at
+least every ceiling plus one timeout (its check's period), so none gives
+up on a peer that has yet to re-send. The aggregator keeps each
 stream's results until every worker has acknowledged them (a data packet for
 position ``q`` acknowledges everything before ``q``, a request everything up
 to its position) and re-sends what the requester lacks. Duplicates are counted
-and ignored. After ``max_tries`` silent timeouts in a row a worker fails naming
-the aggregator; the aggregator reports which workers a stream still waits on.
+and ignored. A worker that gives up fails naming the aggregator (and forgets
+the bucket); the aggregator reports which workers a stream still waits on.
 
 Fields (the common 32-byte header): ``layer`` = bucket, ``seq`` = stream,
 ``agg_index`` = position + 1 (0: the announce round), ``bitmap`` = the next
@@ -62,6 +64,7 @@ from gradfabric.proto.rto import MAX_BACKOFF, Rto
 from gradfabric.wire.packet import MAX_FAN_IN, MAX_SENDERS, Flag, Packet, result_packet
 
 NONE = (1 << 64) - 1  # "no further non-zero block"
+GIVE_UP_TRIES = 32  # a silent stream is re-sent at least this often before it is given up
 
 
 def omni_packet(
@@ -227,7 +230,7 @@ class _Stream:
     done: bool = False
     owed: Packet | None = None  # the packet whose round has not completed
     last_ns: int = 0  # the last result, or the last timeout since
-    tries: int = 0  # timeouts since the last result
+    tries: int = 0  # timeouts since the last result (Karn's rule)
     since_ns: int = 0  # the last result (or the bucket's start)
     backoff: int = 1  # the stream's timeout in the worker's (``Rto``), doubled per timeout
 
@@ -255,7 +258,9 @@ class OmniWorker:
     ) -> None:
         self.name, self.job_id, self.rank, self.layout = name, job_id, rank, layout
         self.rto_ns, self.max_tries = rto_ns, max_tries
-        self.rto = Rto(rto_ns, ceiling_ns=rto_ns * MAX_BACKOFF)
+        self.rto = Rto(rto_ns)
+        self.give_up_ns = max_tries * rto_ns  # since a stream's last result
+        self.ceiling_ns = max(rto_ns, min(MAX_BACKOFF * rto_ns, self.give_up_ns // GIVE_UP_TRIES))
         self.counters = Counters()
         self.buckets: dict[int, _OBucket] = {}
         self.tick: int | None = None
@@ -299,13 +304,12 @@ class OmniWorker:
         )  # fmt: skip
 
     def _timeout(self, rto: int, st: _Stream) -> int:
-        """Stream ``st``'s timeout, backed off, never past the ceiling: a
-        worker re-sends at least that often, so one whose rounds seem short
-        never gives up before a peer whose timeout grew has re-sent."""
-        return min(self.rto.ceiling_ns, rto * st.backoff)
+        """Stream ``st``'s timeout, backed off, never past the ceiling
+        (module doc)."""
+        return min(self.ceiling_ns, rto * st.backoff)
 
     def _arm(self, now_ns: int) -> None:
-        due = now_ns + self.rto.ns()  # (a new bucket's streams: not backed off)
+        due = now_ns + min(self.ceiling_ns, self.rto.ns())  # (a new bucket's: not backed off)
         if self.tick is None or due < self.tick:
             self.tick = due
 
@@ -331,7 +335,7 @@ class OmniWorker:
         if pos >= 0 and bk.result is not None and pkt.payload is not None:
             bk.result[lo : lo + pkt.count] = pkt.payload
         rtt, timeout = now_ns - st.since_ns, self._timeout(self.rto.ns(), st)
-        if not st.tries and rtt < timeout:  # a clean round (module doc)
+        if not st.tries and rtt < timeout and st.expect >= 0:  # a clean round (module doc)
             self.rto.sample(rtt)
             st.backoff = 1
         st.expect, st.owed, st.last_ns, st.since_ns, st.tries = pkt.bitmap, None, now_ns, now_ns, 0
@@ -364,24 +368,24 @@ class OmniWorker:
     def on_timer(self, now_ns: int) -> list[Action]:
         self.tick = None
         out: list[Action] = []
-        lay, rto = self.layout, self.rto.ns()
+        lay, rto = self.layout, min(self.ceiling_ns, self.rto.ns())
         for b, bk in self.buckets.items():
             for g, st in enumerate(bk.streams):
                 if st.done:
                     continue
+                agg = lay.aggregators[g // lay.streams]
+                if now_ns - st.since_ns >= self.give_up_ns:
+                    return self._give_up(b, g, agg, now_ns - st.since_ns, now_ns)
                 due = st.last_ns + self._timeout(rto, st)
                 if now_ns < due:
+                    due = min(due, st.since_ns + self.give_up_ns)
                     self.tick = due if self.tick is None else min(self.tick, due)
                     continue
                 st.tries += 1
                 st.last_ns = now_ns
                 st.backoff = min(MAX_BACKOFF, 2 * st.backoff)
-                due = now_ns + self._timeout(rto, st)
+                due = min(now_ns + self._timeout(rto, st), st.since_ns + self.give_up_ns)
                 self.tick = due if self.tick is None else min(self.tick, due)
-                agg = lay.aggregators[g // lay.streams]
-                if st.tries > self.max_tries:
-                    waited = now_ns - st.since_ns
-                    return [Fail(agg, f"stream {g} of bucket {b} made no progress", waited)]
                 self.counters["timeouts"] += 1
                 if st.owed is not None:
                     out.append(Send(agg, st.owed.clone()))
@@ -391,6 +395,15 @@ class OmniWorker:
         if self.tick is not None:  # a scan of every stream at most once a timeout
             self.tick = max(self.tick, now_ns + rto)
         return out
+
+    def _give_up(self, b: int, g: int, agg: str, waited: int, now_ns: int) -> list[Action]:
+        """Fail bucket ``b`` (its stream ``g`` silent for ``waited`` ns) and
+        forget it; the timer goes on for the other buckets alone."""
+        del self.buckets[b]
+        self.tick = None
+        if self.buckets:
+            self._arm(now_ns)
+        return [Fail(agg, f"stream {g} of bucket {b} made no progress", waited)]
 
     def next_deadline(self) -> int | None:
         return self.tick

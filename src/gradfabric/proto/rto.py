@@ -18,13 +18,13 @@ MAX_BACKOFF: Final = 64
 
 
 class Rto:
-    """The timeout of one sender: at least ``floor_ns``, and before its
-    back-off at most ``ceiling_ns`` where that is set (0: none)."""
+    """The timeout of one sender, at least ``floor_ns`` (> 0, else
+    ``ValueError``)."""
 
-    def __init__(self, floor_ns: int, ceiling_ns: int = 0) -> None:
-        if floor_ns <= 0 or (ceiling_ns and ceiling_ns < floor_ns):
-            raise ValueError(f"a timeout must be > 0 ns and under its ceiling, got {floor_ns}")
-        self.floor_ns, self.ceiling_ns = floor_ns, ceiling_ns
+    def __init__(self, floor_ns: int) -> None:
+        if floor_ns <= 0:
+            raise ValueError(f"a timeout's floor must be > 0 ns, got {floor_ns}")
+        self.floor_ns = floor_ns
         self.srtt = self.rttvar = 0.0  # (no sample yet: srtt 0)
         self.backoff = 1
 
@@ -47,7 +47,4 @@ class Rto:
     def ns(self) -> int:
         """The timeout now."""
         base = self.srtt + 4 * self.rttvar if self.srtt else 0.0
-        ns = int(max(self.floor_ns, base))
-        if self.ceiling_ns:
-            ns = min(self.ceiling_ns, ns)
-        return ns * self.backoff
+        return int(max(self.floor_ns, base)) * self.backoff

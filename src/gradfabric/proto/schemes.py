@@ -552,7 +552,7 @@ class OmniReduce(Scheme):
         return OmniWorker(p.workers[rank], p.job_id, rank, self._layout(p), p.rto_ns, p.max_retries)
 
     def adjust(self, p: Placement, ina: InaConfig, help: HelpConfig | None) -> Placement:
-        return replace(p, max_retries=50)
+        return replace(p, max_retries=400)  # a stream's give-up: 400 floors (proto.omni)
 
     def start(
         self, engine: Engine, bucket: int, count: int, now_ns: int,
