@@ -220,7 +220,7 @@ def _daemon(hook: str) -> tuple[str, ...]:
      pytest.param("auto", marks=pytest.mark.long), "rows", "auto-rows", "auto-sparse",
      pytest.param("ina", marks=pytest.mark.long),  # (trains through the switch by default)
      pytest.param("dlcp", marks=pytest.mark.long),  # (trains through a congested port)
-     "omnireduce-compiled", "auto-compiled"],
+     "omnireduce-compiled", pytest.param("auto-compiled", marks=pytest.mark.long)],
 )  # fmt: skip
 def test_each_hook_matches_ddp_under_each_feature(hook: str) -> None:
     """Each hook against DDP's default hook, to the bit where the arithmetic

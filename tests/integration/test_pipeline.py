@@ -177,6 +177,7 @@ def test_a_replan_mid_training_moves_layers_and_optimizer_state_exactly() -> Non
                 torch.testing.assert_close(v, want[k], atol=1e-12, rtol=0.0, msg=f"rank {r} {k}")
 
 
+@pytest.mark.long  # (11 s on a slow day: the default suite's budget)
 def test_train_plan_follows_the_controller_through_a_trace_and_trains_exactly() -> None:
     """The online controller re-plans across the built-in trace (device 1
     slows, device 0 leaves and returns) and the ranks move for real: the loss

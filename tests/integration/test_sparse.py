@@ -297,6 +297,7 @@ def test_bench_on_shaped_links_in_namespaces() -> None:
     assert listed() <= before  # cleaned up
 
 
+@pytest.mark.long  # (12 s; the hook's DDP parity stays in the default suite: test_hooks)
 def test_ddp_training_with_the_hook_follows_the_default_hook() -> None:
     """NeuMF on 3 torchrun ranks (loopback): the hooked replicas stay bitwise
     identical (every rank writes the owners' same sums) and the loss curve

@@ -7,6 +7,7 @@ import struct
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -126,6 +127,7 @@ def _transport_engines() -> list[Any]:
     return [ring, half, hring, server, host, tcp]
 
 
+@pytest.mark.long  # (9 s on a slow day; CI runs it in its second pass)
 def test_fuzzed_bytes_raise_only_protocol_error_and_engines_only_count() -> None:
     rng = random.Random(1234)
     engines = _engines()
