@@ -309,7 +309,10 @@ class OmniWorker:
         return min(self.ceiling_ns, rto * st.backoff)
 
     def _arm(self, now_ns: int) -> None:
-        due = now_ns + min(self.ceiling_ns, self.rto.ns())  # (a new bucket's: not backed off)
+        self._wake_by(now_ns + min(self.ceiling_ns, self.rto.ns()))  # (not backed off)
+
+    def _wake_by(self, due: int) -> None:
+        """The timer fires at ``due`` or earlier."""
         if self.tick is None or due < self.tick:
             self.tick = due
 
@@ -339,9 +342,7 @@ class OmniWorker:
             self.rto.sample(rtt)
             st.backoff = 1
         st.expect, st.owed, st.last_ns, st.since_ns, st.tries = pkt.bitmap, None, now_ns, now_ns, 0
-        due = now_ns + self._timeout(self.rto.ns(), st)
-        if self.tick is None or due < self.tick:
-            self.tick = due
+        self._wake_by(now_ns + self._timeout(self.rto.ns(), st))
         out: list[Action] = []
         if pkt.bitmap == NONE:
             st.done = True
@@ -378,22 +379,21 @@ class OmniWorker:
                     return self._give_up(b, g, agg, now_ns - st.since_ns, now_ns)
                 due = st.last_ns + self._timeout(rto, st)
                 if now_ns < due:
-                    due = min(due, st.since_ns + self.give_up_ns)
-                    self.tick = due if self.tick is None else min(self.tick, due)
+                    self._wake_by(min(due, st.since_ns + self.give_up_ns))
                     continue
                 st.tries += 1
                 st.last_ns = now_ns
                 st.backoff = min(MAX_BACKOFF, 2 * st.backoff)
-                due = min(now_ns + self._timeout(rto, st), st.since_ns + self.give_up_ns)
-                self.tick = due if self.tick is None else min(self.tick, due)
+                self._wake_by(min(now_ns + self._timeout(rto, st), st.since_ns + self.give_up_ns))
                 self.counters["timeouts"] += 1
                 if st.owed is not None:
                     out.append(Send(agg, st.owed.clone()))
                 req = self._packet(b, g, st.expect, NONE, None, 0)
                 req.flags = Flag.RESEND  # "send me every result from ``expect`` on"
                 out.append(Send(agg, req))
-        if self.tick is not None:  # a scan of every stream at most once a timeout
-            self.tick = max(self.tick, now_ns + rto)
+        tick = self.next_deadline()  # (what the scan's ``_wake_by`` calls set)
+        if tick is not None:  # a scan of every stream at most once a timeout
+            self.tick = max(tick, now_ns + rto)
         return out
 
     def _give_up(self, b: int, g: int, agg: str, waited: int, now_ns: int) -> list[Action]:
