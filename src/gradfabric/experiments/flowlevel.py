@@ -98,12 +98,10 @@ def _ps(workers: int) -> Pair:
     sequences round-robin over the servers, all from the same sequence, so
     a server's port takes every worker's train at once: a burst of ``n``
     trains, which a 2 MB queue must hold (no loss, as the flow level
-    assumes) and which the flow level's fluid rates do not see. Trains of 8
-    packets at 64, 2 at 256 and single packets at 1,024 keep it within the
-    queue, and a 1,024-packet window keeps a worker's first burst there.
-    The burst still costs time the flow level does not price: 1 MB at a
-    port came out 12% slower than the flow level at 256 (trains of 4) and
-    at 1,024 (single packets; 206M events, 37 minutes here). Past 1,024 a
+    assumes). Trains of 8 packets at 64, 2 at 256 and single packets at
+    1,024 keep it within the queue. The flow level prices the burst: each
+    result waits on it, which holds the 1,024-packet window at 1,024
+    workers, and the last one ends the bucket (``sim.flow``). Past 1,024 a
     burst of single packets (4,096 KB at 4,096) outgrows the queue."""
     train = 8 if workers <= 64 else 2 if workers <= 256 else 1
     return _pair("ps", workers, 32, ROOMY, replace(INA, train_packets=train, ps_window=1024))
@@ -123,8 +121,8 @@ def _omni(workers: int, density: float) -> Pair:
 # What packet level has and the flow level does not model, where a row
 # misses by more than 5% (measured: notebook 2026-11-30, #omni-past-64)
 UNPRICED = {
-    "ps": "each server's port takes one packet of every worker at once: a burst the flow "
-    "level's fluid rates do not price",
+    "ps": "a burst past a server port's queue: packet level's loss and retransmission, which "
+    "the flow level (no loss) does not price",
     "omnireduce": "packet level drops in queues and retransmits (every result goes to every "
     "worker); the flow level has no loss",
 }
