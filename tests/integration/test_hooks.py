@@ -217,7 +217,9 @@ def _daemon(hook: str) -> tuple[str, ...]:
 @pytest.mark.parametrize(
     "hook",
     [pytest.param("omnireduce", marks=pytest.mark.long),  # (the compiled path's twin)
-     pytest.param("auto", marks=pytest.mark.long), "rows", "auto-rows", "auto-sparse",
+     pytest.param("auto", marks=pytest.mark.long),
+     pytest.param("rows", marks=pytest.mark.long),  # (auto-rows takes the rows path too)
+     "auto-rows", "auto-sparse",
      pytest.param("ina", marks=pytest.mark.long),  # (trains through the switch by default)
      pytest.param("dlcp", marks=pytest.mark.long),  # (trains through a congested port)
      "omnireduce-compiled", pytest.param("auto-compiled", marks=pytest.mark.long)],

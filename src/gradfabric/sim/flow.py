@@ -138,6 +138,9 @@ class Plan:
     seq_values: int = 1
     seq_ns: float = 0.0
     seq_share: float = 1.0  # the chance a sequence travels at all (OmniReduce's union)
+    # of the busiest server's last sequence, what ``latency_ns`` holds (a
+    # PS: its burst past the first train)
+    seq_held_ns: float = 0.0
 
     def bandwidth_ns(self, values: int) -> float:
         wire = wire_bytes(values, self.vpp)
@@ -146,7 +149,7 @@ class Plan:
             return even
         sequences = -(-values // self.seq_values)
         most = busiest(self.servers, -(-sequences // self.servers), self.seq_share)
-        return max(even, most * self.seq_ns)
+        return max(even, most * self.seq_ns - self.seq_held_ns)
 
 
 def busiest(servers: int, each: int, p: float) -> float:
@@ -305,6 +308,7 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
             pull = 1.0
             g = _sharded(fab, servers, 1.0, pull, cap)
             latency = 2 * path + (2 * workers - 1) * train
+            held = (workers - 1) * train
         else:
             pull = 1 - (1 - density) ** workers
             g = _sharded(fab, servers, density, pull)
@@ -313,9 +317,10 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
             # every aggregator)
             announces = ina.omni_streams * max(workers, servers)
             latency = 4 * path + train + announces * HEADER_BYTES / fab.host_rate
+            held = 0.0
         solved = _solved(fab, g, Phase(0.0))
         return Plan((solved,), latency, False, vpp, len(g.share), servers,
-                    ina.values_per_sim_packet, workers * train, pull)  # fmt: skip
+                    ina.values_per_sim_packet, workers * train, pull, held)  # fmt: skip
     window = sch.window(ina) * ina.train_packets  # in real packets
     if scheme != "switchml" and window > ina.atp_pool_slots:
         raise ConfigError(
