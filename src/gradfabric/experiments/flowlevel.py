@@ -9,7 +9,8 @@ error is its relative difference from packet level, which is the reference:
   levels and ATP's two (ATP, ESA, SA-ATP: racks, then a spine, the PS off
   it); on leaf-spines whose uplinks have room (``ROOMY``) the hierarchical
   ring at the same sizes, the PS to 1,024 with trains small enough that a
-  server's port takes every worker's train at once without loss (``_ps``),
+  server's port takes every worker's train at once without loss (``_ps``;
+  at 64 also with a window short of its round trip),
   and OmniReduce at 64 and 256 and three densities (``_omni``). Each is a cell
   (``lab.levels.Pair``), so ``reproduce --store`` keeps finished ones;
 * a ResNet-50 training iteration (buckets released through backward) at 64;
@@ -102,9 +103,21 @@ def _ps(workers: int) -> Pair:
     1,024 keep it within the queue. The flow level prices the burst: each
     result waits on it, which holds the 1,024-packet window at 1,024
     workers, and the last one ends the bucket (``sim.flow``). Past 1,024 a
-    burst of single packets (4,096 KB at 4,096) outgrows the queue."""
+    burst of single packets (4,096 KB at 4,096) outgrows the queue, and with
+    ports deep enough to hold it the packet level outgrows this host
+    (notebook 2026-12-01, #ps-burst)."""
     train = 8 if workers <= 64 else 2 if workers <= 256 else 1
     return _pair("ps", workers, 32, ROOMY, replace(INA, train_packets=train, ps_window=1024))
+
+
+def _ps_short_window() -> Pair:
+    """The PS at 64 with a window short of its round trip: trains of 16
+    packets (a 1 MB burst at each server's port) and a window of 512
+    packets, 32 trains, where a result takes 67 trains' time to come back:
+    the window, not the links, sets the rate (bandwidth alone was 54%
+    under packet level here)."""
+    pair = _pair("ps", 64, 32, ROOMY, replace(INA, train_packets=16, ps_window=512))
+    return replace(pair, where="leaf_spine, uplinks with room, a window short of its round trip")
 
 
 def _omni(workers: int, density: float) -> Pair:
@@ -136,7 +149,7 @@ def _pairs(quick: bool) -> list[Pair]:
         for n in sizes
         for scheme in ("ring", "switchml", "atp", "esa", "saatp")
     ]
-    cells += [_ps(n) for n in sizes if n <= 1024]
+    cells += [_ps(n) for n in sizes if n <= 1024] + [_ps_short_window()]
     cells += [_pair("hring", n, 32, ROOMY) for n in sizes]
     omni = (64,) if quick else (64, 256)  # 256: about an hour of packet level
     cells += [_omni(n, d) for n in omni for d in (0.001, 0.01, 0.1)]
