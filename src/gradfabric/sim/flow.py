@@ -29,10 +29,10 @@ workers):
 * ``hring``: the hierarchical ring (``proto.ring``): reduce-scatter in the
   rack, all-reduce of a ``1/h`` shard across racks, all-gather in the rack.
 * ``ps``: every worker to every server ``S/P`` and back, servers placed as
-  packet level places them (``Fabric``: round-robin over the racks); the
-  pattern is the same for every worker of a rack and every server, so a
-  rack's workers' NICs are one bundle, its servers' another, and groups are
-  (rack, rack) pairs. The servers' shares are dealt by sequence (a
+  packet level places them (``sim.fluid.Fabric``: round-robin over the
+  racks); the pattern is the same for every worker of a rack and every
+  server, so a rack's workers' NICs are one bundle, its servers' another,
+  and groups are (rack, rack) pairs. The servers' shares are dealt by sequence (a
   simulated packet), so a bucket of ``k`` sequences loads the busiest
   server with ``ceil(k / P)`` of them: at least that server's NIC time.
   Every worker sends a sequence to its server at the same moment, and the
@@ -41,10 +41,13 @@ workers):
   paths and ``n + 1`` trains at a host's rate (the fan-out staggers the
   workers, so each then waits one burst, not two), and a worker's window
   of ``W`` trains, spread over the servers, moves at most ``W`` trains a
-  round trip. The last sequence's burst and fan-out (``2n - 1`` trains)
-  end the bucket. (Bandwidth alone came out 12% under packet level at
-  1,024 workers, and 54-79% under it where a window is short of the
-  burst's round trip: ``test_flow.py``.)
+  round trip. The last result's fan-out (``n`` trains) ends the bucket.
+  Before it, with a server a worker (its port carries what a worker's NIC
+  does), the last sequence's burst (``n - 1`` trains more) drains after the
+  workers' last send; with fewer servers their ports bind and hold a queue
+  all along, and the burst is in their time. (Bandwidth alone came out 12%
+  under packet level at 1,024 workers in the study, ``experiments.flowlevel``,
+  and 7-79% under it in ``test_flow.py``'s cases.)
 * ``omnireduce``: as ``ps`` with pushes of the non-zero share ``density``
   and results of the share non-zero at any worker, ``u = 1 - (1-density)^n``.
   Blocks go to aggregators by block (``b % A``), and each aggregator sends
@@ -138,18 +141,22 @@ class Plan:
     seq_values: int = 1
     seq_ns: float = 0.0
     seq_share: float = 1.0  # the chance a sequence travels at all (OmniReduce's union)
-    # of the busiest server's last sequence, what ``latency_ns`` holds (a
-    # PS: its burst past the first train)
-    seq_held_ns: float = 0.0
+    # a PS's last sequence's burst after the workers' last send, in
+    # ``latency_ns`` (module doc): a busiest server's time holds its own
+    burst_ns: float = 0.0
 
     def bandwidth_ns(self, values: int) -> float:
         wire = wire_bytes(values, self.vpp)
         even = sum(p.time_ns(wire) for p in self.phases)
         if not self.servers:
             return even
-        sequences = -(-values // self.seq_values)
-        most = busiest(self.servers, -(-sequences // self.servers), self.seq_share)
-        return max(even, most * self.seq_ns - self.seq_held_ns)
+        if self.seq_share < 1:
+            sequences = -(-values // self.seq_values)
+            most = busiest(self.servers, -(-sequences // self.servers), self.seq_share)
+        else:  # dealt whole, the last sequence short (to the server after the last full one)
+            full, rest = divmod(values, self.seq_values)
+            most = full // self.servers + (1 if full % self.servers else rest / self.seq_values)
+        return max(even, most * self.seq_ns - self.burst_ns)
 
 
 def busiest(servers: int, each: int, p: float) -> float:
@@ -301,14 +308,15 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
             # every worker sends a sequence to its server at once, and the
             # server answers once all ``workers`` of them crossed its port, a
             # result a worker out of it: a window's round trip (the fan-out
-            # staggers the workers, so each waits about one burst), and the
-            # last sequence's tail; the window spreads over every server
+            # staggers the workers, so each waits about one burst; the window
+            # spreads over every server), the last sequence's burst where the
+            # workers' NICs bind (module doc), and the last fan-out
             round_ns = 2 * path + (workers + 1) * train
             cap = sch.window(ina) * fab.train_bytes(ina) / round_ns / servers
             pull = 1.0
             g = _sharded(fab, servers, 1.0, pull, cap)
-            latency = 2 * path + (2 * workers - 1) * train
-            held = (workers - 1) * train
+            burst = (workers - 1) * train if servers >= workers else 0.0
+            latency = 2 * path + workers * train + burst
         else:
             pull = 1 - (1 - density) ** workers
             g = _sharded(fab, servers, density, pull)
@@ -317,10 +325,10 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
             # every aggregator)
             announces = ina.omni_streams * max(workers, servers)
             latency = 4 * path + train + announces * HEADER_BYTES / fab.host_rate
-            held = 0.0
+            burst = 0.0
         solved = _solved(fab, g, Phase(0.0))
         return Plan((solved,), latency, False, vpp, len(g.share), servers,
-                    ina.values_per_sim_packet, workers * train, pull, held)  # fmt: skip
+                    ina.values_per_sim_packet, workers * train, pull, burst)  # fmt: skip
     window = sch.window(ina) * ina.train_packets  # in real packets
     if scheme != "switchml" and window > ina.atp_pool_slots:
         raise ConfigError(

@@ -43,7 +43,7 @@ class Clos:
     # the job's servers round-robin over the workers' racks, past
     # ``hosts_per_rack`` (packet level's leaf-spine lays them so:
     # ``sim.collective.CollectiveRun.topology``; ATP's PS, off spine0, is
-    # priced by its own links: ``plan``)
+    # priced by its own links: ``sim.flow.plan``)
     servers_join_racks: bool = False
 
     def __post_init__(self) -> None:
