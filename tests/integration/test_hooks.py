@@ -218,7 +218,7 @@ def _daemon(hook: str) -> tuple[str, ...]:
     "hook",
     [pytest.param("omnireduce", marks=pytest.mark.long),  # (the compiled path's twin)
      pytest.param("auto", marks=pytest.mark.long),
-     pytest.param("rows", marks=pytest.mark.long),  # (auto-rows takes the rows path too)
+     pytest.param("rows", marks=pytest.mark.long),  # (auto-rows sends rows under each feature)
      "auto-rows", "auto-sparse",
      pytest.param("ina", marks=pytest.mark.long),  # (trains through the switch by default)
      pytest.param("dlcp", marks=pytest.mark.long),  # (trains through a congested port)
