@@ -32,9 +32,10 @@ workers):
   packet level places them (``sim.fluid.Fabric``: round-robin over the
   racks); the pattern is the same for every worker of a rack and every
   server, so a rack's workers' NICs are one bundle, its servers' another,
-  and groups are (rack, rack) pairs. The servers' shares are dealt by sequence (a
-  simulated packet), so a bucket of ``k`` sequences loads the busiest
-  server with ``ceil(k / P)`` of them: at least that server's NIC time.
+  and groups are (rack, rack) pairs. The servers' shares are dealt by
+  sequence (a simulated packet), so a bucket of ``k`` sequences loads the
+  busiest server with ``ceil(k / P)`` of them (the last one short of a
+  whole sequence where the bucket is): at least that server's NIC time.
   Every worker sends a sequence to its server at the same moment, and the
   server answers once all ``n`` trains crossed its port, sending the result
   to the workers one after another: a sequence's round trip is its two
@@ -47,7 +48,7 @@ workers):
   workers' last send; with fewer servers their ports bind and hold a queue
   all along, and the burst is in their time. (Bandwidth alone came out 12%
   under packet level at 1,024 workers in the study, ``experiments.flowlevel``,
-  and 7-79% under it in ``test_flow.py``'s cases.)
+  and off by up to 79% in ``test_flow.py``'s cases.)
 * ``omnireduce``: as ``ps`` with pushes of the non-zero share ``density``
   and results of the share non-zero at any worker, ``u = 1 - (1-density)^n``.
   Blocks go to aggregators by block (``b % A``), and each aggregator sends
