@@ -4,11 +4,13 @@ alternative is the one that reached it most often, then soonest."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
 import pytest
 
+from gradfabric.core.errors import ConfigError
 from gradfabric.experiments.saatp_train import _mark_tuned, best, claims, time_to_target
 
 
@@ -46,7 +48,7 @@ def _row(mode: str, tta: float | None, reached: int, **kw: Any) -> dict[str, Any
 
 
 def test_claims_read_a_quick_study_and_one_where_nothing_reached_the_target() -> None:
-    cfg = {"slowdown": 4.0, "seeds": 3}
+    cfg = {"slowdown": 4.0, "seeds": 3, "steps": 20}
     quick = [
         _row("atp", 2.4, 3, saatp_tta_speedup=1.8, saatp_tta_speedup_half=0.1),
         _row("saatp", 1.3, 3, saatp_tta_speedup=1.0, saatp_tta_speedup_half=0.0),
@@ -60,3 +62,50 @@ def test_claims_read_a_quick_study_and_one_where_nothing_reached_the_target() ->
     never = [_row(m, None, 0) for m in ("atp", "saatp", "backup-1")]
     got = claims({"rows": never, "config": cfg, "target": 0.99})
     assert got[0].ours == "not reached" and got[0].met is None
+
+
+def test_a_study_on_shards_by_label_names_them_and_is_not_the_headline() -> None:
+    """The setting where backup workers' dropped gradients take classes out
+    of a step is reported as such, beside the headline (shards that each hold
+    every class), not in its place."""
+    rows = [
+        _row("atp", 2.4, 3, saatp_tta_speedup=1.8, saatp_tta_speedup_half=0.1),
+        _row("saatp", 1.3, 3, saatp_tta_speedup=1.0, saatp_tta_speedup_half=0.0),
+        _row("backup-1", 0.8, 1, tuned=True, saatp_tta_speedup=0.6, saatp_tta_speedup_half=0.05),
+    ]
+    cfg = {"slowdown": 4.0, "seeds": 3, "steps": 60, "shards": "by-label"}
+    got = claims({"rows": rows, "config": cfg, "target": 0.93})
+    assert all(c.claim.endswith("moving straggler, shards by label") for c in got)
+    assert not any(c.headline for c in got)
+    assert "by label" in got[0].note and "of 60 steps" in got[0].note
+    head = claims({"rows": rows, "config": cfg | {"shards": "interleaved"}, "target": 0.93})
+    assert [c.headline for c in head] == [True, True, False]
+
+
+@pytest.mark.parametrize("workers", [3, 4, 7])
+def test_shards_cut_the_set_once_by_label_or_interleaved(workers: int) -> None:
+    """Either way every training row is in exactly one shard. Interleaved,
+    shard ``s`` is rows ``s, s + n, ...``, each shard holding every class;
+    by label, the shards follow each other in label order, so each holds a
+    run of classes and no class reaches past its neighbours."""
+    from dataclasses import replace
+
+    from gradfabric.lab.job import data, shard_batch
+    from gradfabric.lab.saatp_train import SaatpTrainConfig
+
+    y = data()[1].numpy()
+    for kind in ("interleaved", "by-label"):
+        cfg = SaatpTrainConfig(workers=workers, shards=kind, micro_batch=len(y) // workers)
+        shards = [set(shard_batch(cfg, 0, s).tolist()) for s in range(workers)]
+        # a micro-batch of the shard's size draws all of it (without replacement)
+        held = sorted(r for sh in shards for r in sh)
+        assert len(held) == len(set(held)) and len(held) >= len(y) - workers + 1
+        labels = [sorted({int(y[r]) for r in sh}) for sh in shards]
+        if kind == "interleaved":
+            assert all(len(ls) == 10 for ls in labels)
+            assert shards[1] <= set(range(1, len(y), workers))
+        else:
+            assert all(len(ls) <= -(-10 // workers) + 1 for ls in labels)
+            assert all(a[-1] <= b[0] for a, b in itertools.pairwise(labels))
+    with pytest.raises(ConfigError, match="shards"):
+        replace(SaatpTrainConfig(), shards="by-size")

@@ -52,6 +52,12 @@ def add(esub: Sub) -> None:
     et.add_argument("--slowdown", type=float, default=4.0)
     et.add_argument("--move-every", type=int, default=2,
                     help="the moving setting: the slow rank changes every N steps")  # fmt: skip
+    et.add_argument("--settings", default="steady,moving",
+                    help="comma-separated, of steady and moving (default: both)")  # fmt: skip
+    et.add_argument("--shards", default="interleaved",
+                    help="how the data is cut among the ranks: interleaved (each shard the "
+                    "same mix of classes) or by-label (each a few classes: a dropped rank's "
+                    "classes go missing from its step)")  # fmt: skip
     add_output(et, "saatp-train")
     et.set_defaults(fn=saatp_train)
 
@@ -175,11 +181,17 @@ def saatp_udp(args: argparse.Namespace) -> int:
 
 
 def saatp_train(args: argparse.Namespace) -> int:
+    from gradfabric.core.errors import ConfigError
     from gradfabric.experiments import saatp_train as st
     from gradfabric.lab.saatp_train import SaatpTrainConfig
 
-    cfg = SaatpTrainConfig(steps=args.steps, compute_ms=args.compute_ms, slowdown=args.slowdown)
-    settings = {"steady": 0, "moving": args.move_every}
+    cfg = SaatpTrainConfig(steps=args.steps, compute_ms=args.compute_ms, slowdown=args.slowdown,
+                           shards=args.shards)  # fmt: skip
+    every = {"steady": 0, "moving": args.move_every}
+    picked = [x.strip() for x in args.settings.split(",") if x.strip()]
+    if not picked or any(x not in every for x in picked):
+        raise ConfigError("settings", f"comma-separated, of {', '.join(every)}")
+    settings = {x: every[x] for x in picked}
     with progress(len(settings) * len(st.MODES_TUNED) * args.seeds, args.json) as tick:
         res = st.study(cfg, args.seeds, settings, tick, target=args.target)
 

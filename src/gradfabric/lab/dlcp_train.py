@@ -95,6 +95,7 @@ class DlcpTrainConfig:
     micro_batch: int = 32
     lr: float = 0.3
     seed: int = 0
+    shards: str = "interleaved"  # how the data is cut among the ranks (``lab.job.SHARDS``)
     link_mbps: float = 50.0
     load: float = 0.8  # background on every host link, each way, as a share of it
     queue_kb: int = 256  # each class's FIFO at every port

@@ -70,6 +70,7 @@ class EsaJob:
     lr: float = 0.3
     seed: int = 0
     jitter_ms: float = 0.0
+    shards: str = "interleaved"  # (``lab.job.SHARDS``)
 
     def device_ms(self, rank: int) -> list[float]:
         """Each step's device time for worker ``rank``: ``compute_ms`` plus

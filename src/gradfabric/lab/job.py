@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gradfabric.core.errors import ConfigError
 from gradfabric.runtime.switchd import SwitchConfig
 from gradfabric.wire.carried import CarriedExponents
 
@@ -56,6 +57,8 @@ class Job(Protocol):
     def lr(self) -> float: ...
     @property
     def seed(self) -> int: ...
+    @property
+    def shards(self) -> str: ...
 
 
 @cache
@@ -66,10 +69,29 @@ def data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return digits_data()
 
 
+# How the training set is cut into one shard per worker: ``interleaved``,
+# shard ``s`` the rows ``s, s + n, s + 2n, ...`` (every shard the same mix of
+# classes, as a sampler deals a shuffled set); ``by-label``, the rows sorted by
+# label (stably) and cut into ``n`` runs, so each shard holds a few classes
+# (data kept where it was made: a worker whose gradient is dropped takes its
+# classes out of the step).
+SHARDS = ("interleaved", "by-label")
+
+
+@cache
+def _shard_rows(workers: int, shards: str) -> tuple[np.ndarray, ...]:
+    n = len(data()[1])
+    if shards == "interleaved":
+        return tuple(np.arange(s, n, workers) for s in range(workers))
+    if shards == "by-label":
+        return tuple(np.array_split(np.argsort(data()[1].numpy(), kind="stable"), workers))
+    raise ConfigError("shards", f"{shards!r}; valid: {', '.join(SHARDS)}")
+
+
 def shard_batch(cfg: Job, step: int, shard: int) -> np.ndarray:
-    """The training-set rows of shard ``shard``'s micro-batch in ``step``
-    (shard ``s`` is rows ``s, s + n, s + 2n, ...``)."""
-    rows = np.arange(shard, len(data()[0]), cfg.workers)
+    """The training-set rows of shard ``shard``'s micro-batch in ``step``,
+    drawn from the rows the shard holds (``SHARDS``)."""
+    rows = _shard_rows(cfg.workers, cfg.shards)[shard]
     return np.random.default_rng([cfg.seed, step, shard]).choice(rows, cfg.micro_batch, False)
 
 

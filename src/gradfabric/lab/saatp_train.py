@@ -38,7 +38,16 @@ import numpy as np
 import torch
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.lab.job import DAEMON, Replica, accuracy, daemon_flags, data, fingerprint, model
+from gradfabric.lab.job import (
+    DAEMON,
+    SHARDS,
+    Replica,
+    accuracy,
+    daemon_flags,
+    data,
+    fingerprint,
+    model,
+)
 from gradfabric.lab.saatp_udp import HelpedWorker
 from gradfabric.net.launch import run_hosts
 from gradfabric.proto.switch.straggler import holders
@@ -59,6 +68,7 @@ class SaatpTrainConfig:
     lag_packets: int = 16  # below a step's packets (50 at 1,024 values each)
     lr: float = 0.3
     seed: int = 0
+    shards: str = "interleaved"  # how the data is cut into shards (``lab.job.SHARDS``)
     timeout_s: float = 60.0
     # a fault to inject: the first helper asked at or after this step dies (exit 17)
     kill_helper_at: int = -1
@@ -72,6 +82,8 @@ class SaatpTrainConfig:
             raise ConfigError("replicas", "replicas in 1..workers-1, move_every >= 0")
         if not 1 <= self.backups < self.workers:
             raise ConfigError("backups", "backups in 1..workers-1")
+        if self.shards not in SHARDS:
+            raise ConfigError("shards", f"one of {', '.join(SHARDS)}")
 
     def straggler_at(self, step: int) -> int:
         if self.move_every == 0:
