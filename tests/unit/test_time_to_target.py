@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.experiments.saatp_train import _mark_tuned, best, claims, time_to_target
+from gradfabric.experiments.saatp_train import _mark_tuned, best, claims, level, time_to_target
 
 
 def test_the_first_step_at_the_target_counts_and_later_dips_do_not() -> None:
@@ -80,6 +80,19 @@ def test_a_study_on_shards_by_label_names_them_and_is_not_the_headline() -> None
     assert "by label" in got[0].note and "of 60 steps" in got[0].note
     head = claims({"rows": rows, "config": cfg | {"shards": "interleaved"}, "target": 0.93})
     assert [c.headline for c in head] == [True, True, False]
+    # the headline is the moving slow rank's, whichever settings a study ran
+    steady = [r | {"setting": "steady", "move_every": 0} for r in rows]
+    alone = claims({"rows": steady, "config": cfg | {"shards": "interleaved"}, "target": 0.9})
+    assert not any(c.headline for c in alone)
+
+
+def test_level_needs_the_interval_not_just_the_estimate() -> None:
+    """At least level: the interval's floor within 5% of 1; behind: its top
+    below 1; an interval across both is unresolved, whatever the estimate."""
+    assert level(1.0, 0.04) is True and level(1.2, 0.2) is True
+    assert level(0.9, 0.05) is False and level(0.62, 0.13) is False
+    assert level(1.03, 0.51) is None and level(0.97, 0.05) is None
+    assert level(None, None) is None
 
 
 @pytest.mark.parametrize("workers", [3, 4, 7])
@@ -88,8 +101,10 @@ def test_shards_cut_the_set_once_by_label_or_interleaved(workers: int) -> None:
     shard ``s`` is rows ``s, s + n, ...``, each shard holding every class;
     by label, the shards follow each other in label order, so each holds a
     run of classes and no class reaches past its neighbours."""
-    from dataclasses import replace
+    import numpy as np
 
+    from gradfabric.lab.dlcp_train import DlcpTrainConfig
+    from gradfabric.lab.esa_train import EsaJob
     from gradfabric.lab.job import data, shard_batch
     from gradfabric.lab.saatp_train import SaatpTrainConfig
 
@@ -101,11 +116,16 @@ def test_shards_cut_the_set_once_by_label_or_interleaved(workers: int) -> None:
         held = sorted(r for sh in shards for r in sh)
         assert len(held) == len(set(held)) and len(held) >= len(y) - workers + 1
         labels = [sorted({int(y[r]) for r in sh}) for sh in shards]
-        if kind == "interleaved":
+        if kind == "interleaved":  # the rows every stored study drew, pinned
             assert all(len(ls) == 10 for ls in labels)
-            assert shards[1] <= set(range(1, len(y), workers))
+            for s in range(workers):
+                rows = np.arange(s, len(y), workers)
+                old = np.random.default_rng([cfg.seed, 3, s]).choice(rows, cfg.micro_batch, False)
+                assert (shard_batch(cfg, 3, s) == old).all()
         else:
             assert all(len(ls) <= -(-10 // workers) + 1 for ls in labels)
             assert all(a[-1] <= b[0] for a, b in itertools.pairwise(labels))
-    with pytest.raises(ConfigError, match="shards"):
-        replace(SaatpTrainConfig(), shards="by-size")
+    for make in (SaatpTrainConfig, EsaJob, DlcpTrainConfig):
+        with pytest.raises(ConfigError, match="shards"):
+            make(**({"workers": 3, "steps": 2, "arrival_s": 0.0} if make is EsaJob else {}),
+                 shards="by-size")  # fmt: skip

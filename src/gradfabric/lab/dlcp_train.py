@@ -66,7 +66,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.lab.job import accuracy, apply, data, gradient, model, optimizer, shard_batch
+from gradfabric.lab.job import (
+    accuracy,
+    apply,
+    check_shards,
+    data,
+    gradient,
+    model,
+    optimizer,
+    shard_batch,
+)
 from gradfabric.net.netns import MTU
 from gradfabric.net.udp import values_fitting
 from gradfabric.proto.dlcp import MAG_CLASSES
@@ -113,6 +122,7 @@ class DlcpTrainConfig:
     burst_ms: float = 50.0
 
     def __post_init__(self) -> None:
+        check_shards(self.shards)
         if self.scheme not in SCHEMES:
             raise ConfigError("scheme", f"one of {', '.join(SCHEMES)}, got {self.scheme!r}")
         if self.workers < 2 or self.steps < 1 or self.eval_every < 1:

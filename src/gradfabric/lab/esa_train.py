@@ -45,7 +45,14 @@ import numpy as np
 import torch
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
-from gradfabric.lab.job import Replica, daemon_flags, data, fingerprint, reference
+from gradfabric.lab.job import (
+    Replica,
+    check_shards,
+    daemon_flags,
+    data,
+    fingerprint,
+    reference,
+)
 from gradfabric.net.launch import run_on_hosts, run_rank, run_ranks
 from gradfabric.net.netns import NsHost, call_in, tor_star
 from gradfabric.proto.priority import srpt_aging
@@ -71,6 +78,9 @@ class EsaJob:
     seed: int = 0
     jitter_ms: float = 0.0
     shards: str = "interleaved"  # (``lab.job.SHARDS``)
+
+    def __post_init__(self) -> None:
+        check_shards(self.shards)
 
     def device_ms(self, rank: int) -> list[float]:
         """Each step's device time for worker ``rank``: ``compute_ms`` plus

@@ -78,14 +78,23 @@ def data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 SHARDS = ("interleaved", "by-label")
 
 
+def check_shards(shards: str) -> None:
+    """A config's ``shards``, refused (``ConfigError``) unless one of ``SHARDS``."""
+    if shards not in SHARDS:
+        raise ConfigError("shards", f"{shards!r}; valid: {', '.join(SHARDS)}")
+
+
 @cache
 def _shard_rows(workers: int, shards: str) -> tuple[np.ndarray, ...]:
+    check_shards(shards)
     n = len(data()[1])
     if shards == "interleaved":
-        return tuple(np.arange(s, n, workers) for s in range(workers))
-    if shards == "by-label":
-        return tuple(np.array_split(np.argsort(data()[1].numpy(), kind="stable"), workers))
-    raise ConfigError("shards", f"{shards!r}; valid: {', '.join(SHARDS)}")
+        cut = [np.arange(s, n, workers) for s in range(workers)]
+    else:
+        cut = np.array_split(np.argsort(data()[1].numpy(), kind="stable"), workers)
+    for rows in cut:
+        rows.flags.writeable = False  # (cached: every caller shares them)
+    return tuple(cut)
 
 
 def shard_batch(cfg: Job, step: int, shard: int) -> np.ndarray:

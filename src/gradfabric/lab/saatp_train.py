@@ -40,9 +40,9 @@ import torch
 from gradfabric.core.errors import ConfigError
 from gradfabric.lab.job import (
     DAEMON,
-    SHARDS,
     Replica,
     accuracy,
+    check_shards,
     daemon_flags,
     data,
     fingerprint,
@@ -82,8 +82,7 @@ class SaatpTrainConfig:
             raise ConfigError("replicas", "replicas in 1..workers-1, move_every >= 0")
         if not 1 <= self.backups < self.workers:
             raise ConfigError("backups", "backups in 1..workers-1")
-        if self.shards not in SHARDS:
-            raise ConfigError("shards", f"one of {', '.join(SHARDS)}")
+        check_shards(self.shards)
 
     def straggler_at(self, step: int) -> int:
         if self.move_every == 0:
