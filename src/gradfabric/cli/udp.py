@@ -190,7 +190,8 @@ def saatp_train(args: argparse.Namespace) -> int:
     every = {"steady": 0, "moving": args.move_every}
     picked = [x.strip() for x in args.settings.split(",") if x.strip()]
     if not picked or any(x not in every for x in picked):
-        raise ConfigError("settings", f"comma-separated, of {', '.join(every)}")
+        bad = [x for x in picked if x not in every]
+        raise ConfigError("settings", f"{', '.join(bad) or 'none'}; valid: {', '.join(every)}")
     settings = {x: every[x] for x in picked}
     with progress(len(settings) * len(st.MODES_TUNED) * args.seeds, args.json) as tick:
         res = st.study(cfg, args.seeds, settings, tick, target=args.target)
