@@ -323,3 +323,23 @@ def test_events_make_no_reference_cycles_so_the_collector_can_stay_off(scheme: s
             tr.begin(w, 0)
         assert _garbage_made_by(tr.run.loop.run) == 0 and tr.run.finished == 4
         assert tr.helps_started > 0
+
+
+def test_a_tenancy_s_workers_repair_split_sequences_as_the_clients_do() -> None:
+    """Two ATP jobs whose windows overfill the pool: a collision splits a
+    sequence (some shares in a partial aggregate, the others at the PS),
+    which only a worker's resend flushes. With the clients' fast retransmit
+    (``runtime.ticket``) a worker resends once 3 later results are back;
+    without, it waits out its timeout, so each split costs a job 20 ms more.
+    The tenancy's workers take ``InaConfig.fast_retransmit`` as a single
+    job's do."""
+    from gradfabric.experiments import esa_train
+    from gradfabric.lab.esa_train import EsaTrainConfig
+
+    cfg = EsaTrainConfig(jobs=2, pool_slots=40, steps=(40,), mean_gap_s=0.0, jitter_ms=5.0,
+                         link_gbps=1.0, seed=3)  # fmt: skip
+    fast = esa_train.simulated(cfg, "atp")["mean_jct_s"]
+    with pytest.MonkeyPatch.context() as mp:  # the tickets' rule, off
+        mp.setattr(esa_train, "fast_retransmit", lambda notices, window: 0)
+        slow = esa_train.simulated(cfg, "atp")["mean_jct_s"]
+    assert fast < 0.9 * slow  # (measured: 0.44 against 0.60 s)

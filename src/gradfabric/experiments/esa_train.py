@@ -32,6 +32,7 @@ from gradfabric.lab.esa_train import (
 )
 from gradfabric.lab.job import DAEMON, MODEL
 from gradfabric.proto.schemes import InaConfig
+from gradfabric.runtime.ticket import fast_retransmit
 from gradfabric.sim.collective import FabricConfig
 from gradfabric.sim.multijob import TenancyConfig, run_tenancy
 from gradfabric.sim.network import LinkSpec
@@ -57,8 +58,11 @@ def simulated(cfg: EsaTrainConfig, policy: str, overhead_ms: float = 0.0) -> dic
             iteration_jitter_us=cfg.jitter_ms * 1e3,
             packet_jitter_ns=PACKET_JITTER_NS if cfg.jitter_ms else 0,
             fabric=FabricConfig(link=LinkSpec(link_gbps=cfg.link_gbps or LOOPBACK_GBPS)),
+            # the workers' repairs as the clients' tickets set them: a resend
+            # of the oldest sequence once a few later results are back
             ina=InaConfig(values_per_packet=DAEMON.values_per_packet, train_packets=1,
-                          atp_window=cfg.window, rto_ns=DAEMON.rto_ns),
+                          atp_window=cfg.window, rto_ns=DAEMON.rto_ns,
+                          fast_retransmit=fast_retransmit(False, cfg.window)),
         )  # fmt: skip
         r = run_tenancy(tc)
     return {"mean_jct_s": r.avg_jct_s, "p99_jct_s": r.p99_jct_s}
