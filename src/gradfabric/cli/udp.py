@@ -181,18 +181,13 @@ def saatp_udp(args: argparse.Namespace) -> int:
 
 
 def saatp_train(args: argparse.Namespace) -> int:
-    from gradfabric.core.errors import ConfigError
     from gradfabric.experiments import saatp_train as st
+    from gradfabric.experiments.registry import chosen
     from gradfabric.lab.saatp_train import SaatpTrainConfig
 
     cfg = SaatpTrainConfig(steps=args.steps, compute_ms=args.compute_ms, slowdown=args.slowdown,
                            shards=args.shards)  # fmt: skip
-    every = {"steady": 0, "moving": args.move_every}
-    picked = [x.strip() for x in args.settings.split(",") if x.strip()]
-    if not picked or any(x not in every for x in picked):
-        bad = [x for x in picked if x not in every]
-        raise ConfigError("settings", f"{', '.join(bad) or 'none'}; valid: {', '.join(every)}")
-    settings = {x: every[x] for x in picked}
+    settings = chosen({"steady": 0, "moving": args.move_every}, args.settings)
     with progress(len(settings) * len(st.MODES_TUNED) * args.seeds, args.json) as tick:
         res = st.study(cfg, args.seeds, settings, tick, target=args.target)
 

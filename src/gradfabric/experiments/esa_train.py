@@ -18,11 +18,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from gradfabric.core.errors import ConfigError
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
 from gradfabric.experiments.esa import PACKET_JITTER_NS
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.experiments.registry import chosen as pick
 from gradfabric.lab.esa_train import (
     AGING_S,
     POLICIES,
@@ -103,14 +103,9 @@ def settings(scarce_pool: int = 40, jitter_ms: float = JITTER_MS) -> dict[str, t
 
 
 def chosen(every: dict[str, tuple[int, float]], names: str | None) -> dict[str, tuple[int, float]]:
-    """The settings ``names`` picks (comma-separated, "scarce-jittered" for
-    "scarce, jittered"); None: the full study's (``FULL``)."""
-    picked = [x.strip() for x in (names or ",".join(FULL)).split(",") if x.strip()]
-    known = {k.replace(", ", "-"): k for k in every}
-    bad = [x for x in picked if x not in known]
-    if bad or not picked:
-        raise ConfigError("settings", f"unknown {bad}; valid: {', '.join(known)}")
-    return {known[x]: every[known[x]] for x in picked}
+    """The settings ``names`` picks (``registry.chosen``); None: the full
+    study's (``FULL``)."""
+    return pick(every, names or ",".join(FULL))
 
 
 def default_config() -> EsaTrainConfig:

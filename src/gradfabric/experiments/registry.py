@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
+from gradfabric.core.errors import ConfigError
 from gradfabric.core.registry import Registry
 
 Tick = Callable[[str], None]
@@ -77,3 +78,17 @@ class Experiment(Protocol):
 
 
 EXPERIMENTS: Registry[Experiment] = Registry("experiment")
+
+
+S = TypeVar("S")
+
+
+def chosen(every: dict[str, S], names: str) -> dict[str, S]:
+    """The settings of a study that ``names`` picks, comma-separated, a
+    setting named "a, b" spelled "a-b" (``ConfigError`` naming any other)."""
+    picked = [x.strip() for x in names.split(",") if x.strip()]
+    known = {k.replace(", ", "-"): k for k in every}
+    bad = [x for x in picked if x not in known]
+    if bad or not picked:
+        raise ConfigError("settings", f"unknown {bad}; valid: {', '.join(known)}")
+    return {known[x]: every[known[x]] for x in picked}
