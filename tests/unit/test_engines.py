@@ -572,3 +572,20 @@ def test_levels_that_do_not_fit_are_refused() -> None:
                                  root="l0", servers=("ps0",))  # fmt: skip
     with pytest.raises(ConfigError, match="not one of theirs"):
         SCHEMES.get("atp").levels(p)
+
+
+def test_a_ticket_s_fast_retransmit_reaches_its_workers_and_survives_a_save(tmp_path) -> None:
+    """The clients' rule where the ticket leaves it (None: 3 for ATP); a
+    launcher's 0 (ATP as its paper repairs: by timeout alone) reaches the
+    worker engines ``InaClient`` runs, through the file every rank loads."""
+    from gradfabric.runtime.ticket import FAST_RETRANSMIT, Ticket, scheme_worker
+
+    t = Ticket(switch=("127.0.0.1", 1), control=("127.0.0.1", 2), job_id=1, token="00",
+               policy="atp", workers=2, pool_slots=64, slot_base=0, window=8,
+               values_per_packet=4, rto_ns=RTO, entry="sw")  # fmt: skip
+    assert scheme_worker(t, 0, timeout_s=1.0).fast == FAST_RETRANSMIT
+    t.save(str(tmp_path / "ticket.json"))
+    off = replace(Ticket.load(str(tmp_path / "ticket.json")), fast_retransmit=0)
+    off.save(str(tmp_path / "off.json"))
+    off = Ticket.load(str(tmp_path / "off.json"))  # what each rank loads
+    assert off.fast_retransmit == 0 and scheme_worker(off, 1, timeout_s=1.0).fast == 0

@@ -22,9 +22,10 @@ in the daemon, sharded per worker behind modelled links of the same rate
 (``proto.node.ModelledLinks``), as the simulator places it. Workers stamp each
 step's packets with ESA's ``srpt-aging`` priority from their job's
 remaining bytes and age. The same trace runs with the daemon's ``atp``
-policy (collisions fall back to its parameter server) and ``esa``
-(preemption by priority); a job's completion time (JCT) runs from its
-arrival to its last worker's last step. Every job's loss curve and weights
+policy (collisions fall back to its parameter server), with ``esa``
+(preemption by priority), and with ``atp`` whose clients repair only by
+timeout (``TIMEOUTS``: ATP as its paper has it); a job's completion time
+(JCT) runs from its arrival to its last worker's last step. Every job's loss curve and weights
 must equal its solo replay (``lab.job.reference``) bit for bit.
 """
 
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,24 @@ from gradfabric.proto.priority import srpt_aging
 from gradfabric.runtime.client import InaClient, Ticket
 
 POLICIES = ("atp", "esa")
+# ATP as its paper repairs a loss or a split sequence: the worker waits out
+# its timeout (the daemon's ``atp`` policy; the clients' fast retransmit off).
+# ESA's paper measures against this ATP; this project's clients also resend
+# once a few later results are back (``runtime.ticket.fast_retransmit``).
+TIMEOUTS = "atp-timeouts"
 AGING_S = 1.0
 MODULE = "gradfabric.lab.esa_train"
 READY_S = 180.0  # every job's ranks started (torchrun, torch's import, a client) within this
 GO_S = 0.5  # the trace's time zero: this long after the last rank said it is ready
+
+
+def daemon_policy(policy: str) -> str:
+    """The daemon's policy for a study's ``policy`` (one of ``POLICIES`` or
+    ``TIMEOUTS``)."""
+    if policy not in (*POLICIES, TIMEOUTS):
+        valid = ", ".join((*POLICIES, TIMEOUTS))
+        raise ConfigError("policy", f"unknown policy {policy!r}; valid: {valid}")
+    return "atp" if policy == TIMEOUTS else policy
 
 
 @dataclass(frozen=True)
@@ -194,12 +209,11 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
 
     from gradfabric.lab.daemon import cpu_s, switch_daemon
 
-    if policy not in POLICIES:
-        raise ConfigError("policy", f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
     jobs = trace(cfg)
     first = np.cumsum([0] + [j.workers for j in jobs]).tolist()  # each job's first host
     results: list[Any] = [None] * len(jobs)
-    flags = (*daemon_flags(cfg.window), "--policy", policy, "--slots", str(cfg.pool_slots),
+    flags = (*daemon_flags(cfg.window), "--policy", daemon_policy(policy),
+             "--slots", str(cfg.pool_slots),
              "--ps-link-mbps", str(cfg.link_gbps * 1000))  # fmt: skip
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="esa-")))
@@ -217,6 +231,8 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
                 ticket = Ticket.register(sw.control, job.workers)
             else:  # the daemon's control port is reachable in its namespace only
                 ticket = call_in(tor, Ticket.register, sw.control, job.workers)
+            if policy == TIMEOUTS:
+                ticket = replace(ticket, fast_retransmit=0)
             ticket.save(str(d / "ticket.json"))
             spec = {"job": asdict(job), "go_file": str(tmp / "go")}
             (d / "spec.json").write_text(json.dumps(spec))

@@ -97,6 +97,12 @@ class InaConfig:
         """A window of ``packets`` real packets, in simulated packets (trains)."""
         return max(1, packets // self.train_packets)
 
+    @property
+    def fast_retransmit_trains(self) -> int:
+        """The workers' fast retransmit, in later results counted in
+        simulated packets (trains); 0: off."""
+        return self.windowed(self.fast_retransmit) if self.fast_retransmit else 0
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -196,7 +202,7 @@ class Scheme:
             window=self.window(ina), pool_slots=ina.atp_pool_slots,
             rto_ns=ina.rto_ns, values_per_packet=ina.values_per_sim_packet,
             streams=ina.omni_streams, nack=ina.nack,
-            fast_retransmit=ina.windowed(ina.fast_retransmit) if ina.fast_retransmit else 0,
+            fast_retransmit=ina.fast_retransmit_trains,
         )  # fmt: skip
         return self.adjust(p, ina, help)
 

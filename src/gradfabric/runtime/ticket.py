@@ -68,6 +68,9 @@ class Ticket:
     pull_bound: float = 0.0
     epoch: str = ""  # the daemon's incarnation that issued it
     group: Address | None = None  # where results arrive multicast (``SwitchConfig.multicast``)
+    # a launcher's own fast retransmit (``fast_retransmit``'s rule where None;
+    # 0: off, a loss waits out the timeout, as ATP's paper repairs it)
+    fast_retransmit: int | None = None
 
     def save(self, path: str) -> None:
         """Write the ticket to ``path`` (atomically), for a restarted launch to revoke."""
@@ -140,12 +143,14 @@ def scheme_worker(
     t = ticket
     names = tuple(worker_name(t.job_id, r) for r in range(t.workers))
     scheme = SCHEMES.get(t.policy)
+    fr = t.fast_retransmit
     p = Placement(
         t.job_id, names, {t.entry: names}, servers=(t.entry,), window=t.window,
         pool_slots=t.pool_slots, slot_base=t.slot_base, rto_ns=t.rto_ns,
         values_per_packet=t.values_per_packet, streams=t.streams,
         max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)), resumable=True,
-        fast_retransmit=fast_retransmit(scheme.sends_notices, t.window), nack=True,
+        fast_retransmit=fast_retransmit(scheme.sends_notices, t.window) if fr is None else fr,
+        nack=True,
         takes_help=takes_help, first_seq=first_seq,
     )  # fmt: skip
     return scheme.worker(p, rank)

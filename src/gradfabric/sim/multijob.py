@@ -359,7 +359,7 @@ class _Tenancy:
             keep_results=2 * sum(job.npk[: job.J]), rto_ns=ina.rto_ns, values_per_packet=job.vpp,
             # the workers' own repairs, as a single job's placement gives them
             nack=ina.nack,
-            fast_retransmit=ina.windowed(ina.fast_retransmit) if ina.fast_retransmit else 0,
+            fast_retransmit=ina.fast_retransmit_trains,
         )  # fmt: skip
         for ps, engine in scheme.attach(p, switches=self.switches).items():
             self.net.bind(ps, engine)
