@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -576,8 +577,9 @@ def test_levels_that_do_not_fit_are_refused() -> None:
 
 def test_a_ticket_s_fast_retransmit_reaches_its_workers_and_survives_a_save(tmp_path) -> None:
     """The clients' rule where the ticket leaves it (None: 3 for ATP); a
-    launcher's 0 (ATP as its paper repairs: by timeout alone) reaches the
-    worker engines ``InaClient`` runs, through the file every rank loads."""
+    launcher's 0 (fast retransmit off: repairs wait for the timeout) reaches
+    the worker engines ``InaClient`` runs, through the file every rank loads,
+    and a ticket file written before the field existed loads with None."""
     from gradfabric.runtime.ticket import FAST_RETRANSMIT, Ticket, scheme_worker
 
     t = Ticket(switch=("127.0.0.1", 1), control=("127.0.0.1", 2), job_id=1, token="00",
@@ -589,3 +591,7 @@ def test_a_ticket_s_fast_retransmit_reaches_its_workers_and_survives_a_save(tmp_
     off.save(str(tmp_path / "off.json"))
     off = Ticket.load(str(tmp_path / "off.json"))  # what each rank loads
     assert off.fast_retransmit == 0 and scheme_worker(off, 1, timeout_s=1.0).fast == 0
+    old = json.loads((tmp_path / "ticket.json").read_text())
+    del old["fast_retransmit"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Ticket.load(str(tmp_path / "old.json")).fast_retransmit is None

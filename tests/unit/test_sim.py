@@ -332,7 +332,7 @@ def test_a_tenancy_s_workers_repair_split_sequences_as_the_clients_do() -> None:
     (``runtime.ticket``) a worker resends once 3 later results are back;
     without, it waits out its timeout, so each split costs a job 20 ms more.
     The tenancy's workers take ``InaConfig.fast_retransmit`` as a single
-    job's do (``TIMEOUTS``: the clients' rule off, as ATP's paper repairs)."""
+    job's do (``TIMEOUTS``: the clients' fast retransmit off)."""
     from gradfabric.experiments import esa_train
     from gradfabric.lab.esa_train import TIMEOUTS, EsaTrainConfig
 

@@ -69,17 +69,15 @@ def add(esub: Sub) -> None:
         "switch daemon, every worker behind its own shaped link (--link-gbps; root, network "
         "namespaces), under ATP (its fallback PS "
         "sharded per worker behind links of the same rate) and under ESA (srpt-aging "
-        "priorities stamped by the workers); in the first setting also under ATP whose "
-        "workers repair by timeout alone, as ATP's paper has it (atp-timeouts: no fast "
-        "retransmit). Settings: the pool scarce (--pool-slots, below "
+        "priorities stamped by the workers). Settings: the pool scarce (--pool-slots, below "
         "two jobs' windows) with workers out of lockstep (each step's device time longer by "
-        "up to --jitter-ms), where the simulator predicts ESA a gain; the pool ample; the "
-        "pool scarce in lockstep. Rows: mean and p99 job completion time, the simulator's "
-        "for the same trace, preemptions, PS fallbacks, the CPU of the daemon and of the "
-        "workers; ESA's speed-up over each ATP per trace, mean with its 95% interval. Exit 1 "
-        "if a "
-        "job's loss curve or "
-        "weights differ in one bit from its solo replay.",
+        "up to --jitter-ms), where the simulator predicts ESA a gain, and where ATP also runs "
+        "with its workers' fast retransmit off (atp-timeouts, an ablation); the pool ample; "
+        "the pool scarce in lockstep. Rows: mean and p99 job completion time, the "
+        "simulator's for the same trace, preemptions, PS fallbacks, the CPU of the daemon "
+        "and of the workers; ESA's speed-up over each ATP per trace, mean with its 95% "
+        "interval. Exit 1 if a job's loss curve or weights differ in one bit from its solo "
+        "replay.",
     )
     ee.add_argument("--seeds", type=int, default=6, help="traces per setting")
     ee.add_argument("--jobs", type=int, default=3)
@@ -228,12 +226,14 @@ def esa_train(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from gradfabric.experiments.esa_train import (
+        BASELINE,
         chosen,
         claims,
         draw,
         long_config,
         settings,
         study,
+        ticks,
     )
 
     cfg = replace(long_config(), jobs=args.jobs, compute_ms=args.compute_ms)
@@ -244,8 +244,7 @@ def esa_train(args: argparse.Namespace) -> int:
     if args.link_gbps is not None:
         cfg = replace(cfg, link_gbps=args.link_gbps)
     setting = chosen(settings(args.pool_slots, args.jitter_ms), args.settings)
-    # every setting's two policies, the first's ATP by timeouts, the calibration
-    with progress((len(setting) * 2 + 1) * args.seeds + 1, args.json) as tick:
+    with progress(ticks(setting, args.seeds), args.json) as tick:
         res = study(cfg, args.seeds, setting, tick)
     res["claims"] = [c.__dict__ for c in claims(res)]
     res["table"] = [
@@ -258,7 +257,7 @@ def esa_train(args: argparse.Namespace) -> int:
          "exact": r["exact"]}
         if not r["policy"].startswith("esa/") else
         {"setting": r["setting"], "pool": r["pool_slots"],
-         "policy": f"ESA over {r['policy'].removeprefix('esa/')}",
+         "policy": f"ESA over {BASELINE[r['policy'].removeprefix('esa/')][0]}",
          "mean JCT ms": f"{r['mean_jct_speedup']:.2f}x ± {r['mean_jct_speedup_half']:.2f}",
          "p99 JCT ms": f"{r['p99_jct_speedup']:.2f}x ± {r['p99_jct_speedup_half']:.2f}",
          "sim mean ms": f"{r['sim_mean_jct_speedup']:.2f}x, "

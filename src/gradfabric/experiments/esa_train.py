@@ -3,10 +3,11 @@ jobs sharing one switch daemon, each worker behind its own 1 Gbit/s link,
 ATP against ESA, in the setting where the simulator predicts ESA a gain
 (the pool scarce: two jobs' windows overfill it; workers out of lockstep)
 and two where it predicts none (an ample pool; workers in lockstep); the
-simulator's JCT for the same trace beside each. Each job is a torchrun
-launch. Full: 6 traces of jobs of tens of seconds in the first two
-settings; quick: 3 traces of jobs of a fraction of a second in the first
-setting (the headline's) alone.
+simulator's JCT for the same trace beside each. Where the gain is
+predicted, also ATP with its workers' fast retransmit off (``TIMEOUTS``,
+an ablation). Each job is a torchrun launch. Full: 6 traces of jobs of
+tens of seconds in the first two settings; quick: 3 traces of jobs of a
+fraction of a second in the first setting (the headline's) alone.
 Every worker sums through ``InaClient.allreduce`` (``ina_hook``'s path),
 its exponents carried from the last step's sum (``wire.carried``)."""
 
@@ -25,10 +26,10 @@ from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult
 from gradfabric.experiments.registry import chosen as pick
 from gradfabric.lab.esa_train import (
     AGING_S,
-    POLICIES,
+    ARMS,
     TIMEOUTS,
     EsaTrainConfig,
-    daemon_policy,
+    arm,
     run_trace,
     trace,
 )
@@ -48,15 +49,15 @@ def simulated(cfg: EsaTrainConfig, policy: str, overhead_ms: float = 0.0) -> dic
     of the trace's link rate, 100 Gbit/s for loopback). Jittered, every
     packet also crosses each link up to ``PACKET_JITTER_NS`` late, as in
     ``experiment esa``. ``overhead_ms``: the host's own cost per step
-    (``host_overhead_ms``), added to the device time. ``TIMEOUTS``: ATP's
-    workers without fast retransmit, as its clients are then."""
+    (``host_overhead_ms``), added to the device time. The workers repair as
+    ``policy``'s clients do (``lab.esa_train.ARMS``)."""
+    scheme, fast = arm(policy)
     jobs = trace(cfg)
     with tempfile.NamedTemporaryFile("w", suffix=".csv") as f:
         f.write("".join(f"{j.arrival_s},{MODEL},{j.workers},{j.steps}\n" for j in jobs))
         f.flush()
         tc = TenancyConfig(
-            scheme=daemon_policy(policy), pool_slots=cfg.pool_slots,
-            hosts=max(8, sum(j.workers for j in jobs)),
+            scheme=scheme, pool_slots=cfg.pool_slots, hosts=max(8, sum(j.workers for j in jobs)),
             trace_file=f.name, workers_choices=(2, 3), batch=jobs[0].micro_batch,
             compute_ms=cfg.compute_ms + overhead_ms, seed=cfg.seed, aging_s=AGING_S,
             iteration_jitter_us=cfg.jitter_ms * 1e3,
@@ -66,8 +67,8 @@ def simulated(cfg: EsaTrainConfig, policy: str, overhead_ms: float = 0.0) -> dic
             # of the oldest sequence once a few later results are back
             ina=InaConfig(values_per_packet=DAEMON.values_per_packet, train_packets=1,
                           atp_window=cfg.window, rto_ns=DAEMON.rto_ns,
-                          fast_retransmit=0 if policy == TIMEOUTS
-                          else fast_retransmit(False, cfg.window)),
+                          fast_retransmit=fast_retransmit(False, cfg.window)
+                          if fast is None else fast),
         )  # fmt: skip
         r = run_tenancy(tc)
     return {"mean_jct_s": r.avg_jct_s, "p99_jct_s": r.p99_jct_s}
@@ -93,6 +94,7 @@ LINK_GBPS = 1.0
 LONG_STEPS = (600, 1200, 2400)  # a full study's job: 10 to 40 s
 LONG_GAP_S = 3.0
 FULL = ("scarce-jittered", "ample-jittered")  # where the simulator predicts a gain, and none
+GAIN = "scarce, jittered"  # the headline's setting: the gain predicted, and ATP by timeouts run
 PS_BOUND = ("ps_collision", "ps_resend", "flush_partial")  # packets the switch sent to the PS
 
 
@@ -132,22 +134,21 @@ def study(
     cfg: EsaTrainConfig, seeds: int, setting: dict[str, tuple[int, float]] | None = None,
     tick: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Each setting's traces (``seeds`` of them) under ATP and ESA, the
-    policies alternating first; ESA's speed-up of the mean and p99 JCT over
-    ATP's, mean over traces with the 95% interval. In the first setting
-    (the headline's, where collisions happen) also over ATP repairing by
-    timeout alone (``TIMEOUTS``), the ATP of ESA's paper."""
+    """Each setting's traces (``seeds`` of them) under ATP and ESA (and ATP
+    by timeouts in the headline's, ``policies``), the policies taking turns
+    to go first; ESA's speed-up of the mean and p99 JCT over each ATP's,
+    mean over traces with the 95% interval."""
     setting = setting or settings()
     if tick:
         tick("calibrating: jobs alone")
     overhead = host_overhead_ms(cfg)
     rows = []
     for name, (slots, jitter) in setting.items():
-        policies = (*POLICIES, TIMEOUTS) if name == next(iter(setting)) else POLICIES
-        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+        arms = policies(name, setting)
+        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in arms}
         for seed in range(seeds):
             c = replace(cfg, pool_slots=slots, jitter_ms=jitter, seed=cfg.seed + seed)
-            for policy in policies if seed % 2 == 0 else policies[::-1]:
+            for policy in turn(arms, seed):
                 if tick:
                     tick(f"{name} pool: {policy}, trace {seed + 1}/{seeds}")
                 runs[policy].append(run_trace(c, policy) | {
@@ -167,7 +168,7 @@ def study(
                 "daemon_load": statistics.fmean(r["daemon_load"] for r in rs),
                 "workers_load": statistics.fmean(r["workers_load"] for r in rs),
             })  # fmt: skip
-        for base in (p for p in policies if p != "esa"):
+        for base in (p for p in arms if p != "esa"):
             pairs = list(zip(runs[base], runs["esa"], strict=True))
             m = mean_ci([b["mean_jct_s"] / e["mean_jct_s"] for b, e in pairs])
             p = mean_ci([b["p99_jct_s"] / e["p99_jct_s"] for b, e in pairs])
@@ -181,6 +182,28 @@ def study(
     return {"rows": rows, "config": config}
 
 
+def headline(setting: dict[str, tuple[int, float]]) -> str:
+    """The headline's setting: ``GAIN`` where the study ran it, else its first."""
+    return GAIN if GAIN in setting else next(iter(setting))
+
+
+def policies(name: str, setting: dict[str, tuple[int, float]]) -> tuple[str, ...]:
+    """What setting ``name`` runs: every policy in the headline's, else ATP and ESA."""
+    return tuple(ARMS) if name == headline(setting) else ("atp", "esa")
+
+
+def turn(arms: tuple[str, ...], seed: int) -> tuple[str, ...]:
+    """The order trace ``seed`` runs ``arms`` in: rotated by one a trace, so
+    each policy runs first, last and between in turn."""
+    k = seed % len(arms)
+    return arms[k:] + arms[:k]
+
+
+def ticks(setting: dict[str, tuple[int, float]], seeds: int) -> int:
+    """The study's steps for a progress bar: every run, and the calibration."""
+    return 1 + seeds * sum(len(policies(n, setting)) for n in setting)
+
+
 def _predicted(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> float:
     """The simulator's ESA speed-up over a baseline (``key``: as is or
     calibrated), mean over the traces' (baseline, ESA) ``pairs``."""
@@ -190,8 +213,8 @@ def _predicted(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str) -> 
 # each baseline: its short name, and what it is
 BASELINE = {
     "atp": ("ATP", "ATP through the same daemon (its fallback PS sharded per worker{links})"),
-    TIMEOUTS: ("ATP by timeouts", "ATP repairing by timeout alone, as its paper has it "
-               "(the ATP of ESA's paper), through the same daemon"),
+    TIMEOUTS: ("ATP by timeouts", "ATP with its workers' fast retransmit off (a split "
+               "sequence waits for the timeout), through the same daemon: an ablation"),
 }  # fmt: skip
 
 
@@ -200,10 +223,10 @@ def claims(res: dict[str, Any]) -> list[Claim]:
     cfg = res["config"]
     link = f"{cfg['link_gbps']:g} Gbit/s links" if cfg["link_gbps"] else "loopback"
     links = ", each shard behind a link of the workers' rate" if cfg["link_gbps"] else ""
-    first = next(iter(cfg["settings"]))
+    first = headline(cfg["settings"])
     # the headline: against the faster ATP (with or without fast retransmit) there
-    best = min((r for r in res["rows"] if r["setting"] == first and r["policy"] != "esa"
-                and "/" not in r["policy"]), key=lambda r: r["mean_jct_s"])["policy"]  # fmt: skip
+    best = min((r for r in res["rows"] if r["setting"] == first and r["policy"] in BASELINE),
+               key=lambda r: r["mean_jct_s"])["policy"]  # fmt: skip
     for r in res["rows"]:
         if not r["policy"].startswith("esa/"):
             continue
@@ -241,7 +264,7 @@ def claims(res: dict[str, Any]) -> list[Claim]:
 def draw(res: dict[str, Any], out: Path) -> str:
     rows = [r | {"measured": r["mean_jct_s"] * 1e3, "simulated": r["sim_mean_jct_s"] * 1e3,
                  "simulated, host's cost per step added": r["sim_cal_mean_jct_s"] * 1e3}
-            for r in res["rows"] if r["policy"] in (*POLICIES, TIMEOUTS)]  # fmt: skip
+            for r in res["rows"] if r["policy"] in ARMS]  # fmt: skip
     return plots.grouped_bars(
         rows, "setting", "policy", "measured", "mean JCT (ms)",
         "real jobs through one switch: ATP (with and without fast retransmit) vs ESA",

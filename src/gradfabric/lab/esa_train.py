@@ -24,8 +24,8 @@ step's packets with ESA's ``srpt-aging`` priority from their job's
 remaining bytes and age. The same trace runs with the daemon's ``atp``
 policy (collisions fall back to its parameter server), with ``esa``
 (preemption by priority), and with ``atp`` whose clients repair only by
-timeout (``TIMEOUTS``: ATP as its paper has it); a job's completion time
-(JCT) runs from its arrival to its last worker's last step. Every job's loss curve and weights
+timeout (``TIMEOUTS``, an ablation); a job's completion time (JCT) runs
+from its arrival to its last worker's last step. Every job's loss curve and weights
 must equal its solo replay (``lab.job.reference``) bit for bit.
 """
 
@@ -60,24 +60,29 @@ from gradfabric.proto.priority import srpt_aging
 from gradfabric.runtime.client import InaClient, Ticket
 
 POLICIES = ("atp", "esa")
-# ATP as its paper repairs a loss or a split sequence: the worker waits out
-# its timeout (the daemon's ``atp`` policy; the clients' fast retransmit off).
-# ESA's paper measures against this ATP; this project's clients also resend
-# once a few later results are back (``runtime.ticket.fast_retransmit``).
+# ATP with its workers' fast retransmit off: a split sequence (some shares in
+# an aggregator, the others at the PS) or a loss waits for the timeout. Not
+# ATP's own client, which resends a gap at the first result past it; an
+# ablation that shows what ESA's gain owes to how fast ATP repairs.
 TIMEOUTS = "atp-timeouts"
+# each policy a study runs: the daemon's policy and the clients' fast
+# retransmit (None: the ticket's rule, ``runtime.ticket.fast_retransmit``)
+ARMS: dict[str, tuple[str, int | None]] = {
+    "atp": ("atp", None),
+    "esa": ("esa", None),
+    TIMEOUTS: ("atp", 0),
+}
 AGING_S = 1.0
 MODULE = "gradfabric.lab.esa_train"
 READY_S = 180.0  # every job's ranks started (torchrun, torch's import, a client) within this
 GO_S = 0.5  # the trace's time zero: this long after the last rank said it is ready
 
 
-def daemon_policy(policy: str) -> str:
-    """The daemon's policy for a study's ``policy`` (one of ``POLICIES`` or
-    ``TIMEOUTS``)."""
-    if policy not in (*POLICIES, TIMEOUTS):
-        valid = ", ".join((*POLICIES, TIMEOUTS))
-        raise ConfigError("policy", f"unknown policy {policy!r}; valid: {valid}")
-    return "atp" if policy == TIMEOUTS else policy
+def arm(policy: str) -> tuple[str, int | None]:
+    """``policy``'s daemon policy and clients' fast retransmit (``ARMS``)."""
+    if policy not in ARMS:
+        raise ConfigError("policy", f"unknown policy {policy!r}; valid: {', '.join(ARMS)}")
+    return ARMS[policy]
 
 
 @dataclass(frozen=True)
@@ -212,8 +217,8 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
     jobs = trace(cfg)
     first = np.cumsum([0] + [j.workers for j in jobs]).tolist()  # each job's first host
     results: list[Any] = [None] * len(jobs)
-    flags = (*daemon_flags(cfg.window), "--policy", daemon_policy(policy),
-             "--slots", str(cfg.pool_slots),
+    daemon, fast = arm(policy)
+    flags = (*daemon_flags(cfg.window), "--policy", daemon, "--slots", str(cfg.pool_slots),
              "--ps-link-mbps", str(cfg.link_gbps * 1000))  # fmt: skip
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="esa-")))
@@ -231,8 +236,7 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
                 ticket = Ticket.register(sw.control, job.workers)
             else:  # the daemon's control port is reachable in its namespace only
                 ticket = call_in(tor, Ticket.register, sw.control, job.workers)
-            if policy == TIMEOUTS:
-                ticket = replace(ticket, fast_retransmit=0)
+            ticket = replace(ticket, fast_retransmit=fast)
             ticket.save(str(d / "ticket.json"))
             spec = {"job": asdict(job), "go_file": str(tmp / "go")}
             (d / "spec.json").write_text(json.dumps(spec))

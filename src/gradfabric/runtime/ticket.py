@@ -48,7 +48,8 @@ def switch_from_env() -> Address:
 
 @dataclass(frozen=True)
 class Ticket:
-    """What the switch answered at registration: every rank needs it."""
+    """What the switch answered at registration, and the launcher's own
+    settings for its workers: every rank needs it."""
 
     switch: Address  # data (UDP)
     control: Address
@@ -68,8 +69,8 @@ class Ticket:
     pull_bound: float = 0.0
     epoch: str = ""  # the daemon's incarnation that issued it
     group: Address | None = None  # where results arrive multicast (``SwitchConfig.multicast``)
-    # a launcher's own fast retransmit (``fast_retransmit``'s rule where None;
-    # 0: off, a loss waits out the timeout, as ATP's paper repairs it)
+    # the launcher's fast retransmit for its workers (None: ``fast_retransmit``'s
+    # rule; 0: off, a loss or a split sequence waits for the timeout)
     fast_retransmit: int | None = None
 
     def save(self, path: str) -> None:
