@@ -10,7 +10,8 @@ error is its relative difference from packet level, which is the reference:
   it); on leaf-spines whose uplinks have room (``ROOMY``) the hierarchical
   ring at the same sizes, the PS to 1,024 with trains small enough that a
   server's port takes every worker's train at once without loss (``_ps``;
-  at 64 also with a window short of its round trip),
+  at 64 also with a window short of its round trip; at 4,096 with deeper
+  ports and a smaller bucket, ``_ps_at_4096``),
   and OmniReduce at 64 and 256 and three densities (``_omni``). Each is a cell
   (``lab.levels.Pair``), so ``reproduce --store`` keeps finished ones;
 * a ResNet-50 training iteration (buckets released through backward) at 64;
@@ -103,11 +104,26 @@ def _ps(workers: int) -> Pair:
     1,024 keep it within the queue. The flow level prices the burst: each
     result waits on it, which holds the 1,024-packet window at 1,024
     workers, and the last one ends the bucket (``sim.flow``). Past 1,024 a
-    burst of single packets (4,096 KB at 4,096) outgrows the queue, and with
-    ports deep enough to hold it the packet level outgrows this host
-    (notebook 2026-12-01, #ps-burst)."""
+    burst of single packets (4.3 MB at 4,096) outgrows the queue
+    (``_ps_at_4096``)."""
     train = 8 if workers <= 64 else 2 if workers <= 256 else 1
     return _pair("ps", workers, 32, ROOMY, replace(INA, train_packets=train, ps_window=1024))
+
+
+def _ps_at_4096() -> Pair:
+    """The PS at 4,096 workers (a server each), single packets. A sequence's
+    burst at its server's port is 4,096 packets (4.3 MB), past the 2 MB
+    queue, so the hosts' ports hold 8 MB (a shared-buffer switch can give
+    one port that much). The bucket is a sixteenth of the others' (1.5625
+    MB, 1,600 sequences a worker): the 25 MB bucket has 4 times the packets
+    of the 1,024 cell, whose packet level took an hour here (notebook
+    2026-12-01, #ps-burst). So 1,600 of the servers take one sequence each
+    and the rest none, and the cell tests the window's cap (1,024 packets, a
+    quarter of a sequence's round trip) and the bucket's tail, not a
+    server's share of the load."""
+    fabric = replace(ROOMY, link=replace(LINK, queue_bytes=8_000_000))
+    pair = _pair("ps", 4096, 32, fabric, replace(INA, train_packets=1, ps_window=1024))
+    return replace(pair, values=VALUES // 16, where="leaf_spine, uplinks with room, 8 MB ports")
 
 
 def _ps_short_window() -> Pair:
@@ -135,7 +151,9 @@ def _omni(workers: int, density: float) -> Pair:
 # misses by more than 5% (measured: notebook 2026-11-30, #omni-past-64)
 UNPRICED = {
     "ps": "a burst past a server port's queue: packet level's loss and retransmission, which "
-    "the flow level (no loss) does not price",
+    "the flow level (no loss) does not price; or, at 4,096 workers, a bucket of under two "
+    "windows whose window is short of its round trip, which the flow level overprices "
+    "(measured: notebook 2026-12-02, #ps-at-4096)",
     "omnireduce": "packet level drops in queues and retransmits (every result goes to every "
     "worker); the flow level has no loss",
 }
@@ -150,6 +168,7 @@ def _pairs(quick: bool) -> list[Pair]:
         for scheme in ("ring", "switchml", "atp", "esa", "saatp")
     ]
     cells += [_ps(n) for n in sizes if n <= 1024] + [_ps_short_window()]
+    cells += [_ps_at_4096()] if 4096 in sizes else []
     cells += [_pair("hring", n, 32, ROOMY) for n in sizes]
     omni = (64,) if quick else (64, 256)  # 256: about an hour of packet level
     cells += [_omni(n, d) for n in omni for d in (0.001, 0.01, 0.1)]
