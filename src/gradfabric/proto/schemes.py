@@ -69,16 +69,9 @@ class InaConfig:
     paced: bool = False
 
     def __post_init__(self) -> None:
-        for name in (
-            "values_per_packet",
-            "train_packets",
-            "switchml_slots",
-            "atp_pool_slots",
-            "atp_window",
-            "ps_window",
-            "rto_ns",
-            "omni_streams",
-        ):
+        positive = ("values_per_packet", "train_packets", "switchml_slots", "atp_pool_slots",
+                    "atp_window", "ps_window", "rto_ns", "omni_streams")  # fmt: skip
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("ps_servers", "omni_aggregators"):
@@ -99,8 +92,7 @@ class InaConfig:
 
     @property
     def fast_retransmit_trains(self) -> int:
-        """The workers' fast retransmit, in later results counted in
-        simulated packets (trains); 0: off."""
+        """The workers' fast retransmit in simulated packets (trains); 0: off."""
         return self.windowed(self.fast_retransmit) if self.fast_retransmit else 0
 
 
