@@ -61,6 +61,7 @@ def test_unknown_experiment_exits_2(tmp_path: Path) -> None:
     assert main(["reproduce", "--only", "nonsense", "--out", str(tmp_path)]) == 2
 
 
+@pytest.mark.long  # (the default suite's 10 minutes; CI's second pass runs it)
 def test_experiment_saatp_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         [
