@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gradfabric.core.errors import ConfigError
-from gradfabric.experiments.saatp_train import _mark_tuned, best, claims, level, time_to_target
+from gradfabric.experiments.saatp_train import best, claims, level, time_to_target, tuned
 
 
 def test_the_first_step_at_the_target_counts_and_later_dips_do_not() -> None:
@@ -29,8 +29,11 @@ def test_the_best_reached_the_target_most_often_then_soonest() -> None:
         {"mode": "backup-2", "tta_s": 1.5, "reached": 3, "runs": 5},  # faster, missed more
         {"mode": "saatp", "tta_s": 1.0, "reached": 5, "runs": 5},
     ]
-    _mark_tuned(rows)
-    assert [r.get("tuned") for r in rows] == [True, False, None]
+    rows = [r | {"setting": "moving"} for r in rows]
+    steady = [r | {"setting": "steady", "reached": 5 - k} for k, r in enumerate(rows)]
+    assert tuned(rows + steady) == {("moving", "backup-1"), ("steady", "backup-1")}
+    steady[1]["reached"] = 5  # now backup-2 reaches it as often, and sooner
+    assert tuned(rows + steady) == {("moving", "backup-1"), ("steady", "backup-2")}
     assert best(rows)["mode"] == "saatp"
     assert best(rows[:2])["mode"] == "backup-1"
 
@@ -43,7 +46,7 @@ def _row(mode: str, tta: float | None, reached: int, **kw: Any) -> dict[str, Any
         "saatp_tta_speedup": None, "saatp_tta_speedup_half": None,
         "simulated_tta_s": None, "step_ms": 50.0, "saatp_speedup": 1.0,
         "saatp_speedup_half": 0.0, "simulated_ms": None, "predicted_ms": 40.0,
-        "bitwise_reference": None, "replica_shards": 2, "extra_compute": 0.0, "tuned": None,
+        "bitwise_reference": None, "replica_shards": 2, "extra_compute": 0.0,
     } | kw  # fmt: skip
 
 
@@ -52,8 +55,8 @@ def test_claims_read_a_quick_study_and_one_where_nothing_reached_the_target() ->
     quick = [
         _row("atp", 2.4, 3, saatp_tta_speedup=1.8, saatp_tta_speedup_half=0.1),
         _row("saatp", 1.3, 3, saatp_tta_speedup=1.0, saatp_tta_speedup_half=0.0),
-        _row("backup-1", 0.8, 3, tuned=True, saatp_tta_speedup=0.6, saatp_tta_speedup_half=0.05),
-        _row("backup-2", 0.9, 2, tuned=False, saatp_tta_speedup=0.7, saatp_tta_speedup_half=0.2),
+        _row("backup-1", 0.8, 3, saatp_tta_speedup=0.6, saatp_tta_speedup_half=0.05),
+        _row("backup-2", 0.9, 2, saatp_tta_speedup=0.7, saatp_tta_speedup_half=0.2),
     ]
     got = claims({"rows": quick, "config": cfg, "target": 0.9})
     assert [c.baseline for c in got][:2] == [
@@ -71,7 +74,7 @@ def test_a_study_on_shards_by_label_names_them_and_is_not_the_headline() -> None
     rows = [
         _row("atp", 2.4, 3, saatp_tta_speedup=1.8, saatp_tta_speedup_half=0.1),
         _row("saatp", 1.3, 3, saatp_tta_speedup=1.0, saatp_tta_speedup_half=0.0),
-        _row("backup-1", 0.8, 1, tuned=True, saatp_tta_speedup=0.6, saatp_tta_speedup_half=0.05),
+        _row("backup-1", 0.8, 1, saatp_tta_speedup=0.6, saatp_tta_speedup_half=0.05),
     ]
     cfg = {"slowdown": 4.0, "seeds": 3, "steps": 60, "shards": "by-label"}
     got = claims({"rows": rows, "config": cfg, "target": 0.93})

@@ -196,8 +196,10 @@ def saatp_train(args: argparse.Namespace) -> int:
         return "-" if r[key] is None else f"{r[key]:.2f} ± {r[key + '_half']:.2f}"
 
     res["claims"] = [c.__dict__ for c in st.claims(res)]
+    top = st.tuned(res["rows"])
     res["table"] = [
-        {"setting": r["setting"], "mode": r["mode"] + (" (tuned)" if r["tuned"] else ""),
+        {"setting": r["setting"],
+         "mode": r["mode"] + (" (tuned)" if (r["setting"], r["mode"]) in top else ""),
          "TTA s": x(r, "tta_s"), "reached": f"{r['reached']}/{r['runs']}",
          "steps": "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:.1f}",
          "SA-ATP TTA speed-up": x(r, "saatp_tta_speedup"),

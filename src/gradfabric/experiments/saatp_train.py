@@ -142,8 +142,8 @@ def study(
     ``ratio_ci``; ``tta_pairs`` of them), the steps it took; the mean step time (steps after the
     first) and SA-ATP's paired speed-up in it; the straggler model's and the
     simulator's predictions; ``atp`` and ``saatp`` checked bit for bit
-    against each seed's ``reference``. The backup workers' best ``b`` per
-    setting is marked ``tuned``."""
+    against each seed's ``reference``. (``tuned`` names the backup workers'
+    best ``b`` in each setting.)"""
     unknown = [m for m in modes if m not in NAMED]
     if unknown or not {"atp", "saatp"} <= set(modes) or seeds < 1 or not 0 < target <= 1:
         raise ConfigError("modes", f"modes of {', '.join(NAMED)} with atp and saatp, seeds "
@@ -165,7 +165,6 @@ def study(
             if seed == 0:
                 curves[name] = {"reference": ref["accs"]} | {m: runs[m][0]["accs"] for m in modes}
         rows += _rows(c0, name, runs, exact, target)
-        _mark_tuned([r for r in rows if r["setting"] == name])
     ran = {"seeds": seeds, "settings": settings, "target": target, "modes": list(modes),
            "backups": [NAMED[m][1] for m in modes if NAMED[m][0] == "backup"]}  # fmt: skip
     return {"rows": rows, "curves": curves, "target": target, "config": asdict(cfg) | ran}
@@ -215,17 +214,19 @@ def _rows(
             "dropped": sum(r.get("dropped", 0) for r in rs),
             "replica_shards": rs[0].get("replica_shards"),
             "runs": len(rs),
-            "tuned": None,
         })  # fmt: skip
     return rows
 
 
-def _mark_tuned(rows: list[dict[str, Any]]) -> None:
-    """Mark the ``best`` of the backup workers' rows ``tuned``, the others not."""
-    backups = [r for r in rows if NAMED[r["mode"]][0] == "backup"]
-    top = best(backups) if backups else None
-    for r in backups:
-        r["tuned"] = r is top
+def tuned(rows: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """The (setting, mode) of the backup workers' ``best`` ``b`` in each
+    setting: derived from the rows, never stored, so it follows ``best``."""
+    out = set()
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        backups = [r for r in rows if r["setting"] == setting and NAMED[r["mode"]][0] == "backup"]
+        if backups:
+            out.add((setting, best(backups)["mode"]))
+    return out
 
 
 LABELS = {
