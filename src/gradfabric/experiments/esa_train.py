@@ -27,6 +27,7 @@ from gradfabric.experiments.registry import chosen as pick
 from gradfabric.lab.esa_train import (
     AGING_S,
     ARMS,
+    POLICIES,
     TIMEOUTS,
     EsaTrainConfig,
     arm,
@@ -67,8 +68,7 @@ def simulated(cfg: EsaTrainConfig, policy: str, overhead_ms: float = 0.0) -> dic
             # of the oldest sequence once a few later results are back
             ina=InaConfig(values_per_packet=DAEMON.values_per_packet, train_packets=1,
                           atp_window=cfg.window, rto_ns=DAEMON.rto_ns,
-                          fast_retransmit=fast_retransmit(False, cfg.window)
-                          if fast is None else fast),
+                          fast_retransmit=fast_retransmit(False, cfg.window, fast)),
         )  # fmt: skip
         r = run_tenancy(tc)
     return {"mean_jct_s": r.avg_jct_s, "p99_jct_s": r.p99_jct_s}
@@ -189,7 +189,7 @@ def headline(setting: dict[str, tuple[int, float]]) -> str:
 
 def policies(name: str, setting: dict[str, tuple[int, float]]) -> tuple[str, ...]:
     """What setting ``name`` runs: every policy in the headline's, else ATP and ESA."""
-    return tuple(ARMS) if name == headline(setting) else ("atp", "esa")
+    return tuple(ARMS) if name == headline(setting) else POLICIES
 
 
 def turn(arms: tuple[str, ...], seed: int) -> tuple[str, ...]:
@@ -232,8 +232,8 @@ def claims(res: dict[str, Any]) -> list[Claim]:
             continue
         base = r["policy"].removeprefix("esa/")
         short, what = BASELINE[base]
-        atp, esa = (next(x for x in res["rows"] if x["setting"] == r["setting"]
-                         and x["policy"] == p) for p in (base, "esa"))  # fmt: skip
+        them, esa = (next(x for x in res["rows"] if x["setting"] == r["setting"]
+                          and x["policy"] == p) for p in (base, "esa"))  # fmt: skip
         out.append(Claim(
             "ESA", f"average JCT of real training jobs, {r['setting']} "
             f"({r['pool_slots']} aggregators, {r['jitter_ms']:g} ms jitter, {link})", "training",
@@ -242,20 +242,20 @@ def claims(res: dict[str, Any]) -> list[Claim]:
             reaches(r["mean_jct_speedup"], 1.35), speedup=r["mean_jct_speedup"],
             headline=base == best and r["setting"] == first,
             note=f"{cfg['seeds']} seeded traces of {cfg['jobs']} jobs; mean JCT "
-            f"{esa['mean_jct_s'] * 1e3:.0f} vs {atp['mean_jct_s'] * 1e3:.0f} ms (simulated "
-            f"{esa['sim_mean_jct_s'] * 1e3:.0f} vs {atp['sim_mean_jct_s'] * 1e3:.0f}), p99 "
+            f"{esa['mean_jct_s'] * 1e3:.0f} vs {them['mean_jct_s'] * 1e3:.0f} ms (simulated "
+            f"{esa['sim_mean_jct_s'] * 1e3:.0f} vs {them['sim_mean_jct_s'] * 1e3:.0f}), p99 "
             f"{r['p99_jct_speedup']:.2f}x ± {r['p99_jct_speedup_half']:.2f}; the simulator "
             f"predicts {r['sim_mean_jct_speedup']:.2f}x as is, "
             f"{r['sim_cal_mean_jct_speedup']:.2f}x given the host's "
             f"{cfg['host_overhead_ms']:.1f} ms per step (measured alone); CPU while jobs "
             f"train: daemon "
-            f"{atp['daemon_load']:.2f} and {esa['daemon_load']:.2f} cores, workers "
-            f"{atp['workers_load']:.2f} and {esa['workers_load']:.2f} ({short} and ESA, "
+            f"{them['daemon_load']:.2f} and {esa['daemon_load']:.2f} cores, workers "
+            f"{them['workers_load']:.2f} and {esa['workers_load']:.2f} ({short} and ESA, "
             f"of 2); every job's loss curve equal to "
-            f"its solo replay: {atp['exact'] and esa['exact']}; every job's first step within "
-            f"{max(atp.get('start_late_ms', 0), esa.get('start_late_ms', 0)):.0f} ms of its "
+            f"its solo replay: {them['exact'] and esa['exact']}; every job's first step within "
+            f"{max(them.get('start_late_ms', 0), esa.get('start_late_ms', 0)):.0f} ms of its "
             "arrival; preemptions "
-            f"{esa['preemptions']}, PS fallbacks {atp['ps_fallback']} ({short}) and "
+            f"{esa['preemptions']}, PS fallbacks {them['ps_fallback']} ({short}) and "
             f"{esa['ps_fallback']} (ESA)",
         ))  # fmt: skip
     return out

@@ -59,7 +59,7 @@ from gradfabric.net.netns import NsHost, call_in, tor_star
 from gradfabric.proto.priority import srpt_aging
 from gradfabric.runtime.client import InaClient, Ticket
 
-POLICIES = ("atp", "esa")
+POLICIES = ("atp", "esa")  # what every setting of a study runs
 # ATP with its workers' fast retransmit off: a split sequence (some shares in
 # an aggregator, the others at the PS) or a loss waits for the timeout. Not
 # ATP's own client, which resends a gap at the first result past it; an

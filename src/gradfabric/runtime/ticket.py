@@ -120,8 +120,9 @@ def _address(v: list[Any] | None) -> Address | None:
 FAST_RETRANSMIT = 3
 
 
-def fast_retransmit(notices: bool, window: int) -> int:
-    """Results past a loss before a worker resends it on its own. Where the
+def fast_retransmit(notices: bool, window: int, override: int | None = None) -> int:
+    """Results past a loss before a worker resends it on its own (``override``
+    where a launcher set one: ``Ticket.fast_retransmit``). Where the
     switch sends loss notices (SwitchML), the notice repairs the loss within
     about one loaded round trip, in which up to a window of results pass: a
     fast retransmit sooner mostly duplicates a repair on its way, and since
@@ -131,6 +132,8 @@ def fast_retransmit(notices: bool, window: int) -> int:
     (docs/notebook/2026-11-27.md#loss-notices-switch-names): k = 3 and
     k = 16 took the same time under 5% loss at window 32, k = 16 with a sixth
     of the fast resends."""
+    if override is not None:
+        return override
     return max(FAST_RETRANSMIT, window // 2) if notices else FAST_RETRANSMIT
 
 
@@ -144,15 +147,13 @@ def scheme_worker(
     t = ticket
     names = tuple(worker_name(t.job_id, r) for r in range(t.workers))
     scheme = SCHEMES.get(t.policy)
-    fr = t.fast_retransmit
     p = Placement(
         t.job_id, names, {t.entry: names}, servers=(t.entry,), window=t.window,
         pool_slots=t.pool_slots, slot_base=t.slot_base, rto_ns=t.rto_ns,
         values_per_packet=t.values_per_packet, streams=t.streams,
         max_retries=max(1, int(timeout_s * 1e9 / t.rto_ns)), resumable=True,
-        fast_retransmit=fast_retransmit(scheme.sends_notices, t.window) if fr is None else fr,
-        nack=True,
-        takes_help=takes_help, first_seq=first_seq,
+        fast_retransmit=fast_retransmit(scheme.sends_notices, t.window, t.fast_retransmit),
+        nack=True, takes_help=takes_help, first_seq=first_seq,
     )  # fmt: skip
     return scheme.worker(p, rank)
 
