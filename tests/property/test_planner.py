@@ -30,6 +30,7 @@ def device_types(draw: st.DrawFn) -> DeviceType:
     )
 
 
+@pytest.mark.long  # ~14 s: past the default suite's budget; CI's second pass runs it
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     model=st.sampled_from(sorted(MODELS)),

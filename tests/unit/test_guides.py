@@ -29,6 +29,7 @@ def command(line: str) -> list[str]:
     raise AssertionError(f"a tutorial line runs gradfabric or python: {line}")
 
 
+@pytest.mark.long  # ~17 s: past the default suite's budget; CI's second pass runs it
 @pytest.mark.parametrize("page", ["simulate.md"])
 def test_the_tutorial_runs_as_written(page: str, tmp_path: Path) -> None:
     blocks = steps(ROOT / "docs" / "guide" / page)
