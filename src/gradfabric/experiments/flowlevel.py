@@ -151,9 +151,7 @@ def _omni(workers: int, density: float) -> Pair:
 # misses by more than 5% (measured: notebook 2026-11-30, #omni-past-64)
 UNPRICED = {
     "ps": "a burst past a server port's queue: packet level's loss and retransmission, which "
-    "the flow level (no loss) does not price; or, at 4,096 workers, a bucket of under two "
-    "windows whose window is short of its round trip, which the flow level overprices "
-    "(measured: notebook 2026-12-02, #ps-at-4096)",
+    "the flow level (no loss) does not price",
     "omnireduce": "packet level drops in queues and retransmits (every result goes to every "
     "worker); the flow level has no loss",
 }
