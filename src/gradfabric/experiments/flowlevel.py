@@ -119,9 +119,10 @@ def _ps_at_4096() -> Pair:
     MB, 1,600 sequences a worker): the 25 MB bucket has 4 times the packets
     of the 1,024 cell, whose packet level took an hour here (notebook
     2026-12-01, #ps-burst). So 1,600 of the servers take one sequence each
-    and the rest none, and the cell tests the window's cap (1,024 packets, a
-    quarter of a sequence's round trip) and the bucket's tail, not a
-    server's share of the load."""
+    and the rest none, and the cell tests the window (1,024 packets, a
+    quarter of a sequence's round trip: a whole window's round trip, then
+    the last window's sequences a train apart) and the bucket's tail, not
+    a server's share of the load."""
     fabric = replace(ROOMY, link=replace(LINK, queue_bytes=8_000_000))
     pair = _pair("ps", 4096, 32, fabric, replace(INA, train_packets=1, ps_window=1024))
     return replace(pair, values=VALUES // 16, where="leaf_spine, uplinks with room, 8 MB ports")
