@@ -6,8 +6,9 @@ its reach. Here a job's traffic is a set of *flow groups* on the links of a
 Clos fabric, their rates are max-min fair (water-filling), and a bucket's
 all-reduce takes its bytes over its slowest group's rate plus the latency of
 its packet pipeline. What is per packet and not a rate stays per packet: the
-window (a worker's rate is at most ``W`` packets per round trip to its
-aggregation root). ATP's pool is priced for a job whose window fits it, where
+window (in-network aggregation: a worker's rate is at most ``W`` packets per
+round trip to its aggregation root; a PS: whole windows, ``Plan.windowed_ns``).
+ATP's pool is priced for a job whose window fits it, where
 the pool's hash gives every sequence in flight its own aggregator
 (``proto.routes.atp_index``): no collision, no fallback; jobs that share a
 pool (ESA's preemptions) stay at packet level for now.
@@ -42,18 +43,22 @@ workers):
   paths and ``n + 1`` trains at a host's rate (the fan-out staggers the
   workers, so each then waits one burst, not two), and a worker's window
   of ``W`` trains, spread over the servers, moves at most ``W`` trains a
-  round trip. Where the window binds, its ``k`` sequences take ``R =
+  round trip. Where the window binds, ``k`` sequences take ``R =
   ceil(k / W)`` windows: each but the last a round trip, and the last
   window's ``m`` sequences follow the results that free them, a train
-  apart, so it takes ``m`` trains, not ``m / W`` of a round trip (that
-  overcharged a bucket of under two windows by 13.6% at 4,096 workers).
+  apart, so it takes ``m`` trains, not ``m / W`` of a round trip
+  (notebook 2026-12-02, #ps-windows). The window runs on across buckets
+  (packet level's sequence numbers do), so buckets streamed back to back
+  share it: a bucket ends no sooner than the windows of every sequence
+  since any earlier bucket's start (``schedule``).
   The last result's fan-out (``n`` trains) ends the bucket.
-  Before it, with a server a worker (its port carries what a worker's NIC
-  does), the last sequence's burst (``n - 1`` trains more) drains after the
-  workers' last send; with fewer servers their ports bind and hold a queue
-  all along, and the burst is in their time. (Bandwidth alone came out 12%
-  under packet level at 1,024 workers in the study, ``experiments.flowlevel``,
-  and off by up to 79% in ``test_flow.py``'s cases.)
+  Before it the last sequence's burst (``n - 1`` trains more) drains after
+  the workers' last send: with a server a worker (its port carries what a
+  worker's NIC does) always; with fewer servers, whose ports bind and hold
+  a queue all along, the burst is in their time unless the window binds.
+  (Bandwidth alone came out 12% under packet level at 1,024 workers in the
+  study, ``experiments.flowlevel``, and off by up to 79% in
+  ``test_flow.py``'s cases.)
 * ``omnireduce``: as ``ps`` with pushes of the non-zero share ``density``
   and results of the share non-zero at any worker, ``u = 1 - (1-density)^n``.
   Blocks go to aggregators by block (``b % A``), and each aggregator sends
@@ -131,7 +136,8 @@ class Phase:
 @dataclass(frozen=True)
 class Plan:
     """What one bucket of ``values`` costs a scheme on a fabric: its phases
-    one after another, then its packet pipeline's fill (``latency_ns``)."""
+    one after another, then its packet pipeline's fill (``latency_ns``); a
+    PS's window is priced across buckets (``windowed_ns``, ``schedule``)."""
 
     phases: tuple[Phase, ...]
     latency_ns: float
@@ -151,24 +157,32 @@ class Plan:
     # ``latency_ns`` (module doc): a busiest server's time holds its own
     burst_ns: float = 0.0
     # a PS worker's window (``window`` sequences in flight, 0: none): whole
-    # windows a ``round_ns`` each, the last one's sequences ``send_ns`` apart
+    # windows a ``round_ns`` each, the last one's sequences a train apart
     window: int = 0
     round_ns: float = 0.0
-    send_ns: float = 0.0
+    train_ns: float = 0.0
+
+    def sequences(self, values: int) -> int:
+        return -(-values // self.seq_values)
+
+    def windowed_ns(self, sequences: int) -> float:
+        """The least time ``sequences`` take through an empty window, up to
+        ``latency_ns``: whole windows a round trip each, the last one's
+        sequences a train apart, and the last sequence's burst where
+        ``latency_ns`` does not hold it (fewer servers than workers)."""
+        whole = (sequences - 1) // self.window  # the windows before the last
+        last = sequences - whole * self.window
+        burst = self.seq_ns - self.train_ns - self.burst_ns
+        return whole * self.round_ns + last * self.train_ns + burst
 
     def bandwidth_ns(self, values: int) -> float:
         wire = wire_bytes(values, self.vpp)
         even = sum(p.time_ns(wire) for p in self.phases)
         if not self.servers:
             return even
-        if self.window:
-            sequences = -(-values // self.seq_values)
-            whole = (sequences - 1) // self.window  # the windows before the last
-            last = sequences - whole * self.window
-            even = max(even, whole * self.round_ns + last * self.send_ns)
         if self.seq_share < 1:
-            sequences = -(-values // self.seq_values)
-            most = busiest(self.servers, -(-sequences // self.servers), self.seq_share)
+            most = busiest(self.servers, -(-self.sequences(values) // self.servers),
+                           self.seq_share)  # fmt: skip
         else:  # dealt whole, the last sequence short (to the server after the last full one)
             full, rest = divmod(values, self.seq_values)
             most = full // self.servers + (1 if full % self.servers else rest / self.seq_values)
@@ -345,9 +359,11 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
             burst = round_ns = 0.0
             window = 0
         solved = _solved(fab, g, Phase(0.0))
-        return Plan((solved,), latency, False, vpp, len(g.share), servers,
-                    ina.values_per_sim_packet, workers * train, pull, burst, window, round_ns,
-                    train)  # fmt: skip
+        return Plan(
+            (solved,), latency, False, vpp, len(g.share), servers=servers,
+            seq_values=ina.values_per_sim_packet, seq_ns=workers * train, seq_share=pull,
+            burst_ns=burst, window=window, round_ns=round_ns, train_ns=train,
+        )  # fmt: skip
     window = sch.window(ina) * ina.train_packets  # in real packets
     if scheme != "switchml" and window > ina.atp_pool_slots:
         raise ConfigError(
@@ -376,14 +392,25 @@ def schedule(
 ) -> float:
     """When the last bucket is everywhere: each bucket's bytes follow the
     previous bucket's on the same flows (a ring also waits for its latency),
-    from when every worker has it (``ready(b)``, default its ``ready_ns``)."""
+    from when every worker has it (``ready(b)``, default its ``ready_ns``).
+    A PS's window runs on across buckets: a bucket ends no sooner than the
+    sequences of it and every bucket back to any earlier one take through
+    the window from that one's start (``Plan.windowed_ns``)."""
     free = 0.0  # when the flows are free for the next bucket's bytes
     done = 0.0
+    starts: list[tuple[float, int]] = []  # (start, sequences) of each bucket so far
     for b, bk in enumerate(buckets):
         at = float(bk.ready_ns) if ready is None else ready(b)
         start = max(at, free)
         bw = p.bandwidth_ns(bk.count)
-        done = max(done, start + bw + p.latency_ns)
+        end = start + bw
+        if p.window:
+            starts.append((start, p.sequences(bk.count)))
+            since = 0
+            for t, k in reversed(starts):
+                since += k
+                end = max(end, t + p.windowed_ns(since))
+        done = max(done, end + p.latency_ns)
         free = start + bw + (p.latency_ns if p.serial else 0.0)
     return done
 
