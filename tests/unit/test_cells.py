@@ -134,3 +134,31 @@ def test_a_stored_simulated_grid_equals_the_computed_one(tmp_path: Path) -> None
     computed = run_grid([base], (0.5,), (0,), where=where)
     assert run_grid([base], (0.5,), (0,), where=where) == computed
     assert CellStore(tmp_path / "cells.jsonl", dlcp_cell).records
+
+
+def test_a_cells_digest_covers_what_its_module_imports_and_nothing_it_does_not() -> None:
+    """``code_digest`` hashes the import closure read from the sources: every
+    simulation module a fresh interpreter loads with the cell's module (the
+    reference) is in it, and the packet level's cell does not depend on the
+    flow level, which the flow level's own cell does."""
+    import subprocess
+    import sys
+
+    import gradfabric
+    from gradfabric.core.cells import _SIMULATION, imported
+
+    pkg = Path(gradfabric.__file__).resolve().parent
+    for module in ("gradfabric.lab.levels", "gradfabric.lab.flowcell", "gradfabric.sim.dlcp",
+                   "gradfabric.experiments.esa"):  # fmt: skip
+        code = (f"import sys, {module}; print(' '.join(m.__file__ for m in list(sys.modules"
+                f".values()) if m.__name__.startswith('gradfabric') and m.__file__))")  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout.split()  # fmt: skip
+        loaded = {Path(f).resolve() for f in out}
+        loaded = {f.with_name(f.name.split(".")[0] + ".py") for f in loaded}  # compiled: its source
+        static = imported(module, pkg)
+        sim = {f for f in loaded if f.relative_to(pkg).parts[0] in _SIMULATION}
+        assert sim and sim <= static, sorted(str(f) for f in sim - static)
+    flow = pkg / "sim" / "flow.py"
+    assert flow not in imported("gradfabric.lab.levels", pkg)
+    assert flow in imported("gradfabric.lab.flowcell", pkg)

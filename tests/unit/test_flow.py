@@ -329,11 +329,12 @@ def test_the_flow_level_study_runs_a_shipped_config_in_a_child_of_its_own() -> N
 
 
 def test_a_study_cell_runs_both_levels_each_in_a_child() -> None:
-    """``lab.levels.both``: packet level (the mean of its seeds, each run
+    """``lab.flowcell.both``: packet level (the mean of its seeds, each run
     here in this process as the reference) and flow level, each in a child
-    interpreter; the row's error is flow over packet. A cell that cannot run
-    is refused when it is made."""
-    from gradfabric.lab.levels import Pair, both
+    interpreter; the row's error is flow over packet. A stored packet record
+    is taken as is. A cell that cannot run is refused when it is made."""
+    from gradfabric.lab.flowcell import both
+    from gradfabric.lab.levels import Pair, packet
 
     fabric, ina = FabricConfig(link=LINK), InaConfig()
     cell = Pair("omnireduce", 8, fabric, ina, 65_536, "star", density=0.05, seeds=2)
@@ -345,5 +346,7 @@ def test_a_study_cell_runs_both_levels_each_in_a_child() -> None:
         schedule(plan("omnireduce", Clos.of(fabric, 8), 8, ina, 0.05), b) / 1e6)  # fmt: skip
     assert row["error"] == pytest.approx(row["flow_ms"] / row["packet_ms"] - 1)
     assert row["events"] == sum(r.events for r in runs) and row["case"] == "0.25 MB all-reduce"
+    stored = packet(cell) | {"packet_ms": 2 * row["packet_ms"]}
+    assert both(cell, stored)["error"] == pytest.approx(row["flow_ms"] / stored["packet_ms"] - 1)
     with pytest.raises(ConfigError, match="seeds"):
         Pair("ring", 8, fabric, ina, 1024, "star", seeds=0)

@@ -22,6 +22,7 @@ import ``gradfabric`` (the same version), as with any task they run.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import multiprocessing
@@ -145,14 +146,49 @@ _SIMULATION = ("core", "wire", "workloads", "proto", "sim")
 
 
 def code_digest(fn: Callable[..., Any]) -> str:
-    """A digest of the sources ``fn``'s records can depend on (see ``_SIMULATION``)."""
+    """A digest of the sources ``fn``'s records can depend on: its own module
+    and the ``_SIMULATION`` modules that module imports, directly or through
+    others (``imported``), with the C sources in their folders. A cell whose
+    module does not import the flow level keeps its records across an edit
+    of the flow level, and the other way round."""
     pkg = Path(__file__).resolve().parent.parent
-    files = sorted(p for d in _SIMULATION for p in (pkg / d).rglob("*.py"))
     own = pkg.joinpath(*fn.__module__.split(".")[1:]).with_suffix(".py")
+    files = {f for f in imported(fn.__module__, pkg)
+             if f == own or f.relative_to(pkg).parts[0] in _SIMULATION}  # fmt: skip
+    files |= {c for f in files for c in f.parent.glob("*.[ch]")}
     h = hashlib.sha256()
-    for f in [*files, *([own] if own.is_file() and own not in files else [])]:
+    for f in sorted(files):
         h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def imported(module: str, pkg: Path) -> set[Path]:
+    """The source files of ``module`` (``gradfabric.x.y``) and of every
+    ``gradfabric`` module it imports, at any depth, the packages around each
+    included; read from the sources (an import inside a function counts), so
+    a module that is never imported cannot change what it computes."""
+    seen: dict[str, Path] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen or name.split(".")[0] != "gradfabric":
+            continue
+        here = pkg.joinpath(*name.split(".")[1:])
+        path = here / "__init__.py" if here.is_dir() else here.with_suffix(".py")
+        if not path.is_file():
+            continue  # a name imported from a module, not a module
+        seen[name] = path
+        parts = name.split(".")
+        todo += [".".join(parts[:k]) for k in range(1, len(parts))]
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                source = ".".join([*base, *([node.module] if node.module else [])])
+                todo += [source, *(f"{source}.{a.name}" for a in node.names)]
+    return set(seen.values())
 
 
 class CellStore:

@@ -14,7 +14,8 @@ error is its relative difference from packet level, which is the reference:
   ports and a smaller bucket, ``_ps_at_4096``),
   and OmniReduce at 64 and 256 and three densities (``_omni``; at 1,024 an
   aggregator a rack and a smaller bucket, ``_omni_racks``). Each is a cell
-  (``lab.levels.Pair``), so ``reproduce --store`` keeps finished ones;
+  (``lab.levels.Pair``), so ``reproduce --store`` keeps finished ones (packet
+  level's: the flow level runs afresh, in well under a second a cell);
 * a ResNet-50 training iteration (buckets released through backward) at 64;
 * SA-ATP against ATP with one straggler (``sim.training``: real help
   requests and shadow streams) against the flow level's help model.
@@ -38,7 +39,8 @@ from gradfabric.experiments import plots
 from gradfabric.experiments.baselines import builtin_config
 from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick
 from gradfabric.experiments.simulate import flow_rows
-from gradfabric.lab.levels import Pair, both, child, named, peak_rss_mb
+from gradfabric.lab.flowcell import both
+from gradfabric.lab.levels import Pair, child, named, packet, peak_rss_mb
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig, run_collective
 from gradfabric.sim.flow import Clos, iteration_ns, plan, schedule
@@ -290,7 +292,9 @@ class FlowLevel:
         for scheme in BOTH:
             tick(f"{scheme}, 64 on a star")
             rows.append(_case("25 MB all-reduce", scheme, 64, STAR, whole))
-        rows += run_cells(both, _pairs(quick), chosen(), tick, lambda c: c.label)
+        pairs = _pairs(quick)
+        packets = run_cells(packet, pairs, chosen(), tick, lambda c: c.label)
+        rows += [both(c, p) for c, p in zip(pairs, packets, strict=True)]
         tl = timeline(model_spec("resnet50"), 32, device("v100"))
         buckets = [Bucket(b.ready_ns, b.values) for b in tl.buckets]
         for scheme in ("ring", "switchml", "atp"):

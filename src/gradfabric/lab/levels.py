@@ -1,11 +1,12 @@
-"""One all-reduce at both simulator levels, each alone in a process, for the
-flow-level study (``experiments.flowlevel``): the levels' times, wall times
-and peak memory. A child's imports are the simulator's only, so its peak
-memory is the run's.
+"""One all-reduce at packet level, alone in a process, for the flow-level
+study (``experiments.flowlevel``; the flow level's side is ``lab.flowcell``):
+its time, wall time and peak memory. A child's imports are the simulator's
+only, so its peak memory is the run's.
 
-``Pair`` is the study's cell (``core.cells``): its record depends on this
-module and the simulator's sources only, so a stored grid survives edits to
-the experiment that lays it out, and a grown grid runs only its new cells."""
+``Pair`` is the study's cell and ``packet`` its stored record
+(``core.cells``): it depends on this module and the packet level's sources
+only, so a stored grid survives edits to the experiment that lays it out
+and to the flow level, and a grown grid runs only its new cells."""
 
 from __future__ import annotations
 
@@ -20,8 +21,6 @@ from gradfabric.core.config import dump
 from gradfabric.core.errors import ConfigError
 from gradfabric.proto.schemes import InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig
-from gradfabric.sim.flow import Clos, plan, schedule
-from gradfabric.wire.packet import VALUE_BYTES
 
 
 def named(scheme: str, density: float = 1.0) -> str:
@@ -57,23 +56,20 @@ class Pair:
         return f"{named(self.scheme, self.density)}, {self.workers} on a {self.where}"
 
 
-def both(cell: Pair) -> dict[str, Any]:
-    """``cell`` at packet and at flow level, each in a fresh interpreter;
-    the row of the study's table (packet level the reference)."""
-    args = [cell.scheme, cell.workers, cell.values, dump(cell.fabric), dump(cell.ina),
+def packet(cell: Pair) -> dict[str, Any]:
+    """``cell`` at packet level in a fresh interpreter: its time in ms (the
+    mean over its seeds), events, wall time and peak memory. The study's
+    stored cell: this module imports no flow level, so its records outlive
+    edits of ``sim.flow`` (``core.cells.code_digest``)."""
+    got = child(f"from gradfabric.lab.levels import alone; alone({json.dumps(args(cell))!r})")
+    return {"packet_ms": got["ns"] / 1e6, "events": got["events"],
+            "packet_wall_s": got["wall_s"], "packet_rss_mb": got["rss_mb"]}  # fmt: skip
+
+
+def args(cell: Pair) -> list[Any]:
+    """What a child needs of ``cell``, as plain data (``alone``'s ``args``)."""
+    return [cell.scheme, cell.workers, cell.values, dump(cell.fabric), dump(cell.ina),
             cell.density, cell.seeds]  # fmt: skip
-    run = "from gradfabric.lab.levels import alone; alone({!r})"
-    got = {level: child(run.format(json.dumps([level, *args]))) for level in ("packet", "flow")}
-    packet, flow = got["packet"], got["flow"]
-    return {
-        "case": f"{cell.values * VALUE_BYTES / 2**20:g} MB all-reduce", "scheme": cell.scheme,
-        "workers": cell.workers,
-        "topology": cell.where, "density": cell.density, "packet_ms": packet["ns"] / 1e6,
-        "flow_ms": flow["ns"] / 1e6, "error": flow["ns"] / packet["ns"] - 1,
-        "train_packets": cell.ina.train_packets, "seeds": cell.seeds, "events": packet["events"],
-        "packet_wall_s": packet["wall_s"], "flow_wall_s": flow["wall_s"],
-        "packet_rss_mb": packet["rss_mb"], "flow_rss_mb": flow["rss_mb"],
-    }  # fmt: skip
 
 
 def child(code: str) -> dict[str, Any]:
@@ -86,31 +82,24 @@ def child(code: str) -> dict[str, Any]:
     return row
 
 
-def alone(args: str) -> None:
-    """One all-reduce at one level (``packet`` or ``flow``), alone in this
-    process (its imports the simulator's only); prints its time (packet
-    level: the mean over ``seeds`` runs), events, wall time (both summed
-    over the runs) and the process's peak resident memory as one JSON line.
-    ``args``: JSON ``[level, scheme, workers, values, FabricConfig,
-    InaConfig, density, seeds]`` (plain data)."""
+def alone(data: str) -> None:
+    """One all-reduce at packet level, alone in this process (its imports
+    the simulator's only); prints its time (the mean over ``seeds`` runs),
+    events and wall time (both summed over the runs) and the process's peak
+    resident memory as one JSON line. ``data``: ``args``'s list as JSON."""
     import time
 
     from gradfabric.core.config import load
     from gradfabric.sim.collective import run_collective
 
-    level, scheme, workers, values, fabric_data, ina_data, density, seeds = json.loads(args)
+    scheme, workers, values, fabric_data, ina_data, density, seeds = json.loads(data)
     fabric, ina = load(FabricConfig, fabric_data), load(InaConfig, ina_data)
-    buckets = [Bucket(0, values)]
     t0 = time.perf_counter()
-    events = 0
-    if level == "packet":
-        runs = [run_collective(scheme, workers, buckets, fabric, ina, seed, density=density)
-                for seed in range(seeds)]  # fmt: skip
-        ns = sum(float(r.end_ns - r.start_ns) for r in runs) / seeds
-        events = sum(r.events for r in runs)
-    else:
-        ns = schedule(plan(scheme, Clos.of(fabric, workers), workers, ina, density), buckets)
+    runs = [run_collective(scheme, workers, [Bucket(0, values)], fabric, ina, seed,
+                           density=density) for seed in range(seeds)]  # fmt: skip
     wall = time.perf_counter() - t0
+    ns = sum(float(r.end_ns - r.start_ns) for r in runs) / seeds
+    events = sum(r.events for r in runs)
     print(json.dumps({"ns": ns, "events": events, "wall_s": wall, "rss_mb": peak_rss_mb()}))
 
 
