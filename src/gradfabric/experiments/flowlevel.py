@@ -12,8 +12,8 @@ error is its relative difference from packet level, which is the reference:
   server's port takes every worker's train at once without loss (``_ps``;
   at 64 also with a window short of its round trip; at 4,096 with deeper
   ports and a smaller bucket, ``_ps_at_4096``),
-  and OmniReduce at 64 and 256 and three densities (``_omni``; at 1,024 an
-  aggregator a rack and a smaller bucket, ``_omni_racks``). Each is a cell
+  and OmniReduce at 64 and 256 and three densities (``_omni``; at 1,024 and
+  4,096 an aggregator a rack and a smaller bucket, ``_omni_racks``). Each is a cell
   (``lab.levels.Pair``), so ``reproduce --store`` keeps finished ones (packet
   level's: the flow level runs afresh, in well under a second a cell);
 * a ResNet-50 training iteration (buckets released through backward) at 64;
@@ -152,18 +152,21 @@ def _omni(workers: int, density: float) -> Pair:
 
 
 def _omni_racks(workers: int, density: float) -> Pair:
-    """OmniReduce at 1,024 workers as a rack-scale deployment runs it: an
-    aggregator a rack (32, on hosts of their own, as ``ps_servers``), 8
-    streams each, and a sixteenth of the bucket (1.5625 MB, as
-    ``_ps_at_4096``). That cuts the announcements (workers x aggregators x
-    streams) from 67M to 262K, and the results (blocks x workers) to 1.6M,
-    so packet level takes about a minute a seed here. At 4,096 workers (an
-    aggregator a rack: 128) one seed ran past 40 minutes here, so the
-    study stops at 1,024."""
-    ina = replace(INA, train_packets=1, omni_aggregators=workers // 32, omni_streams=8)
+    """OmniReduce at 1,024 and 4,096 workers as a rack-scale deployment runs
+    it: an aggregator a rack (32, 128: on hosts of their own, as
+    ``ps_servers``), 8 streams each at 1,024 and 2 at 4,096, and a bucket
+    of 1.5625 MB at 1,024 (as ``_ps_at_4096``) and 0.39 MB at 4,096. That
+    cuts the announcements (workers x aggregators x streams) from 67M at
+    1,024 with an aggregator a worker to 262K (1M at 4,096), and holds the
+    results (blocks x workers) at 1.6M, so packet level takes about two
+    minutes a seed at 1,024 and five at 4,096 here (the 1,024 cell's
+    streams and bucket at 4,096: one seed ran past 40 minutes)."""
+    streams, values = 8 * 1024 // workers, VALUES * 64 // workers
+    ina = replace(INA, train_packets=1, omni_aggregators=workers // 32, omni_streams=streams)
     pair = _pair("omnireduce", workers, 32, ROOMY, ina, density)
-    where = f"leaf_spine, uplinks with room, an aggregator a rack ({workers // 32}), 8 streams"
-    return replace(pair, values=VALUES // 16, where=where, seeds=3)
+    where = (f"leaf_spine, uplinks with room, an aggregator a rack ({workers // 32}), "
+             f"{streams} streams")  # fmt: skip
+    return replace(pair, values=values, where=where, seeds=3)
 
 
 # What packet level has and the flow level does not model, where a row
@@ -189,7 +192,7 @@ def _pairs(quick: bool) -> list[Pair]:
     cells += [_pair("hring", n, 32, ROOMY) for n in sizes]
     omni = (64,) if quick else (64, 256)  # 256: about an hour of packet level
     cells += [_omni(n, d) for n in omni for d in (0.001, 0.01, 0.1)]
-    cells += [] if quick else [_omni_racks(1024, d) for d in (0.001, 0.01, 0.1)]
+    cells += [_omni_racks(n, d) for n in sizes if n >= 1024 for d in (0.001, 0.01, 0.1)]
     return cells
 
 
