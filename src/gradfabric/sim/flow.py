@@ -10,8 +10,9 @@ window (in-network aggregation: a worker's rate is at most ``W`` packets per
 round trip to its aggregation root; a PS: whole windows, ``Plan.windowed_ns``).
 ATP's pool is priced for a job whose window fits it, where
 the pool's hash gives every sequence in flight its own aggregator
-(``proto.routes.atp_index``): no collision, no fallback; jobs that share a
-pool (ESA's preemptions) stay at packet level for now.
+(``proto.routes.atp_index``): no collision, no fallback. Jobs that share a
+pool (ATP's collisions, ESA's preemptions) are ``sim.multijob``'s: its
+hybrid level prices here only the iterations no other job overlaps.
 
 The fabric, its flow groups and their rates are ``sim.fluid``'s.
 
@@ -98,7 +99,7 @@ from gradfabric.core.errors import ConfigError
 from gradfabric.proto.schemes import SCHEMES, InaConfig
 from gradfabric.sim.collective import Bucket
 from gradfabric.sim.fluid import Clos, Fabric, Groups, max_min, packet_bytes
-from gradfabric.wire.packet import HEADER_BYTES, wire_bytes
+from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, wire_bytes
 
 INA = ("switchml", "atp", "esa", "saatp")
 FLOW_SCHEMES = ("ring", "hring", "ps", "omnireduce", *INA)
@@ -316,8 +317,14 @@ def servers_of(scheme: str, workers: int, ina: InaConfig) -> int:
     return len(SCHEMES.get(scheme).servers(workers, ina))
 
 
-def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float = 1.0) -> Plan:
-    """The flow groups of ``scheme`` on ``clos``, solved: see the module doc."""
+def plan(
+    scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float = 1.0,
+    server_gbps: float = 0.0,
+) -> Plan:  # fmt: skip
+    """The flow groups of ``scheme`` on ``clos``, solved: see the module doc.
+    ``server_gbps``: where ATP's PS works through a sum's values at a finite
+    rate (``sim.multijob``'s ``ps_merge_gbps``), each result waits on it too
+    (0: at once, as ``sim.collective``'s PS)."""
     if scheme not in FLOW_SCHEMES:
         valid = ", ".join(FLOW_SCHEMES)
         raise ConfigError("scheme", f"{scheme!r} has no flow model; valid: {valid}")
@@ -377,7 +384,8 @@ def plan(scheme: str, clos: Clos, workers: int, ina: InaConfig, density: float =
     # ATP's results come from its PS, one host link off the top switch and
     # back; the PS, a host, takes the sum whole before it answers
     host = clos.link
-    ps_leg = 2 * (host.prop_delay_ns + pkt / fab.host_rate) + train if servers else 0.0
+    merge = ina.values_per_sim_packet * VALUE_BYTES * 8 / server_gbps if server_gbps else 0.0
+    ps_leg = 2 * (host.prop_delay_ns + pkt / fab.host_rate) + train + merge if servers else 0.0
 
     def rtt(up: int) -> float:  # up to the root (and the PS) and back, the result taken whole
         return fab.path_ns(2 * up, ina) + pkt / fab.host_rate + train + ps_leg

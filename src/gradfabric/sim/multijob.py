@@ -11,6 +11,19 @@ switches then ``spine0``, whose pool every spanning job shares (and ESA
 preempts in, as at the racks: the paper's rule at both levels). A job's completion time (JCT) runs
 from its arrival to its last result, queueing included. Under ESA, workers
 stamp every packet with their job's priority (``proto/priority.py``), recomputed at each iteration.
+
+Two levels (``TenancyConfig.level``). ``packet`` moves every packet.
+``hybrid`` keeps packets where contention is per packet and prices the rest
+by the flow level (``sim.flow``): once every worker of a job in one rack has
+begun an iteration (its starts drawn as at packet level), the iteration is
+priced by the job's flow plan, ending when the plan's schedule of its
+buckets (each from its last worker) ends, wherever no other job can hold a
+pool meanwhile (``_Tenancy.overlapped``: another job's packet-level
+iteration, a flow-level one or the next it can start, or a job still to be
+placed); else its packets move. Alone, a job is its flow plan (within 1% of
+packet level, ``tests/unit/test_hybrid.py``); in a shared, scarce pool,
+packet level exactly. A job that spans racks, or jobs waiting for hosts,
+keep every job at packet level.
 """
 
 from __future__ import annotations
@@ -31,7 +44,9 @@ from gradfabric.proto.priority import PRIORITIES
 from gradfabric.proto.schemes import SCHEMES, InaConfig, Placement, worker_input
 from gradfabric.proto.switch import PoolStats, SwitchEngine
 from gradfabric.proto.worker import WorkerEngine
-from gradfabric.sim.collective import FabricConfig, deliver_into
+from gradfabric.sim.collective import Bucket, FabricConfig, deliver_into
+from gradfabric.sim.flow import Plan, plan, schedule
+from gradfabric.sim.fluid import Clos
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.network import Network
 from gradfabric.sim.topology import leaf_spine, star
@@ -40,6 +55,8 @@ from gradfabric.workloads.catalog import check_model, model_spec
 from gradfabric.workloads.compute import Timeline, device, timeline
 
 TENANCY_SCHEMES = ("esa", "atp", "switchml")
+LEVELS = ("packet", "hybrid")
+NEVER = float("inf")
 
 
 @mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
@@ -86,8 +103,13 @@ class TenancyConfig:
     packet_jitter_ns: int = 0
     fabric: FabricConfig = field(default_factory=FabricConfig)
     ina: InaConfig = field(default_factory=lambda: InaConfig(train_packets=64))
+    # "packet", or "hybrid": an iteration no other job can overlap in the
+    # pools is priced at flow level (module doc)
+    level: str = "packet"
 
     def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ConfigError("level", f"unknown {self.level!r}; valid: {', '.join(LEVELS)}")
         if self.ps_shards < 0 or self.ps_merge_gbps <= 0:
             raise ConfigError("ps_shards", "ps_shards must be >= 0 and ps_merge_gbps > 0")
         if self.iteration_jitter_us < 0 or self.packet_jitter_ns < 0 or self.compute_ms < 0:
@@ -198,6 +220,13 @@ class _Job:
         self.placement: Placement | None = None
         self.inputs: list[np.ndarray] | None = None
         self.results: list[np.ndarray] | None = None
+        # the hybrid level's (``_Tenancy.decide``): the flow plan of a job in
+        # one rack (None: packets only); each worker's start of the iteration
+        # being begun; when the job may hold a pool: [lo, hi), and from next_lo on
+        self.plan: Plan | None = None
+        self.t0: list[int] = []
+        self.lo, self.hi, self.next_lo = NEVER, NEVER, NEVER
+        self.flowed = 0  # iterations priced at flow level
         if values:
             n, total = spec.workers, int(self.offsets[-1])
             self.inputs = [
@@ -291,6 +320,9 @@ class _Tenancy:
             self.root = SwitchEngine.build(topo.spines[0], policy, self.pool)
             self.net.bind(self.root.name, self.root)
             self.switches[self.root.name] = self.root
+        self.hybrid = cfg.level == "hybrid"
+        if self.hybrid and values:
+            raise ConfigError("level", "the hybrid level prices iterations, not values")
         self.waiting: list[_Job] = []
         self.jobs = {j.job_id: _Job(j, cfg, values) for j in jobs}
         self.finished = 0
@@ -373,6 +405,11 @@ class _Tenancy:
             node.on_deliver = self._deliverer(job, i)
         job.left = [list(job.npk) for _ in range(spec.workers)]
         job.done_iters = [0] * spec.workers
+        if self.hybrid and len(layout) == 1:  # one rack: alone, it is a star's
+            clos = Clos(hosts_per_rack=spec.workers, link=self.cfg.fabric.link)
+            ina_cfg = replace(ina, atp_pool_slots=self.pool * ina.train_packets)
+            job.plan = plan(self.cfg.scheme, clos, spec.workers, ina_cfg,
+                            server_gbps=self.cfg.ps_merge_gbps)  # fmt: skip
         for i in range(spec.workers):
             self.begin(job, i, 0)
 
@@ -385,9 +422,73 @@ class _Tenancy:
         t0 = self.loop.now
         if self.cfg.iteration_jitter_us:
             t0 += int(self.jitter_rng.uniform(0, self.cfg.iteration_jitter_us * 1e3))
+        if not self.hybrid:
+            self.pushes(job, w, it, t0)
+            return
+        # until every worker has begun, the others may still be in the last
+        # iteration: the job may hold a pool from its last start on
+        job.hi = NEVER
+        job.lo = min(job.lo, t0 + job.tl.buckets[0].ready_ns)
+        job.t0.append(t0)
+        if len(job.t0) == job.spec.workers:
+            self.decide(job, it)
+
+    def pushes(self, job: _Job, w: int, it: int, t0: int) -> None:
+        """Worker ``w``'s buckets of iteration ``it`` at packet level, its
+        compute started at ``t0``."""
         prio = self.priority(job, it)
+        g = it * job.J
+        eng = job.engines[w]
+        if eng.next_seq < job.first_seq[g]:  # iterations priced at flow level sent nothing
+            eng.skip_to(job.first_seq[g])
         for j, b in enumerate(job.tl.buckets):
-            self.loop.at(t0 + b.ready_ns, self._push, (job, w, it * job.J + j, prio))
+            self.loop.at(max(self.loop.now, t0 + b.ready_ns), self._push, (job, w, g + j, prio))
+
+    def decide(self, job: _Job, it: int) -> None:
+        """The hybrid level: iteration ``it`` of ``job`` (every worker's start
+        known) at flow level where the job has a plan and no other job can
+        hold a pool while it runs, else at packet level. At flow level each
+        bucket leaves when the last worker has it, and every worker has the
+        iteration's results when the plan's schedule ends."""
+        starts, job.t0 = job.t0, []
+        buckets = job.tl.buckets
+        lo = min(starts) + buckets[0].ready_ns
+        if job.plan is not None:
+            flows = [Bucket(max(t + b.ready_ns for t in starts) - lo, b.values) for b in buckets]
+            end = lo + schedule(job.plan, flows)
+            if not self.overlapped(job, lo, end):
+                last = it + 1 == job.spec.iterations
+                job.lo, job.hi = lo, end
+                job.next_lo = NEVER if last else end + buckets[0].ready_ns
+                job.flowed += 1
+                self.loop.at(int(end), self._flowed, (job, it))
+                return
+        job.lo, job.hi = lo, NEVER  # until its workers begin the next iteration
+        for w, t0 in enumerate(starts):
+            self.pushes(job, w, it, t0)
+
+    def overlapped(self, job: _Job, lo: float, end: float) -> bool:
+        """Whether another job may hold a pool in [``lo``, ``end``): one at
+        packet level (until its iteration is done), one at flow level in its
+        iteration or its next, or one not yet placed that arrives before
+        ``end`` or waits for hosts (it starts when some job finishes)."""
+        for other in self.jobs.values():
+            if other is job or other.end_ns >= 0:
+                continue
+            if other.start_ns < 0:
+                if other.spec.arrival_ns < end:
+                    return True
+            elif (other.lo < end and other.hi > lo) or other.next_lo < end:
+                return True
+        return False
+
+    def _flowed(self, arg: tuple[_Job, int]) -> None:
+        """Iteration ``it`` of ``job``, priced at flow level, is done."""
+        job, it = arg
+        last = it * job.J + job.J - 1
+        for w in range(job.spec.workers):
+            job.left[w][it * job.J : last + 1] = [0] * job.J
+            self.bucket_done(job, w, last)
 
     def _push(self, arg: tuple[_Job, int, int, int]) -> None:
         job, w, g, prio = arg
