@@ -21,7 +21,8 @@ def _result(jct: dict[str, float], order: tuple[str, ...]) -> dict[str, Any]:
         for p, t in here.items():
             rows.append({"setting": name, "pool_slots": every[name][0], "jitter_ms": 5.0,
                          "policy": p, "mean_jct_s": t, "p99_jct_s": t, "sim_mean_jct_s": t,
-                         "sim_cal_mean_jct_s": t, "exact": True, "start_late_ms": 1.0,
+                         "sim_cal_mean_jct_s": t, "hybrid_mean_jct_s": t,
+                         "hybrid_cal_mean_jct_s": t, "exact": True, "start_late_ms": 1.0,
                          "preemptions": 0, "ps_fallback": 0, "daemon_load": 0.2,
                          "workers_load": 1.0})  # fmt: skip
         for base in (p for p in here if p != "esa"):
@@ -30,7 +31,8 @@ def _result(jct: dict[str, float], order: tuple[str, ...]) -> dict[str, Any]:
                          "policy": f"esa/{base}", "mean_jct_speedup": x,
                          "mean_jct_speedup_half": 0.05, "p99_jct_speedup": x,
                          "p99_jct_speedup_half": 0.05, "sim_mean_jct_speedup": x,
-                         "sim_cal_mean_jct_speedup": x})  # fmt: skip
+                         "sim_cal_mean_jct_speedup": x, "hybrid_mean_jct_speedup": x,
+                         "hybrid_cal_mean_jct_speedup": 0.5 * x})  # fmt: skip
     config = {"link_gbps": 1.0, "seeds": 6, "jobs": 3, "host_overhead_ms": 3.0,
               "settings": {n: every[n] for n in order}}  # fmt: skip
     return {"rows": rows, "config": config}
@@ -49,6 +51,8 @@ def test_the_headline_is_against_the_faster_atp_where_the_gain_is_predicted(
     assert len(heads) == 1 and heads[0].baseline.startswith(against)
     assert "scarce, jittered" in heads[0].claim
     assert heads[0].speedup == pytest.approx(min(atp, timeouts) / 27.0)
+    half = 0.5 * min(atp, timeouts) / 27.0  # the hybrid level's calibrated prediction
+    assert f"(the hybrid level: {2 * half:.2f}x and {half:.2f}x)" in heads[0].note
     assert len(claims(res)) == 3  # ESA over each ATP where the gain is, over ATP elsewhere
 
 

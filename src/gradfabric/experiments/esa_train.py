@@ -44,10 +44,13 @@ from gradfabric.sim.network import LinkSpec
 LOOPBACK_GBPS = 100.0  # what the simulator takes loopback for
 
 
-def simulated(cfg: EsaTrainConfig, policy: str, overhead_ms: float = 0.0) -> dict[str, float]:
+def simulated(
+    cfg: EsaTrainConfig, policy: str, overhead_ms: float = 0.0, level: str = "packet"
+) -> dict[str, float]:
     """The simulator's mean and p99 JCT for the same trace (jobs, arrivals,
     model, device time and its jitter, pool, window and packet size; a star
-    of the trace's link rate, 100 Gbit/s for loopback). Jittered, every
+    of the trace's link rate, 100 Gbit/s for loopback) at ``level``
+    (``sim.multijob``: packet or hybrid). Jittered, every
     packet also crosses each link up to ``PACKET_JITTER_NS`` late, as in
     ``experiment esa``. ``overhead_ms``: the host's own cost per step
     (``host_overhead_ms``), added to the device time. The workers repair as
@@ -64,6 +67,7 @@ def simulated(cfg: EsaTrainConfig, policy: str, overhead_ms: float = 0.0) -> dic
             iteration_jitter_us=cfg.jitter_ms * 1e3,
             packet_jitter_ns=PACKET_JITTER_NS if cfg.jitter_ms else 0,
             fabric=FabricConfig(link=LinkSpec(link_gbps=cfg.link_gbps or LOOPBACK_GBPS)),
+            level=level,
             # the workers' repairs as the clients' tickets set them: a resend
             # of the oldest sequence once a few later results are back
             ina=InaConfig(values_per_packet=DAEMON.values_per_packet, train_packets=1,
@@ -89,6 +93,9 @@ def host_overhead_ms(cfg: EsaTrainConfig, runs: int = 3) -> float:
     return max(0.0, float(statistics.median(per_step)))
 
 
+# the simulator's predictions beside each run: (level, the host's cost added)
+PREDICTIONS = {"sim": ("packet", False), "sim_cal": ("packet", True),
+               "hybrid": ("hybrid", False), "hybrid_cal": ("hybrid", True)}  # fmt: skip
 JITTER_MS = 5.0
 LINK_GBPS = 1.0
 LONG_STEPS = (600, 1200, 2400)  # a full study's job: 10 to 40 s
@@ -152,15 +159,16 @@ def study(
                 if tick:
                     tick(f"{name} pool: {policy}, trace {seed + 1}/{seeds}")
                 runs[policy].append(run_trace(c, policy) | {
-                    "sim": simulated(c, policy), "sim_cal": simulated(c, policy, overhead)})
+                    key: simulated(c, policy, overhead if cal else 0.0, level)
+                    for key, (level, cal) in PREDICTIONS.items()})  # fmt: skip
         for policy, rs in runs.items():
             rows.append({
                 "setting": name, "pool_slots": slots, "jitter_ms": jitter, "policy": policy,
                 "mean_jct_s": statistics.fmean(r["mean_jct_s"] for r in rs),
                 "p99_jct_s": statistics.fmean(r["p99_jct_s"] for r in rs),
-                "sim_mean_jct_s": statistics.fmean(r["sim"]["mean_jct_s"] for r in rs),
+                **{f"{k}_mean_jct_s": statistics.fmean(r[k]["mean_jct_s"] for r in rs)
+                   for k in PREDICTIONS},
                 "sim_p99_jct_s": statistics.fmean(r["sim"]["p99_jct_s"] for r in rs),
-                "sim_cal_mean_jct_s": statistics.fmean(r["sim_cal"]["mean_jct_s"] for r in rs),
                 "exact": all(j["exact"] for r in rs for j in r["jobs"]),
                 "start_late_ms": 1e3 * max(j["start_late_s"] for r in rs for j in r["jobs"]),
                 "preemptions": sum(r["counters"].get("preemptions", 0) for r in rs),
@@ -176,8 +184,8 @@ def study(
                          "policy": f"esa/{base}",
                          "mean_jct_speedup": m.mean, "mean_jct_speedup_half": m.half,
                          "p99_jct_speedup": p.mean, "p99_jct_speedup_half": p.half,
-                         "sim_mean_jct_speedup": _predicted(pairs, "sim"),
-                         "sim_cal_mean_jct_speedup": _predicted(pairs, "sim_cal")})  # fmt: skip
+                         **{f"{k}_mean_jct_speedup": _predicted(pairs, k)
+                            for k in PREDICTIONS}})  # fmt: skip
     config = asdict(cfg) | {"seeds": seeds, "settings": setting, "host_overhead_ms": overhead}
     return {"rows": rows, "config": config}
 
@@ -247,7 +255,8 @@ def claims(res: dict[str, Any]) -> list[Claim]:
             f"{r['p99_jct_speedup']:.2f}x ± {r['p99_jct_speedup_half']:.2f}; the simulator "
             f"predicts {r['sim_mean_jct_speedup']:.2f}x as is, "
             f"{r['sim_cal_mean_jct_speedup']:.2f}x given the host's "
-            f"{cfg['host_overhead_ms']:.1f} ms per step (measured alone); CPU while jobs "
+            f"{cfg['host_overhead_ms']:.1f} ms per step (measured alone){_hybrid(r)}; CPU "
+            "while jobs "
             f"train: daemon "
             f"{them['daemon_load']:.2f} and {esa['daemon_load']:.2f} cores, workers "
             f"{them['workers_load']:.2f} and {esa['workers_load']:.2f} ({short} and ESA, "
@@ -261,15 +270,25 @@ def claims(res: dict[str, Any]) -> list[Claim]:
     return out
 
 
+def _hybrid(r: dict[str, Any]) -> str:
+    """The hybrid level's predictions, where the study has them."""
+    if "hybrid_mean_jct_speedup" not in r:
+        return ""
+    return (f" (the hybrid level: {r['hybrid_mean_jct_speedup']:.2f}x and "
+            f"{r['hybrid_cal_mean_jct_speedup']:.2f}x)")  # fmt: skip
+
+
 def draw(res: dict[str, Any], out: Path) -> str:
-    rows = [r | {"measured": r["mean_jct_s"] * 1e3, "simulated": r["sim_mean_jct_s"] * 1e3,
-                 "simulated, host's cost per step added": r["sim_cal_mean_jct_s"] * 1e3}
+    marks = {"simulated": "sim", "simulated, host's cost per step added": "sim_cal",
+             "hybrid level, host's cost added": "hybrid_cal"}  # fmt: skip
+    rows = [r | {"measured": r["mean_jct_s"] * 1e3}
+            | {m: r[f"{k}_mean_jct_s"] * 1e3 for m, k in marks.items()
+               if f"{k}_mean_jct_s" in r}
             for r in res["rows"] if r["policy"] in ARMS]  # fmt: skip
     return plots.grouped_bars(
         rows, "setting", "policy", "measured", "mean JCT (ms)",
         "real jobs through one switch: ATP (with and without fast retransmit) vs ESA",
-        out / "esa_train_jct.png",
-        mark=("simulated", "simulated, host's cost per step added"),
+        out / "esa_train_jct.png", mark=tuple(m for m in marks if m in rows[0]),
     ).name  # fmt: skip
 
 
