@@ -18,7 +18,10 @@ error is its relative difference from packet level, which is the reference:
   level's: the flow level runs afresh, in well under a second a cell);
 * a ResNet-50 training iteration (buckets released through backward) at 64;
 * SA-ATP against ATP with one straggler (``sim.training``: real help
-  requests and shadow streams) against the flow level's help model.
+  requests and shadow streams) against the flow level's help model;
+* jobs that share a scarce pool (ESA's real-run traces) at the multi-job
+  simulator's hybrid level (``sim.multijob``), packets where another job
+  may contend and flows elsewhere (``_shared_pool``).
 
 Then the shipped ``configs/scale-*.yaml`` (GPT-2 XL, 16,384 workers, a
 three-tier fat-tree, 1% stragglers) at flow level, each with its wall time
@@ -219,6 +222,37 @@ def _stragglers(scheme: str, slowdown: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _shared_pool(traces: int, tick: Tick) -> list[dict[str, Any]]:
+    """Jobs sharing a pool, where contention is per packet (ATP's collisions,
+    ESA's preemptions): ``experiment esa-train``'s traces in the setting
+    where ESA's gain is predicted (3 jobs of 2 or 3 workers, 1 Gbit/s links,
+    a 40-aggregator pool two windows overfill, workers out of lockstep),
+    jobs of a fraction of a second, at the multi-job simulator's hybrid level
+    against packet level: mean JCT over ``traces`` seeded traces, and each
+    level's wall time."""
+    from gradfabric.experiments.esa_train import default_config, settings, simulated
+
+    slots, jitter = settings()["scarce, jittered"]
+    base = replace(default_config(), link_gbps=1.0, pool_slots=slots, jitter_ms=jitter)
+    rows = []
+    for policy in ("atp", "esa"):
+        tick(f"{policy}, jobs sharing a pool")
+        mean, wall = {}, {}
+        for level in ("packet", "hybrid"):
+            t0 = time.perf_counter()
+            jct = [simulated(replace(base, seed=base.seed + k), policy, level=level)["mean_jct_s"]
+                   for k in range(traces)]  # fmt: skip
+            mean[level], wall[level] = sum(jct) / traces, time.perf_counter() - t0
+        rows.append({
+            "case": f"mean JCT of 3 jobs sharing a {slots}-aggregator pool ({traces} traces), "
+            "hybrid level", "scheme": policy, "workers": "2 or 3", "topology": "star",
+            "packet_ms": mean["packet"] * 1e3, "flow_ms": mean["hybrid"] * 1e3,
+            "error": mean["hybrid"] / mean["packet"] - 1, "packet_wall_s": wall["packet"],
+            "flow_wall_s": wall["hybrid"], "events": 0,
+        })  # fmt: skip
+    return rows
+
+
 def scale_child(name: str) -> None:
     """One shipped config at flow level, alone in this process (torch and the
     model's profile included, as ``gradfabric simulate`` runs it); prints
@@ -307,6 +341,7 @@ class FlowLevel:
             for slowdown in (1.5, 3.0):
                 tick(f"{scheme}, a {slowdown:g}x straggler")
                 rows.append(_stragglers(scheme, slowdown))
+        rows += _shared_pool(12 if quick else 40, tick)
         scale = _at_scale(tick)
         helped = _saatp_at_4096(tick)
         over = _oversubscribed(tick)
