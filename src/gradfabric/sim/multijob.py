@@ -14,7 +14,7 @@ stamp every packet with their job's priority (``proto/priority.py``), recomputed
 
 Two levels (``TenancyConfig.level``). ``packet`` moves every packet.
 ``hybrid`` keeps packets where contention is per packet and prices the rest
-by the flow level (``sim.flow``): once every worker of a job in one rack has
+by the flow level (``sim.flow``): once every worker of a job on a star has
 begun an iteration (its starts drawn as at packet level), the iteration is
 priced by the job's flow plan, ending when the plan's schedule of its
 buckets (each from its last worker) ends, wherever no other job can hold a
@@ -22,8 +22,9 @@ pool meanwhile (``_Tenancy.overlapped``: another job's packet-level
 iteration, a flow-level one or the next it can start, or a job still to be
 placed); else its packets move. Alone, a job is its flow plan (within 1% of
 packet level, ``tests/unit/test_hybrid.py``); in a shared, scarce pool,
-packet level exactly. A job that spans racks, or jobs waiting for hosts,
-keep every job at packet level.
+packet level exactly. On a leaf-spine (a job's PS shards in other racks),
+every iteration moves its packets, and a job waiting for hosts keeps every
+job's packets.
 """
 
 from __future__ import annotations
@@ -405,7 +406,9 @@ class _Tenancy:
             node.on_deliver = self._deliverer(job, i)
         job.left = [list(job.npk) for _ in range(spec.workers)]
         job.done_iters = [0] * spec.workers
-        if self.hybrid and len(layout) == 1:  # one rack: alone, it is a star's
+        # on a star, a job alone is the flow level's on a star (on a leaf-spine
+        # its PS shards sit in other racks, a path the star's plan does not price)
+        if self.hybrid and self.cfg.racks == 1:
             clos = Clos(hosts_per_rack=spec.workers, link=self.cfg.fabric.link)
             ina_cfg = replace(ina, atp_pool_slots=self.pool * ina.train_packets)
             job.plan = plan(self.cfg.scheme, clos, spec.workers, ina_cfg,
