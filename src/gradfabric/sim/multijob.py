@@ -461,12 +461,12 @@ class _Tenancy:
             end = lo + schedule(job.plan, flows)
             if not self.overlapped(job, lo, end):
                 last = it + 1 == job.spec.iterations
-                job.lo, job.hi = lo, end
+                job.lo, job.hi = float(lo), end
                 job.next_lo = NEVER if last else end + buckets[0].ready_ns
                 job.flowed += 1
                 self.loop.at(int(end), self._flowed, (job, it))
                 return
-        job.lo, job.hi = lo, NEVER  # until its workers begin the next iteration
+        job.lo, job.hi = float(lo), NEVER  # until its workers begin the next iteration
         for w, t0 in enumerate(starts):
             self.pushes(job, w, it, t0)
 
