@@ -225,7 +225,7 @@ class _Job:
         # one rack (None: packets only); each worker's start of the iteration
         # being begun; when the job may hold a pool: [lo, hi), and from next_lo on
         self.plan: Plan | None = None
-        self.t0: list[int] = []
+        self.t0: dict[int, int] = {}  # worker: its start
         self.lo, self.hi, self.next_lo = NEVER, NEVER, NEVER
         self.flowed = 0  # iterations priced at flow level
         if values:
@@ -432,7 +432,7 @@ class _Tenancy:
         # iteration: the job may hold a pool from its last start on
         job.hi = NEVER
         job.lo = min(job.lo, t0 + job.tl.buckets[0].ready_ns)
-        job.t0.append(t0)
+        job.t0[w] = t0
         if len(job.t0) == job.spec.workers:
             self.decide(job, it)
 
@@ -453,7 +453,8 @@ class _Tenancy:
         hold a pool while it runs, else at packet level. At flow level each
         bucket leaves when the last worker has it, and every worker has the
         iteration's results when the plan's schedule ends."""
-        starts, job.t0 = job.t0, []
+        starts = [job.t0[w] for w in range(job.spec.workers)]
+        job.t0 = {}
         buckets = job.tl.buckets
         lo = min(starts) + buckets[0].ready_ns
         if job.plan is not None:
