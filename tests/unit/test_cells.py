@@ -162,3 +162,13 @@ def test_a_cells_digest_covers_what_its_module_imports_and_nothing_it_does_not()
     flow = pkg / "sim" / "flow.py"
     assert flow not in imported("gradfabric.lab.levels", pkg)
     assert flow in imported("gradfabric.lab.flowcell", pkg)
+
+
+def test_a_function_from_outside_the_package_is_held_to_the_simulation_sources() -> None:
+    """A builtin or a script's function has no closure in the package: its
+    digest is every simulation source's, not the digest of nothing."""
+    import hashlib
+
+    from gradfabric.core.cells import code_digest
+
+    assert code_digest(abs) == code_digest(len) != hashlib.sha256(b"").hexdigest()[:16]

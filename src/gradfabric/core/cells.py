@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import inspect
 import json
 import multiprocessing
 import os
@@ -147,18 +148,28 @@ _SIMULATION = ("core", "wire", "workloads", "proto", "sim")
 
 def code_digest(fn: Callable[..., Any]) -> str:
     """A digest of the sources ``fn``'s records can depend on: its own module
-    and the ``_SIMULATION`` modules that module imports, directly or through
-    others (``imported``), with the C sources in their folders. A cell whose
-    module does not import the flow level keeps its records across an edit
-    of the flow level, and the other way round."""
+    and every ``gradfabric`` module that module imports, directly or through
+    others (``imported``; the package's root ``__init__`` and loader aside),
+    with the C sources in their folders. A cell whose module does not import
+    the flow level keeps its records across an edit of the flow level, and
+    the other way round. A function from outside the package (a script's,
+    a builtin) is held to every simulation source and its own file. Code a
+    cell runs from a string in a child interpreter is not read: its module
+    must import what that code does."""
     pkg = Path(__file__).resolve().parent.parent
     own = pkg.joinpath(*fn.__module__.split(".")[1:]).with_suffix(".py")
-    files = {f for f in imported(fn.__module__, pkg)
-             if f == own or f.relative_to(pkg).parts[0] in _SIMULATION}  # fmt: skip
+    if fn.__module__.split(".")[0] == "gradfabric" and own.is_file():
+        root = {pkg / "__init__.py", pkg / "_build.py"}
+        files = imported(fn.__module__, pkg) - root
+    else:
+        files = {p for d in _SIMULATION for p in (pkg / d).rglob("*.py")}
+        source = inspect.getsourcefile(fn) if not inspect.isbuiltin(fn) else None
+        files |= {Path(source)} if source and Path(source).is_file() else set()
     files |= {c for f in files for c in f.parent.glob("*.[ch]")}
     h = hashlib.sha256()
     for f in sorted(files):
-        h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        name = f.relative_to(pkg).as_posix() if f.is_relative_to(pkg) else f.name
+        h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

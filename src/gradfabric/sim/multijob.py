@@ -20,16 +20,21 @@ priced by the job's flow plan, ending when the plan's schedule of its
 buckets (each from its last worker) ends, wherever no other job can hold a
 pool meanwhile (``_Tenancy.overlapped``: another job's packet-level
 iteration, a flow-level one or the next it can start, or a job still to be
-placed); else its packets move. Alone, a job is its flow plan (within 1% of
-packet level, ``tests/unit/test_hybrid.py``); in a shared, scarce pool,
-packet level exactly. On a leaf-spine (a job's PS shards in other racks),
-every iteration moves its packets, and a job waiting for hosts keeps every
-job's packets.
+placed); else its packets move, each worker's from its own start (its
+priority taken then, as at packet level), once the last has begun. Alone,
+a job is its flow plan (within 1% of packet level,
+``tests/unit/test_hybrid.py``); where no iteration is priced at flow level,
+it is packet level exactly unless a worker's first bucket was due before
+the job's last worker began. On a leaf-spine (a job's PS shards in other
+racks), or where a job's window does not fit the pool, it is packet level;
+a job waiting for hosts keeps every job's packets. Pool use and counters
+count the packet-level iterations only.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -225,7 +230,7 @@ class _Job:
         # one rack (None: packets only); each worker's start of the iteration
         # being begun; when the job may hold a pool: [lo, hi), and from next_lo on
         self.plan: Plan | None = None
-        self.t0: dict[int, int] = {}  # worker: its start
+        self.t0: dict[int, tuple[int, int]] = {}  # worker: its start and priority
         self.lo, self.hi, self.next_lo = NEVER, NEVER, NEVER
         self.flowed = 0  # iterations priced at flow level
         if values:
@@ -246,6 +251,7 @@ class TenancyResult:
     wall_s: float
     counters: dict[str, int]
     exact: bool | None = None
+    flowed: int = 0  # iterations the hybrid level priced at flow level
 
     @property
     def avg_jct_s(self) -> float:
@@ -408,7 +414,9 @@ class _Tenancy:
         job.done_iters = [0] * spec.workers
         # on a star, a job alone is the flow level's on a star (on a leaf-spine
         # its PS shards sit in other racks, a path the star's plan does not price)
-        if self.hybrid and self.cfg.racks == 1:
+        # (and where its window fits the pool: else it collides with itself)
+        fits = scheme.static_slots or self.window <= self.pool
+        if self.hybrid and self.cfg.racks == 1 and fits:
             clos = Clos(hosts_per_rack=spec.workers, link=self.cfg.fabric.link)
             ina_cfg = replace(ina, atp_pool_slots=self.pool * ina.train_packets)
             job.plan = plan(self.cfg.scheme, clos, spec.workers, ina_cfg,
@@ -425,21 +433,21 @@ class _Tenancy:
         t0 = self.loop.now
         if self.cfg.iteration_jitter_us:
             t0 += int(self.jitter_rng.uniform(0, self.cfg.iteration_jitter_us * 1e3))
-        if not self.hybrid:
-            self.pushes(job, w, it, t0)
+        prio = self.priority(job, it)
+        if job.plan is None:  # packet level, or a job the hybrid level cannot price
+            self.pushes(job, w, it, t0, prio)
             return
         # until every worker has begun, the others may still be in the last
         # iteration: the job may hold a pool from its last start on
         job.hi = NEVER
         job.lo = min(job.lo, t0 + job.tl.buckets[0].ready_ns)
-        job.t0[w] = t0
+        job.t0[w] = (t0, prio)
         if len(job.t0) == job.spec.workers:
             self.decide(job, it)
 
-    def pushes(self, job: _Job, w: int, it: int, t0: int) -> None:
+    def pushes(self, job: _Job, w: int, it: int, t0: int, prio: int) -> None:
         """Worker ``w``'s buckets of iteration ``it`` at packet level, its
-        compute started at ``t0``."""
-        prio = self.priority(job, it)
+        compute started at ``t0``, stamped ``prio``."""
         g = it * job.J
         eng = job.engines[w]
         if eng.next_seq < job.first_seq[g]:  # iterations priced at flow level sent nothing
@@ -453,11 +461,12 @@ class _Tenancy:
         hold a pool while it runs, else at packet level. At flow level each
         bucket leaves when the last worker has it, and every worker has the
         iteration's results when the plan's schedule ends."""
-        starts = [job.t0[w] for w in range(job.spec.workers)]
+        begun = [job.t0[w] for w in range(job.spec.workers)]
+        starts = [t for t, _ in begun]
         job.t0 = {}
         buckets = job.tl.buckets
         lo = min(starts) + buckets[0].ready_ns
-        if job.plan is not None:
+        if job.plan is not None:  # always, here (``begin``)
             flows = [Bucket(max(t + b.ready_ns for t in starts) - lo, b.values) for b in buckets]
             end = lo + schedule(job.plan, flows)
             if not self.overlapped(job, lo, end):
@@ -465,11 +474,11 @@ class _Tenancy:
                 job.lo, job.hi = float(lo), end
                 job.next_lo = NEVER if last else end + buckets[0].ready_ns
                 job.flowed += 1
-                self.loop.at(int(end), self._flowed, (job, it))
+                self.loop.at(math.ceil(end), self._flowed, (job, it))
                 return
-        job.lo, job.hi = float(lo), NEVER  # until its workers begin the next iteration
-        for w, t0 in enumerate(starts):
-            self.pushes(job, w, it, t0)
+        job.lo, job.hi, job.next_lo = float(lo), NEVER, NEVER  # until the next begins
+        for w, (t0, prio) in enumerate(begun):
+            self.pushes(job, w, it, t0, prio)
 
     def overlapped(self, job: _Job, lo: float, end: float) -> bool:
         """Whether another job may hold a pool in [``lo``, ``end``): one at
@@ -590,4 +599,5 @@ def run_tenancy(
         wall_s=wall,
         counters=counters.as_dict(),
         exact=exact,
+        flowed=sum(j.flowed for j in ten.jobs.values()),
     )
