@@ -20,15 +20,11 @@ priced by the job's flow plan, ending when the plan's schedule of its
 buckets (each from its last worker) ends, wherever no other job can hold a
 pool meanwhile (``_Tenancy.overlapped``: another job's packet-level
 iteration, a flow-level one or the next it can start, or a job still to be
-placed); else its packets move, each worker's from its own start (its
-priority taken then, as at packet level), once the last has begun. Alone,
-a job is its flow plan (within 1% of packet level,
-``tests/unit/test_hybrid.py``); where no iteration is priced at flow level,
-it is packet level exactly unless a worker's first bucket was due before
-the job's last worker began. On a leaf-spine (a job's PS shards in other
-racks), or where a job's window does not fit the pool, it is packet level;
-a job waiting for hosts keeps every job's packets. Pool use and counters
-count the packet-level iterations only.
+placed); else its packets move, each worker's from its own start and
+priority, once the last has begun (``tests/unit/test_hybrid.py``). On a
+leaf-spine (a job's PS shards in other racks), or where a job's window
+does not fit the pool, it is packet level; a job waiting for hosts keeps
+every job's packets. Pool use and counters count packet iterations only.
 """
 
 from __future__ import annotations
