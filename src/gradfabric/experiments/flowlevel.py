@@ -164,7 +164,7 @@ def _omni_racks(workers: int, density: float) -> Pair:
     results (blocks x workers) at 1.6M, so packet level takes about two
     minutes a seed at 1,024 and five at 4,096 here (the 1,024 cell's
     streams and bucket at 4,096: one seed ran past 40 minutes)."""
-    streams, values = 8 * 1024 // workers, VALUES * 64 // workers
+    streams, values = {1024: 8, 4096: 2}[workers], VALUES * 64 // workers
     ina = replace(INA, train_packets=1, omni_aggregators=workers // 32, omni_streams=streams)
     pair = _pair("omnireduce", workers, 32, ROOMY, ina, density)
     where = (f"leaf_spine, uplinks with room, an aggregator a rack ({workers // 32}), "
