@@ -65,6 +65,37 @@ def test_link_serialisation_and_propagation_exact() -> None:
     assert [t for t, _ in sink.got] == [1085, 1169, 1254]
 
 
+def _serialised_ns(k: int) -> int:
+    """When packet ``k`` of a back-to-back burst of 256-value packets has left
+    a 100 Gbit/s link (84.48 ns each), rounded up to whole ns."""
+    return -(-(k + 1) * 8448 // 100)
+
+
+def test_a_link_s_packets_in_flight_wait_off_the_heap_and_land_in_order() -> None:
+    net, sink, link = _pair(LinkSpec(link_gbps=100, prop_delay_ns=1000, queue_bytes=0))
+    for s in range(1000):
+        link.send("b", Packet(1, 0, s, count=256))  # type: ignore[attr-defined]
+    assert net.loop.pending == 1  # the first on the wire, not a thousand
+    net.loop.run()
+    assert [(t, p.seq) for t, p in sink.got] == [(_serialised_ns(k) + 1000, k)
+                                                 for k in range(1000)]  # fmt: skip
+    assert net.loop.events == 1000 and not link.flight  # type: ignore[attr-defined]
+
+
+def test_packets_that_overtake_the_wire_land_in_time_then_send_order() -> None:
+    # up to 5 us of jitter over 84 ns a packet: most packets overtake others.
+    # Reference: each packet's arrival from the same draws (one per send, in
+    # send order), sorted by (time, send order) as a heap of them all would be.
+    net, sink, link = _pair(LinkSpec(link_gbps=100, prop_delay_ns=1000, queue_bytes=0,
+                                     jitter_ns=5000))  # fmt: skip
+    for s in range(300):
+        link.send("b", Packet(1, 0, s, count=256))  # type: ignore[attr-defined]
+    net.loop.run()
+    draws = random.Random(0)
+    want = sorted((_serialised_ns(k) + 1000 + draws.randrange(5001), k) for k in range(300))
+    assert [(t, p.seq) for t, p in sink.got] == want
+
+
 def test_a_paced_worker_sends_a_resend_ahead_of_the_data_it_holds() -> None:
     # 100 Gbit/s, 84.48 ns a packet: seqs 0-2 queue back to back; a resend of
     # seq 1 at t=0 leaves at once (done at 84.48 ns, as seq 0), and seq 3,

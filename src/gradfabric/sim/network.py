@@ -7,6 +7,15 @@ instant is ``(busy_until - now) * rate``, which gives tail drop at
 ``queue_bytes`` and ECN marking above ``ecn_bytes`` exactly as a FIFO would,
 at one event per packet per hop (its arrival at the far end).
 
+A link delivers in the order it accepts unless a packet overtakes the wire
+(jitter, a control packet or a resend sent ahead of the queue), so its
+packets in flight wait in its own FIFO (``Link.flight``) and only the first
+is on the event heap, under the sequence number it was given when sent: ties
+break as if every packet were on the heap, so a run is the same event for
+event, and the heap stays as deep as the links in use, not as the packets
+in the fabric's queues (docs/notebook/2026-12-02.md#sim-speed-again). A
+packet that lands before the last one on the wire goes on the heap directly.
+
 A simulated packet may stand for a train of real packets (coarse
 granularity): it occupies the link for the whole train. A switch starts on it
 when the train's first packet is in, as the real packets would pipeline
@@ -23,9 +32,12 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from heapq import heappush
+from typing import Any
 
 from mypy_extensions import mypyc_attr
 
@@ -38,6 +50,9 @@ from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.switch import SwitchEngine
 from gradfabric.sim.loop import EventLoop
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Flag, Packet
+
+# an event as the loop's heap holds it: (time_ns, seq, fn, arg)
+Event = tuple[int, int, Callable[[Any], None], Any]
 
 
 @cache
@@ -89,6 +104,7 @@ class Link:
         "dst_name",
         "dup",
         "ecn_bytes",
+        "flight",
         "highest_seq",
         "jitter",
         "loop",
@@ -125,6 +141,7 @@ class Link:
         # the data behind it waits its length more (a fluid pacer).
         self.resends_first = False
         self.highest_seq = -1
+        self.flight: deque[Event] = deque()  # on the wire, in arrival order (module doc)
         self.counters = net.counters
         # Hot-path copies of the spec (attribute chains cost on every packet).
         self.loop, self.rng, self.vpp = net.loop, net.rng, net.values_per_packet
@@ -185,13 +202,31 @@ class Link:
         if self.jitter:
             arrive += self.rng.randrange(self.jitter + 1)
         loop.seq += 1  # EventLoop.push, inlined
-        if last_hop:  # no forwarding decision at the far end: its engine takes it
-            heappush(loop.heap, (arrive, loop.seq, self.take, pkt))
-        else:
-            heappush(loop.heap, (arrive, loop.seq, self.arrive, (dst, pkt)))
+        seq = loop.seq
+        # no forwarding decision at the far end of a last hop: its engine takes it
+        event: Event = ((arrive, seq, self.take, pkt) if last_hop
+                        else (arrive, seq, self.arrive, (dst, pkt)))  # fmt: skip
+        flight = self.flight
+        if not flight:
+            flight.append(event)
+            heappush(loop.heap, (arrive, seq, self.land, None))
+        elif arrive >= flight[-1][0]:
+            flight.append(event)
+        else:  # it overtakes the wire
+            heappush(loop.heap, event)
         if self.dup and self.rng.random() < self.dup:
             self.counters["link_dup"] += 1
             loop.at(arrive + self.rng.randrange(self.jitter + 1), self.arrive, (dst, pkt.clone()))
+
+    def land(self, _arg: object) -> None:
+        """The first packet on the wire arrives; the next one's event goes
+        on the heap under its own time and sequence number."""
+        flight = self.flight
+        _, _, fn, arg = flight.popleft()
+        if flight:
+            t, seq, _, _ = flight[0]
+            heappush(self.loop.heap, (t, seq, self.land, None))
+        fn(arg)
 
 
 class PriorityLink(Link):
