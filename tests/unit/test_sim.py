@@ -16,7 +16,7 @@ from gradfabric.proto.schemes import SCHEMES, InaConfig
 from gradfabric.sim.collective import Bucket, FabricConfig
 from gradfabric.sim.loop import EventLoop
 from gradfabric.sim.multijob import JobSpec, TenancyConfig, run_tenancy
-from gradfabric.sim.network import TIMER_SLACK_NS, LinkSpec, Network
+from gradfabric.sim.network import FIFO_BACKLOG_BYTES, TIMER_SLACK_NS, LinkSpec, Network
 from gradfabric.wire.packet import HEADER_BYTES, Flag, Packet, traffic_class
 
 
@@ -71,11 +71,13 @@ def _serialised_ns(k: int) -> int:
     return -(-(k + 1) * 8448 // 100)
 
 
-def test_a_link_s_packets_in_flight_wait_off_the_heap_and_land_in_order() -> None:
+def test_a_backlog_s_packets_in_flight_wait_off_the_heap_and_land_in_order() -> None:
     net, sink, link = _pair(LinkSpec(link_gbps=100, prop_delay_ns=1000, queue_bytes=0))
     for s in range(1000):
         link.send("b", Packet(1, 0, s, count=256))  # type: ignore[attr-defined]
-    assert net.loop.pending == 1  # the first on the wire, not a thousand
+    # the first 61 went out behind a backlog under FIFO_BACKLOG_BYTES (one
+    # entry each); the other 939 wait behind one entry for the FIFO's head
+    assert net.loop.pending == FIFO_BACKLOG_BYTES // (HEADER_BYTES + 1024) + 2 == 62
     net.loop.run()
     assert [(t, p.seq) for t, p in sink.got] == [(_serialised_ns(k) + 1000, k)
                                                  for k in range(1000)]  # fmt: skip

@@ -8,13 +8,17 @@ instant is ``(busy_until - now) * rate``, which gives tail drop at
 at one event per packet per hop (its arrival at the far end).
 
 A link delivers in the order it accepts unless a packet overtakes the wire
-(jitter, a control packet or a resend sent ahead of the queue), so its
-packets in flight wait in its own FIFO (``Link.flight``) and only the first
-is on the event heap, under the sequence number it was given when sent: ties
-break as if every packet were on the heap, so a run is the same event for
-event, and the heap stays as deep as the links in use, not as the packets
-in the fabric's queues (docs/notebook/2026-12-02.md#sim-speed-again). A
-packet that lands before the last one on the wire goes on the heap directly.
+(jitter, a control packet or a resend sent ahead of the queue). So once a
+deep backlog forms, its packets in flight wait in its own FIFO (``Link.flight``)
+and only the first of them is on the event heap, under the sequence number
+it was given when sent: ties break as if every packet were on the heap, so
+a run is the same event for event, and the heap stays about as deep as the
+links in use, not as the packets in the fabric's queues
+(docs/notebook/2026-12-02.md#sim-speed-again). A packet sent behind a
+short backlog (``FIFO_BACKLOG_BYTES``), or one that lands before the last in
+the FIFO, goes on the heap directly: the FIFO's bookkeeping costs more than
+it saves where few packets are in flight. Any mix is exact, since each
+entry keeps its key.
 
 A simulated packet may stand for a train of real packets (coarse
 granularity): it occupies the link for the whole train. A switch starts on it
@@ -62,6 +66,10 @@ def _name_hash(name: str) -> int:
 
 
 PS_PER_NS = 1000
+# A port whose backlog passes this starts a FIFO of its packets in flight
+# (module doc): about 60 packets of 1 KB, past which the heap entries saved
+# outweigh the FIFO's own cost per packet.
+FIFO_BACKLOG_BYTES = 64_000
 
 
 @mypyc_attr(native_class=False)  # compiled, a frozen class would not unpickle
@@ -172,6 +180,7 @@ class Link:
         ps_per_byte = self.ps_per_byte
         now_ps = loop.now * PS_PER_NS
         start = self.busy_until_ps
+        deep = False  # a backlog worth a FIFO (module doc)
         if not count and self.control_first:
             start = now_ps  # ahead of the queue; the data behind it is not delayed
         elif start > now_ps and self.resends_first and pkt.seq <= self.highest_seq:
@@ -184,6 +193,7 @@ class Link:
                 return
             if self.ecn_bytes and backlog > self.ecn_bytes:
                 pkt.flags |= Flag.ECN
+            deep = backlog > FIFO_BACKLOG_BYTES
         else:
             start = now_ps
         if self.resends_first and pkt.seq > self.highest_seq:
@@ -202,21 +212,29 @@ class Link:
         if self.jitter:
             arrive += self.rng.randrange(self.jitter + 1)
         loop.seq += 1  # EventLoop.push, inlined
-        seq = loop.seq
-        # no forwarding decision at the far end of a last hop: its engine takes it
+        if deep or self.flight:
+            self._queue(arrive, loop.seq, dst, pkt, last_hop)
+        elif last_hop:  # no forwarding decision at the far end: its engine takes it
+            heappush(loop.heap, (arrive, loop.seq, self.take, pkt))
+        else:
+            heappush(loop.heap, (arrive, loop.seq, self.arrive, (dst, pkt)))
+        if self.dup and self.rng.random() < self.dup:
+            self.counters["link_dup"] += 1
+            loop.at(arrive + self.rng.randrange(self.jitter + 1), self.arrive, (dst, pkt.clone()))
+
+    def _queue(self, arrive: int, seq: int, dst: str, pkt: Packet, last_hop: bool) -> None:
+        """``send``'s event behind a deep backlog: at the FIFO's tail (its head
+        on the heap), or on the heap if it lands before the tail."""
         event: Event = ((arrive, seq, self.take, pkt) if last_hop
                         else (arrive, seq, self.arrive, (dst, pkt)))  # fmt: skip
         flight = self.flight
         if not flight:
             flight.append(event)
-            heappush(loop.heap, (arrive, seq, self.land, None))
+            heappush(self.loop.heap, (arrive, seq, self.land, None))
         elif arrive >= flight[-1][0]:
             flight.append(event)
         else:  # it overtakes the wire
-            heappush(loop.heap, event)
-        if self.dup and self.rng.random() < self.dup:
-            self.counters["link_dup"] += 1
-            loop.at(arrive + self.rng.randrange(self.jitter + 1), self.arrive, (dst, pkt.clone()))
+            heappush(self.loop.heap, event)
 
     def land(self, _arg: object) -> None:
         """The first packet on the wire arrives; the next one's event goes
