@@ -320,7 +320,7 @@ def missing(run: CollectiveRun, goal: int) -> RuntimeError:
                "lossless fabric (give its oversubscribed ports room)")  # fmt: skip
     return RuntimeError(
         f"{run.scheme}: {goal - run.finished} bucket deliveries missing at "
-        f"t={run.loop.now} ns (events left: {run.loop.pending}){why}"
+        f"t={run.loop.now} ns (heap entries left: {run.loop.pending}){why}"
     )
 
 

@@ -14,11 +14,12 @@ and only the first of them is on the event heap, under the sequence number
 it was given when sent: ties break as if every packet were on the heap, so
 a run is the same event for event, and the heap stays about as deep as the
 links in use, not as the packets in the fabric's queues
-(docs/notebook/2026-12-02.md#sim-speed-again). A packet sent behind a
-short backlog (``FIFO_BACKLOG_BYTES``), or one that lands before the last in
-the FIFO, goes on the heap directly: the FIFO's bookkeeping costs more than
-it saves where few packets are in flight. Any mix is exact, since each
-entry keeps its key.
+(docs/notebook/2026-12-02.md#sim-speed-again). The backlog decides only
+when a FIFO starts (``FIFO_BACKLOG_BYTES``): until then each packet goes on
+the heap directly, since the FIFO's bookkeeping costs more than it saves
+where few packets are in flight; once it has started, every packet joins it
+until it drains, but for one that lands before its tail, which goes on the
+heap. Any mix is exact, since each entry keeps its key.
 
 A simulated packet may stand for a train of real packets (coarse
 granularity): it occupies the link for the whole train. A switch starts on it
