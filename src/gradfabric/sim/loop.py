@@ -8,6 +8,9 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
+# an entry of the heap: (time_ns, seq, fn, arg); ``fn(arg)`` runs at time_ns
+Event = tuple[int, int, Callable[[Any], None], Any]
+
 
 class EventLoop:
     """``heap`` holds ``(time_ns, seq, fn, arg)`` entries and ``seq`` counts
@@ -19,7 +22,7 @@ class EventLoop:
     def __init__(self) -> None:
         self.now = 0
         self.seq = 0
-        self.heap: list[tuple[int, int, Callable[[Any], None], Any]] = []
+        self.heap: list[Event] = []
         self.events = 0
         self._stopped = False
 

@@ -38,11 +38,9 @@ from __future__ import annotations
 import random
 import zlib
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from heapq import heappush
-from typing import Any
 
 from mypy_extensions import mypyc_attr
 
@@ -53,11 +51,8 @@ from gradfabric.proto.dispatch import Port
 from gradfabric.proto.interface import Engine
 from gradfabric.proto.qos import PortQueues
 from gradfabric.proto.switch import SwitchEngine
-from gradfabric.sim.loop import EventLoop
+from gradfabric.sim.loop import Event, EventLoop
 from gradfabric.wire.packet import HEADER_BYTES, VALUE_BYTES, Flag, Packet
-
-# an event as the loop's heap holds it: (time_ns, seq, fn, arg)
-Event = tuple[int, int, Callable[[Any], None], Any]
 
 
 @cache
