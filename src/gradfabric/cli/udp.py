@@ -80,7 +80,7 @@ def add(esub: Sub) -> None:
         "replay.",
     )
     ee.add_argument("--seeds", type=int, default=6, help="traces per setting")
-    ee.add_argument("--jobs", type=int, default=3)
+    ee.add_argument("--jobs", type=int, help="concurrent jobs in a trace (default 5)")
     ee.add_argument("--steps", help="comma-separated: a job's length in steps, drawn per job "
                     "(default 600,1200,2400: jobs of tens of seconds)")  # fmt: skip
     ee.add_argument("--mean-gap-s", type=float, default=None,
@@ -93,7 +93,7 @@ def add(esub: Sub) -> None:
     ee.add_argument("--jitter-ms", type=float, default=5.0,
                     help="the jittered settings: each step's device time longer by up to this")
     ee.add_argument("--link-gbps", type=float, default=None,
-                    help="every worker's link (default 1 where namespaces can be made, else "
+                    help="every worker's link (default 0.25 where namespaces can be made, else "
                     "0: loopback)")  # fmt: skip
     add_output(ee, "esa-train")
     ee.set_defaults(fn=esa_train)
@@ -238,7 +238,9 @@ def esa_train(args: argparse.Namespace) -> int:
         ticks,
     )
 
-    cfg = replace(long_config(), jobs=args.jobs, compute_ms=args.compute_ms)
+    cfg = replace(long_config(), compute_ms=args.compute_ms)
+    if args.jobs is not None:
+        cfg = replace(cfg, jobs=args.jobs)
     if args.steps:
         cfg = replace(cfg, steps=tuple(int(x) for x in args.steps.split(",")))
     if args.mean_gap_s is not None:
