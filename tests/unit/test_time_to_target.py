@@ -67,6 +67,33 @@ def test_claims_read_a_quick_study_and_one_where_nothing_reached_the_target() ->
     assert got[0].ours == "not reached" and got[0].met is None
 
 
+def test_an_alternative_that_missed_more_often_is_still_named_where_it_was_faster() -> None:
+    """The best alternative is the one that reached the target most often;
+    one ranked below it only for missing more seeds is named in the claim's
+    note with SA-ATP's speed-up over it on the seeds both reached, and one
+    that reached as often (ranked by time) or never paired is not."""
+    cfg = {"slowdown": 4.0, "seeds": 3, "steps": 60}
+    rows = [
+        _row("atp", 2.4, 3, saatp_tta_speedup=1.8, saatp_tta_speedup_half=0.1),
+        _row("saatp", 1.3, 3, saatp_tta_speedup=1.0, saatp_tta_speedup_half=0.0),
+        _row("proportional", 1.9, 3, saatp_tta_speedup=1.4, saatp_tta_speedup_half=0.05),
+        _row("default", 2.5, 3, saatp_tta_speedup=1.9, saatp_tta_speedup_half=0.1),
+        _row("backup-1", 1.1, 2, saatp_tta_speedup=0.85, saatp_tta_speedup_half=0.3),
+        _row("backup-2", None, 0),
+    ]
+    got = claims({"rows": rows, "config": cfg, "target": 0.93})[1]
+    assert got.baseline == "the best alternative: speed-proportional shares" and got.met is True
+    assert got.note.endswith(
+        "; backup workers (first n-1) reached it on 2 of 3 seeds, "
+        "SA-ATP 0.85x ± 0.30 of it where both did"
+    )
+    assert "gloo" not in got.note and "n-2" not in got.note
+    rows[4] |= {"reached": 3}  # reaching as often and sooner, it is the best itself
+    got = claims({"rows": rows, "config": cfg, "target": 0.93})[1]
+    assert got.baseline == "the best alternative: backup workers (first n-1)"
+    assert "reached it on" not in got.note
+
+
 def test_a_study_on_shards_by_label_names_them_and_is_not_the_headline() -> None:
     """The setting where backup workers' dropped gradients take classes out
     of a step is reported as such, beside the headline (shards that each hold
