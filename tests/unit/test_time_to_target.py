@@ -50,13 +50,22 @@ def _row(mode: str, tta: float | None, reached: int, **kw: Any) -> dict[str, Any
     } | kw  # fmt: skip
 
 
+def _timed(mode: str, tta: float, reached: int, speedup: float, half: float) -> dict[str, Any]:
+    """A mode that reached the target, with SA-ATP's paired speed-up over it."""
+    return _row(mode, tta, reached, saatp_tta_speedup=speedup, saatp_tta_speedup_half=half)
+
+
+def _switch() -> list[dict[str, Any]]:
+    """ATP's and SA-ATP's rows, every seed reaching the target."""
+    return [_timed("atp", 2.4, 3, 1.8, 0.1), _timed("saatp", 1.3, 3, 1.0, 0.0)]
+
+
 def test_claims_read_a_quick_study_and_one_where_nothing_reached_the_target() -> None:
     cfg = {"slowdown": 4.0, "seeds": 3, "steps": 20}
     quick = [
-        _row("atp", 2.4, 3, saatp_tta_speedup=1.8, saatp_tta_speedup_half=0.1),
-        _row("saatp", 1.3, 3, saatp_tta_speedup=1.0, saatp_tta_speedup_half=0.0),
-        _row("backup-1", 0.8, 3, saatp_tta_speedup=0.6, saatp_tta_speedup_half=0.05),
-        _row("backup-2", 0.9, 2, saatp_tta_speedup=0.7, saatp_tta_speedup_half=0.2),
+        *_switch(),
+        _timed("backup-1", 0.8, 3, 0.6, 0.05),
+        _timed("backup-2", 0.9, 2, 0.7, 0.2),
     ]
     got = claims({"rows": quick, "config": cfg, "target": 0.9})
     assert [c.baseline for c in got][:2] == [
@@ -74,11 +83,10 @@ def test_an_alternative_that_missed_more_often_is_still_named_where_it_was_faste
     that reached as often (ranked by time) or never paired is not."""
     cfg = {"slowdown": 4.0, "seeds": 3, "steps": 60}
     rows = [
-        _row("atp", 2.4, 3, saatp_tta_speedup=1.8, saatp_tta_speedup_half=0.1),
-        _row("saatp", 1.3, 3, saatp_tta_speedup=1.0, saatp_tta_speedup_half=0.0),
-        _row("proportional", 1.9, 3, saatp_tta_speedup=1.4, saatp_tta_speedup_half=0.05),
-        _row("default", 2.5, 3, saatp_tta_speedup=1.9, saatp_tta_speedup_half=0.1),
-        _row("backup-1", 1.1, 2, saatp_tta_speedup=0.85, saatp_tta_speedup_half=0.3),
+        *_switch(),
+        _timed("proportional", 1.9, 3, 1.4, 0.05),
+        _timed("default", 2.5, 3, 1.9, 0.1),
+        _timed("backup-1", 1.1, 2, 0.85, 0.3),
         _row("backup-2", None, 0),
     ]
     got = claims({"rows": rows, "config": cfg, "target": 0.93})[1]
@@ -99,9 +107,8 @@ def test_a_study_on_shards_by_label_names_them_and_is_not_the_headline() -> None
     of a step is reported as such, beside the headline (shards that each hold
     every class), not in its place."""
     rows = [
-        _row("atp", 2.4, 3, saatp_tta_speedup=1.8, saatp_tta_speedup_half=0.1),
-        _row("saatp", 1.3, 3, saatp_tta_speedup=1.0, saatp_tta_speedup_half=0.0),
-        _row("backup-1", 0.8, 1, saatp_tta_speedup=0.6, saatp_tta_speedup_half=0.05),
+        *_switch(),
+        _timed("backup-1", 0.8, 1, 0.6, 0.05),
     ]
     cfg = {"slowdown": 4.0, "seeds": 3, "steps": 60, "shards": "by-label"}
     got = claims({"rows": rows, "config": cfg, "target": 0.93})
