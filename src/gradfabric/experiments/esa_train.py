@@ -100,10 +100,11 @@ PREDICTIONS = {"sim": ("packet", False), "sim_cal": ("packet", True),
 JITTER_MS = 5.0
 LINK_GBPS = 1.0
 # The full study: five jobs on 250 Mbit/s links, where the network is most of
-# a step (about 10 ms of a 0.2 MB sum each way against 5-10 ms of device
-# time) and the host's own cost per step the smaller part; three jobs on
-# 1 Gbit/s links measured 1.16x over the faster ATP with the calibrated
-# simulator at 1.09x (notebook 2026-12-02 #esa-slow-links).
+# a step (about 7 ms of a 0.2 MB sum each way against 5 ms of device time) and
+# the host's own cost per step the smaller part. On 1 Gbit/s links the host
+# cost 5.7 ms a step and the predictions over the shipped ATP fell below the
+# measured interval (notebook 2026-12-02 #esa-train-levels, 2026-12-03
+# #esa-slow-links).
 LONG_JOBS = 5
 LONG_LINK_GBPS = 0.25
 LONG_STEPS = (600, 1200, 2400)  # a full study's job: about 12 to 60 s
