@@ -258,9 +258,11 @@ def _x(r: dict[str, Any], key: str) -> str:
     if r[key] is None:
         return "not reached"
     pairs = r.get("tta_pairs", r["runs"]) if key == "saatp_tta_speedup" else r["runs"]
-    return f"{r[key]:.2f}x ± {r[key + '_half']:.2f}" + (
-        f" ({pairs} of {r['runs']} seeds)" if pairs < r["runs"] else ""
-    )
+    return _ratio(r, key) + (f" ({pairs} of {r['runs']} seeds)" if pairs < r["runs"] else "")
+
+
+def _ratio(r: dict[str, Any], key: str) -> str:
+    return f"{r[key]:.2f}x ± {r[key + '_half']:.2f}"
 
 
 def _f(v: float | None, spec: str, unit: str = "") -> str:
@@ -290,22 +292,23 @@ def missed(alts: list[dict[str, Any]], top: dict[str, Any]) -> list[dict[str, An
             if r["reached"] < top["reached"] and r["saatp_tta_speedup"] is not None]  # fmt: skip
 
 
-def level_with(alts: list[dict[str, Any]], top: dict[str, Any]) -> bool | None:
-    """SA-ATP against the best alternative (``level``), and against each one
-    it ``missed`` on the seeds both reached: behind any of them is not level,
-    unresolved against any is unresolved. Reaching the target more often
-    does not by itself make SA-ATP level with a mode that is faster when it
-    gets there."""
-    verdicts = [level(r["saatp_tta_speedup"], r["saatp_tta_speedup_half"])
-                for r in [top, *missed(alts, top)]]  # fmt: skip
-    return False if False in verdicts else None if None in verdicts else True
+def level_with(top: dict[str, Any], others: list[dict[str, Any]]) -> bool | None:
+    """SA-ATP against the best alternative ``top`` (``level``) and against
+    each of ``others`` (those it ``missed``) on the seeds both reached:
+    behind any of them is not level, unresolved against any is unresolved.
+    Reaching the target more often does not by itself make SA-ATP level with
+    a mode that is faster when it gets there."""
+    verdicts = [level(r["saatp_tta_speedup"], r["saatp_tta_speedup_half"]) for r in [top, *others]]
+    if False in verdicts:
+        return False
+    return None if None in verdicts else True
 
 
-def _missed_note(alts: list[dict[str, Any]], top: dict[str, Any]) -> str:
+def _missed_note(others: list[dict[str, Any]]) -> str:
     return "".join(
         f"; {LABELS[r['mode']]} reached it on {r['reached']} of {r['runs']} seeds, SA-ATP "
-        f"{r['saatp_tta_speedup']:.2f}x ± {r['saatp_tta_speedup_half']:.2f} of it where both did"
-        for r in missed(alts, top)
+        f"{_ratio(r, 'saatp_tta_speedup')} of it where both did"
+        for r in others
     )
 
 
@@ -348,18 +351,19 @@ def claims(res: dict[str, Any]) -> list[Claim]:
         )  # fmt: skip
         alts = alternatives(rows, setting)
         if alts:
-            top, lvl = best(alts), best(alts)["saatp_tta_speedup"]
+            top = best(alts)
+            lvl, others = top["saatp_tta_speedup"], missed(alts, top)
             out.append(
                 Claim("SA-ATP", f"time to {target:.0%} accuracy, {named}",
                       "training", f"the best alternative: {LABELS[top['mode']]}",
                       _x(top, "saatp_tta_speedup"), "level (interval >= 0.95)",
-                      level_with(alts, top),
+                      level_with(top, others),
                       kind="goal", speedup=lvl, headline=head,
                       note=f"{where}: {tta(sa)} vs {tta(top)}, "
                       f"{_f(sa['steps_to_target'], '.1f')} vs "
                       f"{_f(top['steps_to_target'], '.1f')} steps to the target, "
                       f"{sa['step_ms']:.0f} vs {top['step_ms']:.0f} ms a step; below 1: the "
-                      f"alternative is faster{_missed_note(alts, top)}")
+                      f"alternative is faster{_missed_note(others)}")
             )  # fmt: skip
         out.append(
             Claim("SA-ATP", f"DDP step time, {named}", "training",
