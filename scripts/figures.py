@@ -271,7 +271,7 @@ def import_result(
         claims = [c for r in d for c in r["claims"]]
         result: Any = [{k: r[k] for k in ("name", "title", "claims", "notes")} for r in d]
     else:
-        result = {k: v for k, v in d.items() if k not in ("claims", "table")}
+        result = {k: v for k, v in d.items() if k != "claims" and not k.startswith("table")}
         result.setdefault("config", yaml.safe_load((results / "config.yaml").read_text()))
         claims = study_claims(experiment or name, result)
     out = DATA / f"{name}.json"

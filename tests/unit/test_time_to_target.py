@@ -12,7 +12,16 @@ import pytest
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.experiments.registry import Claim
-from gradfabric.experiments.saatp_train import best, claims, level, time_to_target, tuned
+from gradfabric.experiments.saatp_train import (
+    best,
+    by_target,
+    claims,
+    ladder,
+    level,
+    time_to_target,
+    tuned,
+    verdicts,
+)
 
 
 def test_the_first_step_at_the_target_counts_and_later_dips_do_not() -> None:
@@ -178,3 +187,53 @@ def test_shards_cut_the_set_once_by_label_or_interleaved(workers: int) -> None:
         with pytest.raises(ConfigError, match="shards"):
             make(**({"workers": 3, "steps": 2, "arrival_s": 0.0} if make is EsaJob else {}),
                  shards="by-size")  # fmt: skip
+
+
+def _trace(step_ms: float, at: int, steps: int = 10, low: float = 0.5) -> dict[str, list[float]]:
+    """``steps`` steps of ``step_ms``; the accuracy rises to 0.95 after step
+    ``at`` (0: never past ``low`` + 0.1)."""
+    accs = [0.95 if at and k + 1 >= at else low + 0.1 * (k + 1) / steps for k in range(steps)]
+    return {"step_ms": [step_ms] * steps, "accs": accs}
+
+
+def test_the_ladder_reads_every_target_from_the_stored_runs_and_counts_misses_at_the_end() -> None:
+    """Time to each rung of the ladder comes from the stored traces; a mode
+    that missed a target on some seeds is judged on the seeds both reached,
+    and over every seed with its misses counted at its run's end (its whole
+    run's time: a lower bound, so SA-ATP's lead can only be understated)."""
+    assert ladder(0.93) == (0.80, 0.85, 0.90, 0.92, 0.93) and ladder(0.90) == (0.80, 0.85, 0.90)
+    # SA-ATP reaches 0.95 after 4 steps of 100 ms; backup workers after 6 of
+    # 50 ms on seeds 0 and 1 and never on seed 2 (a 10-step run: 0.5 s)
+    traces = {
+        "saatp": [_trace(100.0, 4), _trace(110.0, 4), _trace(90.0, 4)],
+        "atp": [_trace(200.0, 4), _trace(220.0, 4), _trace(180.0, 4)],
+        "backup-1": [_trace(50.0, 6), _trace(50.0, 6), _trace(50.0, 0)],
+    }
+    rows = by_target({"traces": {"moving": traces}, "target": 0.9})
+    assert [r["target"] for r in rows if r["mode"] == "atp"] == [0.80, 0.85, 0.90]
+    b = next(r for r in rows if r["mode"] == "backup-1" and r["target"] == 0.9)
+    assert b["reached"] == 2 and b["tta_pairs"] == 2 and b["tta_s"] == pytest.approx(0.3)
+    assert b["saatp_tta_speedup"] == pytest.approx(0.6 / (0.4 + 0.44))
+    assert b["saatp_tta_speedup_censored"] == pytest.approx((0.3 + 0.3 + 0.5) / (0.4 + 0.44 + 0.36))
+    a = next(r for r in rows if r["mode"] == "atp" and r["target"] == 0.9)
+    assert a["saatp_tta_speedup"] == pytest.approx(2.0) and a["saatp_tta_speedup_half"] < 0.01
+    # where SA-ATP itself missed a seed no figure can bound it: none is given
+    traces["saatp"][2] = _trace(90.0, 0)
+    b = next(r for r in by_target({"traces": {"moving": traces}, "target": 0.9})
+             if r["mode"] == "backup-1" and r["target"] == 0.9)  # fmt: skip
+    assert b["saatp_tta_speedup_censored"] is None and b["tta_pairs"] == 2
+
+
+def test_each_rung_names_its_best_alternative_and_whether_sa_atp_is_level_with_it() -> None:
+    """Backup workers faster on every seed at every rung: SA-ATP behind at
+    each; a study stored before the traces were kept has no ladder."""
+    seeds = [_trace(100.0 + 10 * s, 4) for s in range(4)]
+    traces = {
+        "saatp": seeds,
+        "atp": [_trace(400.0, 4)] * 4,
+        "backup-1": [_trace(40.0 + 3 * s, 4) for s in range(4)],
+    }
+    got = verdicts({"traces": {"moving": traces}, "target": 0.9})
+    behind = [(t, "backup-1", False) for t in (0.80, 0.85, 0.90)]
+    assert [(t, top["mode"], v) for t, top, v in got["moving"]] == behind
+    assert verdicts({"target": 0.9}) == {}

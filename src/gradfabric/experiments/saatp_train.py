@@ -150,6 +150,7 @@ def study(
                           ">= 1 and a target accuracy in (0, 1]")  # fmt: skip
     rows: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[float]]] = {}  # setting -> mode -> seed 0's test accuracy
+    traces: dict[str, dict[str, list[dict[str, list[float]]]]] = {}  # every seed's (``trace``)
     for name, move in settings.items():
         c0 = replace(cfg, move_every=move)
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -165,9 +166,52 @@ def study(
             if seed == 0:
                 curves[name] = {"reference": ref["accs"]} | {m: runs[m][0]["accs"] for m in modes}
         rows += _rows(c0, name, runs, exact, target)
+        traces[name] = {m: [trace(r) for r in rs] for m, rs in runs.items()}
     ran = {"seeds": seeds, "settings": settings, "target": target, "modes": list(modes),
            "backups": [NAMED[m][1] for m in modes if NAMED[m][0] == "backup"]}  # fmt: skip
-    return {"rows": rows, "curves": curves, "target": target, "config": asdict(cfg) | ran}
+    return {"rows": rows, "curves": curves, "target": target, "traces": traces,
+            "config": asdict(cfg) | ran}  # fmt: skip
+
+
+def trace(run: dict[str, Any]) -> dict[str, list[float]]:
+    """What time to any target needs of a run: its step times and the test
+    accuracy after each step (stored for every seed, so that the ladder of
+    targets is derived from the runs as they were measured)."""
+    return {"step_ms": [round(ms, 3) for ms in run["step_ms"]], "accs": list(run["accs"])}
+
+
+def _to_target(
+    runs: dict[str, list[dict[str, Any]]], mode: str, target: float
+) -> dict[str, Any]:  # fmt: skip
+    """``mode``'s time to ``target`` over its seeds (mean and 95% interval
+    over those that reached it, how many did, the steps it took) and
+    SA-ATP's paired speed-up in it: over the seeds where both reached it,
+    and (``_censored``) over every seed with a miss of ``mode``'s counted at
+    the end of its run, a lower bound on its time, so that figure can only
+    understate SA-ATP's lead; None unless SA-ATP reached it on every seed."""
+    mine = [time_to_target(r, target) for r in runs[mode]]
+    ours = [time_to_target(r, target) for r in runs["saatp"]]
+    reached = [t for t in mine if t is not None]
+    both = [(t[0], s[0]) for t, s in zip(mine, ours, strict=True)
+            if t is not None and s is not None]  # fmt: skip
+    tta_s = mean_ci([t for t, _ in reached]) if reached else None
+    pair = ratio_ci([t for t, _ in both], [s for _, s in both]) if both else None
+    cens = None
+    if all(s is not None for s in ours):
+        floor = [t[0] if t is not None else math.fsum(r["step_ms"]) / 1e3
+                 for t, r in zip(mine, runs[mode], strict=True)]  # fmt: skip
+        cens = ratio_ci(floor, [s[0] for s in ours if s is not None])
+    return {
+        "tta_s": None if tta_s is None else tta_s.mean,
+        "tta_s_half": None if tta_s is None else tta_s.half,
+        "reached": len(reached),
+        "steps_to_target": statistics.fmean(k for _, k in reached) if reached else None,
+        "saatp_tta_speedup": None if pair is None else pair.mean,
+        "saatp_tta_speedup_half": None if pair is None else pair.half,
+        "tta_pairs": len(both),
+        "saatp_tta_speedup_censored": None if cens is None else cens.mean,
+        "saatp_tta_speedup_censored_half": None if cens is None else cens.half,
+    }
 
 
 def _rows(
@@ -175,26 +219,15 @@ def _rows(
     exact: dict[str, bool], target: float,
 ) -> list[dict[str, Any]]:  # fmt: skip
     step = {m: [statistics.fmean(r["step_ms"][1:]) for r in rs] for m, rs in runs.items()}
-    tta = {m: [time_to_target(r, target) for r in rs] for m, rs in runs.items()}
     rows = []
     for mode, rs in runs.items():
-        reached = [t for t in tta[mode] if t is not None]
-        both = [(t[0], s[0]) for t, s in zip(tta[mode], tta["saatp"], strict=True)
-                if t is not None and s is not None]  # fmt: skip
+        to = _to_target(runs, mode, target)
         ours_step = ratio_ci(step[mode], step["saatp"])
-        ours_tta = ratio_ci([t for t, _ in both], [s for _, s in both]) if both else None
-        tta_s = mean_ci([t for t, _ in reached]) if reached else None
         base = NAMED[mode][0]
         sim_ms = simulated_ms(c, base)
-        steps_to = statistics.fmean(k for _, k in reached) if reached else None
+        steps_to = to["steps_to_target"]
         rows.append({
-            "setting": setting, "move_every": c.move_every, "mode": mode,
-            "tta_s": None if tta_s is None else tta_s.mean,
-            "tta_s_half": None if tta_s is None else tta_s.half,
-            "reached": len(reached), "steps_to_target": steps_to,
-            "saatp_tta_speedup": None if ours_tta is None else ours_tta.mean,
-            "saatp_tta_speedup_half": None if ours_tta is None else ours_tta.half,
-            "tta_pairs": len(both),
+            "setting": setting, "move_every": c.move_every, "mode": mode, **to,
             "step_ms": mean_ci(step[mode]).mean, "step_ms_half": mean_ci(step[mode]).half,
             "saatp_speedup": ours_step.mean, "saatp_speedup_half": ours_step.half,
             "predicted_ms": predicted_ms(c, base),
@@ -308,7 +341,54 @@ def _missed_note(others: list[dict[str, Any]]) -> str:
     return "".join(
         f"; {LABELS[r['mode']]} reached it on {r['reached']} of {r['runs']} seeds, SA-ATP "
         f"{_ratio(r, 'saatp_tta_speedup')} of it where both did"
+        + ("" if r.get("saatp_tta_speedup_censored") is None else
+           f", {_ratio(r, 'saatp_tta_speedup_censored')} over every seed with its misses "
+           "counted at its run's end (a lower bound on its time)")
         for r in others
+    )  # fmt: skip
+
+
+# The ladder of targets a study reads from the same runs (``by_target``):
+# every rung below its own target, and its target. Where each alternative
+# wins as the target rises, with nothing chosen after a run was read.
+LADDER = (0.80, 0.85, 0.90, 0.92)
+VERDICT = {True: "level or ahead", False: "behind", None: "unresolved"}
+
+
+def ladder(target: float) -> tuple[float, ...]:
+    return (*(t for t in LADDER if t < target - 1e-9), target)
+
+
+def by_target(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per setting, rung of ``ladder`` and mode, its ``_to_target`` from the
+    stored ``traces`` (none for a study stored before it kept them)."""
+    return [
+        {"setting": setting, "target": t, "mode": m, "runs": len(rs), **_to_target(runs, m, t)}
+        for setting, runs in res.get("traces", {}).items()
+        for t in ladder(res["target"])
+        for m, rs in runs.items()
+    ]
+
+
+def verdicts(res: dict[str, Any]) -> dict[str, list[tuple[float, dict[str, Any], bool | None]]]:
+    """Per setting, at each rung: the best alternative there (``best`` of
+    ``alternatives``, backup workers' ``b`` tuned per rung) and whether SA-ATP
+    is at least level with it (``level_with``)."""
+    rows = by_target(res)
+    out: dict[str, list[tuple[float, dict[str, Any], bool | None]]] = {}
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        for t in ladder(res["target"]):
+            alts = alternatives([r for r in rows if r["target"] == t], setting)
+            if alts:
+                top = best(alts)
+                out.setdefault(setting, []).append((t, top, level_with(top, missed(alts, top))))
+    return out
+
+
+def _ladder_note(rungs: list[tuple[float, dict[str, Any], bool | None]]) -> str:
+    return "; by target (the best alternative there, SA-ATP over it): " + ", ".join(
+        f"{t:.0%} {VERDICT[v]} ({LABELS[top['mode']]}, {_x(top, 'saatp_tta_speedup')})"
+        for t, top, v in rungs
     )
 
 
@@ -317,6 +397,7 @@ def claims(res: dict[str, Any]) -> list[Claim]:
     baseline) and against the best thing a user could run instead (``best``
     of ``alternatives``); step time beside, not the headline."""
     rows, cfg, target = res["rows"], res["config"], res["target"]
+    rungs = verdicts(res)
     out = []
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     by_label = cfg.get("shards", "interleaved") == "by-label"
@@ -363,7 +444,8 @@ def claims(res: dict[str, Any]) -> list[Claim]:
                       f"{_f(sa['steps_to_target'], '.1f')} vs "
                       f"{_f(top['steps_to_target'], '.1f')} steps to the target, "
                       f"{sa['step_ms']:.0f} vs {top['step_ms']:.0f} ms a step; below 1: the "
-                      f"alternative is faster{_missed_note(others)}")
+                      f"alternative is faster{_missed_note(others)}"
+                      + (_ladder_note(rungs[setting]) if setting in rungs else ""))
             )  # fmt: skip
         out.append(
             Claim("SA-ATP", f"DDP step time, {named}", "training",
@@ -392,7 +474,8 @@ class SaatpTrain:
         res = study(cfg, seeds=3 if quick else 5, settings=settings, tick=tick, modes=modes)
         result = ExperimentResult(self.name, self.title, rows=res["rows"], config=res["config"])
         result.claims += claims(res)
-        result.plots += [draw_tta(res, out), draw_steps(res, out), draw_accuracy(res, out)]
+        result.plots += [draw_tta(res, out), draw_steps(res, out), draw_accuracy(res, out),
+                         draw_targets(res, out)]  # fmt: skip
         return result
 
 
@@ -426,6 +509,26 @@ def draw_steps(res: dict[str, Any], out: Path) -> str:
         "step time (ms, mean, 95% interval)",
         f"one rank {res['config']['slowdown']:g}x slower: step time", out / "saatp_train_steps.png",
     )  # fmt: skip
+
+
+def draw_targets(res: dict[str, Any], out: Path) -> str:
+    """Each mode's time to every rung of the ladder in the last setting (the
+    headline's), mean over the seeds that reached it with its interval."""
+    setting = list(res["traces"])[-1]
+    rows = [r for r in by_target(res) if r["setting"] == setting]
+    xs = [100 * t for t in ladder(res["target"])]
+
+    def col(mode: str, key: str) -> list[float]:
+        return [math.nan if r[key] is None else r[key] for r in rows if r["mode"] == mode]
+
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    return plots.lines(
+        xs, {LABELS[m]: col(m, "tta_s") for m in modes}, "target test accuracy (%)",
+        "time to the target (s; mean over the seeds that reached it, 95% interval)",
+        f"digits MLP, {setting} straggler: time to each target", out / "saatp_train_targets.png",
+        err={LABELS[m]: col(m, "tta_s_half") for m in modes}, from_zero=True,
+        legend_outside=True,
+    ).name  # fmt: skip
 
 
 def draw_accuracy(res: dict[str, Any], out: Path) -> str:
