@@ -237,3 +237,19 @@ def test_each_rung_names_its_best_alternative_and_whether_sa_atp_is_level_with_i
     behind = [(t, "backup-1", False) for t in (0.80, 0.85, 0.90)]
     assert [(t, top["mode"], v) for t, top, v in got["moving"]] == behind
     assert verdicts({"target": 0.9}) == {}
+
+
+def test_a_rung_is_decided_by_an_alternative_that_missed_a_seed_where_it_is_unresolved() -> None:
+    """Proportional shares reach the target on every seed, slower than
+    SA-ATP: the best alternative, and SA-ATP ahead of it. Backup workers miss
+    it on one seed and scatter on the others: SA-ATP unresolved against them,
+    so the rung is unresolved and they are the ones named."""
+    traces = {
+        "saatp": [_trace(100.0, 4), _trace(110.0, 4), _trace(120.0, 4), _trace(100.0, 4)],
+        "atp": [_trace(400.0, 4)] * 4,
+        "proportional": [_trace(200.0, 4)] * 4,
+        "backup-1": [_trace(50.0, 4), _trace(50.0, 12, steps=14), _trace(50.0, 9), _trace(50.0, 0)],
+    }
+    ((t, decides, v),) = verdicts({"traces": {"moving": traces}, "target": 0.9})["moving"][-1:]
+    assert (t, decides["mode"], v) == (0.9, "backup-1", None)
+    assert decides["reached"] == 3 and decides["tta_pairs"] == 3

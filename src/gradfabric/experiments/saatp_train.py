@@ -317,6 +317,11 @@ def level(ratio: float | None, half: float | None) -> bool | None:
 LEVEL = 0.95  # within 5% of level counts as level
 
 
+def _level(r: dict[str, Any]) -> bool | None:
+    """``level`` of SA-ATP's paired speed-up over the mode of row ``r``."""
+    return level(r["saatp_tta_speedup"], r["saatp_tta_speedup_half"])
+
+
 def missed(alts: list[dict[str, Any]], top: dict[str, Any]) -> list[dict[str, Any]]:
     """The alternatives ``best`` ranked below ``top`` only for reaching the
     target on fewer seeds, where SA-ATP paired with them on some: a mode that
@@ -331,7 +336,7 @@ def level_with(top: dict[str, Any], others: list[dict[str, Any]]) -> bool | None
     behind any of them is not level, unresolved against any is unresolved.
     Reaching the target more often does not by itself make SA-ATP level with
     a mode that is faster when it gets there."""
-    verdicts = [level(r["saatp_tta_speedup"], r["saatp_tta_speedup_half"]) for r in [top, *others]]
+    verdicts = [_level(r) for r in [top, *others]]
     if False in verdicts:
         return False
     return None if None in verdicts else True
@@ -371,9 +376,10 @@ def by_target(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def verdicts(res: dict[str, Any]) -> dict[str, list[tuple[float, dict[str, Any], bool | None]]]:
-    """Per setting, at each rung: the best alternative there (``best`` of
-    ``alternatives``, backup workers' ``b`` tuned per rung) and whether SA-ATP
-    is at least level with it (``level_with``)."""
+    """Per setting, at each rung: whether SA-ATP is at least level with the
+    best alternative there (``best`` of ``alternatives``, backup workers'
+    ``b`` tuned per rung; ``level_with``), and the alternative that decides
+    it: the best, or one ranked below it only for missing seeds."""
     rows = by_target(res)
     out: dict[str, list[tuple[float, dict[str, Any], bool | None]]] = {}
     for setting in dict.fromkeys(r["setting"] for r in rows):
@@ -381,12 +387,15 @@ def verdicts(res: dict[str, Any]) -> dict[str, list[tuple[float, dict[str, Any],
             alts = alternatives([r for r in rows if r["target"] == t], setting)
             if alts:
                 top = best(alts)
-                out.setdefault(setting, []).append((t, top, level_with(top, missed(alts, top))))
+                others = missed(alts, top)
+                v = level_with(top, others)
+                decides = next(r for r in [top, *others] if _level(r) is v)
+                out.setdefault(setting, []).append((t, decides, v))
     return out
 
 
 def _ladder_note(rungs: list[tuple[float, dict[str, Any], bool | None]]) -> str:
-    return "; by target (the best alternative there, SA-ATP over it): " + ", ".join(
+    return "; by target (the alternative that decides, SA-ATP over it): " + ", ".join(
         f"{t:.0%} {VERDICT[v]} ({LABELS[top['mode']]}, {_x(top, 'saatp_tta_speedup')})"
         for t, top, v in rungs
     )
@@ -524,8 +533,9 @@ def draw_targets(res: dict[str, Any], out: Path) -> str:
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     return plots.lines(
         xs, {LABELS[m]: col(m, "tta_s") for m in modes}, "target test accuracy (%)",
-        "time to the target (s; mean over the seeds that reached it, 95% interval)",
-        f"digits MLP, {setting} straggler: time to each target", out / "saatp_train_targets.png",
+        "time to the target (s, 95% interval)",
+        f"digits MLP, {setting} straggler: time to each target (mean over the seeds that "
+        "reached it)", out / "saatp_train_targets.png",
         err={LABELS[m]: col(m, "tta_s_half") for m in modes}, from_zero=True,
         legend_outside=True,
     ).name  # fmt: skip
