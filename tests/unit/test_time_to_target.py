@@ -8,6 +8,7 @@ import itertools
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 
 from gradfabric.core.errors import ConfigError
@@ -253,3 +254,24 @@ def test_a_rung_is_decided_by_an_alternative_that_missed_a_seed_where_it_is_unre
     ((t, decides, v),) = verdicts({"traces": {"moving": traces}, "target": 0.9})["moving"][-1:]
     assert (t, decides["mode"], v) == (0.9, "backup-1", None)
     assert decides["reached"] == 3 and decides["tta_pairs"] == 3
+
+
+def test_a_float32_accuracy_at_the_target_reaches_it_and_warm_skips_step_1() -> None:
+    """324 of 360 test samples right is stored as float32's 0.89999998: it
+    reaches 90%; one sample fewer does not. With ``warm`` the first step's
+    time (its one-off costs) is left out of the clock."""
+    exact = float(np.float32(324 / 360))
+    assert exact < 0.9
+    run = {"step_ms": [300.0, 50.0, 50.0], "accs": [0.5, float(np.float32(323 / 360)), exact]}
+    assert time_to_target(run, 0.9) == (pytest.approx(0.4), 3)
+    assert time_to_target(run, 0.9, warm=True) == (pytest.approx(0.1), 3)
+    assert time_to_target(run, 0.91) is None
+    # SA-ATP's speed-up with and without the first step, paired per seed
+    traces = {
+        "saatp": [_trace(100.0, 4), _trace(120.0, 4)],
+        "backup-1": [{"step_ms": [400.0] + [50.0] * 9, "accs": _trace(50.0, 4)["accs"]}] * 2,
+    }
+    (b,) = [r for r in by_target({"traces": {"moving": traces}, "target": 0.9})
+            if r["mode"] == "backup-1" and r["target"] == 0.9]  # fmt: skip
+    assert b["saatp_tta_speedup"] == pytest.approx(0.55 / 0.44)
+    assert b["saatp_tta_speedup_warm"] == pytest.approx(0.15 / 0.33)

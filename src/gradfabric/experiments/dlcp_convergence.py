@@ -28,6 +28,7 @@ import torch
 
 from gradfabric.core.cells import Executor, run_cells
 from gradfabric.core.stats import mean_ci
+from gradfabric.experiments.registry import at_target
 from gradfabric.proto.dlcp import drop_policy, packet_norms
 from gradfabric.workloads.teacher import TeacherTask
 
@@ -64,7 +65,7 @@ class Run:
     curve: list[tuple[int, float]]  # (step, test accuracy) every eval_every steps
 
     def steps_to(self, target: float) -> int | None:
-        return next((s for s, a in self.curve if a >= target), None)
+        return next((s for s, a in self.curve if at_target(a, target)), None)
 
 
 def _lossy(g: np.ndarray, policy: str, bound: float, per_packet: int,

@@ -33,7 +33,14 @@ from typing import Any
 
 from gradfabric.core.stats import mean_ci
 from gradfabric.experiments import plots
-from gradfabric.experiments.registry import EXPERIMENTS, Claim, ExperimentResult, Tick, reaches
+from gradfabric.experiments.registry import (
+    EXPERIMENTS,
+    Claim,
+    ExperimentResult,
+    Tick,
+    at_target,
+    reaches,
+)
 from gradfabric.lab.dlcp_train import SCHEMES, DlcpTrainConfig, run_dlcp_training
 from gradfabric.lab.job import data, gradient, model, shard_batch
 
@@ -45,7 +52,7 @@ def time_to(rec: dict[str, Any], target: float = TARGET) -> float | None:
     """Seconds of training (the slowest rank's steps, summed) until the
     first evaluation at or above ``target``; None if it never got there."""
     for step, acc in rec["evals"]:
-        if acc >= target:
+        if at_target(acc, target):
             return float(sum(rec["times_s"][:step]))
     return None
 
