@@ -227,9 +227,9 @@ def saatp_train(args: argparse.Namespace) -> int:
                   "step ms", "sim TTA s", "exact"]),
                 ("table_targets", "the same runs at every target of the ladder up to "
                  f"{args.target:.0%}: SA-ATP's speed-up paired over the seeds where both "
-                 "reached it, the same with the clock started after step 1 (its one-off "
-                 "costs left out), and where a mode missed some seeds, at least: over every "
-                 "seed with its misses counted at its run's end (a lower bound on its time)",
+                 "reached it, the same with the clock started after step 1 (it and its "
+                 "one-off costs left out), and where a mode missed some seeds, at least: over "
+                 "every seed with its misses counted at its run's end (a lower bound on its time)",
                  ["setting", "target", "mode", "TTA s", "reached", "SA-ATP TTA speed-up",
                   "paired", "after step 1", "at least"])],
     )  # fmt: skip
