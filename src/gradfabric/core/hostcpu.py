@@ -55,3 +55,18 @@ class Busy:
     @property
     def share(self) -> float | None:
         return self.busy / self.total if self.total > 0 else None
+
+
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def waited_s(path: str = SCHEDSTAT) -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a core
+    (the scheduler's run-queue delay, ``schedstat``'s second field), or None
+    where the kernel does not keep it. Over a step, the part of its time a
+    rank lost to others' work on the same cores."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None

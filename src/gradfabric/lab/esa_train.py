@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.core.hostcpu import waited_s
 from gradfabric.lab.job import (
     Replica,
     check_shards,
@@ -171,7 +172,7 @@ def _rank_main(spec_file: str) -> None:
         time.sleep(0.01)
     at = float(go.read_text()) + job.arrival_s  # the job's arrival on the trace's clock
     time.sleep(max(0.0, at - time.monotonic()))
-    t0, cpu0 = time.monotonic(), time.process_time()
+    t0, cpu0, waited0 = time.monotonic(), time.process_time(), waited_s()
     for step in range(job.steps):
         began = time.monotonic()
         g, loss = replica.gradient(step, rank)
@@ -180,9 +181,11 @@ def _rank_main(spec_file: str) -> None:
         client.set_priority(srpt_aging(left, time.monotonic() - t0, AGING_S))
         replica.step_sum(client.allreduce(g, out=g))  # ina_hook's sum, on one tensor
         losses.append(loss)
-    end = time.monotonic()
+    end, waited1 = time.monotonic(), waited_s()
     client.close()
-    rec = {"t0": t0, "end": end, "cpu_s": time.process_time() - cpu0, "losses": losses,
+    lost = None if waited0 is None or waited1 is None else waited1 - waited0
+    rec = {"t0": t0, "end": end, "cpu_s": time.process_time() - cpu0, "waited_s": lost,
+           "losses": losses,
            "weights": fingerprint(replica.net), "clipped": client.clipped,
            "late_s": t0 - at}  # fmt: skip
     (here / f"rank{rank}.json").write_text(json.dumps(rec))
@@ -281,6 +284,9 @@ def run_trace(cfg: EsaTrainConfig, policy: str) -> dict[str, Any]:
             "exact": loss == ref["loss"] and all(r["weights"] == ref["weights"] for r in recs),
             "clipped": sum(r["clipped"] for r in recs),
             "start_late_s": max(r["late_s"] for r in recs),  # its arrival to its first step
+            # a step's time its ranks spent runnable, waiting for a core (mean over ranks)
+            "waited_ms_per_step": None if any(r.get("waited_s") is None for r in recs)
+            else 1e3 * statistics.fmean(r["waited_s"] for r in recs) / job.steps,
         })  # fmt: skip
     jct = [r["jct_s"] for r in rows]
     ranks = [r for recs in results for r in recs]
