@@ -177,8 +177,8 @@ def study(
                 exact[mode] &= run["loss"] == ref["loss"] and run["weights"] == ref["weights"]
             if seed == 0:
                 curves[name] = {"reference": ref["accs"]} | {m: runs[m][0]["accs"] for m in modes}
-        rows += _rows(c0, name, runs, exact, target)
         traces[name] = {m: [trace(r) for r in rs] for m, rs in runs.items()}
+        rows += _rows(c0, name, runs, traces[name], exact, target)
     ran = {"seeds": seeds, "settings": settings, "target": target, "modes": list(modes),
            "backups": [NAMED[m][1] for m in modes if NAMED[m][0] == "backup"]}  # fmt: skip
     return {"rows": rows, "curves": curves, "target": target, "traces": traces,
@@ -238,10 +238,10 @@ def _to_target(
 
 def _rows(
     c: SaatpTrainConfig, setting: str, runs: dict[str, list[dict[str, Any]]],
-    exact: dict[str, bool], target: float,
+    traced: dict[str, list[dict[str, list[float]]]], exact: dict[str, bool], target: float,
 ) -> list[dict[str, Any]]:  # fmt: skip
+    """``runs``' rows; time to ``target`` from ``traced`` (as ``by_target`` reads it)."""
     step = {m: [statistics.fmean(r["step_ms"][1:]) for r in rs] for m, rs in runs.items()}
-    traced = {m: [trace(r) for r in rs] for m, rs in runs.items()}  # as ``by_target`` reads them
     rows = []
     for mode, rs in runs.items():
         to = _to_target(traced, mode, target)
