@@ -88,7 +88,8 @@ def add(esub: Sub) -> None:
     ee.add_argument("--settings", help="comma-separated, of scarce-jittered (the simulator "
                     "predicts ESA a gain), ample-jittered, scarce-lockstep (it predicts none); "
                     "default: the first two")  # fmt: skip
-    ee.add_argument("--pool-slots", type=int, default=40, help="the scarce settings' pool")
+    ee.add_argument("--pool-slots", type=int, default=None,
+                    help="the scarce settings' pool (default 32: one window)")  # fmt: skip
     ee.add_argument("--compute-ms", type=float, default=5.0, help="a step's device time")
     ee.add_argument("--jitter-ms", type=float, default=5.0,
                     help="the jittered settings: each step's device time longer by up to this")
@@ -246,6 +247,7 @@ def esa_train(args: argparse.Namespace) -> int:
 
     from gradfabric.experiments.esa_train import (
         BASELINE,
+        SCARCE_POOL,
         chosen,
         claims,
         draw,
@@ -264,7 +266,7 @@ def esa_train(args: argparse.Namespace) -> int:
         cfg = replace(cfg, mean_gap_s=args.mean_gap_s)
     if args.link_gbps is not None:
         cfg = replace(cfg, link_gbps=args.link_gbps)
-    setting = chosen(settings(args.pool_slots, args.jitter_ms), args.settings)
+    setting = chosen(settings(args.pool_slots or SCARCE_POOL, args.jitter_ms), args.settings)
     with progress(ticks(setting, args.seeds), args.json) as tick:
         res = study(cfg, args.seeds, setting, tick)
     res["claims"] = [c.__dict__ for c in claims(res)]

@@ -109,12 +109,20 @@ LONG_JOBS = 5
 LONG_LINK_GBPS = 0.25
 LONG_STEPS = (600, 1200, 2400)  # a full study's job: about 12 to 60 s
 LONG_GAP_S = 3.0
+# The scarce pool: one window, the least the daemon takes. Swept on the full
+# study's traces (hybrid level, 3 traces, 5 ms jitter), the simulator
+# predicts ESA 1.23x at 32 aggregators, 1.22x at 36 and 1.21x at 40 (the
+# pool until 2026-12-03); 10 ms of jitter 1.19x, 2 ms 1.22x (notebook
+# 2026-12-03 #esa-one-window).
+SCARCE_POOL = 32
 FULL = ("scarce-jittered", "ample-jittered")  # where the simulator predicts a gain, and none
 GAIN = "scarce, jittered"  # the headline's setting: the gain predicted, and ATP by timeouts run
 PS_BOUND = ("ps_collision", "ps_resend", "flush_partial")  # packets the switch sent to the PS
 
 
-def settings(scarce_pool: int = 40, jitter_ms: float = JITTER_MS) -> dict[str, tuple[int, float]]:
+def settings(
+    scarce_pool: int = SCARCE_POOL, jitter_ms: float = JITTER_MS
+) -> dict[str, tuple[int, float]]:
     """The study's settings, each a pool (slots) and a jitter (ms): where
     the simulator predicts ESA a gain (a scarce pool, workers out of
     lockstep) and two where it predicts none (an ample pool; lockstep)."""
