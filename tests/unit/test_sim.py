@@ -374,3 +374,19 @@ def test_a_tenancy_s_workers_repair_split_sequences_as_the_clients_do() -> None:
     fast = esa_train.simulated(cfg, "atp")["mean_jct_s"]
     slow = esa_train.simulated(cfg, TIMEOUTS)["mean_jct_s"]
     assert fast < 0.9 * slow  # (measured: 0.44 against 0.60 s)
+
+
+def test_the_prediction_sweep_finds_esa_no_gain_in_an_ample_pool_and_one_in_a_scarce() -> None:
+    """``experiments.esa_train.predicted_gain``, the sweep that picks the
+    study's scarce pool: where every window fits (4096 aggregators) nothing
+    collides and preemption has nothing to act on, so ESA ties ATP; where
+    two jobs' windows overfill one window's pool and workers are out of
+    lockstep, ESA's preemption must pay."""
+    from gradfabric.experiments import esa_train
+    from gradfabric.lab.esa_train import EsaTrainConfig
+
+    cfg = EsaTrainConfig(jobs=2, steps=(40,), mean_gap_s=0.0, jitter_ms=5.0, link_gbps=1.0)
+    ample, scarce = esa_train.predicted_gain(cfg, [4096, 32], seeds=2)
+    assert [r["pool_slots"] for r in (ample, scarce)] == [4096, 32]
+    assert ample["per_trace"] == pytest.approx([1.0, 1.0], abs=0.01)
+    assert min(scarce["per_trace"]) > 1.02

@@ -7,8 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from gradfabric.cli.common import Sub, add_output, progress, report
+
+if TYPE_CHECKING:
+    from gradfabric.lab.esa_train import EsaTrainConfig
 
 
 def add(esub: Sub) -> None:
@@ -90,6 +94,10 @@ def add(esub: Sub) -> None:
                     "default: the first two")  # fmt: skip
     ee.add_argument("--pool-slots", type=int, default=None,
                     help="the scarce settings' pool (default 32: one window)")  # fmt: skip
+    ee.add_argument("--predict", metavar="POOLS",
+                    help="comma-separated pools: run no job, print the simulator's ESA "
+                    "speed-up over ATP on the first --seeds traces at each (--jitter-ms's "
+                    "jitter): where the study's scarce pool gains most")  # fmt: skip
     ee.add_argument("--compute-ms", type=float, default=5.0, help="a step's device time")
     ee.add_argument("--jitter-ms", type=float, default=5.0,
                     help="the jittered settings: each step's device time longer by up to this")
@@ -266,6 +274,8 @@ def esa_train(args: argparse.Namespace) -> int:
         cfg = replace(cfg, mean_gap_s=args.mean_gap_s)
     if args.link_gbps is not None:
         cfg = replace(cfg, link_gbps=args.link_gbps)
+    if args.predict:
+        return esa_predict(args, replace(cfg, jitter_ms=args.jitter_ms))
     setting = chosen(settings(args.pool_slots or SCARCE_POOL, args.jitter_ms), args.settings)
     with progress(ticks(setting, args.seeds), args.json) as tick:
         res = study(cfg, args.seeds, setting, tick)
@@ -305,6 +315,26 @@ def esa_train(args: argparse.Namespace) -> int:
     )  # fmt: skip
     draw(res, dest)
     return 0 if all(r.get("exact", True) for r in res["rows"]) else 1
+
+
+def esa_predict(args: argparse.Namespace, cfg: EsaTrainConfig) -> int:
+    from gradfabric.experiments.esa_train import predicted_gain
+
+    pools = [int(x) for x in args.predict.split(",")]
+    with progress(len(pools) * args.seeds, args.json) as tick:
+        rows = predicted_gain(cfg, pools, args.seeds, tick=tick)
+    table = [{"pool": r["pool_slots"], "jitter ms": f"{r['jitter_ms']:g}",
+              "ESA over ATP": f"{r['predicted_speedup']:.3f}x "
+                              + (f"± {r['predicted_speedup_half']:.3f}" if args.seeds > 1
+                                 else "(one trace)"),
+              "per trace": ", ".join(f"{x:.3f}" for x in r["per_trace"])}
+             for r in rows]  # fmt: skip
+    report(args, "esa-train", asdict(cfg) | {"seeds": args.seeds, "pools": pools},
+           {"rows": rows, "table": table},
+           tables=[("table", f"the simulator (hybrid level) on {args.seeds} seeded traces of "
+                    f"{cfg.jobs} jobs: ESA's mean-JCT speed-up over ATP",
+                    ["pool", "jitter ms", "ESA over ATP", "per trace"])])  # fmt: skip
+    return 0
 
 
 def dlcp_udp(args: argparse.Namespace) -> int:

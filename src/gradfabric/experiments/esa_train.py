@@ -109,15 +109,37 @@ LONG_JOBS = 5
 LONG_LINK_GBPS = 0.25
 LONG_STEPS = (600, 1200, 2400)  # a full study's job: about 12 to 60 s
 LONG_GAP_S = 3.0
-# The scarce pool: one window, the least the daemon takes. Swept on the full
-# study's traces (hybrid level, 3 traces, 5 ms jitter), the simulator
-# predicts ESA 1.23x at 32 aggregators, 1.22x at 36 and 1.21x at 40 (the
-# pool until 2026-12-03); 10 ms of jitter 1.19x, 2 ms 1.22x (notebook
-# 2026-12-03 #esa-one-window).
+# The scarce pool: one window, the least the daemon takes. On the full
+# study's first 3 traces (hybrid level, 5 ms jitter) the simulator predicts
+# ESA 1.23x over ATP at 32 aggregators and 1.22x at 36; on its 6, 1.21x at
+# 40 (the pool until 2026-12-03). At 32, 10 ms of jitter 1.19x, 2 ms 1.22x
+# (notebook 2026-12-03 #esa-one-window).
 SCARCE_POOL = 32
 FULL = ("scarce-jittered", "ample-jittered")  # where the simulator predicts a gain, and none
 GAIN = "scarce, jittered"  # the headline's setting: the gain predicted, and ATP by timeouts run
 PS_BOUND = ("ps_collision", "ps_resend", "flush_partial")  # packets the switch sent to the PS
+
+
+def predicted_gain(
+    cfg: EsaTrainConfig, pools: list[int], seeds: int, level: str = "hybrid", tick: Any = None
+) -> list[dict[str, Any]]:
+    """Where to run the study: the simulator's ESA speed-up over ATP in mean
+    JCT on ``cfg``'s first ``seeds`` traces at each of ``pools`` (no job
+    runs), mean over traces with the 95% interval."""
+    rows = []
+    for pool in pools:
+        ratios = []
+        for seed in range(seeds):
+            if tick:
+                tick(f"simulating pool {pool}, trace {seed + 1}/{seeds}")
+            c = replace(cfg, pool_slots=pool, seed=cfg.seed + seed)
+            atp, esa = (simulated(c, p, 0.0, level)["mean_jct_s"] for p in POLICIES)
+            ratios.append(atp / esa)
+        m = mean_ci(ratios)
+        rows.append({"pool_slots": pool, "jitter_ms": cfg.jitter_ms, "level": level,
+                     "predicted_speedup": m.mean, "predicted_speedup_half": m.half,
+                     "per_trace": ratios})  # fmt: skip
+    return rows
 
 
 def settings(
