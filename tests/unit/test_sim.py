@@ -382,11 +382,20 @@ def test_the_prediction_sweep_finds_esa_no_gain_in_an_ample_pool_and_one_in_a_sc
     collides and preemption has nothing to act on, so ESA ties ATP; where
     two jobs' windows overfill one window's pool and workers are out of
     lockstep, ESA's preemption must pay."""
+    from dataclasses import replace
+    from statistics import fmean
+
     from gradfabric.experiments import esa_train
     from gradfabric.lab.esa_train import EsaTrainConfig
 
-    cfg = EsaTrainConfig(jobs=2, steps=(40,), mean_gap_s=0.0, jitter_ms=5.0, link_gbps=1.0)
+    cfg = EsaTrainConfig(jobs=2, steps=(40,), mean_gap_s=0.0, jitter_ms=5.0, link_gbps=1.0,
+                         seed=4)  # fmt: skip
     ample, scarce = esa_train.predicted_gain(cfg, [4096, 32], seeds=2)
     assert [r["pool_slots"] for r in (ample, scarce)] == [4096, 32]
     assert ample["per_trace"] == pytest.approx([1.0, 1.0], abs=0.01)
     assert min(scarce["per_trace"]) > 1.02
+    assert scarce["predicted_speedup"] == pytest.approx(fmean(scarce["per_trace"]))
+    # the second trace is the config's seed + 1, at the hybrid level
+    second = replace(cfg, pool_slots=32, seed=5)
+    atp, esa = (esa_train.simulated(second, p, 0.0, "hybrid")["mean_jct_s"] for p in ("atp", "esa"))
+    assert scarce["per_trace"][1] == pytest.approx(atp / esa)

@@ -73,11 +73,11 @@ def add(esub: Sub) -> None:
         "switch daemon, every worker behind its own shaped link (--link-gbps; root, network "
         "namespaces), under ATP (its fallback PS "
         "sharded per worker behind links of the same rate) and under ESA (srpt-aging "
-        "priorities stamped by the workers). Settings: the pool scarce (--pool-slots, below "
-        "two jobs' windows) with workers out of lockstep (each step's device time longer by "
-        "up to --jitter-ms), where the simulator predicts ESA a gain, and where ATP also runs "
-        "with its workers' fast retransmit off (atp-timeouts, an ablation); the pool ample; "
-        "the pool scarce in lockstep. Rows: mean and p99 job completion time, the "
+        "priorities stamped by the workers). Settings: the pool scarce (--pool-slots, which "
+        "two jobs' windows overfill) with workers out of lockstep (each step's device time "
+        "longer by up to --jitter-ms), where the simulator predicts ESA a gain, and where ATP "
+        "also runs with its workers' fast retransmit off (atp-timeouts, an ablation); the "
+        "pool ample; the pool scarce in lockstep. Rows: mean and p99 job completion time, the "
         "simulator's for the same trace, preemptions, PS fallbacks, the CPU of the daemon "
         "and of the workers; ESA's speed-up over each ATP per trace, mean with its 95% "
         "interval. Exit 1 if a job's loss curve or weights differ in one bit from its solo "
@@ -93,8 +93,8 @@ def add(esub: Sub) -> None:
                     "predicts ESA a gain), ample-jittered, scarce-lockstep (it predicts none); "
                     "default: the first two")  # fmt: skip
     ee.add_argument("--pool-slots", type=int, default=None,
-                    help="the scarce settings' pool (default 32: one window)")  # fmt: skip
-    ee.add_argument("--predict", metavar="POOLS",
+                    help="the scarce settings' pool (default: one window, 32)")  # fmt: skip
+    ee.add_argument("--predict", metavar="POOLS", type=pools,
                     help="comma-separated pools: run no job, print the simulator's ESA "
                     "speed-up over ATP on the first --seeds traces at each (--jitter-ms's "
                     "jitter): where the study's scarce pool gains most")  # fmt: skip
@@ -255,6 +255,7 @@ def esa_train(args: argparse.Namespace) -> int:
 
     from gradfabric.experiments.esa_train import (
         BASELINE,
+        LONG_LINK_GBPS,
         SCARCE_POOL,
         chosen,
         claims,
@@ -274,9 +275,11 @@ def esa_train(args: argparse.Namespace) -> int:
         cfg = replace(cfg, mean_gap_s=args.mean_gap_s)
     if args.link_gbps is not None:
         cfg = replace(cfg, link_gbps=args.link_gbps)
-    if args.predict:
-        return esa_predict(args, replace(cfg, jitter_ms=args.jitter_ms))
-    setting = chosen(settings(args.pool_slots or SCARCE_POOL, args.jitter_ms), args.settings)
+    if args.predict is not None:  # no job runs: the full study's links wherever it would run
+        links = LONG_LINK_GBPS if args.link_gbps is None else args.link_gbps
+        return esa_predict(args, replace(cfg, jitter_ms=args.jitter_ms, link_gbps=links))
+    scarce = SCARCE_POOL if args.pool_slots is None else args.pool_slots
+    setting = chosen(settings(scarce, args.jitter_ms), args.settings)
     with progress(ticks(setting, args.seeds), args.json) as tick:
         res = study(cfg, args.seeds, setting, tick)
     res["claims"] = [c.__dict__ for c in claims(res)]
@@ -317,19 +320,30 @@ def esa_train(args: argparse.Namespace) -> int:
     return 0 if all(r.get("exact", True) for r in res["rows"]) else 1
 
 
+def pools(text: str) -> list[int]:
+    """``--predict``'s comma-separated pools, each a positive integer."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected pools such as 32,36,40, got {text!r}")
+    return out
+
+
 def esa_predict(args: argparse.Namespace, cfg: EsaTrainConfig) -> int:
     from gradfabric.experiments.esa_train import predicted_gain
 
-    pools = [int(x) for x in args.predict.split(",")]
-    with progress(len(pools) * args.seeds, args.json) as tick:
-        rows = predicted_gain(cfg, pools, args.seeds, tick=tick)
+    every: list[int] = args.predict
+    with progress(len(every) * args.seeds, args.json) as tick:
+        rows = predicted_gain(cfg, every, args.seeds, tick=tick)
     table = [{"pool": r["pool_slots"], "jitter ms": f"{r['jitter_ms']:g}",
               "ESA over ATP": f"{r['predicted_speedup']:.3f}x "
                               + (f"± {r['predicted_speedup_half']:.3f}" if args.seeds > 1
                                  else "(one trace)"),
               "per trace": ", ".join(f"{x:.3f}" for x in r["per_trace"])}
              for r in rows]  # fmt: skip
-    report(args, "esa-train", asdict(cfg) | {"seeds": args.seeds, "pools": pools},
+    report(args, "esa-train-predict", asdict(cfg) | {"seeds": args.seeds, "pools": every},
            {"rows": rows, "table": table},
            tables=[("table", f"the simulator (hybrid level) on {args.seeds} seeded traces of "
                     f"{cfg.jobs} jobs: ESA's mean-JCT speed-up over ATP",

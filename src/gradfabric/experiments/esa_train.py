@@ -121,8 +121,9 @@ PS_BOUND = ("ps_collision", "ps_resend", "flush_partial")  # packets the switch 
 
 
 def predicted_gain(
-    cfg: EsaTrainConfig, pools: list[int], seeds: int, level: str = "hybrid", tick: Any = None
-) -> list[dict[str, Any]]:
+    cfg: EsaTrainConfig, pools: list[int], seeds: int, level: str = "hybrid",
+    tick: Tick | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Where to run the study: the simulator's ESA speed-up over ATP in mean
     JCT on ``cfg``'s first ``seeds`` traces at each of ``pools`` (no job
     runs), mean over traces with the 95% interval."""
@@ -176,6 +177,7 @@ def long_config() -> EsaTrainConfig:
     namespaces can be made, else on loopback."""
     cfg = default_config()
     return replace(cfg, jobs=LONG_JOBS, steps=LONG_STEPS, mean_gap_s=LONG_GAP_S,
+                   pool_slots=SCARCE_POOL,
                    link_gbps=LONG_LINK_GBPS if cfg.link_gbps else 0.0,
                    timeout_s=120.0)  # fmt: skip
 
