@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from gradfabric.cli.common import Sub, add_output, progress, report
+from gradfabric.cli.common import Sub, add_output, csv, progress, report
 
 if TYPE_CHECKING:
     from gradfabric.lab.esa_train import EsaTrainConfig
@@ -321,14 +321,12 @@ def esa_train(args: argparse.Namespace) -> int:
 
 
 def pools(text: str) -> list[int]:
-    """``--predict``'s comma-separated pools, each a positive integer."""
-    try:
-        out = [int(x) for x in text.split(",")]
-    except ValueError:
-        out = []
+    """``--predict``'s comma-separated pools, each a positive integer
+    (argparse names the flag and the text where this raises)."""
+    out = csv(text, int)
     if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected pools such as 32,36,40, got {text!r}")
-    return out
+        raise ValueError(text)
+    return list(out)
 
 
 def esa_predict(args: argparse.Namespace, cfg: EsaTrainConfig) -> int:

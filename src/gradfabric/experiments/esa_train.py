@@ -110,10 +110,10 @@ LONG_LINK_GBPS = 0.25
 LONG_STEPS = (600, 1200, 2400)  # a full study's job: about 12 to 60 s
 LONG_GAP_S = 3.0
 # The scarce pool: one window, the least the daemon takes. On the full
-# study's first 3 traces (hybrid level, 5 ms jitter) the simulator predicts
-# ESA 1.23x over ATP at 32 aggregators and 1.22x at 36; on its 6, 1.21x at
-# 40 (the pool until 2026-12-03). At 32, 10 ms of jitter 1.19x, 2 ms 1.22x
-# (notebook 2026-12-03 #esa-one-window).
+# study's first 3 traces (``predicted_gain``: hybrid level, 5 ms jitter) the
+# simulator predicts ESA 1.234x over ATP at 32 aggregators, 1.223x at 36 and
+# 1.215x at 40 (the pool until 2026-12-03); at 32, 10 ms of jitter 1.191x,
+# 2 ms 1.216x (notebook 2026-12-03 #esa-one-window).
 SCARCE_POOL = 32
 FULL = ("scarce-jittered", "ample-jittered")  # where the simulator predicts a gain, and none
 GAIN = "scarce, jittered"  # the headline's setting: the gain predicted, and ATP by timeouts run
