@@ -49,6 +49,7 @@ NATIVE = (
       "net/native/switch_dlcp_classes.c"],
      ["net/native/switch.h", "net/native/dlcp.h", "net/native/wire.h"]),
     ("gradfabric.net._udp", ["net/native/udp.c"], ["net/native/wire.h"]),
+    ("gradfabric.net._host", ["net/native/host.c"], ["net/native/wire.h"]),
     ("gradfabric.net._dlcp", ["net/native/dlcp_client.c", "net/native/switch_dlcp_classes.c"],
      ["net/native/dlcp.h", "net/native/wire.h"]),
 )  # fmt: skip

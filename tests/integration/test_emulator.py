@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from gradfabric.cli import main
+from gradfabric.core import native
 from gradfabric.core.errors import ConfigError, PeerTimeoutError
 from gradfabric.lab.daemon import RunningSwitch, start_switch, stop_switch, switch_daemon
 from gradfabric.lab.saatp_train import SaatpTrainConfig
@@ -795,6 +796,7 @@ def test_saatp_over_udp_helps_the_straggler_and_stays_exact() -> None:
 
     r = run_emu_saatp(SaatpEmuConfig(workers=3, iterations=4, compute_ms=60.0), help=True)
     assert r["exact"]
+    assert r["host"] == ["compiled" if native.expected() else "python"]
     assert r["helps_sent"] > 0 and r["abandoned"] > 0
     assert r["switch"]["help_requests"] > 0 and r["switch"]["rx_help"] > 0
     plain = run_emu_saatp(SaatpEmuConfig(workers=3, iterations=3, compute_ms=30.0), help=False)

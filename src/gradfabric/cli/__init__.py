@@ -34,12 +34,13 @@ def version() -> str:
     or ``python`` (the reference, with the reason it serves), and the
     simulator's hot path (``mypyc`` or ``python``)."""
     from gradfabric.collectives import fast
-    from gradfabric.net import datapath, switchpath
+    from gradfabric.net import datapath, hostpath, switchpath
     from gradfabric.wire import fastquant
 
     parts = (
         ("switch engine", switchpath.PATH, switchpath.WHY_NOT),
         ("worker engine", datapath.PATH, datapath.WHY_NOT),
+        ("helped host (SA-ATP)", hostpath.PATH, hostpath.WHY_NOT),
         ("client quantiser", fastquant.PATH, fastquant.WHY_NOT),
         ("DDP hook", fast.PYTHON if (hook := fast.why_not()) else fast.COMPILED, hook),
         ("simulator hot path", compiled_path(), None),

@@ -1,9 +1,10 @@
 """SA-ATP over real UDP: one worker slowed, ATP against ATP with straggler help.
 
-A switch daemon (policy ``atp``) and ``workers`` processes, each a
-``HostEngine`` (its own stream plus shadow streams for helping) on a UDP
-socket. Every iteration a worker "computes" for ``compute_ms`` times its
-slowdown (a sleep: worker ``straggler`` is ``slowdown`` times slower), then
+A switch daemon (policy ``atp``) and ``workers`` processes, each a helped
+host (its own stream plus shadow streams for helping: ``net.hostpath``, in
+C where it is built, else ``proto.host.HostEngine``) on a UDP socket.
+Every iteration a worker "computes" for ``compute_ms`` times its slowdown
+(a sleep: worker ``straggler`` is ``slowdown`` times slower), then
 pushes its gradient: ``iteration_packets`` packets of int32 values that are a
 seeded function of (iteration, worker), standing for the backward pass over
 the worker's data shard. It starts the next iteration once all of this one's
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import statistics
 import time
 from collections.abc import Awaitable
@@ -34,12 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from gradfabric.core.errors import ConfigError
+from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.net import hostpath
+from gradfabric.net.hostpath import HostDriver
 from gradfabric.net.launch import run_hosts
-from gradfabric.net.udp import open_engine
-from gradfabric.proto.actions import Deliver, HelpRequest
-from gradfabric.proto.host import HostEngine
-from gradfabric.proto.node import SWITCH
+from gradfabric.net.udp import size_buffers
 from gradfabric.proto.worker import WorkerEngine
 from gradfabric.runtime.client import Ticket, scheme_worker
 from gradfabric.runtime.switchd import control_call
@@ -96,6 +97,7 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
         "helps_sent": sum(r["helps"] for r in recs),
         "abandoned": sum(r["abandoned"] for r in recs),
         "exact": all(r["exact"] for r in recs),
+        "host": sorted({r["host"] for r in recs}),  # which helped host served
         "switch": sw.final.get("counters", {}),
         "config": asdict(cfg),
     }
@@ -129,16 +131,20 @@ class HelpedWorker:
         self.ticket, self.rank, self.conn, self.timeout_s = ticket, rank, conn, timeout_s
         own = scheme_worker(ticket, rank, timeout_s, takes_help=True)
         assert isinstance(own, WorkerEngine)
-        self.host = HostEngine(own)
         self.iterations, self.P, self.vpp = iterations, packets, ticket.values_per_packet
+        # every iteration's sum, where the host writes each result (seq * vpp)
+        self.sink = np.zeros(iterations * self.P * self.vpp, dtype=np.int64)
+        self.sums = [self.sink[i * self.P * self.vpp : (i + 1) * self.P * self.vpp]
+                     for i in range(iterations)]  # fmt: skip
+        self.host = hostpath.host(own, bytes.fromhex(ticket.token), self.sink)
         self.got = [0] * iterations  # results in, per iteration
-        self.sums = [np.zeros(self.P * self.vpp, dtype=np.int64) for _ in range(iterations)]
         self.done: list[asyncio.Event] = []
         self.computed: list[asyncio.Event] = []
         self.current = 0
         self.helping = False
         self.helps = 0
         self.abandoned = 0
+        self.float_results = 0
 
     async def own_share(self, it: int) -> np.ndarray | None:
         """This host's int32 share of iteration ``it`` (``P * vpp`` values), or
@@ -164,12 +170,12 @@ class HelpedWorker:
         t = self.ticket
         self.done = [asyncio.Event() for _ in range(self.iterations)]
         self.computed = [asyncio.Event() for _ in range(self.iterations)]
-        transport, self.proto = await open_engine(
-            self.host, {SWITCH: t.switch}, ("127.0.0.1", 0), self._deliver,
-            bytes.fromhex(t.token), self._on_help,
-        )  # fmt: skip
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        size_buffers(sock)
+        self.driver = HostDriver(self.host, sock, t.switch, self._result, self._on_help)
         hello = {"op": "hello", "job_id": t.job_id, "token": t.token, "rank": self.rank,
-                 "port": transport.get_extra_info("sockname")[1], "host": "127.0.0.1"}  # fmt: skip
+                 "port": sock.getsockname()[1], "host": "127.0.0.1"}  # fmt: skip
         await control_call(t.control, hello)
         loop = asyncio.get_running_loop()
         self.conn.send("ready")
@@ -183,30 +189,45 @@ class HelpedWorker:
                 self.abandoned += 1
             else:
                 self.computed[it].set()
-                now = time.monotonic_ns()
-                self.proto.execute(self.host.own.push(len(g), now, g, at_seq=it * self.P))
-                await asyncio.wait_for(self.done[it].wait(), self.timeout_s)
+                self.driver.push(g, at_seq=it * self.P)
+                await self._results(it)
             self.computed[it].set()
             await self.finish(it)
             ends.append(time.monotonic())
-        transport.close()
+        counters = dict(self.host.counters())
+        self.driver.close()
         return {"t0": t0, "ends": ends, "helps": self.helps, "abandoned": self.abandoned,
-                "counters": dict(self.host.counters)} | self.report()  # fmt: skip
+                "float_results": self.float_results, "host": hostpath.PATH
+                if isinstance(self.host, hostpath.NativeHost) else "python",
+                "counters": counters} | self.report()  # fmt: skip
 
-    def _deliver(self, d: Deliver) -> None:
-        it, k = divmod(d.seq, self.P)
-        if d.pkt.payload is not None and it < self.iterations:
-            self.sums[it][k * self.vpp : k * self.vpp + d.pkt.count] = d.pkt.payload
-            self.got[it] += 1
-            if self.got[it] == self.P:
-                self.done[it].set()
+    async def _results(self, it: int) -> None:
+        """Wait for iteration ``it``'s results; a stream that gave up on the
+        switch, or the timeout, is the switch's ``PeerTimeoutError``."""
+        done: asyncio.Future[Any] = asyncio.ensure_future(self.done[it].wait())
+        gave_up: asyncio.Future[Any] = self.driver.gave_up
+        await asyncio.wait({done, gave_up}, timeout=self.timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        if not done.done():
+            done.cancel()
+            raise PeerTimeoutError(f"switch {self.ticket.switch}", self.timeout_s)
 
-    def _on_help(self, req: HelpRequest) -> None:
-        it = req.from_seq // self.P
-        if it != self.current or self.helping or req.straggler == self.rank:
+    def _result(self, seq: int, count: int) -> None:
+        """Result ``seq`` is in the sink (``count`` < 0: it came in floats, not taken)."""
+        it = seq // self.P
+        if count < 0:
+            self.float_results += 1
+            return
+        self.got[it] += 1
+        if self.got[it] == self.P:
+            self.done[it].set()
+
+    def _on_help(self, straggler: int, from_seq: int) -> None:
+        it = from_seq // self.P
+        if it != self.current or self.helping or straggler == self.rank:
             return
         self.helping = True
-        asyncio.get_running_loop().create_task(self._help(req.straggler, it, req.from_seq))
+        asyncio.get_running_loop().create_task(self._help(straggler, it, from_seq))
 
     async def _help(self, s: int, it: int, from_seq: int) -> None:
         """Compute ``s``'s share from the replica once our own is done, and send
@@ -218,16 +239,16 @@ class HelpedWorker:
             full = await self.other_share(it, s)
             if full is None:
                 return
-            shadow = self.host.shadow(s)
-            start = max(from_seq, self.host.own.base, it * self.P)
+            shadow = self.host.state(s)
+            start = max(from_seq, self.host.state().base, it * self.P)
             end = (it + 1) * self.P
             busy = not shadow.idle or start < shadow.next_seq
             if self.done[it].is_set() or start >= end or busy:
                 return
-            shadow.skip_to(start)
+            self.host.skip_to(s, start)
             g = full[(start - it * self.P) * self.vpp :]  # what has no result yet
             self.helps += 1
-            self.proto.execute(shadow.push(len(g), time.monotonic_ns(), g, at_seq=start))
+            self.driver.push(g, at_seq=start, stream=s)
         finally:
             self.helping = False
 

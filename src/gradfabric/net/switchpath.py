@@ -112,6 +112,7 @@ _UDP, UDP_WHY_NOT = native.load(HERE / "_udp", UDP_SOURCES, (
     ("gf_book_set", [_p, _i64, _i64, ctypes.c_char_p, _i64], ctypes.c_int),
     ("gf_book_forget", [_p, _i64], None),
     ("gf_udp_drain", [_p, _p, _p, ctypes.c_int, _i64], _i64),
+    ("gf_udp_flush", [_p, _p, _p, ctypes.c_int], None),
 ))  # fmt: skip
 if _LIB is not None and _UDP is None:
     _LIB, WHY_NOT = None, f"its driver: {UDP_WHY_NOT}"
@@ -309,11 +310,13 @@ def _fold(
 
 
 class UdpBook:
-    """The native driver's address book and its drain (see the module doc)."""
+    """The native driver's address book and its drain (see the module doc),
+    for a native engine: the switch node, or a helped host
+    (``net.hostpath``, whose one peer is rank 0 of its job)."""
 
-    def __init__(self, node: NativeSwitchNode) -> None:
+    def __init__(self, ops: int, engine: int) -> None:
         assert _UDP is not None
-        self.lib, self.node = _UDP, node
+        self.lib, self.ops, self.engine = _UDP, ops, engine
         self.b = self.lib.gf_book_new()
         if not self.b:
             raise MemoryError("the native driver's buffers")
@@ -344,7 +347,11 @@ class UdpBook:
 
     def drain(self, fd: int) -> int:
         """Read, aggregate and answer what ``fd`` holds (a few batches)."""
-        return int(self.lib.gf_udp_drain(self.node.ops, self.node.s, self.b, fd, DRAIN_BATCHES))
+        return int(self.lib.gf_udp_drain(self.ops, self.engine, self.b, fd, DRAIN_BATCHES))
+
+    def flush(self, fd: int) -> None:
+        """Send what the engine queued outside a drain."""
+        self.lib.gf_udp_flush(self.ops, self.engine, self.b, fd)
 
     def fold(self, into: Counters) -> None:
         """Move the driver's counters into the daemon's."""

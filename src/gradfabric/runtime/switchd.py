@@ -299,7 +299,7 @@ class SwitchDaemon:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, here)
             sock.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
         if isinstance(self.node, NativeSwitchNode):
-            self.udp = UdpBook(self.node)
+            self.udp = UdpBook(self.node.ops, self.node.s)
             self.offload = offload(sock)  # the native driver alone reads this socket
         loop.add_reader(sock.fileno(), self._drain)
         self.control.load()

@@ -397,6 +397,13 @@ GF_API int64_t gf_udp_drain(const gf_ops *ops, void *engine, gf_book *b, int fd,
     return total;
 }
 
+/* Send what the engine has queued, as the drain does after each batch: for
+ * an engine given work outside the drain (a helped host's push, its timer). */
+GF_API void gf_udp_flush(const gf_ops *ops, void *engine, gf_book *b, int fd) {
+    b->tx.fd = fd;
+    flush(ops, engine, b, &b->tx, now_ns());
+}
+
 /* ---- datagrams in and out without an engine: what the offloads do, seen
  * from outside (the differential tests) ---- */
 
