@@ -176,6 +176,26 @@ def add(sub: Sub) -> None:
     add_output(bp, "bench-plan")
     bp.set_defaults(fn=plan_bench)
 
+    bh = bsub.add_parser(
+        "helped-host",
+        help="SA-ATP's helped host in C vs its Python reference, over UDP",
+        description="The saatp-udp job with SA-ATP (a switch daemon, worker processes on "
+        "loopback, one worker --slowdown times slower, compute a sleep, every aggregate "
+        "checked) run --repeats times with the native helped host and with the reference, "
+        "alternating. Per run: the median iteration time and each host's CPU time an "
+        "iteration (with compute a sleep: the transport and the event loop around it). "
+        "Side by side: the reference's over the native's (paired, 95% interval), and the "
+        "native's iteration time over the compute floor, 2 x --compute-ms (a helper "
+        "computes its own share and the straggler's).",
+    )  # fmt: skip
+    bh.add_argument("--repeats", type=int, default=5)
+    bh.add_argument("--workers", type=int, default=4)
+    bh.add_argument("--iterations", type=int, default=16)
+    bh.add_argument("--compute-ms", type=float, default=20.0)
+    bh.add_argument("--packets", type=int, default=64, help="an iteration's packets")
+    add_output(bh, "bench-helped-host")
+    bh.set_defaults(fn=helped_host)
+
     bd = bsub.add_parser(
         "ddp",
         help="DDP training per hook: default, omnireduce_hook, auto_hook (ina_hook)",
@@ -241,6 +261,54 @@ def add(sub: Sub) -> None:
     )  # fmt: skip
     add_output(bd, "bench-ddp")
     bd.set_defaults(fn=ddp)
+
+
+def helped_host(args: argparse.Namespace) -> int:
+    from statistics import median
+
+    from gradfabric.core.stats import ratio_ci
+    from gradfabric.lab.saatp_udp import SaatpEmuConfig, run_emu_saatp
+
+    if args.repeats < 1:
+        raise ConfigError("repeats", f"must be >= 1, got {args.repeats}")
+    hosts = ("native", "python")
+    runs: dict[str, list[dict[str, float]]] = {h: [] for h in hosts}
+    with progress(2 * args.repeats, args.json) as tick:
+        for rep in range(args.repeats):
+            for h in hosts if rep % 2 == 0 else hosts[::-1]:
+                tick(f"run {rep + 1}: {h}")
+                cfg = SaatpEmuConfig(workers=args.workers, iterations=args.iterations,
+                                     compute_ms=args.compute_ms,
+                                     iteration_packets=args.packets, host=h)  # fmt: skip
+                r = run_emu_saatp(cfg, help=True)
+                runs[h].append({"run": rep, "host": h, "iter_ms": r["median_iteration_ms"],
+                                "cpu_ms": r["cpu_ms_per_iteration"], "helps": r["helps_sent"],
+                                "exact": r["exact"], "served": ",".join(r["host"])})  # fmt: skip
+    floor = 2 * args.compute_ms
+    nat, ref = runs["native"], runs["python"]
+    it, cpu = (ratio_ci([r[k] for r in ref], [r[k] for r in nat]) for k in ("iter_ms", "cpu_ms"))
+    summary = [{
+        "iter_ms_native": median(r["iter_ms"] for r in nat),
+        "iter_ms_python": median(r["iter_ms"] for r in ref),
+        "iter_python_over_native": round(it.mean, 3), "iter_interval": round(it.half, 3),
+        "cpu_ms_native": median(r["cpu_ms"] for r in nat),
+        "cpu_ms_python": median(r["cpu_ms"] for r in ref),
+        "cpu_python_over_native": round(cpu.mean, 3), "cpu_interval": round(cpu.half, 3),
+        "floor_ms": floor, "native_over_floor": median(r["iter_ms"] for r in nat) / floor,
+    }]  # fmt: skip
+    rows = [r for pair in zip(nat, ref, strict=True) for r in pair]
+    report(
+        args, "bench-helped-host", {"repeats": args.repeats, "workers": args.workers,
+                                    "iterations": args.iterations, "compute_ms": args.compute_ms,
+                                    "packets": args.packets},
+        {"summary": summary, "rows": rows},
+        tables=[("rows", "each run (median iteration; CPU an iteration, the median host's)",
+                 ["run", "host", "served", "iter_ms", "cpu_ms", "helps", "exact"]),
+                ("summary", f"the reference over the native host ({args.repeats} paired runs, "
+                 f"95% interval); the native against the floor, 2 x {args.compute_ms:g} ms",
+                 list(summary[0]))],
+    )  # fmt: skip
+    return 0 if all(r["exact"] for r in rows) else 1
 
 
 def sim(args: argparse.Namespace) -> int:

@@ -58,12 +58,15 @@ class SaatpEmuConfig:
     replicas: int = 2
     seed: int = 0
     timeout_s: float = 60.0
+    host: str = "auto"  # the helped hosts' implementation (``net.hostpath.HOSTS``)
 
     def __post_init__(self) -> None:
         if self.workers < 3 or not 0 <= self.straggler < self.workers:
             raise ConfigError("workers", "need >= 3 workers and a straggler among them")
         if self.slowdown < 1 or self.iterations < 2 or self.iteration_packets < 1:
             raise ConfigError("slowdown", "slowdown >= 1, >= 2 iterations, >= 1 packet")
+        if self.host not in hostpath.HOSTS:
+            raise ConfigError("host", f"one of {', '.join(hostpath.HOSTS)}, got {self.host!r}")
 
 
 def gradient(seed: int, iteration: int, worker: int, values: int) -> np.ndarray:
@@ -89,7 +92,7 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
             _worker_main, [(cfg, ticket, w) for w in range(cfg.workers)], cfg.timeout_s,
             cfg.timeout_s * cfg.iterations,
         )  # fmt: skip
-    its = iteration_times(recs)
+    its, its_n = iteration_times(recs), cfg.iterations
     return {
         "help": help,
         "iteration_ms": [x * 1e3 for x in its],
@@ -98,6 +101,9 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
         "abandoned": sum(r["abandoned"] for r in recs),
         "exact": all(r["exact"] for r in recs),
         "host": sorted({r["host"] for r in recs}),  # which helped host served
+        # each host's CPU an iteration, the median host's: with compute a sleep,
+        # what the host's transport costs (and the event loop around it)
+        "cpu_ms_per_iteration": statistics.median(r["cpu_s"] for r in recs) * 1e3 / its_n,
         "switch": sw.final.get("counters", {}),
         "config": asdict(cfg),
     }
@@ -126,7 +132,7 @@ class HelpedWorker:
 
     def __init__(
         self, ticket: Ticket, rank: int, conn: Connection, iterations: int, packets: int,
-        timeout_s: float,
+        timeout_s: float, host: str = "auto",
     ) -> None:  # fmt: skip
         self.ticket, self.rank, self.conn, self.timeout_s = ticket, rank, conn, timeout_s
         own = scheme_worker(ticket, rank, timeout_s, takes_help=True)
@@ -136,7 +142,7 @@ class HelpedWorker:
         self.sink = np.zeros(iterations * self.P * self.vpp, dtype=np.int64)
         self.sums = [self.sink[i * self.P * self.vpp : (i + 1) * self.P * self.vpp]
                      for i in range(iterations)]  # fmt: skip
-        self.host = hostpath.host(own, bytes.fromhex(ticket.token), self.sink)
+        self.host = hostpath.host(own, bytes.fromhex(ticket.token), self.sink, host)
         self.got = [0] * iterations  # results in, per iteration
         self.done: list[asyncio.Event] = []
         self.computed: list[asyncio.Event] = []
@@ -180,7 +186,7 @@ class HelpedWorker:
         loop = asyncio.get_running_loop()
         self.conn.send("ready")
         await loop.run_in_executor(None, self.conn.recv)  # "go"
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         ends = []
         for it in range(self.iterations):
             self.current = it
@@ -194,9 +200,11 @@ class HelpedWorker:
             self.computed[it].set()
             await self.finish(it)
             ends.append(time.monotonic())
+        cpu_s = time.process_time() - cpu0
         counters = dict(self.host.counters())
         self.driver.close()
         return {"t0": t0, "ends": ends, "helps": self.helps, "abandoned": self.abandoned,
+                "cpu_s": cpu_s,
                 "float_results": self.float_results, "host": hostpath.PATH
                 if isinstance(self.host, hostpath.NativeHost) else "python",
                 "counters": counters} | self.report()  # fmt: skip
@@ -264,7 +272,8 @@ class _Sleeper(HelpedWorker):
     """Compute is a sleep, a share seeded ints: every sum has an exact reference."""
 
     def __init__(self, cfg: SaatpEmuConfig, ticket: Ticket, rank: int, conn: Connection) -> None:
-        super().__init__(ticket, rank, conn, cfg.iterations, cfg.iteration_packets, cfg.timeout_s)
+        super().__init__(ticket, rank, conn, cfg.iterations, cfg.iteration_packets, cfg.timeout_s,
+                         cfg.host)  # fmt: skip
         self.cfg = cfg
 
     def compute_s(self, worker: int) -> float:

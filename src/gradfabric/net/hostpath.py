@@ -99,10 +99,19 @@ def unsuitable(own: WorkerEngine) -> str | None:
     return None
 
 
-def host(own: WorkerEngine, token: bytes, sink: I64) -> NativeHost | ReferenceHost:
-    """The native host where it can serve ``own``'s job, else the reference."""
-    native = unsuitable(own) is None
-    return NativeHost(own, token, sink) if native else ReferenceHost(own, token, sink)
+HOSTS: Final = ("auto", "native", "python")
+
+
+def host(
+    own: WorkerEngine, token: bytes, sink: I64, path: str = "auto"
+) -> NativeHost | ReferenceHost:
+    """``own``'s host: ``native`` (C; a ``ConfigError`` saying why where it
+    cannot serve), ``python`` (the reference) or ``auto``: native where it can."""
+    if path not in HOSTS:
+        raise ConfigError("host", f"one of {', '.join(HOSTS)}, got {path!r}")
+    if path == "python" or (path == "auto" and unsuitable(own) is not None):
+        return ReferenceHost(own, token, sink)
+    return NativeHost(own, token, sink)
 
 
 def _sink_seqs(sink: I64, vpp: int) -> int:
