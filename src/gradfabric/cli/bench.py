@@ -178,21 +178,24 @@ def add(sub: Sub) -> None:
 
     bh = bsub.add_parser(
         "helped-host",
-        help="SA-ATP's helped host in C vs its Python reference, over UDP",
-        description="The saatp-udp job with SA-ATP (a switch daemon, worker processes on "
-        "loopback, one worker --slowdown times slower, compute a sleep, every aggregate "
-        "checked) run --repeats times with the native helped host and with the reference, "
-        "alternating. Per run: the median iteration time and each host's CPU time an "
-        "iteration (with compute a sleep: the transport and the event loop around it). "
-        "Side by side: the reference's over the native's (paired, 95% interval), and the "
-        "native's iteration time over the compute floor, 2 x --compute-ms (a helper "
-        "computes its own share and the straggler's).",
+        help="SA-ATP's helped host in C vs its Python reference, over UDP and in training",
+        description="An SA-ATP job through a switch daemon on loopback, one worker 4x "
+        "slower, run --repeats times with the native helped host and with the reference, "
+        "alternating. --job udp: saatp-udp's (compute a sleep, every aggregate checked); "
+        "--job train: saatp-train's SA-ATP runs (the digits MLP, the straggler moving every "
+        "2 steps, the weights equal ATP's). Per run: the median step time and each host's "
+        "CPU time a step (the median host's; with compute a sleep, the transport and the "
+        "event loop around it). Side by side: the reference's over the native's (paired, "
+        "95% interval), and the native's step time over the compute floor, 2 x "
+        "--compute-ms (a helper computes its own share and the straggler's).",
     )  # fmt: skip
+    bh.add_argument("--job", choices=("udp", "train"), default="udp")
     bh.add_argument("--repeats", type=int, default=5)
     bh.add_argument("--workers", type=int, default=4)
-    bh.add_argument("--iterations", type=int, default=16)
-    bh.add_argument("--compute-ms", type=float, default=20.0)
-    bh.add_argument("--packets", type=int, default=64, help="an iteration's packets")
+    bh.add_argument("--iterations", type=int, default=16, help="steps a run")
+    bh.add_argument("--compute-ms", type=float,
+                    help="a share's compute at speed 1 (default: 20 for udp, 40 for train)")
+    bh.add_argument("--packets", type=int, default=64, help="udp: a step's packets")
     add_output(bh, "bench-helped-host")
     bh.set_defaults(fn=helped_host)
 
@@ -267,27 +270,41 @@ def helped_host(args: argparse.Namespace) -> int:
     from statistics import median
 
     from gradfabric.core.stats import ratio_ci
-    from gradfabric.lab.saatp_udp import SaatpEmuConfig, run_emu_saatp
+    from gradfabric.lab.saatp_train import SaatpTrainConfig, run_switch
+    from gradfabric.lab.saatp_udp import SaatpEmuConfig, iteration_times, run_emu_saatp
 
     if args.repeats < 1:
         raise ConfigError("repeats", f"must be >= 1, got {args.repeats}")
+    train = args.job == "train"
+    compute_ms = args.compute_ms or (40.0 if train else 20.0)
+
+    def one(host: str) -> dict[str, Any]:
+        if not train:
+            c = SaatpEmuConfig(workers=args.workers, iterations=args.iterations,
+                               compute_ms=compute_ms, iteration_packets=args.packets, host=host)
+            r = run_emu_saatp(c, help=True)
+            return {"iter_ms": r["median_iteration_ms"], "cpu_ms": r["cpu_ms_per_iteration"],
+                    "helps": r["helps_sent"], "exact": r["exact"], "served": ",".join(r["host"])}
+        t = SaatpTrainConfig(workers=args.workers, steps=args.iterations, compute_ms=compute_ms,
+                             move_every=2, host=host)
+        recs = run_switch(t, help=True)["recs"]
+        return {"iter_ms": median(iteration_times(recs)[1:]) * 1e3,
+                "cpu_ms": median(r["cpu_s"] for r in recs) * 1e3 / t.steps,
+                "helps": sum(r["helps"] for r in recs),
+                "exact": len({r["weights"] for r in recs}) == 1,  # every replica alike
+                "served": ",".join(sorted({r["host"] for r in recs}))}  # fmt: skip
+
     hosts = ("native", "python")
     runs: dict[str, list[dict[str, Any]]] = {h: [] for h in hosts}
     with progress(2 * args.repeats, args.json) as tick:
         for rep in range(args.repeats):
             for h in hosts if rep % 2 == 0 else hosts[::-1]:
                 tick(f"run {rep + 1}: {h}")
-                cfg = SaatpEmuConfig(workers=args.workers, iterations=args.iterations,
-                                     compute_ms=args.compute_ms,
-                                     iteration_packets=args.packets, host=h)  # fmt: skip
-                r = run_emu_saatp(cfg, help=True)
-                runs[h].append({"run": rep, "host": h, "iter_ms": r["median_iteration_ms"],
-                                "cpu_ms": r["cpu_ms_per_iteration"], "helps": r["helps_sent"],
-                                "exact": r["exact"], "served": ",".join(r["host"])})  # fmt: skip
-    floor = 2 * args.compute_ms
+                runs[h].append({"run": rep, "host": h} | one(h))
+    floor = 2 * compute_ms
     nat, ref = runs["native"], runs["python"]
     summary = []
-    for key, what in (("iter_ms", "iteration (ms)"), ("cpu_ms", "host CPU (ms)")):
+    for key, what in (("iter_ms", "step (ms)"), ("cpu_ms", "host CPU (ms)")):
         ratio = ratio_ci([r[key] for r in ref], [r[key] for r in nat])
         native_ms = median(r[key] for r in nat)
         summary.append({
@@ -297,14 +314,14 @@ def helped_host(args: argparse.Namespace) -> int:
         })  # fmt: skip
     rows = [r for pair in zip(nat, ref, strict=True) for r in pair]
     report(
-        args, "bench-helped-host", {"repeats": args.repeats, "workers": args.workers,
-                                    "iterations": args.iterations, "compute_ms": args.compute_ms,
-                                    "packets": args.packets},
+        args, "bench-helped-host", {"job": args.job, "repeats": args.repeats,
+                                    "workers": args.workers, "iterations": args.iterations,
+                                    "compute_ms": compute_ms, "packets": args.packets},
         {"summary": summary, "rows": rows},
-        tables=[("rows", "each run (median iteration; CPU an iteration, the median host's)",
+        tables=[("rows", f"each {args.job} run (median step; CPU a step, the median host's)",
                  ["run", "host", "served", "iter_ms", "cpu_ms", "helps", "exact"]),
                 ("summary", f"medians; the reference over the native host ({args.repeats} paired "
-                 f"runs, 95% interval); the native against the floor, 2 x {args.compute_ms:g} ms",
+                 f"runs, 95% interval); the native against the floor, 2 x {compute_ms:g} ms",
                  list(summary[0]))],
     )  # fmt: skip
     return 0 if all(r["exact"] for r in rows) else 1

@@ -49,6 +49,7 @@ from gradfabric.lab.job import (
     model,
 )
 from gradfabric.lab.saatp_udp import HelpedWorker
+from gradfabric.net.hostpath import HOSTS
 from gradfabric.net.launch import run_hosts
 from gradfabric.proto.switch.straggler import holders
 from gradfabric.runtime.client import Ticket
@@ -72,6 +73,7 @@ class SaatpTrainConfig:
     timeout_s: float = 60.0
     # a fault to inject: the first helper asked at or after this step dies (exit 17)
     kill_helper_at: int = -1
+    host: str = "auto"  # the helped hosts' implementation (``net.hostpath.HOSTS``)
 
     def __post_init__(self) -> None:
         if self.workers < 3 or not 0 <= self.straggler < self.workers:
@@ -83,6 +85,8 @@ class SaatpTrainConfig:
         if not 1 <= self.backups < self.workers:
             raise ConfigError("backups", "backups in 1..workers-1")
         check_shards(self.shards)
+        if self.host not in HOSTS:
+            raise ConfigError("host", f"one of {', '.join(HOSTS)}, got {self.host!r}")
 
     def straggler_at(self, step: int) -> int:
         if self.move_every == 0:
@@ -106,7 +110,7 @@ class _Trainer(HelpedWorker):
         data()
         self.cfg, self.replica = cfg, Replica(cfg)
         packets = -(-self.replica.params // ticket.values_per_packet)
-        super().__init__(ticket, rank, conn, cfg.steps, packets, cfg.timeout_s)
+        super().__init__(ticket, rank, conn, cfg.steps, packets, cfg.timeout_s, cfg.host)
         self.replica.values = self.P * self.vpp
         # the shards this rank can compute: its own and those it holds replicas of
         self.shards = {rank} | {
