@@ -27,6 +27,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -127,6 +128,22 @@ def take_datagrams(sock: socket.socket, most: int = 1024) -> tuple[list[bytes], 
     ends = np.cumsum(lens[:n])
     got = [out[e - k : e].tobytes() for e, k in zip(ends, lens[:n], strict=True)]
     return got, int(coalesced[0])
+
+
+def taken(take: Callable[[], int], buf: ctypes.Array[ctypes.c_char]) -> list[bytes]:
+    """The datagrams a native engine's ``take`` writes into ``buf``, each a
+    u32 length and its bytes, taken until a call leaves half of it unused
+    (a driver in Python, and the differential harness)."""
+    out: list[bytes] = []
+    while True:
+        size = int(take())
+        raw, at = buf.raw[:size], 0
+        while at < size:
+            n = int.from_bytes(raw[at : at + 4], "little")
+            out.append(raw[at + 4 : at + 4 + n])
+            at += 4 + n
+        if size < len(buf) // 2:
+            return out
 
 
 def unsuitable(engine: ResumableWorker) -> str | None:
@@ -278,16 +295,8 @@ class NativeWorkerNode:
             raise MemoryError("the native worker's buffers")
 
     def datagrams_to_send(self, now_ns: int) -> list[bytes]:
-        out: list[bytes] = []
-        while True:
-            size = int(self.lib.gf_w_take(self.w, self._buf, len(self._buf), now_ns))
-            raw, at = self._buf.raw[:size], 0
-            while at < size:
-                n = int.from_bytes(raw[at : at + 4], "little")
-                out.append(raw[at + 4 : at + 4 + n])
-                at += 4 + n
-            if size < len(self._buf) // 2:
-                return out
+        return taken(lambda: self.lib.gf_w_take(self.w, self._buf, len(self._buf), now_ns),
+                     self._buf)  # fmt: skip
 
     def get_timer(self) -> int | None:
         d = int(self.lib.gf_w_deadline(self.w))

@@ -41,6 +41,7 @@ import numpy.typing as npt
 from gradfabric.core import native
 from gradfabric.core.errors import ConfigError, ProtocolError
 from gradfabric.core.trace import Counters
+from gradfabric.net.datapath import taken
 from gradfabric.net.switchpath import UdpBook
 from gradfabric.net.udp import Address, sockaddr
 from gradfabric.proto.actions import Action, Deliver, Fail, HelpRequest, Send
@@ -284,16 +285,7 @@ class NativeHost:
             raise MemoryError("the native host's buffers")
 
     def datagrams_to_send(self, now_ns: int) -> list[bytes]:
-        out: list[bytes] = []
-        while True:
-            size = int(self.lib.gf_h_take(self.h, self._buf, len(self._buf)))
-            raw, at = self._buf.raw[:size], 0
-            while at < size:
-                n = int.from_bytes(raw[at : at + 4], "little")
-                out.append(raw[at + 4 : at + 4 + n])
-                at += 4 + n
-            if size < len(self._buf) // 2:
-                return out
+        return taken(lambda: self.lib.gf_h_take(self.h, self._buf, len(self._buf)), self._buf)
 
     def get_timer(self) -> int | None:
         d = int(self.lib.gf_h_deadline(self.h))
