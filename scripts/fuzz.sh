@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sanitizer fuzzing of every native entry point that takes datagrams or
-# caller-sized buffers: the switch node, the worker node, DLCP's client, the
-# quantiser.
+# caller-sized buffers: the switch node, the worker node, SA-ATP's helped
+# host, DLCP's client, the quantiser.
 # Each harness (fuzz/*.c) is built with clang's libFuzzer, AddressSanitizer
 # and UndefinedBehaviorSanitizer (any report is a failure), seeded with the
 # checked-in corpus (fuzz/corpus/<harness>: valid traffic for every policy,
@@ -32,10 +32,11 @@ clang "${flags[@]/-fsanitize=fuzzer,/-fsanitize=fuzzer-no-link,}" -Dgf_source=gf
 declare -A sources=(
   [switch_node]="$native/switch_node.c $native/switch_pool.c $native/switch_ps.c $native/switch_help.c $native/switch_dlcp.c $native/switch_dlcp_classes.c"
   [worker]="$native/worker.c build/fuzz/quant.o"
+  [host]="$native/host.c"
   [dlcp_client]="$native/dlcp_client.c $native/switch_dlcp_classes.c"
   [quant]="$quant"
 )
-for h in switch_node worker dlcp_client quant; do
+for h in switch_node worker host dlcp_client quant; do
   # shellcheck disable=SC2086  # a list of sources
   clang "${flags[@]}" -o "build/fuzz/$h" "fuzz/$h.c" ${sources[$h]} -lm
   mkdir -p "build/fuzz/$h.new"

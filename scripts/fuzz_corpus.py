@@ -118,7 +118,56 @@ def worker_seed(route: int, window: int, vpp_sel: int, flags: int, seed: int) ->
     return out + op(4, b"\2") + op(1) + op(5)
 
 
+def host_seed(cfg: bytes, steps: list[tuple[int, bytes]]) -> bytes:
+    """A helped host's config, then its ops (fuzz/host.c reads them)."""
+    return cfg + b"".join(op(k, p) for k, p in steps)
+
+
+def host_seeds() -> dict[str, bytes]:
+    """Shares, help, the switch's results (some ahead, some for another job,
+    in floats, with ECN), notices and NOTIFYs, time to a give-up."""
+    token = bytes([9]) * 8
+
+    def res(seq: int, workers: int, vpp: int, flags: int = 0, job: int = 9) -> bytes:
+        v = np.arange(vpp, dtype=np.int32) * (seq + 1)
+        full = 2**workers - 1 if workers < 64 else 2**64 - 1
+        values = v.astype(np.float32) if flags & Flag.FLOAT else v
+        return token + encode(Packet(job, 0, seq, 0, full, workers, Flag.ACK | flags, 0, 0, vpp,
+                                     values))  # fmt: skip
+
+    def ctl(worker: int, seq: int, workers: int, flags: int) -> bytes:
+        return token + encode(Packet(9, worker, seq, 0, 0 if flags & Flag.NOTIFY else 2, workers,
+                                     flags, 0, 0, 0, np.zeros(0, np.int32)))  # fmt: skip
+
+    u32 = struct.Struct("<I").pack
+    tick = (2, u32(10_001))
+    help_ = [
+        (3, u32(8) + b"\0"), (1, b""), (0, ctl(2, 1, 4, Flag.NOTIFY)), (4, bytes([2, 0, 8, 0])),
+        (1, b""), *[(0, res(s, 4, 3)) for s in (0, 2, 1)], (0, ctl(1, 3, 4, Flag.NACK)),
+        (5, b""), (2, u32(20_000)), (1, b""), (3, u32(5) + b"\2"), (0, res(9, 4, 3)),
+        (0, res(8, 4, 3)), (6, b""), (5, b""), (7, b"\3"),
+    ]  # fmt: skip
+    ahead = [
+        (3, u32(6) + b"\0"), (1, b""), (0, res(1, 3, 1, Flag.ECN)), (0, res(2, 3, 1)),
+        (0, res(7, 3, 1)), (0, res(0, 3, 1, Flag.FLOAT)), (0, res(5, 3, 1, job=10)),
+        (0, ctl(7, 0, 3, Flag.NOTIFY)), (0, bytes(12)), *[tick] * 9, (1, b""), (5, b""),
+    ]  # fmt: skip
+    wide = [
+        (3, u32(900) + b"\0"), (4, bytes([63, 1, 0x20, 0x03])), (6, b""), (1, b""), *[tick] * 8,
+        (5, b""), (7, b"\0"),
+    ]  # fmt: skip
+    return {
+        "hashed-help": host_seed(bytes([1, 3, 1, 0b1010]), help_),
+        "static-fast-ahead": host_seed(bytes([0, 1, 0, 0b100001]), ahead),
+        # a shadow for worker 63 of 64 (its bit: a shift the sanitizer caught)
+        "regress-shadow-bit-63": host_seed(bytes([1, 7, 2, 0b10000]), wide),
+    }
+
+
 def main() -> None:
+    for name, data in host_seeds().items():
+        (ROOT / "host").mkdir(parents=True, exist_ok=True)
+        (ROOT / "host" / name).write_bytes(data)
     for name in ("switch_node", "worker", "quant"):
         (ROOT / name).mkdir(parents=True, exist_ok=True)
     for scheme in range(4):

@@ -8,6 +8,7 @@ seeds, in the default suite.)"""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from gradfabric.core.errors import ConfigError
 from gradfabric.core.trace import Counters
-from gradfabric.net import datapath, switchpath
+from gradfabric.net import datapath, hostpath, switchpath
 from gradfabric.proto.node import NodeConfig, SwitchNode
 from gradfabric.proto.schemes import SCHEMES, Placement
 from gradfabric.proto.worker import ResumableWorker
@@ -160,5 +161,75 @@ def test_the_worker_node_corpus_runs_alike(name: str) -> None:
         for a, b in zip(calls[0::2], calls[1::2], strict=True):
             assert np.array_equal(a[1], b[1])
         assert _nonzero(nat.fold()) == _nonzero(ref.counters)
+    finally:
+        nat.close()
+
+
+def _host_own(route: int, window: int, vpp: int, flags: int) -> ResumableWorker:
+    """A helped host's own stream as fuzz/host.c configures it."""
+    workers = (3, 4, 64)[(flags >> 3) % 3]
+    names = tuple(f"w{r}" for r in range(workers))
+    p = Placement(
+        9, names, {"sw": names}, servers=("sw",), window=window, pool_slots=64, slot_base=5,
+        rto_ns=10_000, max_retries=5, values_per_packet=vpp, resumable=True,
+        fast_retransmit=3 if flags & 1 else 0, nack=bool(flags & 2), takes_help=True,
+    )  # fmt: skip
+    e = SCHEMES.get(("switchml", "atp")[route]).worker(p, 1)
+    ahead = 4 if flags & 32 else e.cfg.max_ahead
+    return ResumableWorker(e.name, replace(e.cfg, max_ahead=ahead), e.route)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (CORPUS / "host").iterdir()))
+def test_the_helped_host_corpus_runs_alike(name: str) -> None:
+    """fuzz/host.c's ops through ``ReferenceHost`` and ``NativeHost``: the same
+    datagrams at every take, events, deadlines, streams and sinks."""
+    require("the helped host", hostpath.PATH, hostpath.WHY_NOT)
+    data = (CORPUS / "host" / name).read_bytes().ljust(4, b"\0")
+    route, window, vpp, flags = data[0] % 2, 1 + data[1] % 8, VPP[data[2] % 4], data[3]
+    workers = (3, 4, 64)[(flags >> 3) % 3]
+    sinks = [np.zeros(256 * vpp, np.int64) for _ in range(2)]
+    ref = hostpath.ReferenceHost(_host_own(route, window, vpp, flags), bytes([9]) * 8, sinks[0])
+    nat = hostpath.NativeHost(_host_own(route, window, vpp, flags), bytes([9]) * 8, sinks[1])
+    vals = (np.arange(1 << 16, dtype=np.uint64) * 2654435761 % 2**32).astype(np.uint32)
+    streams, now = {hostpath.OWN}, 0
+    try:
+        for kind, p in _ops(data, 4):
+            k = kind % 8
+            if k == 0:
+                ref.receive_datagram(p, now)
+                nat.receive_datagram(p, now)
+            elif k in (1, 6):  # (6: the native driver's half-send; here a take)
+                assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
+            elif k == 2:
+                now += _u32(p)
+                ref.handle_timer(now)
+                nat.handle_timer(now)
+            elif k == 3:
+                n = 1 + (_u32(p) & 0xFFF)
+                at = ref.state().next_seq + (p[4] % 3 if len(p) > 4 else 0)
+                for h in (ref, nat):
+                    h.push(vals[:n].view(np.int32), now, at)
+            elif k == 4 and (s := p[0] % workers if p else 0) != 1:
+                n = 1 + (p[2] | (p[3] & 15) << 8 if len(p) > 3 else 0)
+                streams.add(s)
+                start = ref.state(s).next_seq + (p[1] % 4 if len(p) > 1 else 0)
+                idle = [h.state(s).idle for h in (ref, nat)]
+                assert idle[0] == idle[1]
+                if idle[0]:
+                    for h in (ref, nat):
+                        h.skip_to(s, start)
+                        h.push(vals[:n].view(np.int32), now, stream=s)
+            elif k == 5:
+                assert nat.events() == ref.events()
+            elif k == 7 and (s := p[0] % (workers + 2) - 1 if p else -1) not in (1, workers):
+                streams.add(s)  # made on first use, in both, in the same order
+            assert nat.get_timer() == ref.get_timer()
+            order = sorted(streams)
+            assert [nat.state(s) for s in order] == [ref.state(s) for s in order]
+            assert np.array_equal(sinks[0], sinks[1])
+        assert nat.datagrams_to_send(now) == ref.datagrams_to_send(now)
+        assert nat.events() == ref.events()
+        for s in streams:
+            assert _nonzero(nat.counters(s)) == _nonzero(ref.counters(s))
     finally:
         nat.close()

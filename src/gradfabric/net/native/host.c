@@ -55,7 +55,8 @@ typedef struct {
 } pkt_t;
 
 typedef struct {
-    int64_t bit, flags; /* the header every packet of the stream carries */
+    uint64_t bit; /* the header every packet of the stream carries */
+    int64_t flags;
     int64_t base, next_seq, highest, fast_seq, fast_from, recover_seq, failed;
     double cwnd, max_cwnd;
     pkt_t *queue; /* [qhead, qlen) */
@@ -144,7 +145,7 @@ static int send(gf_host *h, const stream_t *s, const pkt_t *p, int64_t flags) {
     uint8_t *d = h->tx + h->txbytes;
     memcpy(d, h->token, TOKEN);
     uint8_t *v = gf_header(d + TOKEN, p->prio, flags, h->job, h->worker, h->fan_in, p->count,
-                           p->seq, agg_index(h, p->seq), (uint64_t)s->bit);
+                           p->seq, agg_index(h, p->seq), s->bit);
     memcpy(v, p->vals, (size_t)p->count * 4);
     h->txlens[h->txn++] = size, h->txbytes += size;
     return 0;
@@ -255,7 +256,7 @@ static int on_packet(gf_host *h, stream_t *s, const gf_pkt *p, int64_t now, int 
     if (seq == s->base) {
         int64_t b = seq + 1, k = 0;
         while (k < s->dlen && s->done[k] == b) k++, b++;
-        memmove(s->done, s->done + k, (size_t)(s->dlen - k) * 8);
+        if (k) memmove(s->done, s->done + k, (size_t)(s->dlen - k) * 8);
         s->dlen -= k, s->base = b;
     } else {
         if (room((void **)&s->done, &s->dcap, s->dlen + 1, 8)) return -1;
@@ -286,7 +287,7 @@ static int deliver(gf_host *h, const gf_pkt *p) {
 }
 
 static void stream_init(const gf_host *h, stream_t *s, int64_t helping) {
-    s->bit = 1LL << (helping >= 0 ? helping : h->worker);
+    s->bit = 1ULL << (helping >= 0 ? helping : h->worker);
     s->flags = helping >= 0 ? F_HELP : h->nack ? F_NACK : 0;
     s->highest = s->fast_seq = s->fast_from = -1;
     s->failed = -1;
@@ -372,7 +373,7 @@ GF_API int gf_h_skip_to(gf_host *h, int64_t which, int64_t seq) {
     if (!s || s->qlen || s->olen || seq < s->next_seq) return -1;
     s->base = s->next_seq = seq;
     int64_t k = lower(s->done, s->dlen, 1, seq + 1); /* done_above keeps what lies above */
-    memmove(s->done, s->done + k, (size_t)(s->dlen - k) * 8);
+    if (k) memmove(s->done, s->done + k, (size_t)(s->dlen - k) * 8);
     s->dlen -= k;
     return 0;
 }
@@ -526,6 +527,7 @@ GF_API int gf_h_timer(gf_host *h, int64_t now) {
  * most ``cap`` triples; the rest stay): how many. */
 GF_API int64_t gf_h_events(gf_host *h, int64_t *buf, int64_t cap) {
     int64_t n = h->elen / 3 < cap ? h->elen / 3 : cap;
+    if (n <= 0) return 0;
     memcpy(buf, h->events, (size_t)n * 24);
     memmove(h->events, h->events + 3 * n, (size_t)(h->elen - 3 * n) * 8);
     h->elen -= 3 * n;
