@@ -26,6 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gradfabric.core.errors import ConfigError
 from gradfabric.net import hostpath
 from gradfabric.net.hostpath import OWN, HostDriver, NativeHost, ReferenceHost
 from gradfabric.proto.schemes import SCHEMES, Placement
@@ -53,6 +54,7 @@ def host_setups(draw: st.DrawFn) -> dict[str, int | str | bool]:
         "nack": draw(st.booleans()),
         "retries": draw(st.integers(1, 5)),
         "packets": draw(st.integers(1, 6)),  # an iteration's packets
+        "first_seq": draw(st.sampled_from([0, 0, 1000])),  # where the job's sequences start
     }
 
 
@@ -63,7 +65,7 @@ def _own(setup: dict[str, int | str | bool]) -> WorkerEngine:
         JOB, names, {"sw": names}, servers=("sw",), window=int(setup["window"]),
         pool_slots=64, slot_base=5, rto_ns=10_000, max_retries=int(setup["retries"]),
         values_per_packet=int(setup["vpp"]), resumable=True, fast_retransmit=int(setup["fast"]),
-        nack=bool(setup["nack"]), takes_help=True,
+        nack=bool(setup["nack"]), takes_help=True, first_seq=int(setup.get("first_seq", 0)),
     )  # fmt: skip
     return SCHEMES.get(str(setup["policy"])).worker(p, ME)
 
@@ -87,14 +89,15 @@ def _datagram(
 ) -> bytes | None:
     """What the switch (or a stranger) sends the host in a step."""
     workers, P, vpp = int(setup["workers"]), int(setup["packets"]), int(setup["vpp"])
+    F = int(setup.get("first_seq", 0))
     if kind in ("notify", "bad_notify"):
         straggler = seed % workers if kind == "notify" else workers + seed % 3
         job = JOB if kind == "notify" or seed % 2 else JOB + 1
-        pkt = Packet(job, straggler, it * P + seed % P, 0, 0, workers, Flag.NOTIFY, 0, 0, 0,
+        pkt = Packet(job, straggler, F + it * P + seed % P, 0, 0, workers, Flag.NOTIFY, 0, 0, 0,
                      np.zeros(0, np.int32))  # fmt: skip
         return TOKEN + encode(pkt)
     if kind == "ahead":  # a result for what someone else sent for this host
-        seq = it * P + seed % (3 * P)
+        seq = F + it * P + seed % (3 * P)
     elif not sent:
         return None
     else:
@@ -124,7 +127,8 @@ def test_the_native_helped_host_equals_the_reference(
 ) -> None:
     P, vpp, workers = int(setup["packets"]), int(setup["vpp"]), int(setup["workers"])
     iterations = 2 + len(script) // 4
-    sinks = [np.zeros(iterations * P * vpp, np.int64) for _ in range(2)]
+    F = int(setup["first_seq"])  # iteration i's sequences: F + i P ..
+    sinks = [np.zeros((F + iterations * P) * vpp, np.int64) for _ in range(2)]
     ref = ReferenceHost(_own(setup), TOKEN, sinks[0])
     nat = NativeHost(_own(setup), TOKEN, sinks[1])
     sent: list[int] = []
@@ -145,18 +149,18 @@ def test_the_native_helped_host_equals_the_reference(
             now += dt
             if kind == "own" and it < iterations:  # this iteration's share, or the next one's
                 it += seed % 2
-                if it < iterations and ref.state().next_seq <= it * P:
+                if it < iterations and ref.state().next_seq <= F + it * P:
                     for h in (ref, nat):
-                        h.push(_values(seed, P * vpp - seed % vpp), now, it * P)
+                        h.push(_values(seed, P * vpp - seed % vpp), now, F + it * P)
                     it += 1
             elif kind == "help":  # a straggler's share, from where the help starts
                 s = (ME + 1 + seed % (workers - 1)) % workers
-                start = max(ref.state().base, it * P - seed % (P + 1))
-                end = (it + 1) * P
+                start = max(ref.state().base, F + it * P - seed % (P + 1))
+                end = F + (it + 1) * P
                 st_ = ref.state(s)
                 if s not in streams:
                     streams.append(s)
-                if st_.idle and st_.next_seq <= start < end and end <= iterations * P:
+                if st_.idle and st_.next_seq <= start < end and end <= F + iterations * P:
                     for h in (ref, nat):
                         h.skip_to(s, start)
                         h.push(_values(seed, (end - start) * vpp), now, start, stream=s)
@@ -181,18 +185,25 @@ def test_the_native_helped_host_equals_the_reference(
 def test_a_push_behind_the_stream_or_for_itself_is_refused_in_both() -> None:
     setup: dict[str, int | str | bool] = {
         "policy": "atp", "workers": 4, "window": 4, "vpp": 4, "fast": 0, "nack": True,
-        "retries": 3, "packets": 2,
+        "retries": 3, "packets": 2, "first_seq": 0,
     }  # fmt: skip
     for h in (ReferenceHost(_own(setup), TOKEN, np.zeros(64, np.int64)),
               NativeHost(_own(setup), TOKEN, np.zeros(64, np.int64))):  # fmt: skip
         h.push(_values(0, 8), 0, 4)
         with pytest.raises(ValueError):
             h.push(_values(0, 8), 0, 2)
-        with pytest.raises(Exception, match="another worker"):
+        with pytest.raises(ConfigError, match="another worker"):
             h.push(_values(0, 8), 0, 6, stream=ME)
         with pytest.raises(ValueError):
             h.skip_to(OWN, 0)
+        with pytest.raises(ValueError, match="int32"):
+            h.push(np.zeros(4, np.int64), 0, 8)
         h.close()
+        assert h.counters()["drop_bad_token"] == 0  # readable after close
+    nat = NativeHost(_own(setup), TOKEN, np.zeros(64, np.int64))
+    nat.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        nat.push(_values(0, 8), 0, 4)
 
 
 @pytest.mark.parametrize("impl", [ReferenceHost, NativeHost])
@@ -229,3 +240,48 @@ def test_a_host_whose_switch_went_silent_gives_up_on_it(impl: type[ReferenceHost
     stream, got = asyncio.run(run())
     assert stream == OWN
     assert got == 2 * (1 + 2)  # two packets, each sent and resent twice, then given up
+
+
+@pytest.mark.parametrize("impl", [ReferenceHost, NativeHost])
+def test_a_callback_that_raises_fails_the_job_and_the_rest_still_arrive(
+    impl: type[ReferenceHost],
+) -> None:
+    """The application's callback raises on the first result: ``gave_up``
+    holds that exception, every other result of the batch is still handed
+    over, and closing the driver twice, or reading counters after, is safe."""
+    setup: dict[str, int | str | bool] = {
+        "policy": "atp", "workers": 3, "window": 8, "vpp": 4, "fast": 0, "nack": False,
+        "retries": 50, "packets": 4,
+    }  # fmt: skip
+
+    async def run() -> tuple[list[int], BaseException | None, int]:
+        switch = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        switch.bind(("127.0.0.1", 0))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        seen: list[int] = []
+
+        def on_result(seq: int, count: int) -> None:
+            seen.append(seq)
+            if len(seen) == 1:
+                raise RuntimeError("the application failed")
+
+        h = impl(_own(setup), TOKEN, np.zeros(64, np.int64))
+        d = HostDriver(h, sock, switch.getsockname(), on_result, lambda s, f: None)
+        d.push(_values(0, 16), at_seq=0)
+        for seq in range(4):  # the switch answers every packet, in one burst
+            res = Packet(JOB, 0, seq, 0, 7, 3, Flag.ACK, 0, 0, 4, _values(seq, 4))
+            switch.sendto(TOKEN + encode(res), sock.getsockname())
+        with pytest.raises(RuntimeError, match="application failed"):
+            await asyncio.wait_for(asyncio.shield(d.gave_up), 10)
+        while len(seen) < 4:
+            await asyncio.sleep(0.01)
+        d.close()
+        d.close()
+        switch.close()
+        return seen, d.gave_up.exception(), h.counters()["results"]
+
+    seen, error, results = asyncio.run(run())
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert isinstance(error, RuntimeError)
+    assert results == 4

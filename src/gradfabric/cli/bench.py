@@ -183,11 +183,11 @@ def add(sub: Sub) -> None:
         "slower, run --repeats times with the native helped host and with the reference, "
         "alternating. --job udp: saatp-udp's (compute a sleep, every aggregate checked); "
         "--job train: saatp-train's SA-ATP runs (the digits MLP, the straggler moving every "
-        "2 steps, the weights equal ATP's). Per run: the median step time and each host's "
-        "CPU time a step (the median host's; with compute a sleep, the transport and the "
-        "event loop around it). Side by side: the reference's over the native's (paired, "
-        "95% interval), and the native's step time over the compute floor, 2 x "
-        "--compute-ms (a helper computes its own share and the straggler's).",
+        "2 steps; exact: every replica's weights alike). Per run: the median step time and "
+        "each host's CPU time a step (the median host's; with compute a sleep, the "
+        "transport and the event loop around it). Side by side: the reference's over the "
+        "native's (paired, 95% interval), and the native's step time over the compute "
+        "floor, 2 x --compute-ms (a helper computes its own share and the straggler's).",
     )  # fmt: skip
     bh.add_argument("--job", choices=("udp", "train"), default="udp")
     bh.add_argument("--repeats", type=int, default=5)

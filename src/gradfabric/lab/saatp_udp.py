@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from gradfabric.core.errors import ConfigError, PeerTimeoutError
+from gradfabric.core.errors import ConfigError, PeerTimeoutError, ProtocolError
 from gradfabric.net import hostpath
-from gradfabric.net.hostpath import HostDriver
+from gradfabric.net.hostpath import OWN, HostDriver
 from gradfabric.net.launch import run_hosts
 from gradfabric.net.udp import size_buffers
 from gradfabric.proto.worker import WorkerEngine
@@ -150,7 +150,6 @@ class HelpedWorker:
         self.helping = False
         self.helps = 0
         self.abandoned = 0
-        self.float_results = 0
 
     async def own_share(self, it: int) -> np.ndarray | None:
         """This host's int32 share of iteration ``it`` (``P * vpp`` values), or
@@ -205,27 +204,33 @@ class HelpedWorker:
         self.driver.close()
         return {"t0": t0, "ends": ends, "helps": self.helps, "abandoned": self.abandoned,
                 "cpu_s": cpu_s,
-                "float_results": self.float_results, "host": hostpath.PATH
+                "host": hostpath.PATH
                 if isinstance(self.host, hostpath.NativeHost) else "python",
                 "counters": counters} | self.report()  # fmt: skip
 
     async def _results(self, it: int) -> None:
-        """Wait for iteration ``it``'s results; a stream that gave up on the
-        switch, or the timeout, is the switch's ``PeerTimeoutError``."""
+        """Wait for iteration ``it``'s results. A stream that gave up on the
+        switch, or the timeout, is the switch's ``PeerTimeoutError`` naming
+        the stream; an error in the host or a callback, raised."""
         done: asyncio.Future[Any] = asyncio.ensure_future(self.done[it].wait())
         gave_up: asyncio.Future[Any] = self.driver.gave_up
         await asyncio.wait({done, gave_up}, timeout=self.timeout_s,
                            return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-        if not done.done():
-            done.cancel()
-            raise PeerTimeoutError(f"switch {self.ticket.switch}", self.timeout_s)
+        if done.done():
+            return
+        done.cancel()
+        if gave_up.done() and gave_up.exception() is not None:
+            raise gave_up.exception()  # type: ignore[misc]  # (checked: not None)
+        s = gave_up.result() if gave_up.done() else None
+        stream = "" if s is None else " (its own stream)" if s == OWN else f" (helping {s})"
+        raise PeerTimeoutError(f"switch {self.ticket.switch}{stream}", self.timeout_s)
 
     def _result(self, seq: int, count: int) -> None:
-        """Result ``seq`` is in the sink (``count`` < 0: it came in floats, not taken)."""
-        it = seq // self.P
+        """Result ``seq`` is in the sink (``count`` < 0: it came in floats,
+        the sum left the integer domain: the iteration cannot be taken)."""
         if count < 0:
-            self.float_results += 1
-            return
+            raise ProtocolError(f"result {seq} left the integer domain (an int32 sum overflowed)")
+        it = seq // self.P
         self.got[it] += 1
         if self.got[it] == self.P:
             self.done[it].set()

@@ -18,8 +18,9 @@ event's count is -1), nor one for a sequence past the sink.
 
 ``ReferenceHost`` is ``HostEngine`` with its envelope (the token, the
 wire's checks); ``NativeHost`` is the same in C (``native/host.c``), held
-equal to it datagram for datagram by the differential harness
-(``tests/property/test_differential.py``). ``HostDriver`` serves either
+equal to it datagram for datagram by its differential harness
+(``tests/property/test_host_native.py``, and the fuzzers' corpus in
+``tests/property/test_corpus.py``). ``HostDriver`` serves either
 from an asyncio loop on a UDP socket: the native host's socket is read and
 answered in C (``udp.c``'s drain, batches of datagrams a wake-up), and
 the loop runs Python once per batch, not once per datagram.
@@ -115,6 +116,16 @@ def host(
     return NativeHost(own, token, sink)
 
 
+def _check_push(values: I32, priority: int, stream: int) -> None:
+    """What both hosts refuse before a push: the reference would fail later, on the wire."""
+    if values.dtype != np.int32 or values.ndim != 1:
+        raise ValueError(f"values: a 1-d int32 array, got {values.dtype} of {values.ndim} dims")
+    if not 0 <= priority <= 255:
+        raise ValueError(f"priority must be in 0..255, got {priority}")
+    if stream < OWN:
+        raise ConfigError("helping", "must name another worker of the job (or -1)")
+
+
 def _sink_seqs(sink: I64, vpp: int) -> int:
     if sink.dtype != np.int64 or not sink.flags.c_contiguous or not sink.flags.writeable:
         raise ValueError("the sink: a writable, contiguous int64 array")
@@ -161,6 +172,7 @@ class ReferenceHost:
         self, values: I32, now_ns: int, at_seq: int | None = None, priority: int = 0,
         stream: int = OWN,
     ) -> None:  # fmt: skip
+        _check_push(values, priority, stream)
         e = self._stream(stream)
         self._execute(e.push(len(values), now_ns, values.copy(), priority, at_seq))
 
@@ -200,7 +212,9 @@ class ReferenceHost:
         return out
 
     def counters(self, stream: int = OWN) -> Counters:
-        return self._stream(stream).counters
+        """A stream's counters (none for a shadow never made: asking makes none)."""
+        e = self.host.own if stream == OWN else self.host.shadows.get(stream)
+        return Counters() if e is None else e.counters
 
     # -- on a socket (HostDriver) --------------------------------------------
     def attach(self, sock: socket.socket, switch: Address) -> None:
@@ -238,6 +252,7 @@ class NativeHost:
         assert _LIB is not None
         self.lib, cfg, route = _LIB, own.cfg, own.route
         self.vpp, self.sink, self.job = cfg.values_per_packet, sink, cfg.job_id
+        seqs = _sink_seqs(sink, self.vpp)
         self.h = self.lib.gf_h_new(
             cfg.job_id, cfg.worker_id, cfg.fan_in, _ROUTES[type(route)],
             getattr(route, "slot_base", 0), getattr(route, "slot_count", 0),
@@ -247,7 +262,7 @@ class NativeHost:
         )  # fmt: skip
         if not self.h:
             raise ConfigError("native", "the native host refused the job's parameters")
-        self.lib.gf_h_sink(self.h, sink.ctypes.data, _sink_seqs(sink, self.vpp))
+        self.lib.gf_h_sink(self.h, sink.ctypes.data, seqs)
         self.ops = int(self.lib.gf_h_ops())
         self._counters: dict[int, Counters] = {}
         self._st = np.zeros(4, np.int64)
@@ -260,7 +275,9 @@ class NativeHost:
         self, values: I32, now_ns: int, at_seq: int | None = None, priority: int = 0,
         stream: int = OWN,
     ) -> None:  # fmt: skip
-        v = np.ascontiguousarray(values, np.int32)
+        _check_push(values, priority, stream)
+        self._open()
+        v = np.ascontiguousarray(values)
         at = -1 if at_seq is None else at_seq
         r = self.lib.gf_h_push(self.h, stream, v.ctypes.data, len(v), now_ns, priority, at)
         if r == -2:
@@ -270,24 +287,33 @@ class NativeHost:
         if r:
             raise MemoryError("the native host's buffers")
 
+    def _open(self) -> None:
+        if not self.h:
+            raise RuntimeError("the native host is closed")
+
     def state(self, stream: int = OWN) -> StreamState:
+        self._open()
         if self.lib.gf_h_state(self.h, stream, self._st.ctypes.data):
             raise ConfigError("helping", "must name another worker of the job (or -1)")
         s = self._st
         return StreamState(int(s[0]), int(s[1]), bool(s[2]))
 
     def skip_to(self, stream: int, seq: int) -> None:
+        self._open()
         if self.lib.gf_h_skip_to(self.h, stream, seq):
             raise ValueError("skip_to needs an idle stream and a later sequence")
 
     def receive_datagram(self, data: bytes, now_ns: int) -> None:
+        self._open()
         if self.lib.gf_h_datagram(self.h, data, len(data), now_ns):
             raise MemoryError("the native host's buffers")
 
     def datagrams_to_send(self, now_ns: int) -> list[bytes]:
+        self._open()
         return taken(lambda: self.lib.gf_h_take(self.h, self._buf, len(self._buf)), self._buf)
 
     def get_timer(self) -> int | None:
+        self._open()
         d = int(self.lib.gf_h_deadline(self.h))
         return None if d < 0 else d
 
@@ -297,6 +323,7 @@ class NativeHost:
             raise MemoryError("the native host's buffers")
 
     def events(self) -> list[Event]:
+        self._open()
         out: list[Event] = []
         while n := int(self.lib.gf_h_events(self.h, self._ev.ctypes.data, len(self._ev) // 3)):
             ev = self._ev[: 3 * n].tolist()
@@ -322,10 +349,12 @@ class NativeHost:
         self.fd = sock.fileno()
 
     def drain(self) -> None:
+        self._open()
         assert self.book is not None
         self.book.drain(self.fd)
 
     def flush(self) -> None:
+        self._open()
         assert self.book is not None
         self.book.flush(self.fd)
 
@@ -336,6 +365,7 @@ class NativeHost:
                 self.counters(s)
             if self.book is not None:
                 self.book.close()
+                self.book = None
             self.lib.gf_h_free(self.h)
             self.h = None
 
@@ -344,8 +374,11 @@ class HostDriver:
     """A host on a UDP socket, served from the running asyncio loop: the
     socket read and answered when readable, the streams' timers, each
     event handed to the application (``on_result(seq, count)``,
-    ``on_help(straggler, from_seq)``; a stream giving up completes
-    ``gave_up``)."""
+    ``on_help(straggler, from_seq)``). ``gave_up`` completes with the
+    stream that gave up on the switch, or with the exception a callback
+    (or the host) raised: the driver's timers and reads go on, and every
+    event is still handed over. ``call_at`` takes the loop's clock for
+    ``time.monotonic``'s, as asyncio's own loops keep it."""
 
     def __init__(
         self, host: NativeHost | ReferenceHost, sock: socket.socket, switch: Address,
@@ -357,6 +390,7 @@ class HostDriver:
         self.gave_up: asyncio.Future[int] = self.loop.create_future()
         self.timer_at: int | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self.closed = False
         sock.setblocking(False)
         host.attach(sock, switch)
         self.loop.add_reader(sock.fileno(), self._readable)
@@ -364,30 +398,48 @@ class HostDriver:
     def push(
         self, values: I32, at_seq: int | None = None, stream: int = OWN, priority: int = 0
     ) -> None:
-        self.host.push(values, time.monotonic_ns(), at_seq, priority, stream)
-        self.host.flush()
-        self._after()
+        try:
+            self.host.push(values, time.monotonic_ns(), at_seq, priority, stream)
+            self.host.flush()
+        finally:
+            self._after()
 
     def _readable(self) -> None:
-        self.host.drain()
-        self._after()
+        self._guarded(self.host.drain)
 
     def _fire(self, when: int) -> None:
-        if when != self.timer_at:
+        if when != self.timer_at or self.closed:
             return
         self.timer_at = None
-        self.host.handle_timer(time.monotonic_ns())
-        self.host.flush()
+        self._guarded(lambda: (self.host.handle_timer(time.monotonic_ns()), self.host.flush()))
+
+    def _guarded(self, step: Callable[[], object]) -> None:
+        """A wake-up's work; what it raises goes to ``gave_up``, not the loop."""
+        try:
+            step()
+        except Exception as e:  # handed to whoever waits on the job
+            self._fail(e)
         self._after()
 
+    def _fail(self, e: Exception) -> None:
+        if not self.gave_up.done():
+            self.gave_up.set_exception(e)
+
     def _after(self) -> None:
-        for kind, a, b in self.host.events():
-            if kind == RESULT:
-                self.on_result(a, b)
-            elif kind == HELP:
-                self.on_help(a, b)
-            elif not self.gave_up.done():
-                self.gave_up.set_result(a)
+        if self.closed:
+            return
+        for kind, a, b in self.host.events():  # every one handed over, whatever one raises
+            try:
+                if kind == RESULT:
+                    self.on_result(a, b)
+                elif kind == HELP:
+                    self.on_help(a, b)
+                elif not self.gave_up.done():
+                    self.gave_up.set_result(a)
+            except Exception as e:  # handed to whoever waits on the job
+                self._fail(e)
+            if self._stopped():  # a callback closed the driver
+                return
         d = self.host.get_timer()
         if d is not None and (self.timer_at is None or d < self.timer_at):
             self.timer_at = d
@@ -395,9 +447,18 @@ class HostDriver:
                 self._timer.cancel()
             self._timer = self.loop.call_at(d / 1e9, self._fire, d)
 
+    def _stopped(self) -> bool:
+        return self.closed
+
     def close(self) -> None:
+        """Stop serving and free the host (its counters stay readable); again: nothing."""
+        if self.closed:
+            return
+        self.closed = True
         if self._timer is not None:
             self._timer.cancel()
+        if not self.gave_up.done():
+            self.gave_up.cancel()
         self.loop.remove_reader(self.sock.fileno())
         self.host.close()
         self.sock.close()

@@ -72,7 +72,7 @@ typedef struct {
 
 typedef struct {
     int64_t job, worker, fan_in, route, slot_base, slot_count, pool_slots, resend_flag, rto_ns,
-        max_retries, fast_k, ecn_window, nack, max_ahead, window, vpp;
+        max_retries, fast_k, ecn_window, nack, max_ahead, window, vpp, first_seq;
     double max_cwnd;
     uint8_t token[TOKEN];
     stream_t own;
@@ -287,6 +287,7 @@ static int deliver(gf_host *h, const gf_pkt *p) {
 }
 
 static void stream_init(const gf_host *h, stream_t *s, int64_t helping) {
+    s->base = s->next_seq = h->first_seq; /* the job's sequences start alike in every stream */
     s->bit = 1ULL << (helping >= 0 ? helping : h->worker);
     s->flags = helping >= 0 ? F_HELP : h->nack ? F_NACK : 0;
     s->highest = s->fast_seq = s->fast_from = -1;
@@ -317,10 +318,9 @@ GF_API gf_host *gf_h_new(int64_t job, int64_t worker, int64_t fan_in, int64_t ro
     h->slot_base = slot_base, h->slot_count = slot_count, h->pool_slots = pool_slots;
     h->resend_flag = resend_flag, h->rto_ns = rto_ns, h->max_retries = max_retries;
     h->fast_k = fast_k, h->ecn_window = ecn_window, h->nack = nack, h->max_ahead = max_ahead;
-    h->window = window, h->max_cwnd = max_cwnd, h->vpp = vpp;
+    h->window = window, h->max_cwnd = max_cwnd, h->vpp = vpp, h->first_seq = first_seq;
     memcpy(h->token, token, TOKEN);
     stream_init(h, &h->own, -1);
-    h->own.base = h->own.next_seq = first_seq;
     return h;
 }
 
@@ -461,15 +461,16 @@ GF_API int64_t gf_h_deadline(gf_host *h) {
 
 /* WorkerEngine.on_timer: 1 when a packet ran out of retransmissions (an event), -1 on memory */
 static int on_timer(gf_host *h, stream_t *s, int64_t which, int64_t now) {
-    int64_t n = 0, later = now + h->rto_ns, *due = NULL;
+    int64_t n = 0, later = now + h->rto_ns;
     int rc = -1;
+    if (!s->tlen || s->timers[2 * s->thead] > now) return 0;
+    int64_t *due = malloc((size_t)s->tlen * 8); /* at most every timer is due */
+    if (!due) return -1;
     while (s->tlen && s->timers[2 * s->thead] <= now) {
         int64_t dl = s->timers[2 * s->thead], seq = s->timers[2 * s->thead + 1], i;
         s->thead++, s->tlen--;
         if ((i = out_find(s, seq)) < 0 || s->out[i].deadline != dl) continue;
-        int64_t *d = realloc(due, (size_t)(n + 1) * 8);
-        if (!d) goto end;
-        due = d, due[n++] = seq;
+        due[n++] = seq;
     }
     if ((h->fast_k || h->nack) && n > 1) { /* the lowest alone; the rest re-armed */
         int64_t low = 0;
