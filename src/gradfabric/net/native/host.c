@@ -8,27 +8,23 @@
  * straggler it sends for (proto.host). Each stream is a
  * proto.worker.WorkerEngine and each function below names the method it
  * mirrors, whose docstring says why. A stream keeps what the reference
- * keeps, in the same shapes: the queue of pushed packets not sent yet (a
- * FIFO), the outstanding ones sorted by sequence (binary search), the
- * sequences answered above ``base`` (sorted), and the retransmission
- * deadlines as a FIFO of (deadline, seq) (one RTO: created sorted; stale
- * entries skipped where they surface). A pushed packet's values are copied
- * in: the caller may reuse its array at once.
+ * keeps: the queue of pushed packets not sent yet (a FIFO), the outstanding
+ * ones sorted by sequence, the sequences answered above ``base`` (a ring of
+ * bits), and the retransmission deadlines as a FIFO of (deadline, seq) (one
+ * RTO: created sorted; stale entries skipped where they surface). A pushed
+ * packet's values are copied in: the caller may reuse its array at once.
  *
- * What differs from the native worker (worker.c): results may come for
- * sequences this host has not sent (someone helped it) and are taken up to
- * ``max_ahead`` past ``base``; pushes may skip sequences (``at_seq``); a
- * shadow sends under the straggler's bit, flagged HELP, never past its
- * host's own window; a NOTIFY from the switch is an event for the
- * application, which owns the compute and decides whether to help. The
- * application's results go into one int64 array it registers (the sink),
- * each sequence's values at ``seq * vpp``; each result delivered is an
- * event, as is each help request and a stream giving up. Datagrams are
- * built whole when queued (the engine's values may be freed before the
- * driver sends: a result may answer a packet while it waits to leave).
- *
- * Sequences are the wire's 32 bits as they come (the reference's asyncio
- * driver does not unwrap them either): a host's job lives below 2**32.
+ * Unlike the native worker (worker.c), results come for sequences this host
+ * has not sent (someone helped it), taken up to ``max_ahead`` past
+ * ``base``; pushes may skip sequences (``at_seq``); a shadow sends under the
+ * straggler's bit, flagged HELP, never past its host's own window; a NOTIFY
+ * is an event for the application, which owns the compute and decides
+ * whether to help. Results go into one int64 array it registers (the sink),
+ * each sequence's values at ``seq * vpp``; a result delivered, a help
+ * request and a stream giving up are events. Datagrams are built whole when
+ * queued (a result may free a packet's values while it waits to leave).
+ * Sequences are the wire's 32 bits as they come, as in the reference's
+ * asyncio driver: a host's job lives below 2**32.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -57,14 +53,14 @@ typedef struct {
 typedef struct {
     uint64_t bit; /* the header every packet of the stream carries */
     int64_t flags;
-    int64_t base, next_seq, highest, fast_seq, fast_from, recover_seq, failed;
+    int64_t base, next_seq, highest, fast_seq, fast_from, recover_seq;
     double cwnd, max_cwnd;
     pkt_t *queue; /* [qhead, qlen) */
     int64_t qhead, qlen, qcap;
     pkt_t *out; /* sorted by seq */
     int64_t olen, ocap;
-    int64_t *done; /* sorted, all above base */
-    int64_t dlen, dcap;
+    uint64_t *done; /* the sequences answered above base, bit seq % ndone of a ring */
+    int64_t ndone;  /* its bits: a power of two, 0 until the first */
     int64_t *timers; /* pairs (deadline, seq), [thead, tlen) */
     int64_t thead, tlen, tcap;
     int64_t counters[NCOUNTERS];
@@ -105,20 +101,15 @@ static int event(gf_host *h, int64_t kind, int64_t a, int64_t b) {
     return 0;
 }
 
-/* Binary search: the index of the first item at or above ``seq``. */
-static int64_t lower(const int64_t *v, int64_t n, int64_t stride, int64_t seq) {
-    int64_t lo = 0, hi = n;
+/* The index of the first outstanding packet at or above ``seq`` (binary search). */
+static int64_t out_lower(const stream_t *s, int64_t seq) {
+    int64_t lo = 0, hi = s->olen;
     while (lo < hi) {
         int64_t mid = (lo + hi) / 2;
-        if (v[mid * stride] < seq) lo = mid + 1;
+        if (s->out[mid].seq < seq) lo = mid + 1;
         else hi = mid;
     }
     return lo;
-}
-
-/* The index of the first outstanding packet at or above ``seq``. */
-static int64_t out_lower(const stream_t *s, int64_t seq) {
-    return s->olen ? lower(&s->out[0].seq, s->olen, sizeof(pkt_t) / 8, seq) : 0;
 }
 
 static int64_t out_find(const stream_t *s, int64_t seq) {
@@ -126,9 +117,31 @@ static int64_t out_find(const stream_t *s, int64_t seq) {
     return i < s->olen && s->out[i].seq == seq ? i : -1;
 }
 
+/* WorkerEngine.done_above, a ring of bits over (base, base + ndone): every
+ * answered sequence lies there (results are taken below base + max_ahead
+ * and base only rises), each found, added and dropped in constant time. */
 static int is_done(const stream_t *s, int64_t seq) {
-    int64_t i = lower(s->done, s->dlen, 1, seq);
-    return i < s->dlen && s->done[i] == seq;
+    return seq > s->base && seq - s->base < s->ndone &&
+           (s->done[(seq & (s->ndone - 1)) >> 6] >> (seq & 63) & 1);
+}
+
+static void undone(stream_t *s, int64_t seq) {
+    s->done[(seq & (s->ndone - 1)) >> 6] &= ~(1ULL << (seq & 63));
+}
+
+static int add_done(stream_t *s, int64_t seq) {
+    if (seq - s->base >= s->ndone) { /* a larger ring, every answered sequence moved over */
+        int64_t n = s->ndone ? s->ndone : 256;
+        while (n <= seq - s->base) n *= 2;
+        uint64_t *bits = calloc((size_t)n / 64, 8);
+        if (!bits) return -1;
+        for (int64_t x = s->base + 1; x < s->base + s->ndone; x++)
+            if (is_done(s, x)) bits[(x & (n - 1)) >> 6] |= 1ULL << (x & 63);
+        free(s->done);
+        s->done = bits, s->ndone = n;
+    }
+    s->done[(seq & (s->ndone - 1)) >> 6] |= 1ULL << (seq & 63);
+    return 0;
 }
 
 static uint32_t agg_index(const gf_host *h, int64_t seq) {
@@ -254,15 +267,11 @@ static int on_packet(gf_host *h, stream_t *s, const gf_pkt *p, int64_t now, int 
     }
     s->counters[C_RESULTS]++;
     if (seq == s->base) {
-        int64_t b = seq + 1, k = 0;
-        while (k < s->dlen && s->done[k] == b) k++, b++;
-        if (k) memmove(s->done, s->done + k, (size_t)(s->dlen - k) * 8);
-        s->dlen -= k, s->base = b;
-    } else {
-        if (room((void **)&s->done, &s->dcap, s->dlen + 1, 8)) return -1;
-        int64_t j = lower(s->done, s->dlen, 1, seq);
-        memmove(s->done + j + 1, s->done + j, (size_t)(s->dlen - j) * 8);
-        s->done[j] = seq, s->dlen++;
+        int64_t b = seq + 1;
+        while (is_done(s, b)) undone(s, b++);
+        s->base = b;
+    } else if (add_done(s, seq)) {
+        return -1;
     }
     if (h->ecn_window) adjust_window(s, seq, p->flags);
     if (pump(h, s, now)) return -1;
@@ -291,7 +300,6 @@ static void stream_init(const gf_host *h, stream_t *s, int64_t helping) {
     s->bit = 1ULL << (helping >= 0 ? helping : h->worker);
     s->flags = helping >= 0 ? F_HELP : h->nack ? F_NACK : 0;
     s->highest = s->fast_seq = s->fast_from = -1;
-    s->failed = -1;
     s->cwnd = (double)h->window, s->max_cwnd = h->max_cwnd;
 }
 
@@ -359,11 +367,11 @@ GF_API int64_t *gf_h_counters(gf_host *h, int64_t which) {
     return s ? s->counters : NULL;
 }
 
-/* A stream's base, next sequence, whether it is idle, the sequence it gave up on. */
+/* A stream's base, next sequence, and whether it is idle. */
 GF_API int gf_h_state(gf_host *h, int64_t which, int64_t *st) {
     stream_t *s = stream(h, which);
     if (!s) return -1;
-    st[0] = s->base, st[1] = s->next_seq, st[2] = s->base >= s->next_seq, st[3] = s->failed;
+    st[0] = s->base, st[1] = s->next_seq, st[2] = s->base >= s->next_seq;
     return 0;
 }
 
@@ -371,10 +379,9 @@ GF_API int gf_h_state(gf_host *h, int64_t which, int64_t *st) {
 GF_API int gf_h_skip_to(gf_host *h, int64_t which, int64_t seq) {
     stream_t *s = stream(h, which);
     if (!s || s->qlen || s->olen || seq < s->next_seq) return -1;
+    for (int64_t x = s->base + 1; x <= seq && x < s->base + s->ndone; x++)
+        if (is_done(s, x)) undone(s, x); /* done_above keeps what lies above */
     s->base = s->next_seq = seq;
-    int64_t k = lower(s->done, s->dlen, 1, seq + 1); /* done_above keeps what lies above */
-    if (k) memmove(s->done, s->done + k, (size_t)(s->dlen - k) * 8);
-    s->dlen -= k;
     return 0;
 }
 
@@ -498,7 +505,6 @@ static int on_timer(gf_host *h, stream_t *s, int64_t which, int64_t now) {
                 s->timers[2 * s->thead] = s->out[out_find(s, due[r])].deadline;
                 s->timers[2 * s->thead + 1] = due[r];
             }
-            if (s->failed < 0) s->failed = due[j];
             rc = event(h, EV_FAIL, which, due[j]) ? -1 : 1;
             goto end;
         }
@@ -538,8 +544,7 @@ GF_API int64_t gf_h_events(gf_host *h, int64_t *buf, int64_t cap) {
 /* What waits to leave, all of it, to the one switch (rank 0 of the job in
  * the driver's book); none if there is no memory for the list (it waits). */
 GF_API int64_t gf_h_pending(gf_host *h, int64_t now, const gf_dgram **out) {
-    (void)now;
-    int64_t n = h->txn - h->txsent, at = 0;
+    int64_t n = h->txn - h->txsent, at = ((void)now, 0);
     *out = h->outbox;
     if (room((void **)&h->outbox, &h->outcap, n, sizeof(gf_dgram))) return 0;
     for (int64_t k = 0; k < h->txsent; k++) at += h->txlens[k];
@@ -553,8 +558,7 @@ GF_API int64_t gf_h_pending(gf_host *h, int64_t now, const gf_dgram **out) {
 }
 
 GF_API void gf_h_sent(gf_host *h, int64_t n, int64_t now) {
-    (void)now;
-    h->txsent += n;
+    h->txsent += n, (void)now;
     if (h->txsent >= h->txn) h->txsent = h->txn = h->txbytes = 0;
 }
 
