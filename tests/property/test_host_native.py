@@ -274,8 +274,12 @@ def test_a_callback_that_raises_fails_the_job_and_the_rest_still_arrive(
             switch.sendto(TOKEN + encode(res), sock.getsockname())
         with pytest.raises(RuntimeError, match="application failed"):
             await asyncio.wait_for(asyncio.shield(d.gave_up), 10)
-        while len(seen) < 4:
-            await asyncio.sleep(0.01)
+
+        async def all_in() -> None:
+            while len(seen) < 4:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(all_in(), 10)
         d.close()
         d.close()
         switch.close()

@@ -49,7 +49,7 @@ from gradfabric.lab.job import (
     model,
 )
 from gradfabric.lab.saatp_udp import HelpedWorker
-from gradfabric.net.hostpath import HOSTS
+from gradfabric.net.hostpath import check_path
 from gradfabric.net.launch import run_hosts
 from gradfabric.proto.switch.straggler import holders
 from gradfabric.runtime.client import Ticket
@@ -85,8 +85,7 @@ class SaatpTrainConfig:
         if not 1 <= self.backups < self.workers:
             raise ConfigError("backups", "backups in 1..workers-1")
         check_shards(self.shards)
-        if self.host not in HOSTS:
-            raise ConfigError("host", f"one of {', '.join(HOSTS)}, got {self.host!r}")
+        check_path(self.host)
 
     def straggler_at(self, step: int) -> int:
         if self.move_every == 0:

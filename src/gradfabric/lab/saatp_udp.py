@@ -65,8 +65,7 @@ class SaatpEmuConfig:
             raise ConfigError("workers", "need >= 3 workers and a straggler among them")
         if self.slowdown < 1 or self.iterations < 2 or self.iteration_packets < 1:
             raise ConfigError("slowdown", "slowdown >= 1, >= 2 iterations, >= 1 packet")
-        if self.host not in hostpath.HOSTS:
-            raise ConfigError("host", f"one of {', '.join(hostpath.HOSTS)}, got {self.host!r}")
+        hostpath.check_path(self.host)
 
 
 def gradient(seed: int, iteration: int, worker: int, values: int) -> np.ndarray:
@@ -92,7 +91,7 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
             _worker_main, [(cfg, ticket, w) for w in range(cfg.workers)], cfg.timeout_s,
             cfg.timeout_s * cfg.iterations,
         )  # fmt: skip
-    its, its_n = iteration_times(recs), cfg.iterations
+    its, cpu_s = iteration_times(recs), statistics.median(r["cpu_s"] for r in recs)
     return {
         "help": help,
         "iteration_ms": [x * 1e3 for x in its],
@@ -103,7 +102,7 @@ def run_emu_saatp(cfg: SaatpEmuConfig, help: bool) -> dict[str, Any]:
         "host": sorted({r["host"] for r in recs}),  # which helped host served
         # each host's CPU an iteration, the median host's: with compute a sleep,
         # what the host's transport costs (and the event loop around it)
-        "cpu_ms_per_iteration": statistics.median(r["cpu_s"] for r in recs) * 1e3 / its_n,
+        "cpu_ms_per_iteration": cpu_s * 1e3 / cfg.iterations,
         "switch": sw.final.get("counters", {}),
         "config": asdict(cfg),
     }
@@ -204,8 +203,7 @@ class HelpedWorker:
         self.driver.close()
         return {"t0": t0, "ends": ends, "helps": self.helps, "abandoned": self.abandoned,
                 "cpu_s": cpu_s,
-                "host": hostpath.PATH
-                if isinstance(self.host, hostpath.NativeHost) else "python",
+                "host": self.host.path,
                 "counters": counters} | self.report()  # fmt: skip
 
     async def _results(self, it: int) -> None:

@@ -45,7 +45,8 @@ from gradfabric.core.trace import Counters
 from gradfabric.net.datapath import taken
 from gradfabric.net.switchpath import UdpBook
 from gradfabric.net.udp import Address, sockaddr
-from gradfabric.proto.actions import Action, Deliver, Fail, HelpRequest, Send
+from gradfabric.proto.actions import Fail
+from gradfabric.proto.dispatch import Port
 from gradfabric.proto.host import HostEngine
 from gradfabric.proto.routes import HashedPool, StaticSlots
 from gradfabric.proto.worker import WorkerEngine
@@ -104,13 +105,18 @@ def unsuitable(own: WorkerEngine) -> str | None:
 HOSTS: Final = ("auto", "native", "python")
 
 
+def check_path(path: str) -> None:
+    """A config's choice of host: one of ``HOSTS``."""
+    if path not in HOSTS:
+        raise ConfigError("host", f"one of {', '.join(HOSTS)}, got {path!r}")
+
+
 def host(
     own: WorkerEngine, token: bytes, sink: I64, path: str = "auto"
 ) -> NativeHost | ReferenceHost:
     """``own``'s host: ``native`` (C; a ``ConfigError`` saying why where it
     cannot serve), ``python`` (the reference) or ``auto``: native where it can."""
-    if path not in HOSTS:
-        raise ConfigError("host", f"one of {', '.join(HOSTS)}, got {path!r}")
+    check_path(path)
     if path == "python" or (path == "auto" and unsuitable(own) is not None):
         return ReferenceHost(own, token, sink)
     return NativeHost(own, token, sink)
@@ -132,31 +138,35 @@ def _sink_seqs(sink: I64, vpp: int) -> int:
     return len(sink) // vpp
 
 
-class ReferenceHost:
-    """``HostEngine`` behind the datagram interface (see the module doc)."""
+class ReferenceHost(Port):
+    """``HostEngine`` behind the datagram interface (see the module doc); its
+    actions go through the one dispatcher (``proto.dispatch.Port``), which
+    here queues what is sent and turns the rest into events."""
+
+    path: Final = native.PYTHON
 
     def __init__(self, own: WorkerEngine, token: bytes, sink: I64) -> None:
+        Port.__init__(self)  # (no engine attached: the driver owns the timer)
         self.host, self.token, self.sink = HostEngine(own), token, sink
         self.vpp = own.cfg.values_per_packet
         self.seqs = _sink_seqs(sink, self.vpp)
         self._tx: list[bytes] = []
         self._events: list[Event] = []
+        self._timing = OWN  # the stream whose timer's actions are being dispatched
+        self.on_deliver = lambda d: self._deliver(d.seq, d.pkt)
+        self.on_help = lambda r: self._events.append((HELP, r.straggler, r.from_seq))
         self.sock: socket.socket | None = None
         self.switch: Address | None = None
 
     def _stream(self, stream: int) -> WorkerEngine:
         return self.host.own if stream == OWN else self.host.shadow(stream)
 
-    def _execute(self, actions: list[Action], stream: int = OWN) -> None:
-        for a in actions:
-            if isinstance(a, Send):
-                self._tx.append(seal(self.token, a.pkt))
-            elif isinstance(a, Deliver):
-                self._deliver(a.seq, a.pkt)
-            elif isinstance(a, HelpRequest):
-                self._events.append((HELP, a.straggler, a.from_seq))
-            elif isinstance(a, Fail):
-                self._events.append((FAIL, stream, 0))
+    # -- the dispatcher's driver side ------------------------------------------
+    def send(self, dst: str, pkt: Packet) -> None:
+        self._tx.append(seal(self.token, pkt))
+
+    def on_fail(self, fail: Fail) -> None:
+        self._events.append((FAIL, self._timing, 0))
 
     def _deliver(self, seq: int, pkt: Packet) -> None:
         if seq >= self.seqs:
@@ -174,7 +184,7 @@ class ReferenceHost:
     ) -> None:  # fmt: skip
         _check_push(values, priority, stream)
         e = self._stream(stream)
-        self._execute(e.push(len(values), now_ns, values.copy(), priority, at_seq))
+        self.execute(e.push(len(values), now_ns, values.copy(), priority, at_seq))
 
     def state(self, stream: int = OWN) -> StreamState:
         e = self._stream(stream)
@@ -189,7 +199,7 @@ class ReferenceHost:
         except ProtocolError as e:
             self.host.counters[drop_reason(e)] += 1
             return
-        self._execute(self.host.on_packet(pkt, now_ns))
+        self.execute(self.host.on_packet(pkt, now_ns))
 
     def datagrams_to_send(self, now_ns: int) -> list[bytes]:
         out, self._tx = self._tx, []
@@ -203,9 +213,9 @@ class ReferenceHost:
         d = self.host.next_deadline()
         if d is None or d > now_ns:
             return
-        self._execute(self.host.own.on_timer(now_ns))
-        for s, sh in self.host.shadows.items():
-            self._execute(sh.on_timer(now_ns), s)
+        for s, e in [(OWN, self.host.own), *self.host.shadows.items()]:
+            self._timing = s
+            self.execute(e.on_timer(now_ns))
 
     def events(self) -> list[Event]:
         out, self._events = self._events, []
@@ -217,7 +227,7 @@ class ReferenceHost:
         return Counters() if e is None else e.counters
 
     # -- on a socket (HostDriver) --------------------------------------------
-    def attach(self, sock: socket.socket, switch: Address) -> None:
+    def serve_on(self, sock: socket.socket, switch: Address) -> None:
         self.sock, self.switch = sock, switch
 
     def drain(self) -> None:
@@ -245,6 +255,8 @@ class ReferenceHost:
 class NativeHost:
     """``ReferenceHost`` in C (see the module doc). ``own`` only configures it."""
 
+    path: Final = native.COMPILED
+
     def __init__(self, own: WorkerEngine, token: bytes, sink: I64) -> None:
         why = unsuitable(own)
         if why is not None:
@@ -252,6 +264,7 @@ class NativeHost:
         assert _LIB is not None
         self.lib, cfg, route = _LIB, own.cfg, own.route
         self.vpp, self.sink, self.job = cfg.values_per_packet, sink, cfg.job_id
+        self.fan_in = cfg.fan_in
         seqs = _sink_seqs(sink, self.vpp)
         self.h = self.lib.gf_h_new(
             cfg.job_id, cfg.worker_id, cfg.fan_in, _ROUTES[type(route)],
@@ -343,7 +356,7 @@ class NativeHost:
         return c
 
     # -- on a socket (HostDriver) --------------------------------------------
-    def attach(self, sock: socket.socket, switch: Address) -> None:
+    def serve_on(self, sock: socket.socket, switch: Address) -> None:
         self.book = UdpBook(self.ops, self.h)
         self.book.job(self.job, 1, {0: sockaddr(sock, switch)})  # the switch: rank 0
         self.fd = sock.fileno()
@@ -361,8 +374,9 @@ class NativeHost:
     def close(self) -> None:
         """Free the C host (its counters stay readable)."""
         if self.h:
-            for s in list(self._counters) or [OWN]:
-                self.counters(s)
+            for s in (OWN, *range(self.fan_in)):  # every stream made: its counters kept
+                if self.lib.gf_h_counters(self.h, s):
+                    self.counters(s)
             if self.book is not None:
                 self.book.close()
                 self.book = None
@@ -392,7 +406,7 @@ class HostDriver:
         self._timer: asyncio.TimerHandle | None = None
         self.closed = False
         sock.setblocking(False)
-        host.attach(sock, switch)
+        host.serve_on(sock, switch)
         self.loop.add_reader(sock.fileno(), self._readable)
 
     def push(
