@@ -402,10 +402,9 @@ static void on_control(gf_dc *e, const gf_pkt *p, int64_t now) {
 GF_API int gf_dc_datagram(gf_dc *e, const uint8_t *d, int64_t len, int64_t now) {
     pthread_mutex_lock(&e->mu);
     gf_pkt p;
-    if (len < TOKEN || !gf_token_eq(d, e->token)) {
-        e->counters[C_BAD_TOKEN]++;
-    } else if (len - TOKEN < HEADER || (gf_parse(&p, d + TOKEN, len - TOKEN), gf_check(&p))) {
-        e->counters[C_MALFORMED]++;
+    int drop = gf_unseal(&p, d, len, e->token);
+    if (drop) {
+        e->counters[drop == GF_BAD_TOKEN ? C_BAD_TOKEN : C_MALFORMED]++;
     } else if (p.flags & CONTROL) {
         on_control(e, &p, now);
     } else {

@@ -414,18 +414,10 @@ GF_API int gf_h_push(gf_host *h, int64_t which, const int32_t *vals, int64_t n, 
 /* The envelope, then HostEngine.on_packet. -1: out of memory. */
 GF_API int gf_h_datagram(gf_host *h, const uint8_t *data, int64_t len, int64_t now) {
     stream_t *own = &h->own;
-    if (len < TOKEN || !gf_token_eq(data, h->token)) {
-        own->counters[C_BAD_TOKEN]++;
-        return 0;
-    }
     gf_pkt p;
-    if (len - TOKEN < HEADER) {
-        own->counters[C_MALFORMED]++;
-        return 0;
-    }
-    gf_parse(&p, data + TOKEN, len - TOKEN);
-    if (gf_check(&p)) {
-        own->counters[C_MALFORMED]++;
+    int drop = gf_unseal(&p, data, len, h->token);
+    if (drop) {
+        own->counters[drop == GF_BAD_TOKEN ? C_BAD_TOKEN : C_MALFORMED]++;
         return 0;
     }
     if (p.flags & F_NOTIFY) {

@@ -151,6 +151,17 @@ static inline int gf_check(const gf_pkt *p) {
     return 0;
 }
 
+/* wire.envelope.unseal where a datagram reaches one job's endpoint (a
+ * worker, a helped host, DLCP's client): the token, then the wire's checks.
+ * 0 and ``p`` read, or the drop to count: GF_BAD_TOKEN, GF_MALFORMED. */
+enum { GF_BAD_TOKEN = 1, GF_MALFORMED = 2 };
+static inline int gf_unseal(gf_pkt *p, const uint8_t *data, int64_t len, const uint8_t *token) {
+    if (len < TOKEN || !gf_token_eq(data, token)) return GF_BAD_TOKEN;
+    if (len - TOKEN < HEADER) return GF_MALFORMED;
+    gf_parse(p, data + TOKEN, len - TOKEN);
+    return gf_check(p) ? GF_MALFORMED : 0;
+}
+
 /* Write a header; returns where its ``count`` values go. */
 static inline uint8_t *gf_header(uint8_t *h, int64_t prio, int64_t flags, int64_t job,
                                  int64_t wid, int64_t fan_in, int64_t count, int64_t seq,

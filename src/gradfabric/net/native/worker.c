@@ -374,18 +374,10 @@ static int on_result(gf_worker *w, const gf_pkt *p, int64_t now, int *answered) 
 
 /* WorkerNode.receive_datagram: unseal, decode, the engine. -1: out of memory. */
 GF_API int gf_w_datagram(gf_worker *w, const uint8_t *data, int64_t len, int64_t now) {
-    if (len < TOKEN || !gf_token_eq(data, w->token)) {
-        w->counters[C_BAD_TOKEN]++;
-        return 0;
-    }
     gf_pkt p;
-    if (len - TOKEN < HEADER) {
-        w->counters[C_MALFORMED]++;
-        return 0;
-    }
-    gf_parse(&p, data + TOKEN, len - TOKEN);
-    if (gf_check(&p)) {
-        w->counters[C_MALFORMED]++;
+    int drop = gf_unseal(&p, data, len, w->token);
+    if (drop) {
+        w->counters[drop == GF_BAD_TOKEN ? C_BAD_TOKEN : C_MALFORMED]++;
         return 0;
     }
     p.seq = gf_unwrap(p.seq, w->base); /* what can come lies within a window of base */
